@@ -1,0 +1,339 @@
+"""Public ops: drop-in replacements for ``jax.lax.ragged_dot[_general]``.
+
+Semantics (see README): group i owns rows ``[c[i-1], c[i])`` with
+``c = cumsum(max(group_sizes, 0))`` cut at m; rows past the last group are 0.
+With ``group_offset = o`` the rhs holds groups ``o .. o + g_local - 1`` only,
+their rows use ``rhs[group - o]`` and every other row is exactly 0.
+
+Both core ops carry a custom VJP that calls the same dispatch as the forward,
+so whichever backend runs the forward also provides dX and dW.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import checkify
+
+from ragdot import dispatch
+from ragdot.manual_axes import match_varying
+from ragdot import validate
+from ragdot.backends import get_backend
+
+RaggedDotDimensionNumbers = lax.RaggedDotDimensionNumbers
+
+
+def _hashable_precision(precision: Any) -> Any:
+  if isinstance(precision, list):
+    return tuple(precision)
+  return precision
+
+
+def _run(op: dispatch.Op, implementation: str | None, **kwargs) -> jax.Array:
+  choice = dispatch.choose(op, implementation)
+  fn = getattr(get_backend(choice.implementation), op)
+  try:
+    return fn(**kwargs, interpret=choice.interpret, config=choice.config)
+  except NotImplementedError:
+    if not choice.automatic or choice.implementation == "xla":
+      raise
+  return getattr(get_backend("xla"), op)(**kwargs, interpret=False)
+
+
+def _promote(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+  dtype = jnp.result_type(a, b)
+  return a.astype(dtype), b.astype(dtype)
+
+
+def _prepare(lhs, rhs, group_sizes, group_offset):
+  """Promoted operands, all varying over the same shard_map axes.
+
+  Marking replicated operands varying *outside* the custom VJP lets JAX's own
+  transpose of that marking psum their cotangents across the shards.
+  """
+  lhs, rhs = _promote(jnp.asarray(lhs), jnp.asarray(rhs))
+  return match_varying(lhs, rhs, group_sizes, group_offset)
+
+
+# --- grouped matmul with ragged rows: out[m, n] --------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs, precision,
+         out_dtype, implementation):
+  return _run(
+      "gmm", implementation, lhs=lhs, rhs=rhs, group_sizes=group_sizes,
+      group_offset=group_offset, transpose_rhs=transpose_rhs,
+      out_dtype=out_dtype, precision=precision,
+  )
+
+
+def _gmm_fwd(lhs, rhs, group_sizes, group_offset, transpose_rhs, precision,
+             out_dtype, implementation):
+  out = _gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs, precision,
+             out_dtype, implementation)
+  return out, (lhs, rhs, group_sizes, group_offset)
+
+
+def _gmm_bwd(transpose_rhs, precision, out_dtype, implementation, res, ct):
+  del out_dtype
+  lhs, rhs, group_sizes, group_offset = res
+  num_local = rhs.shape[0]
+  ct_w, rhs_c = _promote(ct, rhs)
+  # rows outside the shard get 0 in dlhs; dW covers only the shard's groups.
+  dlhs = _gmm(ct_w, rhs_c, group_sizes, group_offset, not transpose_rhs,
+              precision, lhs.dtype, implementation)
+  if transpose_rhs:  # out = lhs @ rhs[i]^T with rhs[i]: [n, k]
+    a, b = _promote(ct, lhs)
+  else:  # out = lhs @ rhs[i] with rhs[i]: [k, n]
+    a, b = _promote(lhs, ct)
+  drhs = _tgmm(a, b, group_sizes, group_offset, num_local, precision,
+               rhs.dtype, implementation)
+  return dlhs, drhs, None, None
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+# --- ragged contracting dimension: out[g, k, n] --------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _tgmm(lhs, rhs, group_sizes, group_offset, num_groups, precision,
+          out_dtype, implementation):
+  return _run(
+      "tgmm", implementation, lhs=lhs, rhs=rhs, group_sizes=group_sizes,
+      group_offset=group_offset, num_groups=num_groups, out_dtype=out_dtype,
+      precision=precision,
+  )
+
+
+def _tgmm_fwd(lhs, rhs, group_sizes, group_offset, num_groups, precision,
+              out_dtype, implementation):
+  out = _tgmm(lhs, rhs, group_sizes, group_offset, num_groups, precision,
+              out_dtype, implementation)
+  return out, (lhs, rhs, group_sizes, group_offset)
+
+
+def _tgmm_bwd(num_groups, precision, out_dtype, implementation, res, ct):
+  del num_groups, out_dtype
+  lhs, rhs, group_sizes, group_offset = res
+  # Y[i] = X_i^T D_i  =>  dX_i = D_i dY[i]^T,  dD_i = X_i dY[i].
+  d, ct_t = _promote(rhs, ct)
+  dlhs = _gmm(d, ct_t, group_sizes, group_offset, True, precision, lhs.dtype,
+              implementation)
+  x, ct_f = _promote(lhs, ct)
+  drhs = _gmm(x, ct_f, group_sizes, group_offset, False, precision, rhs.dtype,
+              implementation)
+  return dlhs, drhs, None, None
+
+
+_tgmm.defvjp(_tgmm_fwd, _tgmm_bwd)
+
+
+# --- checked mode ---------------------------------------------------------------
+
+
+def _runtime_checks(group_sizes: jax.Array, group_offset: jax.Array | None,
+                    num_groups: int) -> None:
+  checkify.check(
+      jnp.all(group_sizes >= 0),
+      "group_sizes has negative entries (ragdot treats them as 0): {}",
+      group_sizes,
+  )
+  if group_offset is not None:
+    checkify.check(
+        (group_offset >= 0) & (group_offset < max(num_groups, 1)),
+        f"group_offset must be in [0, {num_groups}), got {{}}",
+        group_offset,
+    )
+
+
+def checked(fn):
+  """Wraps ``fn`` so that ``checks=True`` calls inside it report errors.
+
+  ``err, out = ragdot.checked(f)(*args)``; ``err.throw()`` raises if any
+  group size was negative or a group_offset was out of range.  Thin wrapper
+  over ``jax.experimental.checkify.checkify``.
+  """
+  return checkify.checkify(fn, errors=checkify.user_checks)
+
+
+# --- public API ------------------------------------------------------------------
+
+
+def ragged_dot(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    group_offset: jax.Array | None = None,
+    *,
+    implementation: str | None = None,
+    checks: bool = False,
+) -> jax.Array:
+  """Grouped matmul with ragged rows: ``lhs[m, k] x rhs[g, k, n] -> [m, n]``.
+
+  Args:
+    lhs: ``[m, k]``, rows sorted by group.
+    rhs: ``[g, k, n]``: one matrix per group; with ``group_offset`` only the
+      shard's ``g_local <= G`` groups.
+    group_sizes: int ``[G]`` rows per group (negative entries count as 0; a
+      sum above m cuts the groups at m; rows past the sum are 0).
+    precision, preferred_element_type: as in ``jax.lax.dot``.  Low-precision
+      inputs accumulate in f32; the result has ``preferred_element_type`` or
+      the promoted input dtype.
+    group_offset: optional int scalar (shape ``()`` or ``(1,)``, may be
+      traced): rhs[j] is group ``group_offset + j``; every row outside those
+      groups is exactly 0 and costs no matmul work.
+    implementation: None (automatic), "xla", "mosaic" or "triton".
+    checks: report negative sizes / out-of-range offsets through checkify
+      (wrap the caller with ``ragdot.checked``).
+
+  Returns:
+    ``[m, n]``.
+  """
+  impl = validate.check_implementation(implementation)
+  problem, gs, go = validate.check_ragged_dot(
+      lhs, rhs, group_sizes, group_offset, preferred_element_type)
+  if checks:
+    _runtime_checks(gs, go, problem.num_groups)
+  lhs, rhs, gs, go = _prepare(lhs, rhs, gs, go)
+  return _gmm(lhs, rhs, gs, go, False, _hashable_precision(precision),
+              problem.out_dtype, impl)
+
+
+def trans_ragged_dot(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    group_offset: jax.Array | None = None,
+    num_groups: int | None = None,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    implementation: str | None = None,
+    checks: bool = False,
+) -> jax.Array:
+  """Ragged contracting dimension (the weight gradient).
+
+  ``out[j] = lhs_rows(o + j)^T @ rhs_rows(o + j)`` for ``lhs[m, k]`` and
+  ``rhs[m, n]`` ragged along m; empty groups give zeros.
+
+  Args:
+    lhs: ``[m, k]``; rhs: ``[m, n]``; group_sizes: int ``[G]``.
+    group_offset: optional int scalar ``o``; then ``num_groups`` (default G)
+      groups starting at ``o`` are returned (groups past G are zeros).
+    num_groups: static int in ``[1, G]``, only with ``group_offset``.
+    precision, preferred_element_type, implementation, checks: as in
+      ``ragged_dot``.
+
+  Returns:
+    ``[num_groups or G, k, n]``.
+  """
+  impl = validate.check_implementation(implementation)
+  problem, gs, go = validate.check_trans_ragged_dot(
+      lhs, rhs, group_sizes, group_offset, num_groups, preferred_element_type)
+  if checks:
+    _runtime_checks(gs, go, problem.num_groups)
+  lhs, rhs, gs, go = _prepare(lhs, rhs, gs, go)
+  return _tgmm(lhs, rhs, gs, go, problem.num_local,
+               _hashable_precision(precision), problem.out_dtype, impl)
+
+
+def _ints(xs: Sequence[int]) -> tuple[int, ...]:
+  return tuple(int(x) for x in xs)
+
+
+def _mode(lhs_ndim: int, rhs_ndim: int, dn: RaggedDotDimensionNumbers) -> str:
+  """Names the MoE mode of ``dn``, or "other"."""
+  (lc, rc), (lb, rb) = dn.dot_dimension_numbers
+  lc, rc, lb, rb = map(_ints, (lc, rc, lb, rb))
+  ragged, group = _ints(dn.lhs_ragged_dimensions), _ints(dn.rhs_group_dimensions)
+  if lb or rb or len(lc) != 1 or len(rc) != 1 or len(ragged) != 1:
+    return "other"
+  if lhs_ndim == 2 and rhs_ndim == 3 and group == (0,):
+    if ragged == (0,) and lc == (1,) and rc == (1,):
+      return "forward"
+    if ragged == (0,) and lc == (1,) and rc == (2,):
+      return "forward_rhs_nk"
+  if lhs_ndim == 2 and rhs_ndim == 2 and not group and ragged == lc:
+    return "ragged_contracting"
+  return "other"
+
+
+def ragged_dot_general(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    ragged_dot_dimension_numbers: RaggedDotDimensionNumbers,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    group_offset: jax.Array | None = None,
+    *,
+    num_groups: int | None = None,
+    implementation: str | None = None,
+    checks: bool = False,
+) -> jax.Array:
+  """``jax.lax.ragged_dot_general`` with native group_offset for MoE modes.
+
+  Natively handled (any backend):
+    * forward: ``lhs[m,k], rhs[g,k,n] -> [m,n]`` (lhs ragged dim 0);
+    * forward with rhs laid out ``[g,n,k]`` (the dX of the forward);
+    * ragged contracting: ``lhs[m,k], rhs[m,n] -> [g,k,n]`` (the weight
+      gradient; the ragged dimension may be either axis of each operand).
+      ``num_groups`` (static) sets the shard size when group_offset is given.
+  Other modes are delegated to ``jax.lax.ragged_dot_general`` when no
+  group_offset is given and raise NotImplementedError otherwise.
+  """
+  impl = validate.check_implementation(implementation)
+  dn = ragged_dot_dimension_numbers
+  if not isinstance(dn, RaggedDotDimensionNumbers):
+    raise TypeError(
+        "ragged_dot_dimension_numbers must be a jax.lax.RaggedDotDimensionNumbers,"
+        f" got {type(dn).__name__}"
+    )
+  mode = _mode(jnp.ndim(lhs), jnp.ndim(rhs), dn)
+  common = dict(precision=precision,
+                preferred_element_type=preferred_element_type,
+                implementation=impl, checks=checks)
+  if mode == "forward":
+    return ragged_dot(lhs, rhs, group_sizes, group_offset=group_offset, **common)
+  if mode == "forward_rhs_nk":
+    problem, gs, go = validate.check_ragged_dot(
+        lhs, rhs, group_sizes, group_offset, preferred_element_type,
+        transpose_rhs=True)
+    if checks:
+      _runtime_checks(gs, go, problem.num_groups)
+    lhs, rhs, gs, go = _prepare(lhs, rhs, gs, go)
+    return _gmm(lhs, rhs, gs, go, True, _hashable_precision(precision),
+                problem.out_dtype, impl)
+  if mode == "ragged_contracting":
+    (lc, rc), _ = dn.dot_dimension_numbers
+    lhs_rows_first = lhs if int(lc[0]) == 0 else jnp.swapaxes(lhs, 0, 1)
+    rhs_rows_first = rhs if int(rc[0]) == 0 else jnp.swapaxes(rhs, 0, 1)
+    if group_offset is None and num_groups is not None:
+      raise ValueError("num_groups is only meaningful with group_offset")
+    return trans_ragged_dot(lhs_rows_first, rhs_rows_first, group_sizes,
+                            group_offset=group_offset, num_groups=num_groups,
+                            **common)
+  if group_offset is not None:
+    raise NotImplementedError(
+        f"ragged_dot_general with group_offset supports the MoE modes only"
+        f" (forward, forward with rhs [g,n,k], ragged contracting); got"
+        f" dimension numbers {dn} for lhs rank {jnp.ndim(lhs)}, rhs rank"
+        f" {jnp.ndim(rhs)}"
+    )
+  if impl not in (None, "xla"):
+    raise NotImplementedError(
+        f"implementation={impl!r} supports the MoE modes only; got dimension"
+        f" numbers {dn}"
+    )
+  return lax.ragged_dot_general(
+      lhs, rhs, group_sizes, dn, precision=precision,
+      preferred_element_type=preferred_element_type)

@@ -1,0 +1,172 @@
+"""Row-tile -> group schedule and the group_offset window, built on device.
+
+Every backend (the pure-JAX one and the kernels) consumes the same schedule, so
+the subtle arithmetic lives here once:
+
+* ``group_bounds``: first/last row of each *local* group (the shard's groups
+  ``o .. o + num_local - 1`` when ``group_offset = o``), clipped to ``[0, m)``;
+  negative sizes count as 0 and groups past ``m`` are cut there.
+* ``local_row_window``: the contiguous rows ``[lo, hi)`` owned by local groups;
+  every other output row must be exactly zero.
+* ``tile_schedule``: one entry per (local group, row block) pair that holds rows
+  of that group.  At most ``cdiv(m, block_m) + num_local - 1`` entries exist; the
+  arrays have that static length and entries past ``num_tiles`` are padding
+  (``row_end == row_start``, group and block clamped to valid indices).
+
+Nothing here syncs to the host: all sizes that shape arrays are static.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def _saturating_cumsum(sizes: jax.Array, cap: int) -> jax.Array:
+  """Inclusive cumsum of non-negative ``sizes`` clipped at ``cap`` (no overflow)."""
+  sizes = jnp.clip(sizes, 0, cap)
+  return lax.associative_scan(lambda a, b: jnp.minimum(a + b, cap), sizes)
+
+
+def global_group_ends(group_sizes: jax.Array, m: int) -> jax.Array:
+  """Exclusive end row of every group, int32[G]; negative sizes count as 0."""
+  if group_sizes.shape[0] == 0:
+    return jnp.zeros((0,), jnp.int32)
+  return _saturating_cumsum(group_sizes.astype(jnp.int32), m)
+
+
+def _offset_scalar(group_offset: jax.Array | None) -> jax.Array:
+  if group_offset is None:
+    return jnp.int32(0)
+  return jnp.reshape(group_offset, ()).astype(jnp.int32)
+
+
+def group_bounds(
+    group_sizes: jax.Array,
+    m: int,
+    group_offset: jax.Array | None = None,
+    num_local: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Row bounds of the local groups.
+
+  Args:
+    group_sizes: int[G], sizes of all groups in row order.
+    m: number of rows of the ragged operand.
+    group_offset: optional int scalar (shape () or (1,)); local group j is
+      global group ``group_offset + j``.  A local group whose global index is
+      outside ``[0, G)`` owns no rows.
+    num_local: number of local groups (defaults to G).
+
+  Returns:
+    ``(starts, ends)``, int32[num_local] each, with ``0 <= starts <= ends <= m``.
+    Empty groups have ``starts == ends``.
+  """
+  num_groups = group_sizes.shape[0]
+  num_local = num_groups if num_local is None else num_local
+  ends_all = global_group_ends(group_sizes, m)
+  starts_all = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends_all[:-1]])
+  if group_offset is None and num_local == num_groups:
+    return starts_all, ends_all
+  idx = _offset_scalar(group_offset) + jnp.arange(num_local, dtype=jnp.int32)
+  valid = (idx >= 0) & (idx < num_groups)
+  safe = jnp.clip(idx, 0, max(num_groups - 1, 0))
+  if num_groups == 0:
+    zeros = jnp.zeros((num_local,), jnp.int32)
+    return zeros, zeros
+  starts = jnp.where(valid, starts_all[safe], 0)
+  ends = jnp.where(valid, ends_all[safe], 0)
+  return starts, ends
+
+
+def local_row_window(
+    group_sizes: jax.Array,
+    m: int,
+    group_offset: jax.Array | None = None,
+    num_local: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """``(lo, hi)`` int32 scalars: rows of local groups are exactly ``[lo, hi)``.
+
+  Without ``group_offset`` this is ``[0, min(sum(sizes), m))``.  ``hi >= lo``.
+  """
+  num_groups = group_sizes.shape[0]
+  num_local = num_groups if num_local is None else num_local
+  ends_all = global_group_ends(group_sizes, m)
+  if num_groups == 0:
+    return jnp.int32(0), jnp.int32(0)
+  o = _offset_scalar(group_offset)
+  last = o + num_local  # one past the last local global index
+
+  def end_before(i):  # rows owned by global groups [0, i)
+    return jnp.where(
+        i <= 0, 0, ends_all[jnp.clip(i - 1, 0, num_groups - 1)]
+    ).astype(jnp.int32)
+
+  lo = end_before(o)
+  hi = end_before(last)
+  return lo, jnp.maximum(hi, lo)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TileSchedule:
+  """Per-tile metadata, each int32[max_tiles] (``num_tiles`` is a scalar).
+
+  Tile t covers rows ``[row_start[t], row_end[t])`` of row block ``block[t]``
+  (rows ``[block*block_m, (block+1)*block_m)``), all in local group
+  ``group[t]``.  Tiles are ordered by group, then by block, so consecutive tiles
+  reuse one group's weights.
+  """
+
+  group: jax.Array
+  block: jax.Array
+  row_start: jax.Array
+  row_end: jax.Array
+  num_tiles: jax.Array
+
+
+def max_tiles(m: int, block_m: int, num_local: int) -> int:
+  """Static upper bound on the number of (group, row block) tiles."""
+  return max(pl_cdiv(m, block_m) + num_local - 1, 1)
+
+
+def pl_cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def tile_schedule(
+    starts: jax.Array, ends: jax.Array, m: int, block_m: int
+) -> TileSchedule:
+  """Schedule of row tiles for local groups with the given bounds.
+
+  Args:
+    starts, ends: int32[num_local] from ``group_bounds``.
+    m: rows of the ragged operand.
+    block_m: rows per tile (static).
+  """
+  num_local = starts.shape[0]
+  total = max_tiles(m, block_m, num_local)
+  num_blocks = max(pl_cdiv(m, block_m), 1)
+  if num_local == 0:
+    z = jnp.zeros((total,), jnp.int32)
+    return TileSchedule(z, z, z, z, jnp.int32(0))
+  nonempty = ends > starts
+  first = starts // block_m
+  last = (ends - 1) // block_m
+  count = jnp.where(nonempty, last - first + 1, 0)
+  incl = jnp.cumsum(count).astype(jnp.int32)
+  excl = incl - count
+  num_tiles = incl[-1]
+  t = jnp.arange(total, dtype=jnp.int32)
+  group = jnp.searchsorted(incl, t, side="right").astype(jnp.int32)
+  group = jnp.minimum(group, num_local - 1)
+  block = first[group] + t - excl[group]
+  real = t < num_tiles
+  block = jnp.where(real, jnp.clip(block, 0, num_blocks - 1), 0)
+  row_start = jnp.where(real, jnp.maximum(starts[group], block * block_m), 0)
+  row_end = jnp.where(
+      real, jnp.minimum(ends[group], (block + 1) * block_m), 0
+  )
+  return TileSchedule(group, block, row_start, row_end, num_tiles)

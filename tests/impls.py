@@ -1,0 +1,33 @@
+"""Implementations under the shared contract suite, and what shapes each takes.
+
+A kernel issue adds its name here; the whole contract suite then runs it
+(in Pallas interpret mode on CPU, natively on the GPU machine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from hypothesis import strategies as st
+
+
+@dataclasses.dataclass(frozen=True)
+class ImplSpec:
+  dims: st.SearchStrategy  # k and n
+  rows: st.SearchStrategy  # m
+  dtypes: tuple
+  max_examples: int
+
+
+CONTRACT = {
+    "xla": ImplSpec(
+        dims=st.integers(1, 24),
+        rows=st.integers(1, 64),
+        dtypes=(jnp.float32, jnp.bfloat16, jnp.float16),
+        max_examples=30,
+    ),
+}
+
+# Requesting these must raise NotImplementedError until their kernels land.
+NOT_YET_IMPLEMENTED = ("triton",)

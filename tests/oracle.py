@@ -1,0 +1,117 @@
+"""The test oracle: jax.lax.ragged_dot[_general] in f32 with Precision.HIGHEST.
+
+group_offset is emulated the way callers did it before ragdot: rhs zero-padded to
+all G groups, and every row outside the shard's groups zeroed.  Negative sizes
+are clipped to 0 first (lax returns garbage for them; ragdot documents 0).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+HIGHEST = lax.Precision.HIGHEST
+_CONTRACTING = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])),
+    lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[],
+)
+
+
+def group_of_rows(group_sizes, m: int) -> np.ndarray:
+  """Global group index of every row (G for rows past the last group)."""
+  gs = np.maximum(np.asarray(group_sizes, np.int64), 0)
+  ends = np.cumsum(gs)
+  return np.searchsorted(ends, np.arange(m), side="right")
+
+
+def _local_mask(group_sizes, m, offset, num_local):
+  grp = group_of_rows(group_sizes, m)
+  return (grp >= offset) & (grp < offset + num_local) & (grp < len(group_sizes))
+
+
+def ref_ragged_dot(lhs, rhs, group_sizes, group_offset=None, transpose_rhs=False):
+  """f32 reference of ragdot.ragged_dot (rhs [g,n,k] if transpose_rhs)."""
+  lhs = jnp.asarray(lhs, jnp.float32)
+  rhs = jnp.asarray(rhs, jnp.float32)
+  if transpose_rhs:
+    rhs = jnp.swapaxes(rhs, 1, 2)
+  gs = jnp.maximum(jnp.asarray(group_sizes, jnp.int32), 0)
+  num_groups, m = gs.shape[0], lhs.shape[0]
+  o = 0 if group_offset is None else int(np.asarray(group_offset).reshape(()))
+  num_local = rhs.shape[0]
+  full = jnp.zeros((num_groups,) + rhs.shape[1:], jnp.float32)
+  for j in range(num_local):
+    if 0 <= o + j < num_groups:
+      full = full.at[o + j].set(rhs[j])
+  out = lax.ragged_dot(lhs, full, gs, precision=HIGHEST,
+                       preferred_element_type=jnp.float32)
+  mask = _local_mask(group_sizes, m, o, num_local)
+  return jnp.where(mask[:, None], out, 0.0)
+
+
+def ref_trans_ragged_dot(lhs, rhs, group_sizes, group_offset=None, num_groups=None):
+  """f32 reference of ragdot.trans_ragged_dot -> [num_groups or G, k, n].
+
+  Written as a one-hot einsum (differentiable; lax has no VJP for its ragged
+  contracting mode).  test_oracle checks it against lax and against loops.
+  """
+  lhs = jnp.asarray(lhs, jnp.float32)
+  rhs = jnp.asarray(rhs, jnp.float32)
+  total, m = len(group_sizes), lhs.shape[0]
+  o = 0 if group_offset is None else int(np.asarray(group_offset).reshape(()))
+  count = total if num_groups is None else num_groups
+  grp = group_of_rows(group_sizes, m)
+  onehot = (grp[None, :] == (o + np.arange(count))[:, None]) & (grp[None, :] < total)
+  return jnp.einsum("gm,mk,mn->gkn", jnp.asarray(onehot, jnp.float32), lhs, rhs,
+                    precision=HIGHEST)
+
+
+def lax_trans_ragged_dot(lhs, rhs, group_sizes):
+  """lax's own ragged contracting mode, f32/HIGHEST (rows past the sum masked)."""
+  lhs = jnp.asarray(lhs, jnp.float32)
+  rhs = jnp.asarray(rhs, jnp.float32)
+  gs = jnp.maximum(jnp.asarray(group_sizes, jnp.int32), 0)
+  valid = jnp.asarray(group_of_rows(group_sizes, lhs.shape[0]) < gs.shape[0])[:, None]
+  return lax.ragged_dot_general(
+      jnp.where(valid, lhs, 0), jnp.where(valid, rhs, 0), gs, _CONTRACTING,
+      precision=HIGHEST, preferred_element_type=jnp.float32)
+
+
+TOLERANCE = {  # relative Frobenius error allowed against the f32 oracle
+    "float32": 1e-5,
+    "bfloat16": 1.5e-2,
+    "float16": 3e-3,
+}
+
+
+def rel_error(out, ref) -> float:
+  out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+  ref = np.asarray(ref, np.float64)
+  assert out.shape == ref.shape, (out.shape, ref.shape)
+  assert np.all(np.isfinite(out)), "non-finite values in the output"
+  denom = max(np.linalg.norm(ref), 1e-30)
+  return float(np.linalg.norm(out - ref) / denom)
+
+
+def assert_close(out, ref, dtype, factor: float = 1.0) -> None:
+  """Relative error within the dtype's tolerance, and exact zeros where ref is 0."""
+  err = rel_error(out, ref)
+  tol = TOLERANCE[jnp.dtype(dtype).name] * factor
+  assert err <= tol, f"relative error {err:.3g} > {tol:.3g} ({jnp.dtype(dtype).name})"
+
+
+def assert_zero_rows(out, group_sizes, group_offset, num_local) -> None:
+  """Rows outside the shard's groups (and past the last group) are exactly 0."""
+  out = np.asarray(jnp.asarray(out, jnp.float32))
+  o = 0 if group_offset is None else int(np.asarray(group_offset).reshape(()))
+  mask = _local_mask(group_sizes, out.shape[0], o, num_local)
+  assert np.all(out[~mask] == 0), "a row outside the local groups is not exactly 0"
+
+
+def random_inputs(key, shapes, dtype):
+  """Fresh normal inputs (never zeros) of the given shapes."""
+  keys = jax.random.split(key, len(shapes))
+  return [jax.random.normal(k_, s, jnp.float32).astype(dtype) for k_, s in zip(keys, shapes)]

@@ -1,0 +1,159 @@
+"""The contract every implementation meets, against the f32/HIGHEST lax oracle.
+
+Parametrized over tests/impls.py: a kernel joins by adding its name there.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import oracle
+import ragdot
+import strategies as rst
+from impls import CONTRACT, NOT_YET_IMPLEMENTED
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _precision(dtype):
+  # f32 on GPUs defaults to tf32: ask for full precision in f32 tests.
+  return HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _settings(impl):
+  return settings(max_examples=CONTRACT[impl].max_examples)
+
+
+@st.composite
+def forward_case(draw, spec):
+  m = draw(spec.rows)
+  k, n = draw(spec.dims), draw(spec.dims)
+  num_groups = draw(st.integers(1, 6))
+  sizes = draw(rst.group_sizes(m, num_groups))
+  offset, num_local = draw(rst.shard(num_groups))
+  dtype = draw(st.sampled_from(spec.dtypes))
+  preferred = draw(st.sampled_from([None, jnp.float32]))
+  transpose_rhs = draw(st.booleans())
+  seed = draw(st.integers(0, 2**31 - 1))
+  return m, k, n, sizes, offset, num_local, dtype, preferred, transpose_rhs, seed
+
+
+def _run_forward(impl, case, jit_offset):
+  m, k, n, sizes, offset, num_local, dtype, preferred, transpose_rhs, seed = case
+  rhs_shape = (num_local, n, k) if transpose_rhs else (num_local, k, n)
+  lhs, rhs = oracle.random_inputs(jax.random.key(seed), [(m, k), rhs_shape], dtype)
+  go = None if offset is None else jnp.asarray(offset, jnp.int32)
+  if transpose_rhs:
+    dn = ragdot.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([1], [2]), ([], [])),
+        lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    call = functools.partial(ragdot.ragged_dot_general,
+                             ragged_dot_dimension_numbers=dn)
+  else:
+    call = ragdot.ragged_dot
+  fn = lambda l, r, g, o: call(
+      l, r, g, precision=_precision(dtype), preferred_element_type=preferred,
+      group_offset=o, implementation=impl)
+  if jit_offset:
+    fn = jax.jit(fn)
+  out = fn(lhs, rhs, jnp.asarray(sizes), go)
+  assert out.shape == (m, n)
+  assert out.dtype == (jnp.dtype(preferred) if preferred else jnp.dtype(dtype))
+  ref = oracle.ref_ragged_dot(lhs, rhs, sizes, go, transpose_rhs)
+  oracle.assert_close(out, ref, dtype)
+  oracle.assert_zero_rows(out, sizes, offset, num_local)
+
+
+@pytest.mark.parametrize("impl", sorted(CONTRACT))
+def test_forward_matches_oracle(impl):
+  spec = CONTRACT[impl]
+
+  @_settings(impl)
+  @given(case=forward_case(spec), jit_offset=st.booleans())
+  def check(case, jit_offset):
+    _run_forward(impl, case, jit_offset)
+
+  check()
+
+
+@st.composite
+def trans_case(draw, spec):
+  m = draw(spec.rows)
+  k, n = draw(spec.dims), draw(spec.dims)
+  num_groups = draw(st.integers(1, 6))
+  sizes = draw(rst.group_sizes(m, num_groups))
+  offset, num_local = draw(rst.shard(num_groups))
+  dtype = draw(st.sampled_from(spec.dtypes))
+  preferred = draw(st.sampled_from([None, jnp.float32]))
+  seed = draw(st.integers(0, 2**31 - 1))
+  return m, k, n, sizes, offset, num_local, dtype, preferred, seed
+
+
+@pytest.mark.parametrize("impl", sorted(CONTRACT))
+def test_trans_matches_oracle(impl):
+  spec = CONTRACT[impl]
+
+  @_settings(impl)
+  @given(case=trans_case(spec))
+  def check(case):
+    m, k, n, sizes, offset, num_local, dtype, preferred, seed = case
+    lhs, rhs = oracle.random_inputs(jax.random.key(seed), [(m, k), (m, n)], dtype)
+    go = None if offset is None else jnp.asarray(offset, jnp.int32)
+    out = ragdot.trans_ragged_dot(
+        lhs, rhs, jnp.asarray(sizes), group_offset=go,
+        num_groups=None if offset is None else num_local,
+        precision=_precision(dtype), preferred_element_type=preferred,
+        implementation=impl)
+    assert out.shape == (num_local, k, n)
+    ref = oracle.ref_trans_ragged_dot(lhs, rhs, sizes, go,
+                                      None if offset is None else num_local)
+    oracle.assert_close(out, ref, dtype)
+    # Empty local groups are exact zeros (never NaN or garbage).
+    gs = np.maximum(sizes, 0)
+    ends = np.minimum(np.cumsum(gs), m)
+    starts = np.concatenate([[0], ends[:-1]])
+    o = offset or 0
+    for j in range(num_local):
+      if not 0 <= o + j < len(sizes) or ends[o + j] == starts[o + j]:
+        assert np.all(np.asarray(out[j], np.float32) == 0)
+
+  check()
+
+
+@pytest.mark.parametrize("impl", sorted(CONTRACT))
+@pytest.mark.parametrize("layout", ["all_zero", "one_owner", "empty_ends", "over"])
+def test_every_row_written_on_named_layouts(impl, layout):
+  """Deterministic cases that must never regress, whatever hypothesis draws."""
+  spec = CONTRACT[impl]
+  dtype = spec.dtypes[0]
+  m, g = 40, 4
+  k = n = 64 if impl != "xla" else 24
+  sizes = {
+      "all_zero": [0, 0, 0, 0],
+      "one_owner": [0, 40, 0, 0],
+      "empty_ends": [0, 17, 23, 0],
+      "over": [30, 30, 5, 7],
+  }[layout]
+  for offset, num_local in [(None, g), (1, 2), (3, 1)]:
+    case = (m, k, n, np.asarray(sizes, np.int32), offset, num_local, dtype,
+            None, False, len(layout) + num_local)
+    _run_forward(impl, case, jit_offset=offset is not None)
+
+
+@pytest.mark.parametrize("impl", NOT_YET_IMPLEMENTED)
+def test_unimplemented_kernels_refuse_honestly(impl):
+  lhs = jnp.ones((8, 16), jnp.bfloat16)
+  rhs = jnp.ones((2, 16, 16), jnp.bfloat16)
+  gs = jnp.array([3, 5], jnp.int32)
+  with pytest.raises(NotImplementedError):
+    ragdot.ragged_dot(lhs, rhs, gs, implementation=impl)
+  with pytest.raises(NotImplementedError):
+    ragdot.trans_ragged_dot(lhs, jnp.ones((8, 16), jnp.bfloat16), gs,
+                            implementation=impl)

@@ -1,0 +1,74 @@
+"""The tile schedule covers every local row exactly once, within its block."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import oracle
+import strategies as rst
+from ragdot import metadata as md
+
+
+@st.composite
+def layouts(draw):
+  m = draw(st.integers(1, 80))
+  g = draw(st.integers(1, 7))
+  sizes = draw(rst.group_sizes(m, g))
+  offset, num_local = draw(rst.shard(g))
+  block_m = draw(st.sampled_from([1, 3, 8, 16, 64, 128]))
+  return m, sizes, offset, num_local, block_m
+
+
+@settings(max_examples=60)
+@given(layouts())
+def test_schedule_covers_local_rows_exactly_once(layout):
+  m, sizes, offset, num_local, block_m = layout
+  go = None if offset is None else jnp.int32(offset)
+  starts, ends = md.group_bounds(jnp.asarray(sizes), m, go, num_local)
+  sched = md.tile_schedule(starts, ends, m, block_m)
+  lo, hi = md.local_row_window(jnp.asarray(sizes), m, go, num_local)
+  sched = {f: np.asarray(getattr(sched, f)) for f in ("group", "block", "row_start", "row_end", "num_tiles")}
+
+  o = offset or 0
+  grp = oracle.group_of_rows(sizes, m)
+  local = (grp >= o) & (grp < o + num_local) & (grp < len(sizes))
+  covered = np.zeros(m, np.int32)
+  n_tiles = int(sched["num_tiles"])
+  assert n_tiles <= md.max_tiles(m, block_m, num_local) == len(sched["group"])
+  for t in range(len(sched["group"])):
+    a, b = sched["row_start"][t], sched["row_end"][t]
+    if t >= n_tiles:
+      assert a == b  # padding tiles own no rows
+      continue
+    assert a < b, "a real tile must own rows"
+    blk = sched["block"][t]
+    assert blk * block_m <= a and b <= (blk + 1) * block_m
+    assert np.all(grp[a:b] == o + sched["group"][t])
+    covered[a:b] += 1
+  np.testing.assert_array_equal(covered, local.astype(np.int32))
+  # The local rows form the window [lo, hi).
+  rows = np.nonzero(local)[0]
+  if rows.size:
+    assert (int(lo), int(hi)) == (rows[0], rows[-1] + 1)
+  else:
+    assert int(lo) == int(hi)
+
+
+@settings(max_examples=30)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 50))
+def test_tiles_ordered_by_group_then_block(seed, m):
+  rng = np.random.default_rng(seed)
+  sizes = rng.multinomial(m, np.ones(5) / 5).astype(np.int32)
+  starts, ends = md.group_bounds(jnp.asarray(sizes), m)
+  sched = md.tile_schedule(starts, ends, m, 8)
+  n = int(sched.num_tiles)
+  key = list(zip(np.asarray(sched.group)[:n], np.asarray(sched.block)[:n]))
+  assert key == sorted(key)
+
+
+def test_group_ends_saturate_without_overflow():
+  sizes = jnp.array([2**30, 2**30, 2**30, 5], jnp.int32)
+  np.testing.assert_array_equal(md.global_group_ends(sizes, 100), [100] * 4)
