@@ -1,0 +1,341 @@
+"""Weight-gradient grouped matmul (``tgmm``) as a Pallas Mosaic GPU kernel (sm90).
+
+``tgmm(lhs[m, k], rhs[m, n], group_sizes[G], group_offset) -> out[g_local, k, n]``
+with ``out[j] = lhs[rows_j]^T @ rhs[rows_j]`` (f32 accumulation), where
+``rows_j`` are the rows of global group ``group_offset + j`` (see
+``ragdot.metadata.group_bounds``).  Local groups without rows give exact zeros.
+
+Kernel layout: a persistent grid (one program per SM) walks the work items
+``(local group, k tile, n tile)``.  For each item a TMA pipeline streams the
+group's row blocks of ``lhs`` (``block_m x block_k``) and ``rhs``
+(``block_m x block_n``) through SMEM, and one warpgroup accumulates
+``lhs_tile^T @ rhs_tile`` with wgmma, reading ``lhs^T`` through a transposed
+SMEM view.  Row blocks are aligned to ``block_m``; only a group's first and
+last block can hold rows of a neighbouring group, and only those blocks are
+masked (in SMEM, before the wgmma).  Items of empty groups skip the pipeline
+and store zeros.  Partial k/n tiles and row blocks past ``m`` rely on TMA:
+out-of-bounds loads read zeros and out-of-bounds stores are dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from ragdot import metadata
+
+_IN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_OUT_DTYPES = _IN_DTYPES + (jnp.dtype(jnp.float32),)
+_MIN_DIM = 64  # k, n granule: one 128-byte swizzle atom of 16-bit elements
+_H200_SMS = 132
+_SMEM_BUDGET = 227 * 1024 - 2048  # sm90 per-block limit, minus barriers/slack
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicDwConfig:
+  """Tiling of the dW kernel.
+
+  Attributes:
+    block_m: rows (the contracted, ragged dimension) per pipeline step.
+    block_k: output rows per work item (wgmma M, in multiples of 64).
+    block_n: output columns per work item (wgmma N).  One warpgroup holds
+      the block_k x block_n f32 accumulator: beyond 128 x 128 it gets tight.
+    num_stages: SMEM buffers in the TMA pipeline (>= 2 overlaps copies and
+      wgmma).
+    grid_tile_width: the (k tile, n tile) plane of each group is walked in a
+      snake of stripes this many n tiles wide (L2 locality of lhs/rhs blocks).
+    num_sms: programs in the persistent grid; None = the device's SM count.
+  """
+
+  block_m: int = 64
+  block_k: int = 128
+  block_n: int = 128
+  num_stages: int = 4
+  grid_tile_width: int = 1
+  num_sms: int | None = None
+
+  def __post_init__(self):
+    if self.block_m <= 0 or self.block_m % 64:
+      raise ValueError(f"block_m must be a positive multiple of 64, got {self.block_m}")
+    if self.block_k not in (64, 128, 192, 256):
+      raise ValueError(f"block_k must be 64, 128, 192 or 256, got {self.block_k}")
+    if self.block_n not in (64, 128, 192, 256):
+      raise ValueError(f"block_n must be 64, 128, 192 or 256, got {self.block_n}")
+    if self.block_k * self.block_n > 128 * 256:
+      raise ValueError(
+          f"block_k * block_n = {self.block_k * self.block_n} f32 accumulators"
+          " exceed one warpgroup's registers (max 128 * 256)"
+      )
+    if not 1 <= self.num_stages <= 8:
+      raise ValueError(f"num_stages must be in [1, 8], got {self.num_stages}")
+    if self.grid_tile_width < 1:
+      raise ValueError(f"grid_tile_width must be >= 1, got {self.grid_tile_width}")
+    if self.num_sms is not None and self.num_sms < 1:
+      raise ValueError(f"num_sms must be >= 1 or None, got {self.num_sms}")
+
+
+def smem_bytes(config: MosaicDwConfig, dtype, out_dtype) -> int:
+  """SMEM the kernel allocates: pipeline buffers plus the output tile."""
+  itemsize = jnp.dtype(dtype).itemsize
+  per_stage = config.block_m * (config.block_k + config.block_n) * itemsize
+  out_tile = config.block_k * config.block_n * jnp.dtype(out_dtype).itemsize
+  return config.num_stages * per_stage + out_tile
+
+
+def _fit(block: int, dim: int) -> int:
+  """Halves ``block`` (down to 64) while its padding past ``dim`` is >= 64."""
+  while block > 64 and pl.cdiv(dim, block) * block - dim >= 64:
+    block //= 2
+  return block
+
+
+def _fit_stages(config: MosaicDwConfig, dtype, out_dtype) -> MosaicDwConfig | None:
+  """Drops pipeline stages (down to 2) until the config fits in SMEM."""
+  while smem_bytes(config, dtype, out_dtype) > _SMEM_BUDGET:
+    if config.num_stages <= 2:
+      return None
+    config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+  return config
+
+
+def default_config(
+    m: int, k: int, n: int, num_groups: int, dtype=jnp.bfloat16
+) -> MosaicDwConfig:
+  """Heuristic config: 64-row steps, a 128 x 128 output tile, 4 stages.
+
+  JAX's example dW kernel (64-row steps, 4 stages) reached 272 TFLOP/s on
+  Qwen3-30B gate_up; 128 x 256 accumulators overflow one warpgroup's registers.
+  The config fits in SMEM for any output dtype.
+  """
+  del m, num_groups
+  config = MosaicDwConfig(
+      block_m=64, block_k=_fit(128, k), block_n=_fit(128, n), num_stages=4
+  )
+  return _fit_stages(config, dtype, jnp.float32)
+
+
+def gpu_sweep_configs(
+    m: int, k: int, n: int, num_groups: int, dtype=jnp.bfloat16,
+    out_dtype=jnp.bfloat16,
+) -> list[MosaicDwConfig]:
+  """A short list of candidates for a GPU sweep (all fit in SMEM)."""
+  del m, num_groups
+  out = []
+  for bm, bk, bn, stages, width in (
+      (64, 128, 128, 4, 1),
+      (64, 128, 128, 6, 1),
+      (64, 128, 128, 4, 8),
+      (64, 64, 256, 4, 1),
+      (64, 64, 128, 6, 1),
+      (128, 128, 128, 3, 1),
+      (128, 64, 128, 4, 1),
+      (64, 128, 256, 3, 1),
+  ):
+    config = MosaicDwConfig(
+        block_m=bm, block_k=min(bk, _fit(256, k)), block_n=min(bn, _fit(256, n)),
+        num_stages=stages, grid_tile_width=width,
+    )
+    config = _fit_stages(config, dtype, out_dtype)
+    if config is not None and config not in out:
+      out.append(config)
+  return out
+
+
+def _swizzled(minor: int, dtype) -> tuple:
+  """SMEM transforms for a tile whose minor dimension holds ``minor`` elements."""
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = plgpu.find_swizzle(minor * itemsize * 8)
+  return (
+      plgpu.TilingTransform((8, swizzle // itemsize)),
+      plgpu.SwizzleTransform(swizzle),
+  )
+
+
+def _check_supported(lhs: jax.Array, rhs: jax.Array, out_dtype) -> None:
+  if lhs.dtype != rhs.dtype or lhs.dtype not in _IN_DTYPES:
+    raise NotImplementedError(
+        "mosaic tgmm takes bf16 or f16 lhs/rhs of one dtype, got"
+        f" {lhs.dtype} and {rhs.dtype}"
+    )
+  if jnp.dtype(out_dtype) not in _OUT_DTYPES:
+    raise NotImplementedError(f"mosaic tgmm: unsupported out_dtype {out_dtype}")
+  m, k, n = lhs.shape[0], lhs.shape[1], rhs.shape[1]
+  if k < _MIN_DIM or n < _MIN_DIM:
+    raise NotImplementedError(
+        f"mosaic tgmm: thin k={k} or n={n} (< {_MIN_DIM}) is not supported"
+    )
+  # Mosaic builds its TMA descriptors on the swizzle-tiled view of GMEM, so the
+  # tiled dims must be whole tiles: rows by 8, columns by one 128-byte atom.
+  if k % _MIN_DIM or n % _MIN_DIM:
+    raise NotImplementedError(
+        f"mosaic tgmm: k={k} and n={n} must be multiples of {_MIN_DIM}"
+    )
+  if m % 8:
+    raise NotImplementedError(f"mosaic tgmm: m={m} must be a multiple of 8")
+
+
+def tgmm(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    group_offset: jax.Array | None,
+    *,
+    num_groups: int,
+    out_dtype,
+    precision=None,
+    interpret=False,
+    config: MosaicDwConfig | None = None,
+) -> jax.Array:
+  """``out[j] = lhs[rows_j]^T @ rhs[rows_j]`` for the ``num_groups`` local groups.
+
+  Args:
+    lhs: [m, k] bf16/f16, rows grouped by ``group_sizes``.
+    rhs: [m, n], same dtype and row grouping.
+    group_sizes: int32[G] (device array, may be traced).
+    group_offset: None (local = global groups, ``num_groups == G``) or an int32
+      scalar: local group j is global group ``group_offset + j``.
+    num_groups: number of local groups (static).
+    out_dtype: bf16, f16 or f32; accumulation is always f32.
+    precision: ignored (16-bit products are exact in the f32 accumulator).
+    interpret: False, True, or ``plgpu.InterpretGPUParams`` (CPU interpret mode).
+    config: tiling; defaults to ``default_config``.
+
+  Returns:
+    [num_groups, k, n] in ``out_dtype``.
+
+  Raises:
+    NotImplementedError: for dtypes or shapes this kernel does not take.
+  """
+  del precision
+  _check_supported(lhs, rhs, out_dtype)
+  m, k = lhs.shape
+  n = rhs.shape[1]
+  out_dtype = jnp.dtype(out_dtype)
+  if config is None:
+    config = default_config(m, k, n, num_groups, lhs.dtype)
+  if smem_bytes(config, lhs.dtype, out_dtype) > _SMEM_BUDGET:
+    raise ValueError(
+        f"{config} needs {smem_bytes(config, lhs.dtype, out_dtype)} bytes of"
+        f" SMEM for {lhs.dtype} -> {out_dtype}; the budget is {_SMEM_BUDGET}"
+    )
+  if num_groups == 0 or m == 0:
+    return jnp.zeros((num_groups, k, n), out_dtype)
+
+  bm, bk, bn = config.block_m, config.block_k, config.block_n
+  starts, ends = metadata.group_bounds(group_sizes, m, group_offset, num_groups)
+  first_block = starts // bm
+  num_blocks = jnp.where(ends > starts, (ends - 1) // bm - first_block + 1, 0)
+
+  grid_k, grid_n = pl.cdiv(k, bk), pl.cdiv(n, bn)
+  num_stages = config.num_stages
+  delay_release = 1 if num_stages > 1 else 0
+  in_transforms_lhs = _swizzled(bk, lhs.dtype)
+  in_transforms_rhs = _swizzled(bn, rhs.dtype)
+  out_transforms = _swizzled(bn, out_dtype)
+
+  def mask_rows(tile_smem, row0, start, end):
+    """Zeroes the rows of an SMEM tile that lie outside [start, end)."""
+    tile = tile_smem[...]
+    rows = plgpu.layout_cast(
+        lax.broadcasted_iota(jnp.int32, tile.shape, 0), plgpu.Layout.WGMMA
+    ) + row0
+    keep = (rows >= start) & (rows < end)
+    tile_smem[...] = jnp.where(keep, tile, jnp.zeros_like(tile))
+
+  def body(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gmem,
+           out_gmem, out_smem):
+
+    @plgpu.nd_loop((num_groups, grid_k * grid_n), collective_axes="sm")
+    def _item(info: plgpu.NDLoopInfo):
+      j = info.index[0]
+      ki, ni = plgpu.planar_snake(
+          info.index[1], (grid_k, grid_n), 1, config.grid_tile_width
+      )
+      start, end = starts_gmem[j], ends_gmem[j]
+      first, nblocks = first_gmem[j], nblocks_gmem[j]
+
+      def acc_scope(acc_ref):
+        def step(idx, lhs_smem, rhs_smem):
+          row0 = (first + idx[0]) * bm
+
+          # Only a group's first and last blocks can straddle its bounds.
+          @pl.when((row0 < start) | (row0 + bm > end))
+          def _():
+            mask_rows(lhs_smem, row0, start, end)
+            mask_rows(rhs_smem, row0, start, end)
+            plgpu.commit_smem()
+
+          plgpu.wgmma(acc_ref, lhs_smem.T, rhs_smem)
+          if delay_release == 0:
+            # Without delayed release the slot may be refilled right after
+            # this step, so the wgmma must finish reading it first.
+            plgpu.wgmma_wait(0)
+
+        @pl.when(nblocks > 0)
+        def _():
+          plgpu.emit_pipeline(
+              step,
+              grid=(nblocks,),
+              in_specs=[
+                  plgpu.BlockSpec(
+                      (bm, bk), lambda i: (first + i, ki),
+                      transforms=in_transforms_lhs, delay_release=delay_release,
+                  ),
+                  plgpu.BlockSpec(
+                      (bm, bn), lambda i: (first + i, ni),
+                      transforms=in_transforms_rhs, delay_release=delay_release,
+                  ),
+              ],
+              max_concurrent_steps=num_stages,
+          )(lhs_gmem, rhs_gmem)
+
+        return acc_ref[...]
+
+      acc = pl.run_scoped(acc_scope, plgpu.ACC((bk, bn), jnp.float32))
+      # The previous item's store must be done reading out_smem.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      out_smem[...] = acc.astype(out_dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(
+          out_smem, out_gmem.at[j, pl.ds(ki * bk, bk), pl.ds(ni * bn, bn)]
+      )
+
+    plgpu.wait_smem_to_gmem(0)
+
+  num_sms = config.num_sms
+  if num_sms is None:
+    num_sms = 1 if interpret else _device_sms()
+  kernel = plgpu.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
+      scratch_types=[plgpu.SMEM((bk, bn), out_dtype, transforms=out_transforms)],
+      grid=(num_sms,),
+      grid_names=("sm",),
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+      ),
+      interpret=_interpret_params(interpret),
+  )
+  i32 = lambda x: x.astype(jnp.int32)
+  return kernel(i32(starts), i32(ends), i32(first_block), i32(num_blocks), lhs, rhs)
+
+
+def _interpret_params(interpret):
+  # ``True`` would select Pallas' generic interpreter, which cannot run TMA
+  # pipelines; the GPU interpreter models TMA, wgmma and barriers.
+  if interpret is True:
+    return plgpu.InterpretGPUParams()
+  return interpret or None
+
+
+def _device_sms() -> int:
+  try:
+    count = jax.devices("gpu")[0].core_count
+  except RuntimeError:
+    return _H200_SMS
+  return int(count) if count else _H200_SMS

@@ -1,0 +1,235 @@
+"""Mosaic GPU dW kernel (``tgmm``): interpret mode on CPU plus an sm90 lowering check.
+
+Interpret mode models TMA (zero-filled out-of-bounds loads, clipped stores),
+barriers and wgmma, but not Mosaic's own layout/TMA constraints; those are
+checked by lowering the kernel for sm90 on CPU (layout inference and the Mosaic
+dialect lowering run in Python; only the LLVM/PTX steps need the GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+from ragdot.backends import mosaic_dw
+from ragdot.backends.mosaic_dw import MosaicDwConfig
+
+SMALL = MosaicDwConfig(block_m=64, block_k=64, block_n=64, num_stages=2, num_sms=3)
+
+
+@pytest.fixture(autouse=True)
+def _reset_interpreter():
+  yield
+  # The GPU interpreter keeps global state that a failed run leaves behind.
+  interpret_pallas_call.reset_gpu_interpret_mode_state()
+
+
+def reference(lhs, rhs, group_sizes, group_offset, num_groups):
+  lhs = np.asarray(lhs, np.float32)
+  rhs = np.asarray(rhs, np.float32)
+  sizes = np.maximum(np.asarray(group_sizes), 0)
+  m = lhs.shape[0]
+  ends = np.minimum(np.cumsum(sizes), m)
+  starts = np.concatenate([[0], ends[:-1]])
+  out = np.zeros((num_groups, lhs.shape[1], rhs.shape[1]), np.float32)
+  for j in range(num_groups):
+    g = (group_offset or 0) + j
+    if 0 <= g < len(sizes):
+      s, e = starts[g], ends[g]
+      out[j] = np.matmul(lhs[s:e].T, rhs[s:e], dtype=np.float32)
+  return out
+
+
+def inputs(m, k, n, dtype, seed):
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  return (jax.random.normal(k1, (m, k), jnp.float32).astype(dtype),
+          jax.random.normal(k2, (m, n), jnp.float32).astype(dtype))
+
+
+def run(m, k, n, sizes, *, offset=None, num_groups=None, dtype=jnp.bfloat16,
+        out_dtype=jnp.float32, config=SMALL, interpret=True, seed=0):
+  lhs, rhs = inputs(m, k, n, dtype, seed)
+  num_groups = len(sizes) if num_groups is None else num_groups
+  go = None if offset is None else jnp.int32(offset)
+  out = mosaic_dw.tgmm(
+      lhs, rhs, jnp.asarray(sizes, jnp.int32), go, num_groups=num_groups,
+      out_dtype=out_dtype, precision=None, interpret=interpret, config=config,
+  )
+  assert out.shape == (num_groups, k, n) and out.dtype == jnp.dtype(out_dtype)
+  return np.asarray(out.astype(jnp.float32)), reference(lhs, rhs, sizes, offset, num_groups)
+
+
+def check(out, ref, out_dtype):
+  assert not np.isnan(out).any()
+  tol = 1e-3 if jnp.dtype(out_dtype) == jnp.float32 else 1e-2
+  scale = max(np.abs(ref).max(), 1.0)
+  np.testing.assert_allclose(out, ref, rtol=0, atol=tol * scale)
+  # Rows of empty groups must be exact zeros, not just small.
+  for j in range(ref.shape[0]):
+    if not ref[j].any():
+      assert not out[j].any(), f"group {j} should be exactly zero"
+
+
+@pytest.mark.parametrize(
+    "sizes, dtype, out_dtype",
+    [
+        # unaligned groups, empty groups first/middle/last, sum < m
+        ([0, 30, 3, 0, 50, 0], jnp.bfloat16, jnp.float32),
+        # sum > m: the last group is cut at m, the next one is empty
+        ([40, 35, 30, 7], jnp.float16, jnp.float16),
+        # one group spanning every block; bf16 output
+        ([96], jnp.bfloat16, jnp.bfloat16),
+        # a group inside one block, neighbours on both sides
+        ([5, 20, 71], jnp.float16, jnp.float32),
+    ],
+)
+def test_groups(sizes, dtype, out_dtype):
+  out, ref = run(96, 64, 128, sizes, dtype=dtype, out_dtype=out_dtype, seed=len(sizes))
+  check(out, ref, out_dtype)
+
+
+def test_all_zero_sizes_give_exact_zeros():
+  out, ref = run(96, 64, 64, [0, 0, 0], out_dtype=jnp.bfloat16)
+  assert not ref.any() and not out.any()
+
+
+SHARD_SIZES = [10, 20, 0, 0, 25, 15]  # G = 6, sum 70 < m = 96
+
+
+@pytest.mark.parametrize(
+    "offset, num_groups",
+    [(0, 2), (3, 2), (4, 2),           # first / middle (one empty) / last shard
+     (6, 2), (5, 3), (-1, 2)],         # past G, straddling G, before 0
+)
+def test_group_offset(offset, num_groups):
+  out, ref = run(96, 64, 64, SHARD_SIZES, offset=offset, num_groups=num_groups,
+                 out_dtype=jnp.bfloat16, seed=offset + 10)
+  check(out, ref, jnp.bfloat16)
+
+
+def test_rows_outside_the_shard_never_contribute():
+  # NaN in every row no local group owns (neighbour groups and the tail past
+  # sum(sizes)): the boundary blocks must mask both operands, not scale them.
+  sizes, offset, num_groups = [10, 20, 7, 25, 15], 1, 2   # local rows [10, 37)
+  lhs, rhs = inputs(96, 64, 64, jnp.bfloat16, 21)
+  rows = np.arange(96)[:, None]
+  outside = (rows < 10) | (rows >= 37)
+  lhs = jnp.where(outside, jnp.nan, lhs)
+  rhs = jnp.where(outside, jnp.inf, rhs)
+  out = mosaic_dw.tgmm(lhs, rhs, jnp.asarray(sizes, jnp.int32), jnp.int32(offset),
+                       num_groups=num_groups, out_dtype=jnp.float32, precision=None,
+                       interpret=True, config=SMALL)
+  check(np.asarray(out), reference(lhs, rhs, sizes, offset, num_groups), jnp.float32)
+
+
+def test_empty_shard_is_zero():
+  out, _ = run(96, 64, 64, SHARD_SIZES, offset=2, num_groups=2)
+  assert not out.any()
+
+
+def test_partial_tiles_big_row_block_single_stage():
+  # block_m > m (rows past m are TMA zero fill), k = 192 with block_k = 128
+  # (a half out-of-bounds k tile), one stage (the wgmma_wait path), 2 SMs.
+  cfg = MosaicDwConfig(block_m=128, block_k=128, block_n=64, num_stages=1, num_sms=2)
+  out, ref = run(96, 192, 64, [17, 0, 60, 10], config=cfg, seed=3)
+  check(out, ref, jnp.float32)
+
+
+def test_under_jit_with_traced_sizes():
+  lhs, rhs = inputs(96, 64, 64, jnp.bfloat16, 7)
+  sizes = [12, 0, 44, 30]
+  f = jax.jit(functools.partial(
+      mosaic_dw.tgmm, num_groups=2, out_dtype=jnp.float32, precision=None,
+      interpret=True, config=SMALL))
+  out = f(lhs, rhs, jnp.asarray(sizes, jnp.int32), jnp.int32(1))
+  check(np.asarray(out), reference(lhs, rhs, sizes, 1, 2), jnp.float32)
+
+
+def test_no_races():
+  params = plgpu.InterpretGPUParams(detect_races=True)
+  cfg = MosaicDwConfig(block_m=64, block_k=64, block_n=64, num_stages=2, num_sms=2)
+  out, ref = run(128, 64, 128, [10, 70, 0, 40], config=cfg, interpret=params,
+                 out_dtype=jnp.bfloat16)
+  check(out, ref, jnp.bfloat16)
+  assert not interpret_pallas_call.get_races().races_found
+
+
+@pytest.mark.parametrize(
+    "m, k, n, dtype, out_dtype, what",
+    [
+        (96, 72, 64, jnp.bfloat16, jnp.float32, "multiples of 64"),
+        (96, 64, 200, jnp.bfloat16, jnp.float32, "multiples of 64"),
+        (96, 16, 64, jnp.bfloat16, jnp.float32, "thin"),
+        (96, 64, 8, jnp.float16, jnp.float32, "thin"),
+        (96, 64, 64, jnp.float32, jnp.float32, "bf16 or f16"),
+        (90, 64, 64, jnp.bfloat16, jnp.float32, "multiple of 8"),
+        (96, 64, 64, jnp.bfloat16, jnp.int32, "out_dtype"),
+    ],
+)
+def test_unsupported_raise(m, k, n, dtype, out_dtype, what):
+  lhs = jnp.ones((m, k), dtype)
+  rhs = jnp.ones((m, n), dtype)
+  with pytest.raises(NotImplementedError, match=what):
+    mosaic_dw.tgmm(lhs, rhs, jnp.array([m], jnp.int32), None, num_groups=1,
+                   out_dtype=out_dtype, precision=None, interpret=True)
+
+
+def test_mixed_dtypes_raise():
+  with pytest.raises(NotImplementedError, match="bf16 or f16"):
+    mosaic_dw.tgmm(jnp.ones((64, 64), jnp.bfloat16), jnp.ones((64, 64), jnp.float16),
+                   jnp.array([64], jnp.int32), None, num_groups=1,
+                   out_dtype=jnp.float32, precision=None, interpret=True)
+
+
+def test_config_validation():
+  for bad in (dict(block_m=48), dict(block_k=96), dict(block_n=32),
+              dict(block_k=256, block_n=256), dict(num_stages=0),
+              dict(grid_tile_width=0), dict(num_sms=0)):
+    with pytest.raises(ValueError):
+      MosaicDwConfig(**bad)
+  too_big = MosaicDwConfig(block_m=256, block_k=128, block_n=256, num_stages=4)
+  with pytest.raises(ValueError, match="SMEM"):
+    mosaic_dw.tgmm(jnp.ones((256, 128), jnp.bfloat16), jnp.ones((256, 256), jnp.bfloat16),
+                   jnp.array([256], jnp.int32), None, num_groups=1,
+                   out_dtype=jnp.float32, interpret=True, config=too_big)
+
+
+SHAPES = [(32768, 2048, 1536, 128), (32768, 768, 2048, 128), (16384, 4096, 28672, 8),
+          (64, 2048, 1536, 128), (1000, 192, 320, 16)]
+
+
+def test_default_and_sweep_configs_fit():
+  for m, k, n, g in SHAPES:
+    default = mosaic_dw.default_config(m, k, n, g, jnp.bfloat16)
+    for out_dtype in (jnp.bfloat16, jnp.float32):
+      configs = mosaic_dw.gpu_sweep_configs(m, k, n, g, out_dtype=out_dtype)
+      assert 3 <= len(configs) <= 10
+      for cfg in [default, *configs]:
+        assert mosaic_dw.smem_bytes(cfg, jnp.bfloat16, out_dtype) <= mosaic_dw._SMEM_BUDGET
+        assert k % cfg.block_k == 0 and n % cfg.block_n == 0
+
+
+def lower_for_sm90(m, k, n, g, config, dtype=jnp.bfloat16, out_dtype=jnp.bfloat16):
+  f = jax.jit(functools.partial(mosaic_dw.tgmm, num_groups=g, out_dtype=out_dtype,
+                                precision=None, interpret=False, config=config))
+  args = (jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((m, n), dtype),
+          jax.ShapeDtypeStruct((2 * g,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+  text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_lowers_for_sm90(out_dtype):
+  m, k, n, g = 32768, 2048, 1536, 128
+  configs = [mosaic_dw.default_config(m, k, n, g), SMALL,
+             MosaicDwConfig(block_m=128, block_k=128, block_n=64, num_stages=1)]
+  configs += mosaic_dw.gpu_sweep_configs(m, k, n, g, out_dtype=out_dtype)
+  for cfg in configs:
+    lower_for_sm90(m, k, n, g, cfg, out_dtype=out_dtype)
+  lower_for_sm90(1000, 192, 320, 16, None, dtype=jnp.float16, out_dtype=out_dtype)
