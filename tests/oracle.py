@@ -115,3 +115,38 @@ def random_inputs(key, shapes, dtype):
   """Fresh normal inputs (never zeros) of the given shapes."""
   keys = jax.random.split(key, len(shapes))
   return [jax.random.normal(k_, s, jnp.float32).astype(dtype) for k_, s in zip(keys, shapes)]
+
+
+def np_ragged_dot(lhs, rhs, group_sizes, group_offset=None, transpose_rhs=False):
+  """Host numpy f32 reference (a loop over groups): cheap at real sizes."""
+  lhs = np.asarray(jnp.asarray(lhs, jnp.float32))
+  rhs = np.asarray(jnp.asarray(rhs, jnp.float32))
+  if transpose_rhs:
+    rhs = np.swapaxes(rhs, 1, 2)
+  m = lhs.shape[0]
+  o = 0 if group_offset is None else int(np.asarray(group_offset).reshape(()))
+  out = np.zeros((m, rhs.shape[2]), np.float32)
+  start = 0
+  for gidx, size in enumerate(np.maximum(np.asarray(group_sizes), 0)):
+    end = min(start + int(size), m)
+    if 0 <= gidx - o < rhs.shape[0] and end > start:
+      out[start:end] = lhs[start:end] @ rhs[gidx - o]
+    start = end
+  return out
+
+
+def np_trans_ragged_dot(lhs, rhs, group_sizes, group_offset=None, num_groups=None):
+  """Host numpy f32 reference of trans_ragged_dot."""
+  lhs = np.asarray(jnp.asarray(lhs, jnp.float32))
+  rhs = np.asarray(jnp.asarray(rhs, jnp.float32))
+  m = lhs.shape[0]
+  o = 0 if group_offset is None else int(np.asarray(group_offset).reshape(()))
+  count = len(group_sizes) if num_groups is None else num_groups
+  out = np.zeros((count, lhs.shape[1], rhs.shape[1]), np.float32)
+  start = 0
+  for gidx, size in enumerate(np.maximum(np.asarray(group_sizes), 0)):
+    end = min(start + int(size), m)
+    if 0 <= gidx - o < count and end > start:
+      out[gidx - o] = lhs[start:end].T @ rhs[start:end]
+    start = end
+  return out

@@ -64,3 +64,17 @@ def test_einsum_trans_oracle_matches_lax():
         oracle.ref_trans_ragged_dot(lhs, d, np.asarray(sizes, np.int32)),
         oracle.lax_trans_ragged_dot(lhs, d, np.asarray(sizes, np.int32)),
         rtol=1e-5, atol=1e-5)
+
+
+def test_numpy_oracles_match_lax_oracles():
+  rng = np.random.default_rng(2)
+  lhs = rng.standard_normal((20, 6)).astype(np.float32)
+  rhs = rng.standard_normal((2, 6, 5)).astype(np.float32)
+  d = rng.standard_normal((20, 5)).astype(np.float32)
+  sizes = np.array([4, 0, 9, 3], np.int32)
+  np.testing.assert_allclose(oracle.np_ragged_dot(lhs, rhs, sizes, 1),
+                             oracle.ref_ragged_dot(lhs, rhs, sizes, 1), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(oracle.np_ragged_dot(lhs, np.swapaxes(rhs, 1, 2), sizes, 2, True),
+                             oracle.ref_ragged_dot(lhs, np.swapaxes(rhs, 1, 2), sizes, 2, True), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(oracle.np_trans_ragged_dot(lhs, d, sizes, 1, 2),
+                             oracle.ref_trans_ragged_dot(lhs, d, sizes, 1, 2), rtol=1e-5, atol=1e-5)

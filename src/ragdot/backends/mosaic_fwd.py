@@ -1,0 +1,489 @@
+"""Forward / dX grouped matmul as a Pallas Mosaic GPU kernel (Hopper, sm90).
+
+``gmm(lhs[m, k], rhs[g_local, k, n], group_sizes[G], group_offset) -> out[m, n]``
+(``rhs[g_local, n, k]`` when ``transpose_rhs``: the dX mode, read in place and
+fed to wgmma through a transposed SMEM view).
+
+Rows of local group ``j`` (global group ``group_offset + j``) get
+``lhs_rows @ rhs[j]``; every other row of ``out`` is exactly zero.
+
+Design:
+* A persistent grid of ``num_sms`` CTAs walks a flat work list with
+  ``plgpu.nd_loop``: first the *zero tiles* (row blocks, or parts of them,
+  outside the local row window, stored from a zeroed SMEM buffer), then the
+  *compute tiles* (``metadata.tile_schedule`` entries x n tiles).  Both counts
+  are device scalars, so the loop length is dynamic and nothing syncs to host.
+  Zero tiles come first in every CTA's sequence: their async TMA stores
+  overlap the CTA's first compute tile, and the staging buffer is zeroed once.
+* Compute tile: ``emit_pipeline`` streams (block_m, block_k) lhs and
+  (block_k, block_n) rhs blocks through ``num_stages`` TMA buffers into wgmma
+  with an f32 register accumulator.  A tile may hold rows of a neighbouring
+  group: only rows ``[row_start, row_end)`` are stored, as a ladder of
+  power-of-two-row TMA stores, so other groups' rows are never touched.
+* Partial blocks along m, k or n rely on TMA: out-of-bounds loads are zero
+  filled, out-of-bounds stores are dropped.
+* ``num_compute_wgs=2``: a warp-specialized variant (one TMA producer
+  warpgroup, two consumer warpgroups each owning 64 rows of a 128-row tile and
+  sharing the rhs block).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from ragdot import metadata
+
+_IN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_OUT_DTYPES = _IN_DTYPES + (jnp.dtype(jnp.float32),)
+_SMEM_BYTES = 227 * 1024  # usable dynamic SMEM per CTA on H100/H200
+_H200_SMS = 132
+_WG_ROWS = 64  # wgmma M per warpgroup
+_INTERPRET_SMS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicFwdConfig:
+  """Tiling of the forward / dX kernel.
+
+  block_m: rows per tile (64 per compute warpgroup).
+  block_n, block_k: output columns per tile, contraction step per pipeline stage.
+  num_stages: TMA pipeline depth (buffers in flight).
+  grid_minor_dim: 0 walks ``grid_tile_width`` row tiles across all n tiles
+    before moving on (one expert's rows stay together); 1 walks
+    ``grid_tile_width`` n tiles down all row tiles.  Snake order either way
+    (``plgpu.planar_snake``).
+  grid_tile_width: width of the snake strips.
+  num_compute_wgs: 1 (plain pipeline) or 2 (warp-specialized, block_m 128).
+  num_sms: persistent CTAs; None = the device's SM count (132 on H200), or 4
+    in interpret mode.
+  """
+
+  block_m: int = 64
+  block_n: int = 256
+  block_k: int = 64
+  num_stages: int = 4
+  grid_minor_dim: int = 0
+  grid_tile_width: int = 1
+  num_compute_wgs: int = 1
+  num_sms: int | None = None
+
+  def __post_init__(self):
+    if self.num_compute_wgs not in (1, 2):
+      raise ValueError(f"num_compute_wgs must be 1 or 2, got {self.num_compute_wgs}")
+    if self.block_m != _WG_ROWS * self.num_compute_wgs:
+      raise ValueError(
+          f"block_m must be {_WG_ROWS} x num_compute_wgs="
+          f"{_WG_ROWS * self.num_compute_wgs}, got {self.block_m}"
+      )
+    if not (self.block_n % 64 == 0 and 64 <= self.block_n <= 256):
+      raise ValueError(f"block_n must be a multiple of 64 in [64, 256], got {self.block_n}")
+    if self.block_k not in (32, 64, 128):
+      raise ValueError(f"block_k must be 32, 64 or 128, got {self.block_k}")
+    if not 2 <= self.num_stages <= 8:
+      raise ValueError(f"num_stages must be in [2, 8], got {self.num_stages}")
+    if self.grid_minor_dim not in (0, 1):
+      raise ValueError(f"grid_minor_dim must be 0 or 1, got {self.grid_minor_dim}")
+    if self.grid_tile_width < 1:
+      raise ValueError(f"grid_tile_width must be >= 1, got {self.grid_tile_width}")
+    if self.num_sms is not None and self.num_sms < 1:
+      raise ValueError(f"num_sms must be >= 1, got {self.num_sms}")
+
+  def smem_bytes(self, in_dtype: Any, out_dtype: Any) -> int:
+    """Static SMEM footprint (pipeline buffers + output staging)."""
+    isz, osz = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
+    per_stage = (self.block_m + self.block_n) * self.block_k * isz
+    return self.num_stages * per_stage + self.block_m * self.block_n * osz
+
+
+def _fits(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> bool:
+  return cfg.smem_bytes(dtype, out_dtype) <= _SMEM_BYTES - 8192  # barriers, slack
+
+
+def default_config(
+    m: int, k: int, n: int, g_local: int, dtype: Any, transpose_rhs: bool,
+    out_dtype: Any = None,
+) -> MosaicFwdConfig:
+  """Heuristic default: bm 64 x bn 256 x bk 64, 4 stages (CONTEXT §3).
+
+  One compute warpgroup (the JAX example's best measured point, 331 TFLOP/s on
+  Qwen3-30B gate_up).  block_n is the candidate in (256, 192, 128, 64) that
+  wastes the fewest padded columns; stages drop until SMEM fits.
+  """
+  del m, g_local, transpose_rhs
+  out_dtype = dtype if out_dtype is None else out_dtype
+  block_n = min((256, 192, 128, 64), key=lambda b: (pl.cdiv(n, b) * b, -b))
+  block_k = 64 if k > 32 else 32
+  cfg = MosaicFwdConfig(block_m=64, block_n=block_n, block_k=block_k, num_stages=4)
+  while cfg.num_stages > 2 and not _fits(cfg, dtype, out_dtype):
+    cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+  return cfg
+
+
+def gpu_sweep_configs(
+    m: int, k: int, n: int, g: int, transpose_rhs: bool, dtype: Any = jnp.bfloat16,
+    out_dtype: Any = None,
+) -> list[MosaicFwdConfig]:
+  """Candidate configs for a GPU sweep (default first; SMEM-feasible only)."""
+  out_dtype = dtype if out_dtype is None else out_dtype
+  base = default_config(m, k, n, g, dtype, transpose_rhs, out_dtype)
+  cands = [base]
+  for bn in (128, 256):
+    for stages in (3, 4, 5):
+      for minor, width in ((0, 1), (0, 4), (1, 2)):
+        cands.append(MosaicFwdConfig(64, bn, base.block_k, stages, minor, width))
+  for bn in (128, 256):
+    for stages in (2, 3, 4):
+      cands.append(MosaicFwdConfig(128, bn, base.block_k, stages, num_compute_wgs=2))
+  out = []
+  for c in cands:
+    if c not in out and _fits(c, dtype, out_dtype) and c.block_n <= max(base.block_n, 64):
+      out.append(c)
+  return out
+
+
+def _check_supported(lhs, rhs, out_dtype, transpose_rhs) -> None:
+  if lhs.dtype != rhs.dtype:
+    raise NotImplementedError(
+        f"mosaic gmm needs equal lhs/rhs dtypes, got {lhs.dtype} and {rhs.dtype}"
+    )
+  if jnp.dtype(lhs.dtype) not in _IN_DTYPES:
+    raise NotImplementedError(
+        f"mosaic gmm supports bf16/f16 inputs only, got {lhs.dtype}"
+    )
+  if jnp.dtype(out_dtype) not in _OUT_DTYPES:
+    raise NotImplementedError(
+        f"mosaic gmm supports bf16/f16/f32 outputs only, got {out_dtype}"
+    )
+  k = lhs.shape[1]
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  # TMA needs 16-byte aligned row strides of lhs, rhs and out.
+  if k % 8 or n % 8:
+    raise NotImplementedError(
+        f"mosaic gmm needs k and n to be multiples of 8 (16-byte TMA rows), got k={k}, n={n}"
+    )
+
+
+def _num_sms(config: MosaicFwdConfig, interpret: bool) -> int:
+  if config.num_sms is not None:
+    return config.num_sms
+  if interpret:
+    return _INTERPRET_SMS  # each simulated CTA is a CPU thread
+  try:
+    dev = jax.devices()[0]
+    if dev.platform == "gpu":
+      return int(dev.core_count)
+  except Exception:  # pylint: disable=broad-except
+    pass
+  return _H200_SMS
+
+
+def _build_metadata(group_sizes, group_offset, m: int, g_local: int, block_m: int):
+  """Per-tile schedule int32[4 * T] and scalars int32[6] (built by XLA)."""
+  starts, ends = metadata.group_bounds(group_sizes, m, group_offset, g_local)
+  sched = metadata.tile_schedule(starts, ends, m, block_m)
+  lo, hi = metadata.local_row_window(group_sizes, m, group_offset, g_local)
+  num_blocks = pl.cdiv(m, block_m)
+  # Zero tiles: row blocks [0, za) hold rows < lo; blocks [zb, num_blocks) hold
+  # rows >= hi.  A block holding both lo and hi is listed once (in the first
+  # range) and zeroes both of its pieces.
+  za = (lo + block_m - 1) // block_m
+  zb = jnp.minimum(jnp.maximum(hi // block_m, za), num_blocks)
+  num_zero = za + jnp.where(hi < m, num_blocks - zb, 0)
+  tiles = jnp.concatenate([sched.group, sched.block, sched.row_start, sched.row_end])
+  scalars = jnp.stack([sched.num_tiles, lo, hi, za, zb, num_zero]).astype(jnp.int32)
+  return tiles.astype(jnp.int32), scalars
+
+
+def _store_rows(src_smem, out_gmem, src_row, dst_row, count, col, *, max_rows: int,
+                block_n: int) -> None:
+  """Stores ``count`` (dynamic, 0..max_rows) rows src_smem[src_row:] -> out[dst_row:].
+
+  TMA boxes are static, so the count is split into its binary digits: one
+  predicated store of 2**i rows per set bit, largest first.
+  """
+  done = 0
+  p = 1 << (max_rows.bit_length() - 1)
+  while p >= 1:
+    @pl.when((count & p) != 0)
+    def _():
+      plgpu.copy_smem_to_gmem(
+          src_smem.at[pl.ds(src_row + done, p)],
+          out_gmem.at[pl.ds(dst_row + done, p), pl.ds(col, block_n)],
+      )
+    done = done + (count & p)
+    p //= 2
+
+
+def _gmm_kernel_1wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
+                    m: int, k: int, n: int, cfg: MosaicFwdConfig, transpose_rhs: bool):
+  bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+  grid_n = pl.cdiv(n, bn)
+  k_steps = pl.cdiv(k, bk)
+  max_tiles = tiles_gmem.shape[0] // 4
+  max_rows = min(bm, m)
+  out_dtype = out_gmem.dtype
+
+  num_tiles = scal_gmem[0]
+  lo, hi, za, zb, num_zero = (scal_gmem[i] for i in range(1, 6))
+  num_zero_work = num_zero * grid_n
+  total = num_zero_work + num_tiles * grid_n
+
+  @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), out_dtype))
+  def _scope(o_smem):
+
+    def zero_tile(w, first):
+      zi, ni = lax.div(w, grid_n), lax.rem(w, grid_n)
+      blk = jnp.where(zi < za, zi, zi - za + zb)
+      bs = blk * bm
+      be = jnp.minimum(bs + bm, m)
+      below = jnp.maximum(jnp.minimum(be, lo) - bs, 0)  # rows [bs, bs+below) < lo
+      above_start = jnp.maximum(bs, hi)
+      above = jnp.maximum(be - above_start, 0)  # rows [above_start, be) >= hi
+      _zero_fill_once(o_smem, first)
+      store = functools.partial(_store_rows, o_smem, out_gmem, max_rows=max_rows, block_n=bn)
+      store(0, bs, below, ni * bn)
+      store(0, above_start, above, ni * bn)
+
+    def compute_tile(w):
+      ti, ni = plgpu.planar_snake(
+          w, (num_tiles, grid_n), cfg.grid_minor_dim, cfg.grid_tile_width
+      )
+      grp = tiles_gmem[ti]
+      blk = tiles_gmem[max_tiles + ti]
+      row_start = tiles_gmem[2 * max_tiles + ti]
+      row_end = tiles_gmem[3 * max_tiles + ti]
+
+      def acc_scope(acc_ref):
+        plgpu.emit_pipeline(
+            lambda _, lhs_smem, rhs_smem: _mma_step(acc_ref, lhs_smem, rhs_smem, transpose_rhs),
+            grid=(k_steps,),
+            in_specs=[
+                plgpu.BlockSpec((bm, bk), lambda ki: (blk, ki), delay_release=1),
+                plgpu.BlockSpec(
+                    (bn, bk) if transpose_rhs else (bk, bn),
+                    (lambda ki: (ni, ki)) if transpose_rhs else (lambda ki: (ki, ni)),
+                    delay_release=1,
+                ),
+            ],
+            max_concurrent_steps=cfg.num_stages,
+        )(lhs_gmem, rhs_gmem.at[grp])
+        return acc_ref[...]
+
+      acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn), jnp.float32))
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous stores read o_smem
+      o_smem[...] = acc.astype(out_dtype)
+      plgpu.commit_smem()
+      _store_rows(o_smem, out_gmem, row_start - blk * bm, row_start, row_end - row_start,
+                  ni * bn, max_rows=max_rows, block_n=bn)
+
+    @plgpu.nd_loop((total,), collective_axes="sm")
+    def _loop(info: plgpu.NDLoopInfo):
+      (w,) = info.index
+      is_zero = w < num_zero_work
+      pl.when(is_zero)(lambda: zero_tile(w, info.local_index == 0))
+      pl.when(jnp.logical_not(is_zero))(lambda: compute_tile(w - num_zero_work))
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _zero_fill_once(smem, first) -> None:
+  """Zeroes the staging buffer on this CTA's first work item.
+
+  Zero tiles precede compute tiles in every CTA's (increasing) work sequence,
+  so a zero tile that is not the first item follows another zero tile and the
+  buffer still holds zeros: no refill, and no wait for in-flight stores, which
+  only read it.
+  """
+  @pl.when(first)
+  def _():
+    smem[...] = jnp.zeros(smem.shape, smem.dtype)
+    plgpu.commit_smem()
+
+
+def _mma_step(acc_ref, lhs_smem, rhs_smem, transpose_rhs: bool):
+  # dX: rhs blocks arrive as (block_n, block_k) slices of rhs[g, n, k] and feed
+  # wgmma through a transposed SMEM view (no transposed copy in HBM).
+  rhs_op = rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem
+  plgpu.wgmma(acc_ref, lhs_smem, rhs_op)
+  # With delay_release=1 a step's buffers are refilled one step later: wait
+  # until at most this step's wgmma is in flight.
+  plgpu.wgmma_wait(1)
+  return acc_ref
+
+
+def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
+                    m: int, k: int, n: int, cfg: MosaicFwdConfig, transpose_rhs: bool):
+  """Two consumer warpgroups (64 rows each) + one TMA producer warpgroup."""
+  bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+  hm = _WG_ROWS
+  grid_n = pl.cdiv(n, bn)
+  k_steps = pl.cdiv(k, bk)
+  max_tiles = tiles_gmem.shape[0] // 4
+  max_rows = min(hm, m)
+  out_dtype = out_gmem.dtype
+
+  num_tiles = scal_gmem[0]
+  lo, hi, za, zb, num_zero = (scal_gmem[i] for i in range(1, 6))
+  num_zero_work = num_zero * grid_n
+  total = num_zero_work + num_tiles * grid_n
+
+  def make_pipeline(body, compute_context, blk=0, ni=0):
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(k_steps,),
+        memory_registers=40,
+        in_specs=[
+            plgpu.BlockSpec((bm, bk), lambda ki: (blk, ki), delay_release=1),
+            plgpu.BlockSpec(
+                (bn, bk) if transpose_rhs else (bk, bn),
+                (lambda ki: (ni, ki)) if transpose_rhs else (lambda ki: (ki, ni)),
+                delay_release=1,
+            ),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=cfg.num_stages,
+        compute_context=compute_context,
+    )
+
+  ignore = lambda *_, **__: None
+
+  @functools.partial(
+      pl.run_scoped,
+      allocs=make_pipeline(ignore, ignore).get_allocations(lhs_gmem, rhs_gmem.at[0]),
+      o_smem=plgpu.SMEM((2, hm, bn), out_dtype),
+      collective_axes="wg",
+  )
+  def _scope(allocs, o_smem):
+    wg = lax.axis_index("wg")
+    my_smem = o_smem.at[wg]
+    store = functools.partial(_store_rows, my_smem, out_gmem, max_rows=max_rows, block_n=bn)
+
+    def clip(lo_, hi_, a, b):  # length of [max(lo_, a), min(hi_, b)) and its start
+      s = jnp.maximum(lo_, a)
+      return s, jnp.maximum(jnp.minimum(hi_, b) - s, 0)
+
+    def zero_tile(w, first):
+      zi, ni = lax.div(w, grid_n), lax.rem(w, grid_n)
+      blk = jnp.where(zi < za, zi, zi - za + zb)
+      # Each consumer zeroes the rows of its own 64-row half.
+      hs = blk * bm + wg * hm
+      he = jnp.minimum(hs + hm, m)
+      s1, c1 = clip(hs, lo, hs, he)
+      s2, c2 = clip(hi, he, hs, he)
+      _zero_fill_once(my_smem, first)
+      store(0, s1, c1, ni * bn)
+      store(0, s2, c2, ni * bn)
+
+    def compute_tile(w):
+      ti, ni = plgpu.planar_snake(
+          w, (num_tiles, grid_n), cfg.grid_minor_dim, cfg.grid_tile_width
+      )
+      grp = tiles_gmem[ti]
+      blk = tiles_gmem[max_tiles + ti]
+      row_start = tiles_gmem[2 * max_tiles + ti]
+      row_end = tiles_gmem[3 * max_tiles + ti]
+      wg_rows = pl.ds(wg * hm, hm)
+
+      def compute_context(eval_pipeline):
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((hm, bn), jnp.float32))
+        def _acc(acc_ref):
+          eval_pipeline(acc_ref)
+          acc = acc_ref[...]
+          hs = blk * bm + wg * hm
+          s, c = clip(row_start, row_end, hs, hs + hm)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          my_smem[...] = acc.astype(out_dtype)
+          plgpu.commit_smem()
+          store(s - hs, s, c, ni * bn)
+
+      def mma(_, lhs_smem, rhs_smem, acc_ref):
+        return _mma_step(acc_ref, lhs_smem.at[wg_rows], rhs_smem, transpose_rhs)
+
+      make_pipeline(mma, compute_context, blk, ni)(
+          lhs_gmem, rhs_gmem.at[grp], allocations=allocs
+      )
+
+    @plgpu.nd_loop((total,), collective_axes="sm")
+    def _loop(info: plgpu.NDLoopInfo):
+      (w,) = info.index
+      is_zero = w < num_zero_work
+      # The producer warpgroup has nothing to do for zero tiles.
+      pl.when(is_zero & (wg < 2))(lambda: zero_tile(w, info.local_index == 0))
+      pl.when(jnp.logical_not(is_zero))(lambda: compute_tile(w - num_zero_work))
+
+    pl.when(wg < 2)(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
+
+
+def gmm(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    group_offset: jax.Array | None,
+    *,
+    transpose_rhs: bool,
+    out_dtype: Any,
+    precision: Any = None,
+    interpret: Any = False,
+    config: MosaicFwdConfig | None = None,
+) -> jax.Array:
+  """Grouped matmul ``out[m, n]``; see the module docstring for semantics.
+
+  Args:
+    lhs: [m, k] bf16/f16.
+    rhs: [g_local, k, n], or [g_local, n, k] when ``transpose_rhs``; lhs dtype.
+    group_sizes: int32[G] (G = g_local when ``group_offset`` is None).
+    group_offset: None or int32 scalar; local group j is global group o + j.
+    transpose_rhs: use each rhs[j] transposed (dX), without an HBM transpose.
+    out_dtype: bf16, f16 or f32 (accumulation is always f32).
+    precision: ignored (bf16/f16 wgmma with f32 accumulation is exact-product).
+    interpret: False, True or ``plgpu.InterpretGPUParams`` (CPU interpret mode).
+    config: tiling; ``default_config`` when None.
+
+  Raises:
+    NotImplementedError: dtypes or alignments the TMA path cannot take.
+  """
+  del precision
+  _check_supported(lhs, rhs, out_dtype, transpose_rhs)
+  m, k = lhs.shape
+  g_local = rhs.shape[0]
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  out_dtype = jnp.dtype(out_dtype)
+  if m == 0 or n == 0:
+    return jnp.zeros((m, n), out_dtype)
+  if g_local == 0 or k == 0 or group_sizes.shape[0] == 0:
+    return jnp.zeros((m, n), out_dtype)
+  if config is None:
+    config = default_config(m, k, n, g_local, lhs.dtype, transpose_rhs, out_dtype)
+  if config.smem_bytes(lhs.dtype, out_dtype) > _SMEM_BYTES:
+    raise NotImplementedError(
+        f"config {config} needs {config.smem_bytes(lhs.dtype, out_dtype)} bytes of SMEM"
+    )
+
+  tiles, scalars = _build_metadata(group_sizes, group_offset, m, g_local, config.block_m)
+  if config.num_compute_wgs == 1:
+    body, extra = _gmm_kernel_1wg, {}
+  else:
+    body, extra = _gmm_kernel_2wg, dict(num_threads=3, thread_name="wg")
+  if interpret is True:
+    interpret = plgpu.InterpretGPUParams()
+  kernel = plgpu.kernel(
+      functools.partial(body, m=m, k=k, n=n, cfg=config, transpose_rhs=transpose_rhs),
+      out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+      grid=(_num_sms(config, bool(interpret)),),
+      grid_names=("sm",),
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+      ),
+      interpret=interpret if interpret else None,
+      **extra,
+  )
+  return kernel(tiles, scalars, lhs, rhs)

@@ -1,0 +1,110 @@
+"""On the GPU machine (scripts/gpu_run.sh): kernels at real sizes.
+
+Every output element must be written (memory is NaN-poisoned beforehand), rows
+outside the shard must be exact zeros, and repeated runs must agree bitwise.
+Deselected on CPU by ``-m "not gpu"``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import oracle
+import ragdot
+from ragdot.bench import Shape, routed_group_sizes
+
+pytestmark = pytest.mark.gpu
+
+GPU_IMPLS = ["mosaic"]
+DN_DX = ragdot.RaggedDotDimensionNumbers((([1], [2]), ([], [])), [0], [0])
+
+
+@pytest.fixture(autouse=True)
+def _require_gpu():
+  if jax.default_backend() != "gpu":
+    pytest.fail("GPU tests need a GPU (run them through scripts/gpu_run.sh)")
+
+
+def _poison(nbytes: int) -> None:
+  """Fill then free device memory with NaNs so unwritten outputs show up."""
+  junk = jnp.full((nbytes // 2 + 1,), jnp.nan, jnp.bfloat16)
+  junk.block_until_ready()
+  del junk
+
+
+SHAPES = [  # m, k, n, g, layout
+    (4096, 2048, 1536, 128, "routed"),
+    (4000, 768, 2048, 128, "routed"),      # m not a multiple of the row tile
+    (2048, 512, 512, 16, "all_zero"),
+    (2048, 512, 512, 16, "under"),          # rows past sum(group_sizes)
+    (2048, 512, 1024, 16, "skewed"),
+]
+
+
+def _sizes(m, g, layout, seed=0):
+  if layout == "all_zero":
+    return np.zeros(g, np.int32)
+  sizes = routed_group_sizes(Shape("t", m - m % 8, 1, 1, g, top_k=min(8, g), skewed=layout == "skewed"), seed)
+  if layout == "under":
+    sizes = (sizes * 0.7).astype(np.int32)
+  return sizes
+
+
+@pytest.mark.parametrize("impl", GPU_IMPLS)
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{s[0]}x{s[1]}x{s[2]}g{s[3]}-{s[4]}" for s in SHAPES])
+@pytest.mark.parametrize("shard", [None, (0, 16), (112, 16)], ids=["all", "first", "last"])
+def test_forward_and_dx_real_sizes(impl, shape, shard):
+  m, k, n, g, layout = shape
+  sizes = _sizes(m, g, layout)
+  offset, local = (None, g) if shard is None else (shard[0] * g // 128, max(shard[1] * g // 128, 1))
+  x, w, dy = oracle.random_inputs(jax.random.key(m + n + local), [(m, k), (local, k, n), (m, n)], jnp.bfloat16)
+  go = None if offset is None else jnp.int32(offset)
+  gs = jnp.asarray(sizes)
+  fwd = jax.jit(lambda x, w, gs, go: ragdot.ragged_dot(x, w, gs, group_offset=go, implementation=impl))
+  dx = jax.jit(lambda d, w, gs, go: ragdot.ragged_dot_general(d, w, gs, DN_DX, group_offset=go, implementation=impl))
+  _poison(4 * m * max(n, k))
+  out = fwd(x, w, gs, go)
+  oracle.assert_close(out, oracle.np_ragged_dot(x, w, sizes, go), jnp.bfloat16)
+  oracle.assert_zero_rows(out, sizes, offset, local)
+  again = fwd(x, w, gs, go)
+  assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(again).view(np.uint16)), "not bitwise deterministic"
+  _poison(4 * m * max(n, k))
+  got_dx = dx(dy, w, gs, go)
+  oracle.assert_close(got_dx, oracle.np_ragged_dot(dy, w, sizes, go, transpose_rhs=True), jnp.bfloat16)
+  oracle.assert_zero_rows(got_dx, sizes, offset, local)
+
+
+@pytest.mark.parametrize("impl", GPU_IMPLS)
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{s[0]}x{s[1]}x{s[2]}g{s[3]}-{s[4]}" for s in SHAPES])
+@pytest.mark.parametrize("shard", [None, (112, 16)], ids=["all", "last"])
+def test_dw_real_sizes(impl, shape, shard):
+  m, k, n, g, layout = shape
+  sizes = _sizes(m, g, layout)
+  offset, local = (None, None) if shard is None else (shard[0] * g // 128, max(shard[1] * g // 128, 1))
+  x, dy = oracle.random_inputs(jax.random.key(m + k), [(m, k), (m, n)], jnp.bfloat16)
+  go = None if offset is None else jnp.int32(offset)
+  fn = jax.jit(lambda x, d, gs, go: ragdot.trans_ragged_dot(
+      x, d, gs, group_offset=go, num_groups=local, implementation=impl))
+  _poison(4 * g * k * n)
+  out = fn(x, dy, jnp.asarray(sizes), go)
+  ref = oracle.np_trans_ragged_dot(x, dy, sizes, go, local)
+  oracle.assert_close(out, ref, jnp.bfloat16)
+  assert np.all(np.isfinite(np.asarray(out, np.float32)))
+  again = fn(x, dy, jnp.asarray(sizes), go)
+  assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(again).view(np.uint16))
+
+
+@pytest.mark.parametrize("impl", GPU_IMPLS)
+def test_grads_through_kernels_real_size(impl):
+  m, k, n, g = 2048, 512, 256, 8
+  sizes = _sizes(m, g, "routed")
+  x, w, c = oracle.random_inputs(jax.random.key(9), [(m, k), (g, k, n), (m, n)], jnp.bfloat16)
+  loss = lambda x, w: jnp.sum(ragdot.ragged_dot(x, w, jnp.asarray(sizes), implementation=impl).astype(jnp.float32) * c.astype(jnp.float32))
+  ref = lambda x, w: jnp.sum(oracle.ref_ragged_dot(x, w, sizes) * c.astype(jnp.float32))
+  got = jax.jit(jax.grad(loss, (0, 1)))(x, w)
+  want = jax.grad(ref, (0, 1))(x.astype(jnp.float32), w.astype(jnp.float32))
+  for a, b in zip(got, want):
+    oracle.assert_close(a, b, jnp.bfloat16, factor=2)

@@ -1,0 +1,222 @@
+"""Mosaic GPU forward / dX kernel (``backends.mosaic_fwd``) in interpret mode on CPU.
+
+Every output row is checked against an f32 ``lax.ragged_dot`` (HIGHEST)
+reference; rows outside the local groups must be exactly zero (interpret mode
+fills fresh buffers with NaN, so unwritten rows fail).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from ragdot.backends import mosaic_fwd
+from ragdot.backends.mosaic_fwd import MosaicFwdConfig
+
+CFG1 = MosaicFwdConfig(block_m=64, block_n=64, block_k=32, num_stages=2, num_sms=3)
+CFG2 = MosaicFwdConfig(block_m=128, block_n=64, block_k=32, num_stages=2, num_sms=2,
+                       num_compute_wgs=2)
+
+
+@pytest.fixture(autouse=True)
+def _reset_interpreter():
+  yield
+  gpu_interpret.reset_gpu_interpret_mode_state()
+
+
+def _reference(lhs, rhs, sizes, offset, transpose_rhs):
+  """f32 out[m, n]: pad rhs to all G groups, then zero the non-local rows."""
+  m = lhs.shape[0]
+  sizes = np.asarray(sizes)
+  big_g, g_local = len(sizes), rhs.shape[0]
+  o = 0 if offset is None else int(offset)
+  rhs32 = np.asarray(rhs, np.float32)
+  if transpose_rhs:
+    rhs32 = rhs32.transpose(0, 2, 1)
+  full = np.zeros((big_g, *rhs32.shape[1:]), np.float32)
+  for j in range(g_local):
+    if 0 <= o + j < big_g:
+      full[o + j] = rhs32[j]
+  ref = jax.lax.ragged_dot(
+      jnp.asarray(lhs, jnp.float32), jnp.asarray(full), jnp.asarray(sizes, jnp.int32),
+      precision=jax.lax.Precision.HIGHEST,
+  )
+  ref = np.array(ref)
+  ends = np.minimum(np.cumsum(np.maximum(sizes, 0)), m)
+  starts = np.concatenate([[0], ends[:-1]])
+  local = np.zeros(m, bool)
+  for j in range(g_local):
+    if 0 <= o + j < big_g:
+      local[starts[o + j]:ends[o + j]] = True
+  ref[~local] = 0.0
+  return ref, local
+
+
+def _run_and_check(m, k, n, sizes, *, g_local=None, offset=None, transpose_rhs=False,
+                   dtype=jnp.bfloat16, out_dtype=jnp.float32, config=CFG1, seed=0):
+  sizes = np.asarray(sizes, np.int32)
+  g_local = len(sizes) if g_local is None else g_local
+  kl, kr = jax.random.split(jax.random.key(seed))
+  lhs = jax.random.normal(kl, (m, k), jnp.float32).astype(dtype)
+  rshape = (g_local, n, k) if transpose_rhs else (g_local, k, n)
+  rhs = jax.random.normal(kr, rshape, jnp.float32).astype(dtype)
+  go = None if offset is None else jnp.asarray(offset, jnp.int32)
+  out = mosaic_fwd.gmm(
+      lhs, rhs, jnp.asarray(sizes), go, transpose_rhs=transpose_rhs,
+      out_dtype=out_dtype, precision=None, interpret=True, config=config,
+  )
+  assert out.shape == (m, n) and out.dtype == jnp.dtype(out_dtype)
+  out = np.asarray(out.astype(jnp.float32))
+  ref, local = _reference(lhs, rhs, sizes, offset, transpose_rhs)
+  assert np.all(out[~local] == 0.0), "rows outside the local groups must be exactly 0"
+  assert np.all(np.isfinite(out)), "unwritten (NaN) output rows"
+  scale = max(float(np.abs(ref).max()), 1.0)
+  np.testing.assert_allclose(out, ref, rtol=1e-2, atol=1e-2 * scale)
+  return out, local
+
+
+# (m, sizes): partial tiles at boundaries, empty groups at both ends and in the
+# middle, m not a multiple of block_m, sum < m and sum > m.
+@pytest.mark.parametrize(
+    "m,sizes,transpose_rhs,dtype,out_dtype",
+    [
+        (80, [10, 0, 50, 7], False, jnp.bfloat16, jnp.float32),  # sum < m, middle empty
+        (96, [0, 30, 25, 0, 20, 0], True, jnp.float16, jnp.float16),  # empty at both ends
+        (96, [40, 30, 50], True, jnp.bfloat16, jnp.bfloat16),  # sum > m: cut at m
+        (72, [3, 64, 1, 4], False, jnp.float16, jnp.float32),  # tiny groups straddling
+        (64, [64], False, jnp.bfloat16, jnp.bfloat16),  # one exact tile
+    ],
+)
+def test_no_offset(m, sizes, transpose_rhs, dtype, out_dtype):
+  _run_and_check(m, 64, 128, sizes, transpose_rhs=transpose_rhs, dtype=dtype,
+                 out_dtype=out_dtype)
+
+
+def test_all_zero_sizes_gives_zeros():
+  out, local = _run_and_check(72, 64, 64, [0, 0, 0, 0, 0])
+  assert not local.any() and np.all(out == 0.0)
+
+
+SHARD_SIZES = [12, 0, 20, 9, 0, 25]  # G = 6, sum 66 < m = 80
+
+
+@pytest.mark.parametrize(
+    "offset,g_local,transpose_rhs",
+    [
+        (0, 2, False),  # first shard
+        (2, 2, True),  # middle shard
+        (4, 2, False),  # last shard
+        (3, 3, True),  # runs past G: local group 2 = global 5, 3 -> nothing
+    ],
+)
+def test_group_offset(offset, g_local, transpose_rhs):
+  _run_and_check(80, 64, 128, SHARD_SIZES, g_local=g_local, offset=offset,
+                 transpose_rhs=transpose_rhs, out_dtype=jnp.bfloat16, seed=offset)
+
+
+def test_empty_shard_is_all_zero():
+  out, local = _run_and_check(80, 64, 64, [30, 0, 0, 40], g_local=2, offset=1)
+  assert not local.any() and np.all(out == 0.0)
+
+
+def test_offset_past_all_groups():
+  out, local = _run_and_check(48, 64, 64, [20, 20], g_local=2, offset=2)
+  assert not local.any() and np.all(out == 0.0)
+
+
+def test_multiple_k_steps_and_n_tiles():
+  # k = 128 over block_k 32 (4 pipeline steps, 2 stages), 2 n tiles.
+  cfg = dataclasses.replace(CFG1, num_stages=3)
+  _run_and_check(96, 128, 128, [17, 33, 0, 46], transpose_rhs=True, config=cfg)
+
+
+def test_partial_k_and_n_blocks():
+  # k % block_k != 0 and n % block_n != 0: TMA zero-fill / clipped stores.
+  _run_and_check(80, 40, 72, [25, 30, 5], transpose_rhs=False)
+  _run_and_check(40, 16, 40, [7, 33], transpose_rhs=True)
+
+
+@pytest.mark.parametrize("minor,width", [(1, 2), (0, 2)])
+def test_grid_orders(minor, width):
+  cfg = dataclasses.replace(CFG1, grid_minor_dim=minor, grid_tile_width=width)
+  _run_and_check(96, 64, 128, [20, 0, 41, 30], config=cfg)
+
+
+@pytest.mark.parametrize(
+    "m,sizes,offset,g_local,transpose_rhs",
+    [
+        (96, [10, 0, 50, 7, 20], None, None, False),
+        (160, [0, 70, 3, 0, 60, 11], 1, 4, True),  # 2 row tiles, offset, dX
+    ],
+)
+def test_two_consumer_warpgroups(m, sizes, offset, g_local, transpose_rhs):
+  _run_and_check(m, 64, 64, sizes, offset=offset, g_local=g_local,
+                 transpose_rhs=transpose_rhs, config=CFG2, out_dtype=jnp.bfloat16)
+
+
+def test_default_config_in_interpret_mode():
+  _run_and_check(64, 64, 64, [30, 30], config=None)
+
+
+@pytest.mark.parametrize("config", [CFG1, CFG2], ids=["1wg", "2wg"])
+def test_no_races(config):
+  lhs = jax.random.normal(jax.random.key(1), (96, 64), jnp.bfloat16)
+  rhs = jax.random.normal(jax.random.key(2), (2, 64, 128), jnp.bfloat16)
+  sizes = jnp.asarray([10, 0, 50, 7], jnp.int32)
+  cfg = dataclasses.replace(config, num_stages=2, num_sms=2)
+  out = mosaic_fwd.gmm(
+      lhs, rhs, sizes, jnp.int32(1), transpose_rhs=False, out_dtype=jnp.bfloat16,
+      precision=None, interpret=plgpu.InterpretGPUParams(detect_races=True), config=cfg,
+  )
+  out.block_until_ready()
+  assert not gpu_interpret.get_races().races_found
+
+
+@pytest.mark.parametrize(
+    "k,n,dtype,rhs_dtype,out_dtype",
+    [
+        (60, 64, jnp.bfloat16, None, jnp.float32),  # k not a multiple of 8
+        (64, 36, jnp.bfloat16, None, jnp.float32),  # n not a multiple of 8
+        (64, 64, jnp.float32, None, jnp.float32),  # f32 inputs
+        (64, 64, jnp.bfloat16, jnp.float16, jnp.float32),  # mixed inputs
+        (64, 64, jnp.bfloat16, None, jnp.int32),  # unsupported out dtype
+    ],
+)
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_unsupported_raises(k, n, dtype, rhs_dtype, out_dtype, transpose_rhs):
+  lhs = jnp.ones((32, k), dtype)
+  rshape = (2, n, k) if transpose_rhs else (2, k, n)
+  rhs = jnp.ones(rshape, rhs_dtype or dtype)
+  with pytest.raises(NotImplementedError):
+    mosaic_fwd.gmm(lhs, rhs, jnp.asarray([16, 16], jnp.int32), None,
+                   transpose_rhs=transpose_rhs, out_dtype=out_dtype, precision=None,
+                   interpret=True, config=CFG1)
+
+
+def test_config_validation():
+  with pytest.raises(ValueError):
+    MosaicFwdConfig(block_m=128)  # one warpgroup holds 64 rows
+  with pytest.raises(ValueError):
+    MosaicFwdConfig(block_n=96)
+  with pytest.raises(ValueError):
+    MosaicFwdConfig(num_stages=1)
+
+
+@pytest.mark.parametrize(
+    "m,k,n,g,transpose_rhs",
+    [(32768, 2048, 1536, 128, False), (32768, 2048, 768, 128, True),
+     (512, 2048, 1536, 128, False), (64, 16, 16, 4096, False)],
+)
+def test_configs_fit_smem(m, k, n, g, transpose_rhs):
+  for out_dtype in (jnp.bfloat16, jnp.float32):
+    cfg = mosaic_fwd.default_config(m, k, n, g, jnp.bfloat16, transpose_rhs, out_dtype)
+    assert cfg.smem_bytes(jnp.bfloat16, out_dtype) <= 227 * 1024
+    sweep = mosaic_fwd.gpu_sweep_configs(m, k, n, g, transpose_rhs, jnp.bfloat16, out_dtype)
+    assert sweep and sweep[0] == cfg
+    assert all(c.smem_bytes(jnp.bfloat16, out_dtype) <= 227 * 1024 for c in sweep)
