@@ -27,6 +27,14 @@ CONTRACT = {
         dtypes=(jnp.float32, jnp.bfloat16, jnp.float16),
         max_examples=30,
     ),
+    # Mosaic GPU kernels (Pallas interpret mode on CPU): TMA-aligned shapes;
+    # misaligned ones are refused with NotImplementedError (test_mosaic_*.py).
+    "mosaic": ImplSpec(
+        dims=st.sampled_from([64, 128]),
+        rows=st.integers(1, 12).map(lambda r: 8 * r),
+        dtypes=(jnp.bfloat16, jnp.float16),
+        max_examples=6,
+    ),
 }
 
 # Requesting these must raise NotImplementedError until their kernels land.

@@ -34,7 +34,7 @@ def _hashable_precision(precision: Any) -> Any:
 
 
 def _run(op: dispatch.Op, implementation: str | None, **kwargs) -> jax.Array:
-  choice = dispatch.choose(op, implementation)
+  choice = dispatch.choose(op, implementation, **dispatch.facts(op, **kwargs))
   fn = getattr(get_backend(choice.implementation), op)
   try:
     return fn(**kwargs, interpret=choice.interpret, config=choice.config)
@@ -83,14 +83,16 @@ def _gmm_bwd(transpose_rhs, precision, out_dtype, implementation, res, ct):
   del out_dtype
   lhs, rhs, group_sizes, group_offset = res
   num_local = rhs.shape[0]
-  ct_w, rhs_c = _promote(ct, rhs)
+  # The cotangent is rounded to the operands' (common) dtype, as if the forward
+  # had produced that dtype: the backward matmuls then run on the same kernels.
+  ct = ct.astype(lhs.dtype)
   # rows outside the shard get 0 in dlhs; dW covers only the shard's groups.
-  dlhs = _gmm(ct_w, rhs_c, group_sizes, group_offset, not transpose_rhs,
+  dlhs = _gmm(ct, rhs, group_sizes, group_offset, not transpose_rhs,
               precision, lhs.dtype, implementation)
   if transpose_rhs:  # out = lhs @ rhs[i]^T with rhs[i]: [n, k]
-    a, b = _promote(ct, lhs)
+    a, b = ct, lhs
   else:  # out = lhs @ rhs[i] with rhs[i]: [k, n]
-    a, b = _promote(lhs, ct)
+    a, b = lhs, ct
   drhs = _tgmm(a, b, group_sizes, group_offset, num_local, precision,
                rhs.dtype, implementation)
   return dlhs, drhs, None, None
@@ -122,12 +124,11 @@ def _tgmm_fwd(lhs, rhs, group_sizes, group_offset, num_groups, precision,
 def _tgmm_bwd(num_groups, precision, out_dtype, implementation, res, ct):
   del num_groups, out_dtype
   lhs, rhs, group_sizes, group_offset = res
+  ct = ct.astype(lhs.dtype)  # as in _gmm_bwd
   # Y[i] = X_i^T D_i  =>  dX_i = D_i dY[i]^T,  dD_i = X_i dY[i].
-  d, ct_t = _promote(rhs, ct)
-  dlhs = _gmm(d, ct_t, group_sizes, group_offset, True, precision, lhs.dtype,
+  dlhs = _gmm(rhs, ct, group_sizes, group_offset, True, precision, lhs.dtype,
               implementation)
-  x, ct_f = _promote(lhs, ct)
-  drhs = _gmm(x, ct_f, group_sizes, group_offset, False, precision, rhs.dtype,
+  drhs = _gmm(lhs, ct, group_sizes, group_offset, False, precision, rhs.dtype,
               implementation)
   return dlhs, drhs, None, None
 

@@ -1,21 +1,51 @@
 """Picks a backend and its config for one call from static facts only.
 
-Cheap at trace time and never syncs to the host.  An explicitly requested
-implementation is always honoured (in Pallas interpret mode when no GPU is
-present, so CPU tests run real kernel code); a kernel that cannot take the
-case raises NotImplementedError and that error reaches the caller.  The
-automatic choice falls back to the pure-JAX backend when a kernel refuses.
+Cheap at trace time (a cached table lookup) and never syncs to the host: it
+sees only the device, dtypes, shapes (m, k, n, g), alignment and whether a
+group_offset is used.
+
+* An explicitly requested implementation is always honoured (in Pallas
+  interpret mode when no GPU is present, so CPU tests run real kernel code); on
+  a GPU it gets the table's config when the table names that backend for the
+  shape.  A kernel that cannot take the case raises NotImplementedError and
+  that error reaches the caller.
+* The automatic choice: CPU/TPU -> xla; non-16-bit inputs or a non-default
+  precision -> xla; otherwise the device's tuning table (``ragdot.tables``)
+  names backend + config for the op ("gmm" forward, "gmm_t" the dX layout,
+  "tgmm" dW), with statically misaligned shapes sent to xla.  ``api._run``
+  still falls back to xla if a kernel refuses the case.
+
+Table configs become the backend's Config dataclass here, lazily (the kernel
+module is imported only when its config is first built).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 from typing import Any, Literal
 
 import jax
+import jax.numpy as jnp
+
+from ragdot import tables
 
 Op = Literal["gmm", "tgmm"]
+
+_HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
+_KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
+_SMEM_LIMIT = 227 * 1024 - 8192  # sm90 dynamic SMEM per CTA, minus barriers/slack
+
+# (backend, table op) -> (module, Config class name).
+CONFIG_CLASSES = {
+    ("mosaic", "gmm"): ("ragdot.backends.mosaic_fwd", "MosaicFwdConfig"),
+    ("mosaic", "gmm_t"): ("ragdot.backends.mosaic_fwd", "MosaicFwdConfig"),
+    ("mosaic", "tgmm"): ("ragdot.backends.mosaic_dw", "MosaicDwConfig"),
+    ("xla", "gmm"): ("ragdot.backends.xla", "XlaConfig"),
+    ("xla", "gmm_t"): ("ragdot.backends.xla", "XlaConfig"),
+    ("xla", "tgmm"): ("ragdot.backends.xla", "XlaConfig"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +56,17 @@ class Choice:
   config: Any = None
   interpret: bool = False
   automatic: bool = False
+  reason: str = ""
+  measured: bool = False  # the config was timed on this device kind at a nearby shape
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+  """The static facts of the device dispatch decides for."""
+
+  platform: str  # "gpu", "cpu", "tpu"
+  kind: str = ""
+  compute_capability: str | None = None
 
 
 @functools.cache
@@ -33,13 +74,191 @@ def _platform() -> str:
   return jax.default_backend()
 
 
+@functools.cache
+def device_kind() -> str:
+  return jax.devices()[0].device_kind
+
+
+@functools.cache
+def current_device() -> Device:
+  platform = _platform()
+  if platform != "gpu":
+    return Device(platform, device_kind())
+  dev = jax.devices()[0]
+  cc = getattr(dev, "compute_capability", None)
+  return Device("gpu", dev.device_kind, None if cc is None else str(cc))
+
+
 def has_gpu() -> bool:
   return _platform() == "gpu"
 
 
-def choose(op: Op, implementation: str | None) -> Choice:
-  """The backend for ``op``; ``implementation`` was validated by the caller."""
-  del op  # One rule for both ops until measured tables exist.
+def is_hopper() -> bool:
+  return has_gpu() and any(kind in device_kind() for kind in _HOPPER_KINDS)
+
+
+def _default_precision(precision: Any) -> bool:
+  if precision is None:
+    return True
+  values = precision if isinstance(precision, tuple) else (precision,)
+  return all(v in (None, jax.lax.Precision.DEFAULT, "default", "DEFAULT") for v in values)
+
+
+def table_op(op: str, transpose_rhs: bool = False) -> str:
+  """The table's op name: "gmm", "gmm_t" (rhs [g, n, k]) or "tgmm"."""
+  if op == "gmm":
+    return "gmm_t" if transpose_rhs else "gmm"
+  if op == "tgmm":
+    return "tgmm"
+  raise ValueError(f"op must be 'gmm' or 'tgmm', got {op!r}")
+
+
+def config_class(backend: str, op: str) -> type:
+  """The Config dataclass of ``backend`` for table op ``op`` (imports it)."""
+  module, name = CONFIG_CLASSES[(backend, op)]
+  return getattr(importlib.import_module(module), name)
+
+
+def make_config(backend: str, op: str, fields: dict[str, Any] | None) -> Any:
+  """Builds the backend's Config from table fields (None -> None)."""
+  if fields is None:
+    return None
+  return config_class(backend, op)(**fields)
+
+
+def _smem_bytes(backend: str, op: str, config: Any, dtype: str, out_dtype: str) -> int:
+  if backend != "mosaic":
+    return 0
+  if hasattr(config, "smem_bytes"):
+    return config.smem_bytes(dtype, out_dtype)
+  module = importlib.import_module(CONFIG_CLASSES[(backend, op)][0])
+  return module.smem_bytes(config, dtype, out_dtype)
+
+
+@functools.lru_cache(maxsize=512)
+def _built_config(backend: str, op: str, items: tuple | None, dtype: str,
+                  out_dtype: str) -> tuple[Any, str]:
+  """(config or None, note): table fields -> Config, shrunk to fit SMEM."""
+  if items is None:
+    return None, ""
+  try:
+    config = make_config(backend, op, dict(items))
+  except (TypeError, ValueError) as e:  # the kernel's Config changed under the table
+    return None, f"; table config rejected ({e}), backend default used"
+  while _smem_bytes(backend, op, config, dtype, out_dtype) > _SMEM_LIMIT:
+    if getattr(config, "num_stages", 2) <= 2:
+      return None, f"; table config exceeds SMEM for {dtype}->{out_dtype}, default used"
+    config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+  return config, ""
+
+
+def _misaligned(op: str, m: int, k: int, n: int) -> str | None:
+  """Why the Mosaic kernels refuse the shape (static), or None."""
+  if op == "tgmm":
+    if k < 64 or n < 64 or k % 64 or n % 64:
+      return f"k={k}, n={n} not multiples of 64 (mosaic dW)"
+    if m % 8:
+      return f"m={m} not a multiple of 8 (mosaic dW)"
+  elif k % 8 or n % 8:
+    return f"k={k}, n={n} not multiples of 8 (16-byte TMA rows)"
+  return None
+
+
+def _name(dtype: Any) -> str | None:
+  return None if dtype is None else jnp.dtype(dtype).name
+
+
+def facts(op: Op, *, lhs, rhs, group_sizes, group_offset=None, transpose_rhs=False,
+          num_groups=None, out_dtype=None, precision=None) -> dict[str, Any]:
+  """``choose`` keyword arguments from one backend call's arguments (static only)."""
+  m, k = lhs.shape
+  if op == "gmm":
+    g = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  else:
+    g = num_groups
+    n = rhs.shape[1]
+  return dict(dtype=lhs.dtype, precision=precision, out_dtype=out_dtype, m=m, k=k,
+              n=n, g=g, num_groups=group_sizes.shape[0],
+              transpose_rhs=bool(transpose_rhs), has_offset=group_offset is not None)
+
+
+def choose(op: Op, implementation: str | None, *, dtype: Any = None,
+           precision: Any = None, out_dtype: Any = None, m: int | None = None,
+           k: int | None = None, n: int | None = None, g: int | None = None,
+           num_groups: int | None = None, transpose_rhs: bool = False,
+           has_offset: bool = False, device: Device | None = None) -> Choice:
+  """The backend (and config) for ``op``; ``implementation`` was validated.
+
+  Args:
+    op: "gmm" or "tgmm" (the backend entry point).
+    implementation: None (automatic) or a backend name.
+    dtype, out_dtype, precision: of the call.
+    m, k, n, g: lhs ``[m, k]``, output columns n, local groups g (None when
+      unknown: then the table's op default is used).
+    num_groups: G, the length of group_sizes.
+    transpose_rhs: rhs laid out ``[g, n, k]`` (the dX mode).
+    has_offset: a group_offset is given: only about m * g / G rows are local,
+      and the lookup uses that row count.
+    device: override the current device (``ragdot info --device-kind``, tests).
+  """
+  precision_ok = _default_precision(precision)
+  return _choose(op, implementation, _name(dtype), precision_ok,
+                 _name(out_dtype) or _name(dtype), m, k, n, g, num_groups,
+                 bool(transpose_rhs), bool(has_offset), device or current_device())
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose(op, implementation, dtype, precision_ok, out_dtype, m, k, n, g,
+            num_groups, transpose_rhs, has_offset, device: Device) -> Choice:
+  top = table_op(op, transpose_rhs)
+  on_gpu = device.platform == "gpu"
   if implementation is not None:
-    return Choice(implementation, interpret=not has_gpu())
-  return Choice("xla", automatic=True)
+    choice = Choice(implementation, interpret=not on_gpu,
+                    reason=f"implementation={implementation!r} requested")
+    if not on_gpu or implementation == "triton":
+      return choice
+    auto = _automatic(top, dtype, precision_ok, out_dtype, m, k, n, g, num_groups,
+                      has_offset, device)
+    if auto.implementation == implementation and auto.config is not None:
+      return dataclasses.replace(auto, automatic=False,
+                                 reason=f"requested; config: {auto.reason}")
+    return choice
+  return _automatic(top, dtype, precision_ok, out_dtype, m, k, n, g, num_groups,
+                    has_offset, device)
+
+
+def _automatic(top, dtype, precision_ok, out_dtype, m, k, n, g, num_groups,
+               has_offset, device: Device) -> Choice:
+  def xla(reason):
+    return Choice("xla", automatic=True, reason=reason)
+
+  if device.platform != "gpu":
+    return xla(f"platform {device.platform}: the GPU kernels do not run here")
+  if dtype is None or jnp.dtype(dtype) not in _KERNEL_DTYPES:
+    return xla(f"dtype {dtype}: the kernels take bf16/f16 only")
+  if not precision_ok:
+    return xla("non-default precision requested")
+  table, why = tables.table_for(device.kind, device.compute_capability)
+  if None in (m, k, n, g):
+    default = table.data.get("defaults", {}).get(table.canonical_dtype(dtype), {}).get(top)
+    if default is None:
+      return xla(f"{why}: no default for {top}/{dtype}")
+    hit = tables.Hit(default["backend"], default.get("config"), False, table.name, None,
+                     None, f"shape unknown: table default; {why}")
+  else:
+    m_eff = m
+    if has_offset and num_groups:
+      m_eff = max(1, (m * g) // max(num_groups, 1))  # the shard's rows, if routing is even
+    hit = table.lookup(top, dtype, m_eff, k, n, g)
+    if hit is None:
+      return xla(f"{why}: no entries for {top}/{dtype}")
+    hit = dataclasses.replace(hit, reason=f"{hit.reason}; {why}")
+  if hit.backend == "mosaic" and m is not None:
+    bad = _misaligned(top, m, k, n)
+    if bad:
+      return xla(f"{bad}; table said mosaic")
+  config, note = _built_config(hit.backend, top, hit.config_items, dtype,
+                               out_dtype or dtype)
+  return Choice(hit.backend, config=config, automatic=True,
+                reason=hit.reason + note, measured=hit.measured and not note)
