@@ -27,3 +27,89 @@ def test_non_default_precision_is_recognised():
   assert dispatch._default_precision(jax.lax.Precision.DEFAULT)
   assert not dispatch._default_precision(jax.lax.Precision.HIGHEST)
   assert not dispatch._default_precision((jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST))
+
+
+H200 = dispatch.Device("gpu", "NVIDIA H200", "9.0")
+GATE_UP = dict(m=32768, k=2048, n=1536, g=128, num_groups=128)
+
+
+def test_facts_from_call_arguments():
+  lhs = jnp.zeros((32, 16), jnp.bfloat16)
+  gs = jnp.zeros((8,), jnp.int32)
+  f = dispatch.facts("gmm", lhs=lhs, rhs=jnp.zeros((4, 24, 16), jnp.bfloat16), group_sizes=gs,
+                     group_offset=jnp.int32(0), transpose_rhs=True, out_dtype=jnp.float32,
+                     precision=None)
+  assert (f["m"], f["k"], f["n"], f["g"], f["num_groups"]) == (32, 16, 24, 4, 8)
+  assert f["transpose_rhs"] and f["has_offset"]
+  f = dispatch.facts("tgmm", lhs=lhs, rhs=jnp.zeros((32, 40), jnp.bfloat16), group_sizes=gs,
+                     group_offset=None, num_groups=8, out_dtype=jnp.bfloat16, precision=None)
+  assert (f["k"], f["n"], f["g"], f["has_offset"]) == (16, 40, 8, False)
+
+
+def test_public_op_on_cpu_still_works():
+  import ragdot
+  out = ragdot.ragged_dot(jnp.ones((8, 16), jnp.bfloat16), jnp.ones((2, 16, 8), jnp.bfloat16),
+                          jnp.array([3, 5], jnp.int32))
+  assert out.shape == (8, 8) and float(out[0, 0]) == 16
+
+
+def test_h200_automatic_choice_uses_the_table():
+  c = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=H200, **GATE_UP)
+  assert c.implementation == "mosaic" and c.automatic and c.measured
+  assert "measured entry" in c.reason
+  # dX and dW have their own ops in the table.
+  dx = dispatch.choose("gmm", None, dtype=jnp.bfloat16, transpose_rhs=True, device=H200,
+                       **GATE_UP)
+  dw = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, device=H200, **GATE_UP)
+  assert "gmm_t" in dx.reason or dx.measured
+  assert type(dw.config).__name__ == "MosaicDwConfig"
+
+
+def test_h200_rules_before_the_table():
+  assert dispatch.choose("gmm", None, dtype=jnp.float32, device=H200, **GATE_UP).implementation == "xla"
+  hi = dispatch.choose("gmm", None, dtype=jnp.bfloat16, precision=jax.lax.Precision.HIGHEST,
+                       device=H200, **GATE_UP)
+  assert hi.implementation == "xla" and "precision" in hi.reason
+  odd = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=H200,
+                        **dict(GATE_UP, k=2047))
+  assert odd.implementation == "xla" and "multiples of 8" in odd.reason
+  thin = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, device=H200, **dict(GATE_UP, n=16))
+  assert thin.implementation == "xla"
+  cpu = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=dispatch.Device("cpu"), **GATE_UP)
+  assert cpu.implementation == "xla" and "platform cpu" in cpu.reason
+  unknown = dispatch.choose("gmm", None, dtype=jnp.bfloat16,
+                            device=dispatch.Device("gpu", "NVIDIA A100", "8.0"), **GATE_UP)
+  assert unknown.implementation == "xla"
+
+
+def test_config_shrinks_or_falls_back_to_fit_smem():
+  # qwen3-30b down: 2 warpgroups, bm 128 x bn 256, 3 stages: with an f32 output
+  # the staging tile no longer fits: the kernel's default config is used instead.
+  c = dispatch.choose("gmm", None, dtype=jnp.bfloat16, out_dtype=jnp.float32, device=H200,
+                      m=32768, k=768, n=2048, g=128)
+  assert c.implementation == "mosaic" and "SMEM" in c.reason
+  if c.config is not None:
+    assert c.config.smem_bytes(jnp.bfloat16, jnp.float32) <= dispatch._SMEM_LIMIT
+
+
+def test_group_offset_looks_up_the_shards_rows():
+  full = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=H200, **GATE_UP)
+  shard = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=H200, has_offset=True,
+                          **dict(GATE_UP, g=16))
+  assert full.reason != shard.reason  # 4096 local rows, not 32768
+
+
+def test_explicit_implementation_on_gpu_gets_the_table_config():
+  c = dispatch.choose("gmm", "mosaic", dtype=jnp.bfloat16, device=H200, **GATE_UP)
+  assert not c.automatic and not c.interpret and c.config is not None
+  x = dispatch.choose("gmm", "xla", dtype=jnp.bfloat16, device=H200, **GATE_UP)
+  assert x.implementation == "xla" and x.config is None
+
+
+def test_choose_is_cached_and_cheap():
+  import time
+  dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=H200, **GATE_UP)
+  t0 = time.perf_counter()
+  for _ in range(1000):
+    dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=H200, **GATE_UP)
+  assert (time.perf_counter() - t0) / 1000 < 1e-3

@@ -1,8 +1,12 @@
 """Side-by-side benchmark: ragdot vs a dense matmul, tokamax and lax.ragged_dot.
 
-``python -m ragdot.bench --preset training decode ep`` prints one table (ms,
-TFLOP/s, TB/s of minimal bytes, ratio to the dense matmul of the same FLOPs and
-to tokamax) and can write JSON.  Group sizes come from top-k routing of random
+``ragdot bench --preset training decode ep`` (or ``python -m ragdot.bench``;
+``--shape m,k,n,g`` for any shape) prints one table (ms, TFLOP/s, TB/s of
+minimal bytes, ratio to the dense matmul of the same FLOPs and to tokamax, peak
+device memory of the call from XLA's memory analysis) and can write JSON and a
+PNG.  "ragdot" rows are the automatic choice, "ragdot:<impl>" rows force one
+backend; the run ends with the check that the automatic choice is within 5% of
+the best ragdot implementation on every (shape, op).  Group sizes come from top-k routing of random
 logits (or a skewed routing); inputs are fresh random values, never zeros.
 """
 
@@ -50,13 +54,56 @@ def _model_shapes(tokens: int, suffix: str) -> list[Shape]:
   ]
 
 
+# (hidden, moe_intermediate, experts, top_k, training tokens): CONTEXT.md section 2;
+# Mixtral uses 8192 tokens (m = 16384 rows) as in the anchors.
+MODELS = {
+    "qwen3-30b": (2048, 768, 128, 8, 4096),
+    "qwen3-235b": (4096, 1536, 128, 8, 4096),
+    "deepseek-v3": (7168, 2048, 256, 8, 4096),
+    "mixtral": (4096, 14336, 8, 2, 8192),
+}
+
+
+def model_shapes(model: str, decode_tokens: int = 64) -> list[Shape]:
+  """Fused gate_up and down projections, training and decode token counts."""
+  hidden, inter, experts, top_k, tokens = MODELS[model]
+  out = []
+  for t, suffix in ((tokens, ""), (decode_tokens, " decode")):
+    m = t * top_k
+    out.append(Shape(f"{model} gate_up{suffix}", m, hidden, 2 * inter, experts, top_k))
+    out.append(Shape(f"{model} down{suffix}", m, inter, hidden, experts, top_k))
+  return out
+
+
+def seed_sweep_shapes() -> list[Shape]:
+  """K, N in {256, 512, 1024, 2048} x G in {16, 32} at M = 4096 and 16384."""
+  dims = (256, 512, 1024, 2048)
+  return [Shape(f"sweep m{m} k{k} n{n} g{g}", m, k, n, g, top_k=4)
+          for m in (4096, 16384) for g in (16, 32) for k in dims for n in dims]
+
+
 PRESETS: dict[str, list[Shape]] = {
     "training": _model_shapes(4096, ""),
     "decode": _model_shapes(64, " decode"),
     "ep": [Shape("qwen3-30b gate_up ep8 shard", 32768, 2048, 1536, 128, ep=8)],
     "skewed": [Shape("qwen3-30b gate_up skewed", 32768, 2048, 1536, 128, skewed=True)],
     "small": [Shape("small", 2048, 512, 512, 16, top_k=2)],
+    **{model: model_shapes(model) for model in MODELS},
+    "seed-sweep": seed_sweep_shapes(),
 }
+
+
+def parse_shape(text: str) -> Shape:
+  """'m,k,n,g' or 'm,k,n,g,top_k' (top_k defaults to min(8, g))."""
+  try:
+    vals = [int(v) for v in text.replace("x", ",").split(",") if v.strip()]
+  except ValueError:
+    vals = []
+  if len(vals) not in (4, 5) or min(vals) < 1:
+    raise argparse.ArgumentTypeError(f"shape must be m,k,n,g[,top_k] positive ints, got {text!r}")
+  m, k, n, g = vals[:4]
+  top_k = vals[4] if len(vals) == 5 else min(8, g)
+  return Shape(f"{m},{k},{n},{g}", m, k, n, g, top_k=min(top_k, g))
 
 
 def routed_group_sizes(shape: Shape, seed: int = 0) -> np.ndarray:
@@ -80,26 +127,50 @@ def _tokamax():
     return None
 
 
-def _candidates(op: str, shape: Shape, impl: str) -> dict[str, Callable]:
-  """name -> fn(x, w, dy, gs) for one op (fwd, dx, dw, fwdbwd)."""
-  tk = _tokamax()
-  r = functools.partial
-  rd = r(ragdot.ragged_dot, implementation=impl)
-  fns: dict[str, Callable] = {}
+def _ragdot_fns(op: str, impl: str | None) -> Callable:
+  """fn(x, w, dy, gs) calling ragdot for ``op`` with ``impl`` (None: automatic)."""
+  rd = functools.partial(ragdot.ragged_dot, implementation=impl)
   if op == "fwd":
-    fns["ragdot"] = lambda x, w, dy, gs: rd(x, w, gs)
+    return lambda x, w, dy, gs: rd(x, w, gs)
+  if op == "dx":
+    return lambda x, w, dy, gs: ragdot.ragged_dot_general(dy, w, gs, DN_DX, implementation=impl)
+  if op == "dw":
+    return lambda x, w, dy, gs: ragdot.trans_ragged_dot(x, dy, gs, implementation=impl)
+  if op == "fwdbwd":
+    return jax.value_and_grad(
+        lambda x, w, dy, gs: jnp.sum(rd(x, w, gs).astype(jnp.float32) * dy), (0, 1))
+  raise ValueError(f"unknown op {op!r}")
+
+
+def ragdot_names(impls: list[str] | None, impl: str | None) -> dict[str, str | None]:
+  """Row name -> implementation: "ragdot" is the automatic choice (or ``impl``)."""
+  names: dict[str, str | None] = {"ragdot": impl}
+  if impl is None:
+    for name in impls or []:
+      if name != "auto":
+        names[f"ragdot:{name}"] = name
+  return names
+
+
+def _candidates(op: str, shape: Shape, impl: str | None,
+                impls: list[str] | None = None, baselines: bool = True) -> dict[str, Callable]:
+  """name -> fn(x, w, dy, gs) for one op (fwd, dx, dw, fwdbwd)."""
+  fns: dict[str, Callable] = {
+      name: _ragdot_fns(op, i) for name, i in ragdot_names(impls, impl).items()}
+  if not baselines:
+    return fns
+  tk = _tokamax()
+  if op == "fwd":
     fns["dense"] = lambda x, w, dy, gs: jnp.dot(x, w[0])
     if shape.g * shape.m * shape.n * 2 < 16 * 2**30:  # lax's dense rewrite must fit
       fns["lax"] = lambda x, w, dy, gs: lax.ragged_dot(x, w, gs)
     if tk:
       fns["tokamax"] = lambda x, w, dy, gs: tk.ragged_dot(x, w, gs)
   elif op == "dx":
-    fns["ragdot"] = lambda x, w, dy, gs: ragdot.ragged_dot_general(dy, w, gs, DN_DX, implementation=impl)
     fns["dense"] = lambda x, w, dy, gs: jnp.dot(dy, w[0].T)
     if tk:
       fns["tokamax"] = lambda x, w, dy, gs: tk.ragged_dot_general(dy, w, gs, DN_DX)
   elif op == "dw":
-    fns["ragdot"] = lambda x, w, dy, gs: ragdot.trans_ragged_dot(x, dy, gs, implementation=impl)
     fns["dense"] = lambda x, w, dy, gs: jnp.dot(x.T, dy)
     if tk:
       fns["tokamax"] = lambda x, w, dy, gs: tk.ragged_dot_general(x, dy, gs, DN_DW)
@@ -107,11 +178,48 @@ def _candidates(op: str, shape: Shape, impl: str) -> dict[str, Callable]:
     def loss(f):
       return jax.value_and_grad(
           lambda x, w, dy, gs: jnp.sum(f(x, w, gs).astype(jnp.float32) * dy), (0, 1))
-    fns["ragdot"] = loss(lambda x, w, gs: rd(x, w, gs))
     fns["dense"] = loss(lambda x, w, gs: jnp.dot(x, w[0]))
     if tk:
       fns["tokamax"] = loss(lambda x, w, gs: tk.ragged_dot(x, w, gs))
   return fns
+
+
+def auto_choice(op: str, shape: Shape, dtype: Any = jnp.bfloat16, device=None) -> str:
+  """What the dispatcher picks for ``op`` of ``shape`` (backend, config, why)."""
+  from ragdot import dispatch  # pylint: disable=g-import-not-at-top
+
+  m, k, n, g = shape.m, shape.k, shape.n, shape.g
+  call = {"fwd": ("gmm", k, n, False), "fwdbwd": ("gmm", k, n, False),
+          "dx": ("gmm", n, k, True), "dw": ("tgmm", k, n, False)}[op]
+  name, ck, cn, tr = call
+  c = dispatch.choose(name, None, dtype=dtype, out_dtype=dtype, m=m, k=ck, n=cn, g=g,
+                      num_groups=g, transpose_rhs=tr, device=device)
+  return describe_choice(c)
+
+
+def describe_choice(c) -> str:
+  cfg = "default config" if c.config is None else _short_config(c.config)
+  return f"{c.implementation} [{cfg}] ({c.reason})"
+
+
+def _short_config(config: Any) -> str:
+  fields = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
+  return " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
+
+
+def peak_bytes(compiled: Any) -> int | None:
+  """Peak device memory of one call from XLA's memory analysis (None: unknown)."""
+  try:
+    ma = compiled.memory_analysis()
+  except Exception:  # pylint: disable=broad-except
+    return None
+  if ma is None:
+    return None
+  peak = getattr(ma, "peak_memory_in_bytes", 0) or 0
+  if peak <= 0:
+    peak = (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
+            - ma.alias_size_in_bytes)
+  return int(peak)
 
 
 def _ep_candidates(shape: Shape, impl: str, sizes: np.ndarray) -> dict[str, Callable]:
@@ -142,7 +250,8 @@ def _ep_candidates(shape: Shape, impl: str, sizes: np.ndarray) -> dict[str, Call
 
 
 def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
-                seed: int = 0) -> list[dict[str, Any]]:
+                seed: int = 0, impls: list[str] | None = None,
+                baselines: bool = True) -> list[dict[str, Any]]:
   sizes = routed_group_sizes(shape, seed)
   keys = jax.random.split(jax.random.key(seed), 3)
   dtype = jnp.bfloat16
@@ -152,7 +261,10 @@ def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
   gs = jnp.asarray(sizes)
   rows = []
   for op in (["fwd"] if shape.ep > 1 else ops):
-    fns = _ep_candidates(shape, impl, sizes) if shape.ep > 1 else _candidates(op, shape, impl)
+    if shape.ep > 1:
+      fns = _ep_candidates(shape, impl, sizes)
+    else:
+      fns = _candidates(op, shape, impl, impls, baselines)
     flops = 2 * shape.m * shape.k * shape.n * (3 if op == "fwdbwd" else 1)
     if shape.ep > 1:
       flops = 2 * int(sizes[: shape.g // shape.ep].sum()) * shape.k * shape.n
@@ -162,25 +274,69 @@ def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
                  "dx": shape.m * shape.n * 2 + w_bytes + shape.m * shape.k * 2,
                  "dw": shape.m * (shape.k + shape.n) * 2 + w_bytes,
                  "fwdbwd": 3 * (shape.m * (shape.k + shape.n) * 2 + w_bytes)}[op]
+    choice = auto_choice(op, shape) if impl is None and shape.ep == 1 else None
     results = {}
     for name, fn in fns.items():
       try:
-        jfn = jax.jit(fn)
-        ms, method = device_time_ms(jfn, x, w, dy, gs, iterations=iterations)
-        results[name] = (ms, method)
+        compiled = jax.jit(fn).lower(x, w, dy, gs).compile()
+        peak = peak_bytes(compiled)
+        ms, method = device_time_ms(compiled, x, w, dy, gs, iterations=iterations)
+        results[name] = (ms, method, peak)
       except Exception as e:  # pylint: disable=broad-except
-        results[name] = (float("nan"), f"error: {type(e).__name__}: {str(e)[:160]}")
+        results[name] = (float("nan"), f"error: {type(e).__name__}: {str(e)[:160]}", None)
     base = results.get("dense", (float("nan"),))[0]
     tok = results.get("tokamax", results.get("tokamax-masked", (float("nan"),)))[0]
-    for name, (ms, method) in results.items():
-      rows.append(dict(
+    for name, (ms, method, peak) in results.items():
+      row = dict(
           shape=shape.name, op=op, impl=name, m=shape.m, k=shape.k, n=shape.n,
           g=shape.g, ms=ms, tflops=flops / (ms * 1e-3) / 1e12 if ms == ms else float("nan"),
           tbps=min_bytes / (ms * 1e-3) / 1e12 if ms == ms else float("nan"),
           vs_dense=base / ms if ms == ms else float("nan"),
           vs_tokamax=tok / ms if ms == ms else float("nan"),
-          method=method))
+          peak_mib=None if peak is None else peak / 2**20,
+          method=method)
+      if name == "ragdot" and choice is not None:
+        row["choice"] = choice
+      rows.append(row)
   return rows
+
+
+def auto_check(rows: list[dict[str, Any]], tolerance: float = 0.05) -> list[dict[str, Any]]:
+  """Per (shape, op): the automatic choice vs the best ragdot implementation run.
+
+  Compares the "ragdot" row (automatic dispatch) with every "ragdot:<impl>" row
+  of the same run; passes when auto <= (1 + tolerance) x the best.
+  """
+  out = []
+  groups: dict[tuple[str, str], dict[str, float]] = {}
+  for r in rows:
+    if r["impl"] == "ragdot" or r["impl"].startswith("ragdot:"):
+      groups.setdefault((r["shape"], r["op"]), {})[r["impl"]] = r["ms"]
+  for (shape, op), times in groups.items():
+    auto = times.get("ragdot", float("nan"))
+    valid = {k: v for k, v in times.items() if v == v}
+    if "ragdot" not in valid or len(valid) < 2:
+      continue
+    best_name = min(valid, key=valid.get)
+    ratio = auto / valid[best_name]
+    out.append(dict(shape=shape, op=op, auto_ms=auto, best=best_name,
+                    best_ms=valid[best_name], ratio=ratio, ok=ratio <= 1 + tolerance))
+  return out
+
+
+def print_auto_check(checks: list[dict[str, Any]], tolerance: float = 0.05) -> bool:
+  if not checks:
+    print("auto-choice check: nothing to compare (run with more than one --impls)")
+    return True
+  print(f"auto-choice check (automatic within {tolerance:.0%} of the best ragdot"
+        " implementation in this run):")
+  for c in checks:
+    print(f"  {'PASS' if c['ok'] else 'FAIL'}  {c['shape']:32s} {c['op']:6s} auto"
+          f" {c['auto_ms']:.4f} ms  best {c['best']} {c['best_ms']:.4f} ms"
+          f"  ratio {c['ratio']:.3f}")
+  failed = sum(not c["ok"] for c in checks)
+  print(f"auto-choice check: {len(checks) - failed}/{len(checks)} within {tolerance:.0%}")
+  return failed == 0
 
 
 def print_table(rows: list[dict[str, Any]], title: str = "ragdot bench") -> None:
@@ -192,35 +348,97 @@ def print_table(rows: list[dict[str, Any]], title: str = "ragdot bench") -> None
       print(r)
     return
   table = Table(title=title)
-  for col in ("shape", "op", "impl", "ms", "TFLOP/s", "TB/s", "x dense", "x tokamax", "note"):
+  for col in ("shape", "op", "impl", "ms", "TFLOP/s", "TB/s", "x dense", "x tokamax",
+              "peak MiB", "note"):
     table.add_column(col)
   for r in rows:
     note = "" if r["method"] in ("cupti", "host") else r["method"]
+    peak = r.get("peak_mib")
     table.add_row(r["shape"], r["op"], r["impl"], f"{r['ms']:.4f}", f"{r['tflops']:.1f}",
-                  f"{r['tbps']:.2f}", f"{r['vs_dense']:.2f}", f"{r['vs_tokamax']:.2f}", note[:60])
+                  f"{r['tbps']:.2f}", f"{r['vs_dense']:.2f}", f"{r['vs_tokamax']:.2f}",
+                  "" if peak is None else f"{peak:.1f}", note[:60])
   Console(width=200).print(table)
 
 
-def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__)
-  parser.add_argument("--preset", nargs="+", default=["small"], choices=sorted(PRESETS))
-  parser.add_argument("--ops", nargs="+", default=["fwd", "dx", "dw", "fwdbwd"])
-  parser.add_argument("--implementation", default=None)
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+  """Bar chart of TFLOP/s per (shape, op) and implementation (matplotlib)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  keys = list(dict.fromkeys((r["shape"], r["op"]) for r in rows))
+  impls = list(dict.fromkeys(r["impl"] for r in rows))
+  table = {(r["shape"], r["op"], r["impl"]): r["tflops"] for r in rows}
+  fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(keys)), 4.5))
+  width = 0.8 / len(impls)
+  for i, impl in enumerate(impls):
+    vals = [table.get((s, o, impl), float("nan")) for s, o in keys]
+    ax.bar([x + i * width for x in range(len(keys))], vals, width, label=impl)
+  ax.set_xticks([x + 0.4 - width / 2 for x in range(len(keys))])
+  ax.set_xticklabels([f"{s}\n{o}" for s, o in keys], rotation=60, ha="right", fontsize=7)
+  ax.set_ylabel("TFLOP/s")
+  ax.legend(fontsize=8)
+  ax.set_title("ragdot vs dense / tokamax / lax (bf16)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--preset", nargs="+", default=[], choices=sorted(PRESETS))
+  parser.add_argument("--shape", action="append", default=[], type=parse_shape,
+                      help="m,k,n,g[,top_k] (repeatable)")
+  parser.add_argument("--ops", nargs="+", default=["fwd", "dx", "dw", "fwdbwd"],
+                      choices=["fwd", "dx", "dw", "fwdbwd"])
+  parser.add_argument("--implementation", default=None,
+                      help="run ragdot with this implementation only (no auto check)")
+  parser.add_argument("--impls", nargs="+", default=None,
+                      help="ragdot implementations timed next to the automatic choice"
+                           " (default: mosaic xla on a GPU, xla on CPU)")
+  parser.add_argument("--no-baselines", action="store_true",
+                      help="skip dense / lax / tokamax")
   parser.add_argument("--iterations", type=int, default=20)
   parser.add_argument("--json", default=None, help="write rows to this file")
-  args = parser.parse_args(argv)
+  parser.add_argument("--plot", default=None, help="write a PNG bar chart here")
+  parser.add_argument("--from-json", default=None, help="re-plot/print saved rows")
+
+
+def run(args: argparse.Namespace) -> int:
+  if args.from_json:
+    with open(args.from_json) as f:
+      rows = json.load(f)
+    print_table(rows)
+    print_auto_check(auto_check(rows))
+    if args.plot:
+      plot(rows, args.plot)
+    return 0
+  impls = args.impls
+  if impls is None:
+    impls = ["mosaic", "xla"] if jax.default_backend() == "gpu" else ["xla"]
+  shapes = [s for p in (args.preset or ([] if args.shape else ["small"])) for s in PRESETS[p]]
+  shapes += list(args.shape)
   print(f"devices: {jax.devices()}  tokamax: {'yes' if _tokamax() else 'no'}", flush=True)
   rows = []
-  for preset in args.preset:
-    for shape in PRESETS[preset]:
-      shape_rows = bench_shape(shape, args.ops, args.implementation, args.iterations)
-      for r in shape_rows:
-        print(json.dumps(r), flush=True)
-      rows.extend(shape_rows)
+  for shape in shapes:
+    shape_rows = bench_shape(shape, args.ops, args.implementation, args.iterations,
+                             impls=impls, baselines=not args.no_baselines)
+    for r in shape_rows:
+      print(json.dumps(r), flush=True)
+    rows.extend(shape_rows)
   if args.json:
     with open(args.json, "w") as f:
       json.dump(rows, f, indent=1)
+  if args.plot:
+    plot(rows, args.plot)
   print_table(rows)
+  if args.implementation is None:
+    print_auto_check(auto_check(rows))
+  return 0
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__)
+  add_arguments(parser)
+  return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

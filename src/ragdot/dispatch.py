@@ -35,7 +35,7 @@ Op = Literal["gmm", "tgmm"]
 
 _HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
 _KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
-_SMEM_LIMIT = 227 * 1024 - 8192  # sm90 dynamic SMEM per CTA, minus barriers/slack
+_SMEM_LIMIT = 227 * 1024 - 2048  # the kernels' own budget: sm90 SMEM per CTA minus barriers
 
 # (backend, table op) -> (module, Config class name).
 CONFIG_CLASSES = {
@@ -102,6 +102,13 @@ def _default_precision(precision: Any) -> bool:
     return True
   values = precision if isinstance(precision, tuple) else (precision,)
   return all(v in (None, jax.lax.Precision.DEFAULT, "default", "DEFAULT") for v in values)
+
+
+def clear_cache() -> None:
+  """Forget cached choices and tables (after a table file changed)."""
+  tables.clear_cache()
+  _choose.cache_clear()
+  _built_config.cache_clear()
 
 
 def table_op(op: str, transpose_rhs: bool = False) -> str:

@@ -1,0 +1,278 @@
+"""Shipped tuning tables: static facts of one call -> backend name + config fields.
+
+Pure data and arithmetic: reading a table imports no kernel module (and no JAX),
+so ``ragdot.dispatch`` can consult it at trace time and tools can print it on
+any machine.  Config fields stay plain dicts here; ``ragdot.dispatch`` turns
+them into the backend's Config dataclass.
+
+Table files (``ragdot/tables/*.json``; a directory named by the environment
+variable ``RAGDOT_TABLE_DIR`` is read first, so user-tuned tables override the
+shipped ones)::
+
+  {
+    "format": "ragdot-table/1",
+    "device_kind": "NVIDIA H200",          # jax.devices()[0].device_kind
+    "also_for": {"H100": "why"},           # kinds (substrings) reusing this table
+    "dtype_aliases": {"float16": "bfloat16"},
+    "max_distance": 3.0,                    # beyond it the op default is used
+    "defaults": {"bfloat16": {"gmm": {"backend": ..., "config": null}, ...}},
+    "entries": {
+      "gmm/bfloat16/m32768,k2048,n1536,g128": {
+        "backend": "mosaic", "config": {"block_m": 64, ...},
+        "measured": true, "shape": [32768, 2048, 1536, 128],
+        "ms": 0.491, "tflops": 420.1, "source": "..."}
+    }
+  }
+
+Ops: ``gmm`` (forward), ``gmm_t`` (forward with rhs ``[g, n, k]``, i.e. dX),
+``tgmm`` (ragged contracting, dW).  m, k, n, g are the shapes the backend call
+sees (lhs ``[m, k]``, output ``[m, n]`` or ``[g, k, n]``, g local groups).
+Keys hold the shapes rounded to buckets (powers of two and 1.5x powers of two,
+nearest in log2).  Lookup takes the exact bucket when present, else the entry
+nearest in summed |log2| distance over (m, k, n, g) for the same op and dtype,
+if within ``max_distance``; else the table's default for the op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+FORMAT = "ragdot-table/1"
+OPS = ("gmm", "gmm_t", "tgmm")
+TABLE_DIR = Path(__file__).parent / "tables"
+ENV_DIR = "RAGDOT_TABLE_DIR"
+DEFAULT_TABLE = "default.json"  # unknown GPUs
+DEFAULT_MAX_DISTANCE = 3.0
+
+
+def bucket(x: int) -> int:
+  """Nearest (in log2) of 2**i and 3 * 2**(i-1); 0 and 1 stay."""
+  x = int(x)
+  if x <= 1:
+    return max(x, 0)
+  lo = 1 << (x.bit_length() - 1)
+  cands = (lo, 3 * lo // 2 if lo >= 2 else lo, 2 * lo)
+  return min(cands, key=lambda c: (abs(math.log2(c) - math.log2(x)), c))
+
+
+def key(op: str, dtype: str, m: int, k: int, n: int, g: int) -> str:
+  """Table key of the bucket holding (m, k, n, g)."""
+  if op not in OPS:
+    raise ValueError(f"op must be one of {OPS}, got {op!r}")
+  b = [bucket(v) for v in (m, k, n, g)]
+  return f"{op}/{dtype}/m{b[0]},k{b[1]},n{b[2]},g{b[3]}"
+
+
+def parse_key(text: str) -> tuple[str, str, tuple[int, int, int, int]]:
+  op, dtype, dims = text.split("/")
+  vals = dict((d[0], int(d[1:])) for d in dims.split(","))
+  return op, dtype, (vals["m"], vals["k"], vals["n"], vals["g"])
+
+
+def distance(a: Iterable[int], b: Iterable[int]) -> float:
+  """Summed |log2| distance between two (m, k, n, g) shapes."""
+  return sum(abs(math.log2(max(x, 1)) - math.log2(max(y, 1))) for x, y in zip(a, b))
+
+
+@dataclasses.dataclass(frozen=True)
+class Hit:
+  """What a table says for one call."""
+
+  backend: str
+  config: dict[str, Any] | None  # None: the backend's default_config
+  measured: bool
+  table: str  # file name
+  key: str | None  # matched entry key; None for the op default
+  distance: float | None
+  reason: str
+
+  @property
+  def config_items(self) -> tuple[tuple[str, Any], ...] | None:
+    return None if self.config is None else tuple(sorted(self.config.items()))
+
+
+@dataclasses.dataclass
+class Table:
+  name: str
+  data: dict[str, Any]
+  path: Path | None = None
+
+  @property
+  def device_kind(self) -> str:
+    return self.data.get("device_kind", "*")
+
+  @property
+  def entries(self) -> dict[str, dict[str, Any]]:
+    return self.data.setdefault("entries", {})
+
+  def matches(self, device_kind: str) -> str | None:
+    """Why this table serves ``device_kind`` (None: it does not)."""
+    mine = self.device_kind
+    if mine != "*" and mine.lower() == device_kind.lower():
+      return f"table for {mine}"
+    for sub, why in self.data.get("also_for", {}).items():
+      if sub.lower() in device_kind.lower():
+        return f"{self.name} ({mine}) reused for {device_kind}: {why}"
+    return None
+
+  def canonical_dtype(self, dtype: str) -> str:
+    return self.data.get("dtype_aliases", {}).get(dtype, dtype)
+
+  def lookup(self, op: str, dtype: str, m: int, k: int, n: int, g: int) -> Hit | None:
+    """The entry for one call; None when the table has nothing for the dtype."""
+    dt = self.canonical_dtype(dtype)
+    via = f" (as {dt})" if dt != dtype else ""
+    exact = self.entries.get(key(op, dt, m, k, n, g))
+    if exact is not None:
+      kind = "measured" if exact.get("measured") else "unmeasured"
+      return self._hit(exact, key(op, dt, m, k, n, g), 0.0,
+                       f"{kind} entry for this shape bucket{via}")
+    shape = (m, k, n, g)
+    best = None
+    for text, entry in self.entries.items():
+      e_op, e_dt, _ = parse_key(text)
+      if e_op != op or e_dt != dt:
+        continue
+      d = distance(shape, entry.get("shape") or parse_key(text)[2])
+      rank = (d, not entry.get("measured", False), text)
+      if best is None or rank < best[0]:
+        best = (rank, text, entry)
+    limit = float(self.data.get("max_distance", DEFAULT_MAX_DISTANCE))
+    if best is not None and best[0][0] <= limit:
+      (d, _, _), text, entry = best
+      kind = "measured" if entry.get("measured") else "unmeasured"
+      return self._hit(entry, text, d,
+                       f"nearest {kind} bucket {text.split('/')[2]} (log2 distance {d:.2f}){via}")
+    default = self.data.get("defaults", {}).get(dt, {}).get(op)
+    if default is None:
+      return None
+    far = ("no entry within log2 distance "
+           f"{limit:g}" if best is not None else "no entries") + f" for {op}/{dt}"
+    return Hit(backend=default["backend"], config=default.get("config"),
+               measured=False, table=self.name, key=None, distance=None,
+               reason=f"{far}: table default{via}")
+
+  def _hit(self, entry, text, d, reason) -> Hit:
+    return Hit(backend=entry["backend"], config=entry.get("config"),
+               measured=bool(entry.get("measured", False)), table=self.name,
+               key=text, distance=d, reason=reason)
+
+  def put(self, op: str, dtype: str, m: int, k: int, n: int, g: int,
+          entry: dict[str, Any]) -> str:
+    """Adds or replaces the entry of the bucket holding (m, k, n, g)."""
+    text = key(op, self.canonical_dtype(dtype), m, k, n, g)
+    entry = dict(entry)
+    entry.setdefault("shape", [int(m), int(k), int(n), int(g)])
+    self.entries[text] = entry
+    return text
+
+  def dumps(self) -> str:
+    data = dict(self.data)
+    data["entries"] = dict(sorted(self.entries.items()))
+    return json.dumps(data, indent=1) + "\n"
+
+  def save(self, path: str | os.PathLike | None = None) -> Path:
+    path = Path(path or self.path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(self.dumps())
+    os.replace(tmp, path)
+    self.path = path
+    return path
+
+
+def _check(data: dict[str, Any], where: str) -> None:
+  if data.get("format") != FORMAT:
+    raise ValueError(f"{where}: format must be {FORMAT!r}, got {data.get('format')!r}")
+  for text, entry in data.get("entries", {}).items():
+    op, _, _ = parse_key(text)
+    if op not in OPS or "backend" not in entry:
+      raise ValueError(f"{where}: bad entry {text!r}")
+
+
+def load_file(path: str | os.PathLike) -> Table:
+  path = Path(path)
+  data = json.loads(path.read_text())
+  _check(data, str(path))
+  return Table(name=path.name, data=data, path=path)
+
+
+def table_dirs() -> list[Path]:
+  dirs = []
+  if os.environ.get(ENV_DIR):
+    dirs.append(Path(os.environ[ENV_DIR]))
+  dirs.append(TABLE_DIR)
+  return dirs
+
+
+@functools.cache
+def _all_tables(dirs: tuple[Path, ...]) -> tuple[Table, ...]:
+  seen, out = set(), []
+  for d in dirs:
+    if not d.is_dir():
+      continue
+    for path in sorted(d.glob("*.json")):
+      if path.name in seen:  # the first directory wins
+        continue
+      seen.add(path.name)
+      out.append(load_file(path))
+  return tuple(out)
+
+
+def all_tables() -> tuple[Table, ...]:
+  """Every table, user directory first (cached; ``clear_cache`` to reload)."""
+  return _all_tables(tuple(table_dirs()))
+
+
+def clear_cache() -> None:
+  _all_tables.cache_clear()
+  table_for.cache_clear()
+
+
+def slug(device_kind: str) -> str:
+  """File name for a device kind: 'NVIDIA H200' -> 'nvidia_h200.json'."""
+  s = "".join(c if c.isalnum() else "_" for c in device_kind.lower()).strip("_")
+  return f"{s or 'unknown'}.json"
+
+
+@functools.cache
+def table_for(device_kind: str, compute_capability: str | None = None) -> tuple[Table, str]:
+  """(table, why) for a GPU; unknown kinds get ``default.json``.
+
+  Exact device kinds first, then a table's ``also_for`` substrings, then its
+  ``also_for_compute_capability`` (e.g. an unlisted sm90 part).
+  """
+  tables = all_tables()
+  for t in tables:
+    if t.device_kind != "*" and t.device_kind.lower() == device_kind.lower():
+      return t, f"table {t.name} for {t.device_kind}"
+  for t in tables:
+    why = t.matches(device_kind)
+    if why:
+      return t, why
+  if compute_capability:
+    for t in tables:
+      why = t.data.get("also_for_compute_capability", {}).get(str(compute_capability))
+      if why:
+        return t, (f"{t.name} ({t.device_kind}) reused for {device_kind}"
+                   f" (compute capability {compute_capability}): {why}")
+  for t in tables:
+    if t.name == DEFAULT_TABLE:
+      return t, f"unknown GPU {device_kind!r}: safe default table {t.name}"
+  raise FileNotFoundError(f"no table for {device_kind!r} and no {DEFAULT_TABLE}")
+
+
+def lookup(device_kind: str, op: str, dtype: str, m: int, k: int, n: int,
+           g: int, compute_capability: str | None = None) -> Hit | None:
+  """The table entry for one call on a GPU of ``device_kind``."""
+  table, why = table_for(device_kind, compute_capability)
+  hit = table.lookup(op, dtype, m, k, n, g)
+  if hit is None:
+    return None
+  return dataclasses.replace(hit, reason=f"{hit.reason}; {why}")

@@ -1,0 +1,388 @@
+"""``ragdot tune``: measure kernel configs on this GPU and write the tuning table.
+
+For each shape (a forward projection ``m, k, n, g``) and op:
+
+* ``fwd``: ``gmm``  x[m, k] @ w[g, k, n];
+* ``dx``:  ``gmm_t`` dy[m, n] @ w[g, k, n]^T (the call has k and n swapped);
+* ``dw``:  ``tgmm``  x[m, k]^T dy[m, n] per group,
+
+the candidates are the kernels' ``gpu_sweep_configs`` plus the xla backend.
+They are compiled in parallel threads, checked against the xla backend in f32
+(relative max error), and timed with ``ragdot.timing.device_time_ms`` (median
+of ``--repeats`` medians) on group sizes from top-k routing of random logits.
+The fastest correct candidate is merged into the device's table (one entry per
+shape bucket; see ``ragdot.tables``) after every op, so an interrupted run
+resumes: entries already measured are skipped unless ``--force``.  Each shape
+gets at most ``--budget-s`` seconds (default 60); an entry cut short is marked
+``"complete": false`` and is redone next time.
+
+Without a GPU only ``--dry-run`` (list candidates and table keys) works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import datetime
+import functools
+import json
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ragdot import tables
+
+OPS = {"fwd": "gmm", "dx": "gmm_t", "dw": "tgmm"}
+REL_TOL = 2e-2
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """One (op, call shape) to tune."""
+
+  op: str  # fwd, dx, dw
+  name: str
+  m: int
+  k: int  # of the backend call (dx: the forward's n)
+  n: int
+  g: int
+  top_k: int = 8
+
+  @property
+  def table_op(self) -> str:
+    return OPS[self.op]
+
+
+def tasks_for(shapes, ops) -> list[Task]:
+  out = []
+  for s in shapes:
+    for op in ops:
+      k, n = (s.n, s.k) if op == "dx" else (s.k, s.n)
+      out.append(Task(op, s.name, s.m, k, n, s.g, min(s.top_k, s.g)))
+  return out
+
+
+def config_fields(config: Any) -> dict[str, Any]:
+  """A Config dataclass as table fields (None-valued fields dropped)."""
+  return {k: v for k, v in dataclasses.asdict(config).items() if v is not None}
+
+
+def candidates(task: Task, dtype) -> list[tuple[str, Any]]:
+  """(backend, Config) pairs to try; the kernel default comes first."""
+  from ragdot.backends import mosaic_dw, mosaic_fwd, xla  # pylint: disable=g-import-not-at-top
+
+  if task.op == "dw":
+    cfgs = [mosaic_dw.default_config(task.m, task.k, task.n, task.g, dtype)]
+    cfgs += mosaic_dw.gpu_sweep_configs(task.m, task.k, task.n, task.g, dtype, dtype)
+  else:
+    tr = task.op == "dx"
+    cfgs = [mosaic_fwd.default_config(task.m, task.k, task.n, task.g, dtype, tr, dtype)]
+    cfgs += mosaic_fwd.gpu_sweep_configs(task.m, task.k, task.n, task.g, tr, dtype, dtype)
+  out = []
+  for c in cfgs:
+    if c is not None and ("mosaic", c) not in out:
+      out.append(("mosaic", c))
+  out.append(("xla", xla.default_config(task.m, task.g)))
+  return out
+
+
+def _inputs(task: Task, dtype, seed: int = 0):
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from ragdot.bench import Shape, routed_group_sizes  # pylint: disable=g-import-not-at-top
+
+  sizes = routed_group_sizes(Shape(task.name, task.m, task.k, task.n, task.g, task.top_k), seed)
+  keys = jax.random.split(jax.random.key(seed), 2)
+  lhs = jax.random.normal(keys[0], (task.m, task.k), dtype)
+  if task.op == "dw":
+    rhs = jax.random.normal(keys[1], (task.m, task.n), dtype)
+  else:
+    shape = (task.g, task.n, task.k) if task.op == "dx" else (task.g, task.k, task.n)
+    rhs = (jax.random.normal(keys[1], shape, jnp.float32) / 32).astype(dtype)
+  return lhs, rhs, jnp.asarray(sizes)
+
+
+def _fn(task: Task, backend: str, config: Any, out_dtype):
+  import jax  # pylint: disable=g-import-not-at-top
+  from ragdot.backends import get_backend  # pylint: disable=g-import-not-at-top
+
+  mod = get_backend(backend)
+  common = dict(out_dtype=out_dtype, precision=None, interpret=False, config=config)
+  if task.op == "dw":
+    f = functools.partial(mod.tgmm, num_groups=task.g, **common)
+  else:
+    f = functools.partial(mod.gmm, transpose_rhs=task.op == "dx", **common)
+  return jax.jit(lambda a, b, gs: f(a, b, gs, None))
+
+
+def _rel_err(out, ref) -> float:
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  out, ref = out.astype(jnp.float32), ref.astype(jnp.float32)
+  return float(jnp.max(jnp.abs(out - ref)) / jnp.maximum(jnp.max(jnp.abs(ref)), 1e-30))
+
+
+def _new_table(device_kind: str) -> tables.Table:
+  """An empty table for ``device_kind`` with the defaults of the table it uses today."""
+  base, _ = tables.table_for(device_kind)
+  data = {
+      "format": tables.FORMAT,
+      "device_kind": device_kind,
+      "dtype_aliases": dict(base.data.get("dtype_aliases", {})),
+      "max_distance": base.data.get("max_distance", tables.DEFAULT_MAX_DISTANCE),
+      "defaults": json.loads(json.dumps(base.data.get("defaults", {}))),
+      "entries": {},
+  }
+  return tables.Table(name=tables.slug(device_kind), data=data)
+
+
+def open_table(path: Path, device_kind: str) -> tables.Table:
+  if path.exists():
+    return tables.load_file(path)
+  t = _new_table(device_kind)
+  t.path = path
+  return t
+
+
+def default_table_path(device_kind: str) -> Path:
+  """The shipped table of this device kind (its own file, created if missing)."""
+  for t in tables.all_tables():
+    if t.device_kind.lower() == device_kind.lower() and t.path is not None:
+      return t.path
+  return tables.TABLE_DIR / tables.slug(device_kind)
+
+
+def _done(table: tables.Table, task: Task, dtype_name: str) -> bool:
+  entry = table.entries.get(tables.key(task.table_op, table.canonical_dtype(dtype_name),
+                                       task.m, task.k, task.n, task.g))
+  return bool(entry and entry.get("measured") and entry.get("complete", True))
+
+
+def tune_task(task: Task, dtype, deadline: float, *, iterations: int, repeats: int,
+              jobs: int, progress=None) -> dict[str, Any] | None:
+  """Measures every candidate of ``task`` until ``deadline``; the best as an entry."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from ragdot.timing import device_time_ms  # pylint: disable=g-import-not-at-top
+
+  lhs, rhs, gs = _inputs(task, dtype)
+  ref = _fn(task, "xla", None, jnp.float32)(lhs, rhs, gs)
+  cands = candidates(task, dtype)
+  bar = progress.add_task(f"{task.op:3s} {task.name}", total=len(cands)) if progress else None
+
+  def compile_one(c):
+    backend, config = c
+    return _fn(task, backend, config, dtype).lower(lhs, rhs, gs).compile()
+
+  results, complete = [], True
+  with concurrent.futures.ThreadPoolExecutor(max_workers=max(jobs, 1)) as pool:
+    futures = [pool.submit(compile_one, c) for c in cands]
+    for (backend, config), fut in zip(cands, futures):
+      row = dict(backend=backend, config=config_fields(config))
+      if time.time() > deadline:
+        complete = False
+        fut.cancel()
+        if bar is not None:
+          progress.advance(bar)
+        continue
+      try:
+        compiled = fut.result()
+        out = jax.block_until_ready(compiled(lhs, rhs, gs))
+        row["rel_err"] = _rel_err(out, ref)
+        if row["rel_err"] < REL_TOL:
+          times = [device_time_ms(compiled, lhs, rhs, gs, iterations=iterations)
+                   for _ in range(repeats)]
+          row["ms"] = statistics.median(t for t, _ in times)
+          row["method"] = times[0][1]
+      except Exception as e:  # pylint: disable=broad-except
+        row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+      results.append(row)
+      if bar is not None:
+        progress.advance(bar)
+  timed = [r for r in results if "ms" in r]
+  if not timed:
+    return None
+  best = min(timed, key=lambda r: r["ms"])
+  default = next((r for r in results if r["backend"] == "mosaic"), None)
+  flops = 2 * task.m * task.k * task.n
+  return {
+      "backend": best["backend"],
+      "config": best["config"],
+      "measured": True,
+      "complete": complete,
+      "shape": [task.m, task.k, task.n, task.g],
+      "ms": round(best["ms"], 5),
+      "tflops": round(flops / best["ms"] / 1e9, 1),
+      "rel_err": best["rel_err"],
+      "default_ms": round(default["ms"], 5) if default and "ms" in default else None,
+      "candidates": len(cands),
+      "timed": len(timed),
+      "method": best["method"],
+      "source": (f"ragdot tune {datetime.date.today().isoformat()}, jax {jax.__version__},"
+                 f" {task.name} {task.op}, top-{task.top_k} routed sizes"),
+  }
+
+
+# --- import of scripts/gpu_sweep.py output -----------------------------------------
+
+_SWEEP_SHAPES = {
+    "qwen3-30b gate_up": (32768, 2048, 1536, 128),
+    "qwen3-30b down": (32768, 768, 2048, 128),
+}
+
+
+def parse_config_repr(text: str) -> tuple[str, dict[str, Any]]:
+  """'MosaicFwdConfig(block_m=64, ..., num_sms=None)' -> (class name, fields)."""
+  m = re.fullmatch(r"(\w+)\((.*)\)", text.strip())
+  if not m:
+    raise ValueError(f"not a config repr: {text!r}")
+  fields = {}
+  for part in filter(None, (p.strip() for p in m.group(2).split(","))):
+    name, value = part.split("=")
+    if value != "None":
+      fields[name] = int(value)
+  return m.group(1), fields
+
+
+def import_sweep(path: str, table: tables.Table, shapes=None, dtype: str = "bfloat16") -> int:
+  """Merges the best rows of a gpu_sweep.py JSONL file (rows of the sweep's shapes)."""
+  shapes = shapes or _SWEEP_SHAPES
+  best: dict[str, dict[str, Any]] = {}
+  for line in Path(path).read_text().splitlines():
+    if not line.startswith("{"):
+      continue
+    row = json.loads(line)
+    if "tflops" not in row or row.get("rel_err", 1) >= REL_TOL or row["shape"] not in shapes:
+      continue
+    m, k, n, g = shapes[row["shape"]]
+    top = OPS[row["op"]]
+    _, fields = parse_config_repr(row["config"])
+    k_ = tables.key(top, dtype, m, k, n, g)
+    if k_ not in best or row["tflops"] > best[k_]["tflops"]:
+      best[k_] = dict(op=top, shape=(m, k, n, g), tflops=row["tflops"], entry={
+          "backend": "mosaic", "config": fields, "measured": True,
+          "shape": [m, k, n, g], "ms": round(row["ms"], 5),
+          "tflops": round(row["tflops"], 1), "rel_err": row["rel_err"],
+          "method": row.get("method"),
+          "source": f"{Path(path).name}: best of the sweep for {row['shape']} {row['op']}"})
+  for b in best.values():
+    table.put(b["op"], dtype, *b["shape"], b["entry"])
+  return len(best)
+
+
+# --- command line --------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  from ragdot import bench  # pylint: disable=g-import-not-at-top
+
+  parser.add_argument("--preset", nargs="+", default=[], choices=sorted(bench.PRESETS))
+  parser.add_argument("--shape", action="append", default=[], type=bench.parse_shape,
+                      help="m,k,n,g[,top_k] of a forward projection (repeatable)")
+  parser.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS))
+  parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+  parser.add_argument("--table", default=None,
+                      help="table file to merge into (default: this device's shipped table)")
+  parser.add_argument("--force", action="store_true", help="re-measure entries already measured")
+  parser.add_argument("--dry-run", action="store_true", help="list candidates; run nothing")
+  parser.add_argument("--budget-s", type=float, default=60.0, help="seconds per shape")
+  parser.add_argument("--iterations", type=int, default=10)
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--jobs", type=int, default=4, help="parallel compile threads")
+  parser.add_argument("--import-sweep", default=None,
+                      help="merge the best rows of a scripts/gpu_sweep.py JSONL file and exit")
+  parser.add_argument("--device-kind", default=None,
+                      help="device kind for --dry-run / --import-sweep (default: this device)")
+
+
+def run(args: argparse.Namespace) -> int:
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from ragdot import bench  # pylint: disable=g-import-not-at-top
+
+  on_gpu = jax.default_backend() == "gpu"
+  kind = args.device_kind or (jax.devices()[0].device_kind if on_gpu else "NVIDIA H200")
+  path = Path(args.table) if args.table else default_table_path(kind)
+  table = open_table(path, kind)
+
+  if args.import_sweep:
+    count = import_sweep(args.import_sweep, table, dtype=args.dtype)
+    table.save(path)
+    _clear_caches()
+    print(f"merged {count} entries from {args.import_sweep} into {path}")
+    return 0
+
+  shapes = [s for p in args.preset for s in bench.PRESETS[p]] + list(args.shape)
+  if not shapes:
+    print("ragdot tune: give --preset or --shape", file=sys.stderr)
+    return 2
+  tasks = tasks_for(shapes, args.ops)
+  dtype = jnp.dtype(args.dtype)
+
+  if args.dry_run:
+    print(f"table: {path} ({kind}){'' if on_gpu else '  [no GPU: dry run only]'}")
+    for task in tasks:
+      k_ = tables.key(task.table_op, table.canonical_dtype(dtype.name), task.m, task.k,
+                      task.n, task.g)
+      state = "measured, skip" if _done(table, task, dtype.name) and not args.force else "to tune"
+      print(f"{task.op:3s} {task.name}  call m={task.m} k={task.k} n={task.n} g={task.g}"
+            f"  key {k_}  [{state}]")
+      for backend, config in candidates(task, dtype):
+        print(f"    {backend:6s} {config_fields(config)}")
+    return 0
+
+  if not on_gpu:
+    print("ragdot tune: no GPU here (jax.default_backend() is "
+          f"{jax.default_backend()!r}); tuning needs the GPU whose table it writes."
+          " Use --dry-run to list the candidates.", file=sys.stderr)
+    return 2
+
+  from rich.progress import Progress  # pylint: disable=g-import-not-at-top
+
+  print(f"tuning on {kind}: {len(tasks)} (op, shape) pairs -> {path}", flush=True)
+  by_shape: dict[str, list[Task]] = {}
+  for task in tasks:
+    by_shape.setdefault(task.name, []).append(task)
+  with Progress() as progress:
+    for name, shape_tasks in by_shape.items():
+      deadline = time.time() + args.budget_s
+      for task in shape_tasks:
+        if _done(table, task, dtype.name) and not args.force:
+          progress.console.print(f"skip {task.op} {name}: already measured")
+          continue
+        entry = tune_task(task, dtype, deadline, iterations=args.iterations,
+                          repeats=args.repeats, jobs=args.jobs, progress=progress)
+        if entry is None:
+          progress.console.print(f"[red]{task.op} {name}: no candidate passed[/red]")
+          continue
+        text = table.put(task.table_op, dtype.name, task.m, task.k, task.n, task.g, entry)
+        table.save(path)
+        speedup = (f", {entry['default_ms'] / entry['ms']:.2f}x the default"
+                   if entry.get("default_ms") else "")
+        progress.console.print(
+            f"{task.op} {name}: {entry['backend']} {entry['config']} {entry['ms']:.4f} ms"
+            f" {entry['tflops']} TFLOP/s{speedup} -> {text}"
+            + ("" if entry["complete"] else " (budget hit: partial)"))
+  _clear_caches()
+  return 0
+
+
+def _clear_caches() -> None:
+  from ragdot import dispatch  # pylint: disable=g-import-not-at-top
+
+  dispatch.clear_cache()
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="ragdot tune", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  add_arguments(parser)
+  return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+  sys.exit(main())

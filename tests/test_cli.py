@@ -1,0 +1,61 @@
+"""Smoke runs of the ragdot command on CPU (tiny shapes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from ragdot import cli
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def test_info(capsys):
+  assert cli.main(["info", "--preset", "small"]) == 0
+  out = capsys.readouterr().out
+  assert "jax 0.11.2" in out and "platform cpu" in out and "xla" in out
+
+
+def test_info_explains_h200_choices(capsys):
+  assert cli.main(["info", "--device-kind", "NVIDIA H200", "--preset", "qwen3-30b",
+                   "--shape", "4096,512,520,16"]) == 0
+  out = capsys.readouterr().out
+  assert "mosaic" in out and "measured entry" in out and "nvidia_h200.json" in out
+
+
+def test_bench_tiny_shape(tmp_path, capsys):
+  path = tmp_path / "rows.json"
+  assert cli.main(["bench", "--shape", "256,64,64,4", "--ops", "fwd", "--iterations", "1",
+                   "--json", str(path)]) == 0
+  rows = json.loads(path.read_text())
+  impls = {r["impl"] for r in rows}
+  assert {"ragdot", "ragdot:xla", "dense"} <= impls
+  auto = next(r for r in rows if r["impl"] == "ragdot")
+  assert auto["ms"] > 0 and auto["peak_mib"] > 0 and auto["choice"].startswith("xla")
+  out = capsys.readouterr().out
+  assert "auto-choice check" in out
+
+
+def test_tune_dry_run_lists_candidates(tmp_path, capsys):
+  assert cli.main(["tune", "--dry-run", "--shape", "4096,512,512,16", "--ops", "fwd", "dw",
+                   "--table", str(tmp_path / "t.json")]) == 0
+  out = capsys.readouterr().out
+  assert "MosaicFwdConfig" not in out  # fields, not reprs
+  assert "block_m" in out and "gmm/bfloat16/m4096,k512,n512,g16" in out
+  assert "tgmm/bfloat16/" in out and "xla" in out
+  assert not (tmp_path / "t.json").exists()  # a dry run writes nothing
+
+
+def test_tune_refuses_without_gpu(capsys):
+  assert cli.main(["tune", "--shape", "256,64,64,4"]) == 2
+  assert "no GPU" in capsys.readouterr().err
+
+
+def test_python_dash_m():
+  env = dict(os.environ, PYTHONPATH=SRC, JAX_PLATFORMS="cpu")
+  res = subprocess.run([sys.executable, "-m", "ragdot", "info", "--preset", "small"],
+                       env=env, capture_output=True, text=True, timeout=120, check=True)
+  assert "versions" in res.stdout

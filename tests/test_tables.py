@@ -1,0 +1,130 @@
+"""Tuning tables: format, bucket lookup, and configs the kernels accept."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+
+from ragdot import dispatch, tables, tune
+
+H200 = dispatch.Device("gpu", "NVIDIA H200", "9.0")
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+SWEEP = Path(__file__).resolve().parents[1] / "docs" / "data" / "sweep_h200_v1.jsonl"
+
+
+def test_buckets_are_powers_of_two_and_one_and_a_half():
+  assert [tables.bucket(x) for x in (0, 1, 2, 3, 64, 768, 1000, 1536, 7168, 28672)] == [
+      0, 1, 2, 3, 64, 768, 1024, 1536, 8192, 32768]
+  assert tables.bucket(1100) == 1024 and tables.bucket(1400) == 1536
+
+
+def test_key_round_trip():
+  text = tables.key("gmm_t", "bfloat16", 32768, 1000, 1536, 128)
+  assert text == "gmm_t/bfloat16/m32768,k1024,n1536,g128"
+  assert tables.parse_key(text) == ("gmm_t", "bfloat16", (32768, 1024, 1536, 128))
+  with pytest.raises(ValueError):
+    tables.key("fwd", "bfloat16", 1, 1, 1, 1)
+
+
+def test_shipped_tables_load_and_cover_h200_and_unknown_gpus():
+  names = {t.name for t in tables.all_tables()}
+  assert {"nvidia_h200.json", "default.json"} <= names
+  h200, why = tables.table_for("NVIDIA H200")
+  assert h200.name == "nvidia_h200.json" and "H200" in why
+  assert any(e["measured"] for e in h200.entries.values())
+  assert any(not e["measured"] for e in h200.entries.values())
+  for t in tables.all_tables():
+    for text, entry in t.entries.items():
+      assert tables.key(*tables.parse_key(text)[:2], *entry["shape"]) == text
+
+
+@pytest.mark.parametrize("table", tables.all_tables(), ids=lambda t: t.name)
+def test_every_entry_names_a_config_the_kernel_accepts(table):
+  for text, entry in table.entries.items():
+    op = tables.parse_key(text)[0]
+    cls = dispatch.config_class(entry["backend"], op)
+    config = dispatch.make_config(entry["backend"], op, entry["config"])
+    assert isinstance(config, cls), text
+    if entry["backend"] == "mosaic":  # fits SMEM for 16-bit in and out
+      assert dispatch._smem_bytes("mosaic", op, config, "bfloat16", "bfloat16") <= (
+          dispatch._SMEM_LIMIT), text
+  for ops in table.data["defaults"].values():
+    for op, default in ops.items():
+      assert op in tables.OPS
+      dispatch.make_config(default["backend"], op, default["config"])
+
+
+def test_h200_seed_matches_the_sweep():
+  c = dispatch.choose("gmm", None, dtype=jnp.bfloat16, m=32768, k=2048, n=1536, g=128,
+                      device=H200)
+  assert (c.implementation, c.measured) == ("mosaic", True)
+  assert (c.config.block_m, c.config.block_n, c.config.block_k, c.config.num_stages,
+          c.config.grid_tile_width) == (64, 256, 64, 4, 4)
+  c = dispatch.choose("gmm", None, dtype=jnp.bfloat16, m=32768, k=768, n=2048, g=128,
+                      device=H200)
+  assert (c.config.num_compute_wgs, c.config.block_m, c.config.block_n,
+          c.config.num_stages) == (2, 128, 256, 3)
+
+
+def test_import_sweep_reproduces_the_shipped_entries(tmp_path):
+  t = tune._new_table("NVIDIA H200")
+  assert tune.import_sweep(str(SWEEP), t) == 4
+  shipped, _ = tables.table_for("NVIDIA H200")
+  for text, entry in t.entries.items():
+    assert shipped.entries[text]["config"] == entry["config"]
+  path = t.save(tmp_path / "x.json")
+  assert tables.load_file(path).entries == t.entries
+
+
+def test_nearest_bucket_and_far_shapes():
+  t, _ = tables.table_for("NVIDIA H200")
+  near = t.lookup("gmm", "bfloat16", 30000, 2048, 1400, 120)
+  assert near.key == "gmm/bfloat16/m32768,k2048,n1536,g128" and near.distance == 0
+  off = t.lookup("gmm_t", "bfloat16", 32768, 1536, 2048, 128)  # real dX of gate_up
+  assert off.key is not None and 0 < off.distance <= 3
+  far = t.lookup("tgmm", "bfloat16", 8, 64, 64, 2)
+  assert far.key is None and far.backend == "mosaic" and far.config is None
+  assert "table default" in far.reason
+
+
+def test_dtypes_and_devices():
+  f16 = tables.lookup("NVIDIA H200", "gmm", "float16", 32768, 2048, 1536, 128)
+  assert f16.measured and "as bfloat16" in f16.reason
+  assert tables.lookup("NVIDIA H200", "gmm", "float32", 32768, 2048, 1536, 128) is None
+  h100 = tables.lookup("NVIDIA H100 80GB HBM3", "gmm", "bfloat16", 32768, 2048, 1536, 128)
+  assert h100.backend == "mosaic" and "reuses the H200" in h100.reason
+  sm90 = tables.table_for("NVIDIA H123", "9.0")[0]
+  assert sm90.name == "nvidia_h200.json"
+  unknown = tables.lookup("NVIDIA A100-SXM4-80GB", "gmm", "bfloat16", 32768, 2048, 1536, 128,
+                          "8.0")
+  assert unknown.backend == "xla" and "unknown GPU" in unknown.reason
+
+
+def test_user_table_dir_overrides_shipped(tmp_path, monkeypatch):
+  data = json.loads((tables.TABLE_DIR / "nvidia_h200.json").read_text())
+  data["entries"] = {"gmm/bfloat16/m32768,k2048,n1536,g128": {
+      "backend": "xla", "config": {"block_m": 32}, "measured": True,
+      "shape": [32768, 2048, 1536, 128]}}
+  (tmp_path / "nvidia_h200.json").write_text(json.dumps(data))
+  monkeypatch.setenv(tables.ENV_DIR, str(tmp_path))
+  tables.clear_cache()
+  try:
+    hit = tables.lookup("NVIDIA H200", "gmm", "bfloat16", 32768, 2048, 1536, 128)
+    assert (hit.backend, hit.config) == ("xla", {"block_m": 32})
+  finally:
+    monkeypatch.delenv(tables.ENV_DIR)
+    tables.clear_cache()
+
+
+def test_reading_tables_imports_no_kernel_module():
+  code = ("import sys, ragdot.tables as t; t.lookup('NVIDIA H200', 'gmm', 'bfloat16', 4096,"
+          " 512, 512, 16); bad = [m for m in sys.modules if m.startswith("
+          "('ragdot.backends.mosaic', 'jax.experimental.pallas'))]; assert not bad, bad")
+  env = dict(os.environ, PYTHONPATH=SRC, JAX_PLATFORMS="cpu")
+  subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
