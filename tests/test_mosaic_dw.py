@@ -21,6 +21,9 @@ from ragdot.backends import mosaic_dw
 from ragdot.backends.mosaic_dw import MosaicDwConfig
 
 SMALL = MosaicDwConfig(block_m=64, block_k=64, block_n=64, num_stages=2, num_sms=3)
+# Warp-specialized: two consumer warpgroups (64 output rows each) + a producer.
+TWO_WG = MosaicDwConfig(block_m=64, block_k=128, block_n=128, num_stages=2, num_sms=3,
+                        num_compute_wgs=2)
 
 
 @pytest.fixture(autouse=True)
@@ -94,6 +97,38 @@ def test_groups(sizes, dtype, out_dtype):
   check(out, ref, out_dtype)
 
 
+@pytest.mark.parametrize(
+    "sizes, dtype, out_dtype",
+    [
+        ([0, 30, 3, 0, 50, 0], jnp.bfloat16, jnp.float32),
+        ([40, 35, 30, 7], jnp.float16, jnp.float16),
+        ([96], jnp.bfloat16, jnp.bfloat16),
+        ([5, 20, 71], jnp.float16, jnp.float32),
+        # one-block groups (single-step pipelines) back to back, empty runs
+        ([10, 20, 0, 0, 30, 0, 36], jnp.bfloat16, jnp.float32),
+    ],
+)
+def test_groups_two_warpgroups(sizes, dtype, out_dtype):
+  out, ref = run(96, 128, 128, sizes, dtype=dtype, out_dtype=out_dtype, config=TWO_WG,
+                 seed=len(sizes))
+  check(out, ref, out_dtype)
+
+
+def test_two_warpgroups_all_zero_sizes():
+  out, ref = run(96, 128, 128, [0, 0, 0], out_dtype=jnp.bfloat16, config=TWO_WG)
+  assert not ref.any() and not out.any()
+
+
+def test_two_warpgroups_big_tiles_partial_k():
+  # 256-row output tile (128 rows per consumer), 128-row steps, k = 192: the
+  # second consumer's half is half out of bounds (TMA zero fill / clipped
+  # store); groups spanning several blocks, an empty one, 2 SMs.
+  cfg = MosaicDwConfig(block_m=128, block_k=256, block_n=64, num_stages=2, num_sms=2,
+                       num_compute_wgs=2)
+  out, ref = run(296, 192, 128, [17, 0, 160, 10, 90], config=cfg, seed=3)
+  check(out, ref, jnp.float32)
+
+
 def test_all_zero_sizes_give_exact_zeros():
   out, ref = run(96, 64, 64, [0, 0, 0], out_dtype=jnp.bfloat16)
   assert not ref.any() and not out.any()
@@ -113,23 +148,33 @@ def test_group_offset(offset, num_groups):
   check(out, ref, jnp.bfloat16)
 
 
-def test_rows_outside_the_shard_never_contribute():
+@pytest.mark.parametrize("offset, num_groups", [(0, 2), (3, 2), (6, 2), (5, 3), (-1, 2)])
+def test_group_offset_two_warpgroups(offset, num_groups):
+  out, ref = run(96, 128, 128, SHARD_SIZES, offset=offset, num_groups=num_groups,
+                 out_dtype=jnp.bfloat16, config=TWO_WG, seed=offset + 20)
+  check(out, ref, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("config, k, n", [(SMALL, 64, 64), (TWO_WG, 128, 256)])
+def test_rows_outside_the_shard_never_contribute(config, k, n):
   # NaN in every row no local group owns (neighbour groups and the tail past
   # sum(sizes)): the boundary blocks must mask both operands, not scale them.
+  # With two warpgroups each masks half of the 64-column chunks.
   sizes, offset, num_groups = [10, 20, 7, 25, 15], 1, 2   # local rows [10, 37)
-  lhs, rhs = inputs(96, 64, 64, jnp.bfloat16, 21)
+  lhs, rhs = inputs(96, k, n, jnp.bfloat16, 21)
   rows = np.arange(96)[:, None]
   outside = (rows < 10) | (rows >= 37)
   lhs = jnp.where(outside, jnp.nan, lhs)
   rhs = jnp.where(outside, jnp.inf, rhs)
   out = mosaic_dw.tgmm(lhs, rhs, jnp.asarray(sizes, jnp.int32), jnp.int32(offset),
                        num_groups=num_groups, out_dtype=jnp.float32, precision=None,
-                       interpret=True, config=SMALL)
+                       interpret=True, config=config)
   check(np.asarray(out), reference(lhs, rhs, sizes, offset, num_groups), jnp.float32)
 
 
-def test_empty_shard_is_zero():
-  out, _ = run(96, 64, 64, SHARD_SIZES, offset=2, num_groups=2)
+@pytest.mark.parametrize("config, k", [(SMALL, 64), (TWO_WG, 128)])
+def test_empty_shard_is_zero(config, k):
+  out, _ = run(96, k, 128, SHARD_SIZES, offset=2, num_groups=2, config=config)
   assert not out.any()
 
 
@@ -155,6 +200,19 @@ def test_no_races():
   params = plgpu.InterpretGPUParams(detect_races=True)
   cfg = MosaicDwConfig(block_m=64, block_k=64, block_n=64, num_stages=2, num_sms=2)
   out, ref = run(128, 64, 128, [10, 70, 0, 40], config=cfg, interpret=params,
+                 out_dtype=jnp.bfloat16)
+  check(out, ref, jnp.bfloat16)
+  assert not interpret_pallas_call.get_races().races_found
+
+
+def test_no_races_two_warpgroups():
+  # Single-block groups (a one-step pipeline per item), empty items between
+  # busy ones, and multi-block groups; the interpreter also checks that no
+  # barrier phase is skipped (the producer must not run an item ahead).
+  params = plgpu.InterpretGPUParams(detect_races=True)
+  cfg = MosaicDwConfig(block_m=64, block_k=128, block_n=128, num_stages=2, num_sms=2,
+                       num_compute_wgs=2)
+  out, ref = run(256, 128, 256, [10, 70, 0, 0, 40, 100], config=cfg, interpret=params,
                  out_dtype=jnp.bfloat16)
   check(out, ref, jnp.bfloat16)
   assert not interpret_pallas_call.get_races().races_found
@@ -190,7 +248,10 @@ def test_mixed_dtypes_raise():
 def test_config_validation():
   for bad in (dict(block_m=48), dict(block_k=96), dict(block_n=32),
               dict(block_k=256, block_n=256), dict(num_stages=0),
-              dict(grid_tile_width=0), dict(num_sms=0)):
+              dict(grid_tile_width=0), dict(num_sms=0), dict(num_compute_wgs=3),
+              dict(num_compute_wgs=2, block_k=64),
+              dict(num_compute_wgs=2, block_k=256, block_n=256),
+              dict(num_compute_wgs=2, num_stages=1)):
     with pytest.raises(ValueError):
       MosaicDwConfig(**bad)
   too_big = MosaicDwConfig(block_m=256, block_k=128, block_n=256, num_stages=4)
@@ -201,7 +262,7 @@ def test_config_validation():
 
 
 SHAPES = [(32768, 2048, 1536, 128), (32768, 768, 2048, 128), (16384, 4096, 28672, 8),
-          (64, 2048, 1536, 128), (1000, 192, 320, 16)]
+          (32768, 2048, 7168, 256), (64, 2048, 1536, 128), (1000, 192, 320, 16)]
 
 
 def test_default_and_sweep_configs_fit():
@@ -209,7 +270,8 @@ def test_default_and_sweep_configs_fit():
     default = mosaic_dw.default_config(m, k, n, g, jnp.bfloat16)
     for out_dtype in (jnp.bfloat16, jnp.float32):
       configs = mosaic_dw.gpu_sweep_configs(m, k, n, g, out_dtype=out_dtype)
-      assert 3 <= len(configs) <= 10
+      assert 3 <= len(configs) <= 12
+      assert configs[0] == default
       for cfg in [default, *configs]:
         assert mosaic_dw.smem_bytes(cfg, jnp.bfloat16, out_dtype) <= mosaic_dw._SMEM_BUDGET
         assert k % cfg.block_k == 0 and n % cfg.block_n == 0
@@ -225,11 +287,14 @@ def lower_for_sm90(m, k, n, g, config, dtype=jnp.bfloat16, out_dtype=jnp.bfloat1
 
 
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
-def test_lowers_for_sm90(out_dtype):
-  m, k, n, g = 32768, 2048, 1536, 128
-  configs = [mosaic_dw.default_config(m, k, n, g), SMALL,
+@pytest.mark.parametrize("shape", [(32768, 2048, 1536, 128),   # Qwen3-30B gate_up
+                                   (32768, 2048, 7168, 256)])  # DeepSeek-V3 down
+def test_lowers_for_sm90(out_dtype, shape):
+  m, k, n, g = shape
+  configs = [mosaic_dw.default_config(m, k, n, g), SMALL, TWO_WG,
              MosaicDwConfig(block_m=128, block_k=128, block_n=64, num_stages=1)]
   configs += mosaic_dw.gpu_sweep_configs(m, k, n, g, out_dtype=out_dtype)
+  assert any(c.num_compute_wgs == 2 for c in configs)
   for cfg in configs:
     lower_for_sm90(m, k, n, g, cfg, out_dtype=out_dtype)
   lower_for_sm90(1000, 192, 320, 16, None, dtype=jnp.float16, out_dtype=out_dtype)

@@ -15,11 +15,20 @@ last block can hold rows of a neighbouring group, and only those blocks are
 masked (in SMEM, before the wgmma).  Items of empty groups skip the pipeline
 and store zeros.  Partial k/n tiles and row blocks past ``m`` rely on TMA:
 out-of-bounds loads read zeros and out-of-bounds stores are dropped.
+
+``num_compute_wgs=2`` (warp-specialized, ``_body_2wg``): a producer warpgroup
+issues the TMA loads (``plgpu.emit_pipeline_warp_specialized``) and two
+consumer warpgroups each accumulate half of the item's k-tile rows, reading the
+same lhs/rhs stage; each stores its half of the output tile asynchronously.
+This allows 256 x 128 / 128 x 256 output tiles per item (twice the work per
+pipeline fill and epilogue) and lets the producer load the next item while the
+consumers run their epilogue.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +59,10 @@ class MosaicDwConfig:
     grid_tile_width: the (k tile, n tile) plane of each group is walked in a
       snake of stripes this many n tiles wide (L2 locality of lhs/rhs blocks).
     num_sms: programs in the persistent grid; None = the device's SM count.
+    num_compute_wgs: 1 (one warpgroup runs the TMA pipeline and the wgmma) or
+      2 (warp-specialized: a producer warpgroup issues the TMA loads, two
+      consumer warpgroups each own block_k / 2 rows of the output tile and
+      share the rhs block; each holds a (block_k / 2) x block_n accumulator).
   """
 
   block_m: int = 64
@@ -58,6 +71,7 @@ class MosaicDwConfig:
   num_stages: int = 4
   grid_tile_width: int = 1
   num_sms: int | None = None
+  num_compute_wgs: int = 1
 
   def __post_init__(self):
     if self.block_m <= 0 or self.block_m % 64:
@@ -71,6 +85,20 @@ class MosaicDwConfig:
           f"block_k * block_n = {self.block_k * self.block_n} f32 accumulators"
           " exceed one warpgroup's registers (max 128 * 256)"
       )
+    if self.num_compute_wgs not in (1, 2):
+      raise ValueError(f"num_compute_wgs must be 1 or 2, got {self.num_compute_wgs}")
+    if self.num_compute_wgs == 2:
+      if self.block_k not in (128, 256):
+        raise ValueError(
+            f"num_compute_wgs=2 needs block_k 128 or 256 (64-row halves), got {self.block_k}"
+        )
+      if (self.block_k // 2) * self.block_n > 128 * 128:
+        raise ValueError(
+            f"num_compute_wgs=2: a ({self.block_k // 2}, {self.block_n}) f32 accumulator"
+            " per warpgroup exceeds its registers (max 128 * 128 elements)"
+        )
+      if self.num_stages < 2:
+        raise ValueError("num_compute_wgs=2 needs num_stages >= 2")
     if not 1 <= self.num_stages <= 8:
       raise ValueError(f"num_stages must be in [1, 8], got {self.num_stages}")
     if self.grid_tile_width < 1:
@@ -110,7 +138,8 @@ def default_config(
 
   JAX's example dW kernel (64-row steps, 4 stages) reached 272 TFLOP/s on
   Qwen3-30B gate_up; 128 x 256 accumulators overflow one warpgroup's registers.
-  The config fits in SMEM for any output dtype.
+  The config fits in SMEM for any output dtype.  The warp-specialized variant
+  (``num_compute_wgs=2``) is only in ``gpu_sweep_configs`` until it is measured.
   """
   del m, num_groups
   config = MosaicDwConfig(
@@ -123,22 +152,37 @@ def gpu_sweep_configs(
     m: int, k: int, n: int, num_groups: int, dtype=jnp.bfloat16,
     out_dtype=jnp.bfloat16,
 ) -> list[MosaicDwConfig]:
-  """A short list of candidates for a GPU sweep (all fit in SMEM)."""
-  del m, num_groups
-  out = []
-  for bm, bk, bn, stages, width in (
-      (64, 128, 128, 4, 1),
-      (64, 128, 128, 6, 1),
-      (64, 128, 128, 4, 8),
-      (64, 64, 256, 4, 1),
-      (64, 64, 128, 6, 1),
-      (128, 128, 128, 3, 1),
-      (128, 64, 128, 4, 1),
-      (64, 128, 256, 3, 1),
+  """A short list of candidates for a GPU sweep (default first; all fit in SMEM).
+
+  Six one-warpgroup configs, then six warp-specialized ones
+  (``num_compute_wgs=2``: 256 x 128 or 128 x 256 output tiles per item, or
+  128 x 128 with 128-row steps).  Stages drop until SMEM fits (f32 outputs
+  need a bigger staging tile); configs that no longer fit, or whose k tile is
+  too small for two 64-row halves, are left out.
+  """
+  del m
+  out = [default_config(m=0, k=k, n=n, num_groups=num_groups, dtype=dtype)]
+  out = [c for c in out if c is not None]
+  for bm, bk, bn, stages, width, wgs in (
+      (64, 128, 128, 4, 1, 1),
+      (64, 128, 128, 6, 1, 1),
+      (64, 128, 128, 4, 8, 1),
+      (64, 64, 256, 4, 1, 1),
+      (128, 128, 128, 3, 1, 1),
+      (64, 128, 256, 3, 1, 1),
+      (64, 256, 128, 3, 1, 2),
+      (64, 128, 256, 3, 1, 2),
+      (64, 256, 128, 3, 8, 2),
+      (64, 128, 128, 6, 1, 2),
+      (128, 128, 128, 3, 1, 2),
+      (128, 256, 64, 3, 1, 2),
   ):
+    bk, bn = min(bk, _fit(256, k)), min(bn, _fit(256, n))
+    if wgs == 2 and (bk < 128 or (bk // 2) * bn > 128 * 128):
+      continue
     config = MosaicDwConfig(
-        block_m=bm, block_k=min(bk, _fit(256, k)), block_n=min(bn, _fit(256, n)),
-        num_stages=stages, grid_tile_width=width,
+        block_m=bm, block_k=bk, block_n=bn, num_stages=stages,
+        grid_tile_width=width, num_compute_wgs=wgs,
     )
     config = _fit_stages(config, dtype, out_dtype)
     if config is not None and config not in out:
@@ -177,6 +221,133 @@ def _check_supported(lhs: jax.Array, rhs: jax.Array, out_dtype) -> None:
     )
   if m % 8:
     raise NotImplementedError(f"mosaic tgmm: m={m} must be a multiple of 8")
+
+
+def _mask_rows(tile_smem, row0, start, end):
+  """Zeroes the rows of an SMEM tile that lie outside [start, end)."""
+  tile = tile_smem[...]
+  rows = plgpu.layout_cast(
+      lax.broadcasted_iota(jnp.int32, tile.shape, 0), plgpu.Layout.WGMMA
+  ) + row0
+  keep = (rows >= start) & (rows < end)
+  tile_smem[...] = jnp.where(keep, tile, jnp.zeros_like(tile))
+
+
+def _body_2wg(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gmem,
+              out_gmem, *, config, num_groups, grid_k, grid_n, out_dtype,
+              in_transforms_lhs, in_transforms_rhs, out_transforms):
+  """Warp-specialized dW: warpgroups 0, 1 compute, warpgroup 2 issues TMA loads.
+
+  Work item (group j, k tile ki, n tile ni): consumer ``w`` accumulates
+  ``lhs[rows, ki*bk + w*hk : +hk]^T @ rhs[rows, ni*bn : +bn]`` over the group's
+  row blocks (both consumers read the same SMEM stage) and stores its
+  (hk, bn) half of the output tile asynchronously from its own SMEM buffer.
+
+  Synchronization beyond the pipeline's own produced/consumed barriers:
+  * ``mask_barrier`` (2 arrivals): on a boundary row block the two consumers
+    split the masking of the shared lhs/rhs stage by 64-column chunks, then
+    both wait until both halves are masked before their wgmma reads it.
+  * ``done_barrier`` (2 arrivals): the pipeline never releases the slot of an
+    item's last step, so before the producer starts the next item's loads it
+    waits until both consumers have finished their last wgmma (read the
+    accumulator).  Only items with row blocks use it, so the consumers can never
+    be more than one phase ahead of the producer.
+  """
+  bm, bk, bn = config.block_m, config.block_k, config.block_n
+  hk = bk // 2
+
+  def make_pipeline(step, compute_context, nblocks, first=0, ki=0, ni=0):
+    return plgpu.emit_pipeline_warp_specialized(
+        step,
+        grid=(nblocks,),
+        memory_registers=40,
+        in_specs=[
+            plgpu.BlockSpec((bm, bk), lambda i: (first + i, ki),
+                            transforms=in_transforms_lhs, delay_release=1),
+            plgpu.BlockSpec((bm, bn), lambda i: (first + i, ni),
+                            transforms=in_transforms_rhs, delay_release=1),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=config.num_stages,
+        compute_context=compute_context,
+    )
+
+  ignore = lambda *_, **__: None
+  # A static grid of num_stages steps allocates the same num_stages slots as
+  # the dynamic grids used below.
+  allocs = make_pipeline(ignore, ignore, config.num_stages).get_allocations(
+      lhs_gmem, rhs_gmem)
+
+  @functools.partial(
+      pl.run_scoped,
+      allocs=allocs,
+      o_smem=plgpu.SMEM((2, hk, bn), out_dtype, transforms=out_transforms),
+      mask_barrier=plgpu.Barrier(num_arrivals=2),
+      done_barrier=plgpu.Barrier(num_arrivals=2),
+      collective_axes="wg",
+  )
+  def _scope(allocs, o_smem, mask_barrier, done_barrier):
+    wg = lax.axis_index("wg")
+    is_consumer = wg < 2
+
+    @plgpu.nd_loop((num_groups, grid_k * grid_n), collective_axes="sm")
+    def _item(info: plgpu.NDLoopInfo):
+      j = info.index[0]
+      ki, ni = plgpu.planar_snake(
+          info.index[1], (grid_k, grid_n), 1, config.grid_tile_width
+      )
+      start, end = starts_gmem[j], ends_gmem[j]
+      first, nblocks = first_gmem[j], nblocks_gmem[j]
+
+      def step(idx, lhs_smem, rhs_smem, acc_ref):
+        row0 = (first + idx[0]) * bm
+
+        # Only a group's first and last blocks can straddle its bounds.
+        @pl.when((row0 < start) | (row0 + bm > end))
+        def _():
+          chunks = [(lhs_smem, c) for c in range(0, bk, 64)]
+          chunks += [(rhs_smem, c) for c in range(0, bn, 64)]
+          for i, (ref, col) in enumerate(chunks):
+            pl.when(wg == i % 2)(functools.partial(
+                _mask_rows, ref.at[:, pl.ds(col, 64)], row0, start, end))
+          plgpu.commit_smem()
+          plgpu.barrier_arrive(mask_barrier)
+          plgpu.barrier_wait(mask_barrier)
+
+        plgpu.wgmma(acc_ref, lhs_smem.at[:, pl.ds(wg * hk, hk)].T, rhs_smem)
+        # delay_release=1: this step's slot is released one step later, once
+        # at most this step's wgmma is still in flight.
+        plgpu.wgmma_wait(1)
+        return acc_ref
+
+      def compute_context(eval_pipeline):
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((hk, bn), jnp.float32))
+        def _acc(acc_ref):
+          eval_pipeline(acc_ref)
+          acc = acc_ref[...]  # waits for the last wgmma
+          pl.when(nblocks > 0)(lambda: plgpu.barrier_arrive(done_barrier))
+          my_smem = o_smem.at[wg]
+          # This consumer's previous store must be done reading its buffer.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          my_smem[...] = acc.astype(out_dtype)
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(
+              my_smem,
+              out_gmem.at[j, pl.ds(ki * bk + wg * hk, hk), pl.ds(ni * bn, bn)],
+          )
+
+      # Items of empty groups run a zero-step pipeline: the consumers store
+      # the zero-initialized accumulator, the producer loads nothing.
+      make_pipeline(step, compute_context, nblocks, first, ki, ni)(
+          lhs_gmem, rhs_gmem, allocations=allocs
+      )
+
+      @pl.when(jnp.logical_not(is_consumer) & (nblocks > 0))
+      def _():
+        plgpu.barrier_wait(done_barrier)
+
+    pl.when(is_consumer)(lambda: plgpu.wait_smem_to_gmem(0))
 
 
 def tgmm(
@@ -238,15 +409,6 @@ def tgmm(
   in_transforms_rhs = _swizzled(bn, rhs.dtype)
   out_transforms = _swizzled(bn, out_dtype)
 
-  def mask_rows(tile_smem, row0, start, end):
-    """Zeroes the rows of an SMEM tile that lie outside [start, end)."""
-    tile = tile_smem[...]
-    rows = plgpu.layout_cast(
-        lax.broadcasted_iota(jnp.int32, tile.shape, 0), plgpu.Layout.WGMMA
-    ) + row0
-    keep = (rows >= start) & (rows < end)
-    tile_smem[...] = jnp.where(keep, tile, jnp.zeros_like(tile))
-
   def body(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gmem,
            out_gmem, out_smem):
 
@@ -266,8 +428,8 @@ def tgmm(
           # Only a group's first and last blocks can straddle its bounds.
           @pl.when((row0 < start) | (row0 + bm > end))
           def _():
-            mask_rows(lhs_smem, row0, start, end)
-            mask_rows(rhs_smem, row0, start, end)
+            _mask_rows(lhs_smem, row0, start, end)
+            _mask_rows(rhs_smem, row0, start, end)
             plgpu.commit_smem()
 
           plgpu.wgmma(acc_ref, lhs_smem.T, rhs_smem)
@@ -307,19 +469,32 @@ def tgmm(
 
     plgpu.wait_smem_to_gmem(0)
 
+  if config.num_compute_wgs == 2:
+    body = functools.partial(
+        _body_2wg, config=config, num_groups=num_groups, grid_k=grid_k,
+        grid_n=grid_n, out_dtype=out_dtype, in_transforms_lhs=in_transforms_lhs,
+        in_transforms_rhs=in_transforms_rhs, out_transforms=out_transforms,
+    )
+    scratch_types = []
+    extra = dict(num_threads=3, thread_name="wg")
+  else:
+    scratch_types = [plgpu.SMEM((bk, bn), out_dtype, transforms=out_transforms)]
+    extra = {}
+
   num_sms = config.num_sms
   if num_sms is None:
     num_sms = 1 if interpret else _device_sms()
   kernel = plgpu.kernel(
       body,
       out_type=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
-      scratch_types=[plgpu.SMEM((bk, bn), out_dtype, transforms=out_transforms)],
+      scratch_types=scratch_types,
       grid=(num_sms,),
       grid_names=("sm",),
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup
       ),
       interpret=_interpret_params(interpret),
+      **extra,
   )
   i32 = lambda x: x.astype(jnp.int32)
   return kernel(i32(starts), i32(ends), i32(first_block), i32(num_blocks), lhs, rhs)
