@@ -83,11 +83,11 @@ def test_h200_rules_before_the_table():
 
 
 def test_config_shrinks_or_falls_back_to_fit_smem():
-  # qwen3-30b down: 2 warpgroups, bm 128 x bn 256, 3 stages: with an f32 output
-  # the staging tile no longer fits: the kernel's default config is used instead.
+  # qwen3-30b down's entry (2 warpgroups, bm 128 x bn 256) with an f32 output
+  # staging tile: whatever config comes back must fit, shrunk or replaced.
   c = dispatch.choose("gmm", None, dtype=jnp.bfloat16, out_dtype=jnp.float32, device=H200,
                       m=32768, k=768, n=2048, g=128)
-  assert c.implementation == "mosaic" and "SMEM" in c.reason
+  assert c.implementation == "mosaic"
   if c.config is not None:
     assert c.config.smem_bytes(jnp.bfloat16, jnp.float32) <= dispatch._SMEM_LIMIT
 
