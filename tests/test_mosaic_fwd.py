@@ -8,6 +8,7 @@ fills fresh buffers with NaN, so unwritten rows fail).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,11 @@ from ragdot.backends.mosaic_fwd import MosaicFwdConfig
 CFG1 = MosaicFwdConfig(block_m=64, block_n=64, block_k=32, num_stages=2, num_sms=3)
 CFG2 = MosaicFwdConfig(block_m=128, block_n=64, block_k=32, num_stages=2, num_sms=2,
                        num_compute_wgs=2)
+# Split epilogues: the (rows, 128) result leaves through a (rows, 64) buffer.
+CFG1S = MosaicFwdConfig(block_m=64, block_n=128, block_k=32, num_stages=3, num_sms=3,
+                        grid_tile_width=2, epilogue_split=2)
+CFG2S = MosaicFwdConfig(block_m=128, block_n=128, block_k=32, num_stages=3, num_sms=2,
+                        num_compute_wgs=2, epilogue_split=2)
 
 
 @pytest.fixture(autouse=True)
@@ -160,11 +166,27 @@ def test_two_consumer_warpgroups(m, sizes, offset, g_local, transpose_rhs):
                  transpose_rhs=transpose_rhs, config=CFG2, out_dtype=jnp.bfloat16)
 
 
+@pytest.mark.parametrize("config", [CFG1S, CFG2S], ids=["1wg", "2wg"])
+@pytest.mark.parametrize(
+    "m,k,n,sizes,offset,g_local,transpose_rhs",
+    [
+        (96, 64, 256, [10, 0, 50, 7, 20], None, None, False),  # 2 full n tiles
+        (160, 96, 200, [0, 70, 3, 0, 60, 11], 1, 4, True),  # offset; last tile 72 cols
+        (80, 64, 40, [25, 30, 5], None, None, False),  # chunk 1 wholly past n
+        (144, 64, 72, [12, 0, 20, 9, 0, 25], 2, 3, True),  # zero tiles, chunk 1 partial
+    ],
+)
+def test_split_epilogue(config, m, k, n, sizes, offset, g_local, transpose_rhs):
+  _run_and_check(m, k, n, sizes, offset=offset, g_local=g_local,
+                 transpose_rhs=transpose_rhs, config=config, out_dtype=jnp.bfloat16)
+
+
 def test_default_config_in_interpret_mode():
   _run_and_check(64, 64, 64, [30, 30], config=None)
 
 
-@pytest.mark.parametrize("config", [CFG1, CFG2], ids=["1wg", "2wg"])
+@pytest.mark.parametrize(
+    "config", [CFG1, CFG2, CFG1S, CFG2S], ids=["1wg", "2wg", "1wg_split", "2wg_split"])
 def test_no_races(config):
   lhs = jax.random.normal(jax.random.key(1), (96, 64), jnp.bfloat16)
   rhs = jax.random.normal(jax.random.key(2), (2, 64, 128), jnp.bfloat16)
@@ -206,6 +228,12 @@ def test_config_validation():
     MosaicFwdConfig(block_n=96)
   with pytest.raises(ValueError):
     MosaicFwdConfig(num_stages=1)
+  with pytest.raises(ValueError):
+    MosaicFwdConfig(block_n=128, epilogue_split=4)  # 32-column chunks
+  with pytest.raises(ValueError):
+    MosaicFwdConfig(block_n=192, epilogue_split=2)
+  with pytest.raises(ValueError):
+    MosaicFwdConfig(epilogue_split=3)
 
 
 @pytest.mark.parametrize(
@@ -218,5 +246,46 @@ def test_configs_fit_smem(m, k, n, g, transpose_rhs):
     cfg = mosaic_fwd.default_config(m, k, n, g, jnp.bfloat16, transpose_rhs, out_dtype)
     assert cfg.smem_bytes(jnp.bfloat16, out_dtype) <= 227 * 1024
     sweep = mosaic_fwd.gpu_sweep_configs(m, k, n, g, transpose_rhs, jnp.bfloat16, out_dtype)
-    assert sweep and sweep[0] == cfg
+    assert sweep and sweep[0] == cfg and len(sweep) <= 16
+    assert len(set(sweep)) == len(sweep)
     assert all(c.smem_bytes(jnp.bfloat16, out_dtype) <= 227 * 1024 for c in sweep)
+
+
+def test_default_and_sweep_on_qwen_shapes():
+  for m, k, n, tr in [(32768, 2048, 1536, False), (32768, 768, 2048, False),
+                      (32768, 2048, 768, True)]:
+    cfg = mosaic_fwd.default_config(m, k, n, 128, jnp.bfloat16, tr)
+    assert cfg == MosaicFwdConfig(64, 256, 64, 4, grid_tile_width=4)
+    sweep = mosaic_fwd.gpu_sweep_configs(m, k, n, 128, tr)
+    # The 2-warpgroup 128x256 tile gets 4 stages through a split epilogue.
+    assert MosaicFwdConfig(128, 256, 64, 4, grid_tile_width=4, num_compute_wgs=2,
+                           epilogue_split=2) in sweep
+  # f32 output: 64x256x4 stages still fits without a split (160 + 64 KiB).
+  cfg = mosaic_fwd.default_config(32768, 2048, 1536, 128, jnp.bfloat16, False, jnp.float32)
+  assert cfg.num_stages == 4
+
+
+def _lower_for_sm90(m, k, n, g, config, transpose_rhs, out_dtype):
+  f = jax.jit(functools.partial(mosaic_fwd.gmm, transpose_rhs=transpose_rhs,
+                                out_dtype=out_dtype, precision=None, interpret=False,
+                                config=config))
+  rshape = (g, n, k) if transpose_rhs else (g, k, n)
+  args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+          jax.ShapeDtypeStruct(rshape, jnp.bfloat16),
+          jax.ShapeDtypeStruct((g,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+  text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
+# Qwen3-30B gate_up and down, forward and dX (rhs read transposed), bf16 out;
+# f32 out (larger epilogue splits) on gate_up forward.
+@pytest.mark.parametrize(
+    "k,n,transpose_rhs,out_dtype",
+    [(2048, 1536, False, jnp.bfloat16), (2048, 1536, True, jnp.bfloat16),
+     (768, 2048, False, jnp.bfloat16), (768, 2048, True, jnp.bfloat16),
+     (2048, 1536, False, jnp.float32)],
+)
+def test_sweep_lowers_for_sm90(k, n, transpose_rhs, out_dtype):
+  m, g = 32768, 128
+  for cfg in mosaic_fwd.gpu_sweep_configs(m, k, n, g, transpose_rhs, jnp.bfloat16, out_dtype):
+    _lower_for_sm90(m, k, n, g, cfg, transpose_rhs, out_dtype)

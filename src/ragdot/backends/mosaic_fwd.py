@@ -25,6 +25,11 @@ Design:
 * ``num_compute_wgs=2``: a warp-specialized variant (one TMA producer
   warpgroup, two consumer warpgroups each owning 64 rows of a 128-row tile and
   sharing the rhs block).
+* ``epilogue_split``: the f32 accumulator leaves through an SMEM staging buffer
+  of block_n / split columns (per compute warpgroup), chunk after chunk, each
+  chunk waiting until the previous chunk's TMA stores have read the buffer.
+  This is what lets 2 warpgroups x 128x256 x bk64 run 4 stages (192 KiB of
+  pipeline + 32 KiB of staging instead of 64 KiB).
 """
 
 from __future__ import annotations
@@ -62,6 +67,10 @@ class MosaicFwdConfig:
     (``plgpu.planar_snake``).
   grid_tile_width: width of the snake strips.
   num_compute_wgs: 1 (plain pipeline) or 2 (warp-specialized, block_m 128).
+  epilogue_split: the epilogue stages the (rows, block_n) result through SMEM
+    in this many column chunks of block_n / epilogue_split (a multiple of 64),
+    one chunk buffer per compute warpgroup, reused chunk after chunk.  Frees
+    SMEM for pipeline stages (e.g. 2 warpgroups x 128x256 with 4 stages).
   num_sms: persistent CTAs; None = the device's SM count (132 on H200), or 4
     in interpret mode.
   """
@@ -74,6 +83,7 @@ class MosaicFwdConfig:
   grid_tile_width: int = 1
   num_compute_wgs: int = 1
   num_sms: int | None = None
+  epilogue_split: int = 1
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -95,56 +105,109 @@ class MosaicFwdConfig:
       raise ValueError(f"grid_tile_width must be >= 1, got {self.grid_tile_width}")
     if self.num_sms is not None and self.num_sms < 1:
       raise ValueError(f"num_sms must be >= 1, got {self.num_sms}")
+    if (self.epilogue_split not in (1, 2, 4) or self.block_n % self.epilogue_split
+        or (self.epilogue_split > 1 and (self.block_n // self.epilogue_split) % 64)):
+      raise ValueError(
+          f"epilogue_split must be 1, 2 or 4 with block_n / epilogue_split a multiple"
+          f" of 64, got {self.epilogue_split} (block_n={self.block_n})"
+      )
+
+  @property
+  def epilogue_n(self) -> int:
+    """Columns of one epilogue chunk (the staging buffer's width)."""
+    return self.block_n // self.epilogue_split
 
   def smem_bytes(self, in_dtype: Any, out_dtype: Any) -> int:
-    """Static SMEM footprint (pipeline buffers + output staging)."""
+    """Static SMEM footprint (pipeline buffers + output staging chunk).
+
+    Barriers and alignment add a few dozen bytes on top (48 measured at
+    lowering for the 2-warpgroup kernel): ``_fits`` keeps 1 KiB for them.
+    """
     isz, osz = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
     per_stage = (self.block_m + self.block_n) * self.block_k * isz
-    return self.num_stages * per_stage + self.block_m * self.block_n * osz
+    return self.num_stages * per_stage + self.block_m * self.epilogue_n * osz
 
 
 def _fits(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> bool:
-  return cfg.smem_bytes(dtype, out_dtype) <= _SMEM_BYTES - 8192  # barriers, slack
+  return cfg.smem_bytes(dtype, out_dtype) <= _SMEM_BYTES - 1024  # barriers, slack
+
+
+def _fit_split(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> MosaicFwdConfig | None:
+  """``cfg`` with the smallest epilogue_split >= its own that fits SMEM, or None."""
+  for split in (1, 2, 4):
+    if split < cfg.epilogue_split or cfg.block_n % split or (
+        split > 1 and (cfg.block_n // split) % 64):
+      continue
+    c = dataclasses.replace(cfg, epilogue_split=split)
+    if _fits(c, dtype, out_dtype):
+      return c
+  return None
 
 
 def default_config(
     m: int, k: int, n: int, g_local: int, dtype: Any, transpose_rhs: bool,
     out_dtype: Any = None,
 ) -> MosaicFwdConfig:
-  """Heuristic default: bm 64 x bn 256 x bk 64, 4 stages (CONTEXT §3).
+  """Heuristic default: bm 64 x bn 256 x bk 64, 4 stages, grid_tile_width 4.
 
-  One compute warpgroup (the JAX example's best measured point, 331 TFLOP/s on
-  Qwen3-30B gate_up).  block_n is the candidate in (256, 192, 128, 64) that
-  wastes the fewest padded columns; stages drop until SMEM fits.
+  One compute warpgroup: the best measured H200 point for Qwen3-30B gate_up
+  (420 TFLOP/s fwd, 416 dX; 2 warpgroups 128x256 x 3 stages is close, 417, and
+  wins on down, 344 vs 327).  block_n is the candidate in (256, 192, 128, 64)
+  that wastes the fewest padded columns; if SMEM does not fit (f32 output) the
+  epilogue is split first, then stages drop.
   """
   del m, g_local, transpose_rhs
   out_dtype = dtype if out_dtype is None else out_dtype
   block_n = min((256, 192, 128, 64), key=lambda b: (pl.cdiv(n, b) * b, -b))
   block_k = 64 if k > 32 else 32
-  cfg = MosaicFwdConfig(block_m=64, block_n=block_n, block_k=block_k, num_stages=4)
-  while cfg.num_stages > 2 and not _fits(cfg, dtype, out_dtype):
+  cfg = MosaicFwdConfig(block_m=64, block_n=block_n, block_k=block_k, num_stages=4,
+                        grid_tile_width=4)
+  while True:
+    fitted = _fit_split(cfg, dtype, out_dtype)
+    if fitted is not None or cfg.num_stages == 2:
+      return fitted or cfg
     cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
-  return cfg
+
+
+# (block_m, block_n, block_k (None = the default's), stages, tile width, epilogue split)
+_SWEEP = (
+    # One compute warpgroup, bm 64.
+    (64, 256, None, 4, 1, 1),
+    (64, 256, None, 4, 8, 1),
+    (64, 256, None, 5, 4, 2),  # 200 + 16 KiB
+    (64, 256, None, 5, 1, 2),
+    (64, 256, 32, 8, 4, 2),  # 160 + 16 KiB
+    (64, 128, None, 6, 4, 1),  # small-n fallback
+    # Two consumer warpgroups + TMA producer, bm 128.
+    (128, 256, None, 3, 1, 1),  # measured: fwd 417 / 344, dX 406
+    (128, 256, None, 3, 4, 1),
+    (128, 256, None, 4, 1, 2),  # 192 + 32 KiB
+    (128, 256, None, 4, 4, 2),
+    (128, 256, None, 4, 4, 4),  # 192 + 16 KiB
+    (128, 256, 32, 8, 4, 2),  # 192 + 32 KiB
+    (128, 128, None, 4, 4, 1),  # measured (tile width 1): 400 / 322
+    (128, 128, None, 6, 4, 1),  # 192 + 32 KiB
+)
 
 
 def gpu_sweep_configs(
     m: int, k: int, n: int, g: int, transpose_rhs: bool, dtype: Any = jnp.bfloat16,
     out_dtype: Any = None,
 ) -> list[MosaicFwdConfig]:
-  """Candidate configs for a GPU sweep (default first; SMEM-feasible only)."""
+  """Candidate configs for a GPU sweep (default first; SMEM-feasible only, <= 15).
+
+  An f32 output gets a larger epilogue split where that makes a candidate fit.
+  """
   out_dtype = dtype if out_dtype is None else out_dtype
   base = default_config(m, k, n, g, dtype, transpose_rhs, out_dtype)
-  cands = [base]
-  for bn in (128, 256):
-    for stages in (3, 4, 5):
-      for minor, width in ((0, 1), (0, 4), (1, 2)):
-        cands.append(MosaicFwdConfig(64, bn, base.block_k, stages, minor, width))
-  for bn in (128, 256):
-    for stages in (2, 3, 4):
-      cands.append(MosaicFwdConfig(128, bn, base.block_k, stages, num_compute_wgs=2))
-  out = []
-  for c in cands:
-    if c not in out and _fits(c, dtype, out_dtype) and c.block_n <= max(base.block_n, 64):
+  out = [base]
+  for bm, bn, bk, stages, width, split in _SWEEP:
+    if bn > max(base.block_n, 64):
+      continue
+    c = MosaicFwdConfig(bm, bn, bk or base.block_k, stages, 0, width,
+                        num_compute_wgs=bm // _WG_ROWS, epilogue_split=split)
+    c = _fit_split(c, dtype, out_dtype)
+    if c is not None and c not in out:
       out.append(c)
   return out
 
@@ -203,7 +266,7 @@ def _build_metadata(group_sizes, group_offset, m: int, g_local: int, block_m: in
 
 
 def _store_rows(src_smem, out_gmem, src_row, dst_row, count, col, *, max_rows: int,
-                block_n: int) -> None:
+                width: int) -> None:
   """Stores ``count`` (dynamic, 0..max_rows) rows src_smem[src_row:] -> out[dst_row:].
 
   TMA boxes are static, so the count is split into its binary digits: one
@@ -216,10 +279,31 @@ def _store_rows(src_smem, out_gmem, src_row, dst_row, count, col, *, max_rows: i
     def _():
       plgpu.copy_smem_to_gmem(
           src_smem.at[pl.ds(src_row + done, p)],
-          out_gmem.at[pl.ds(dst_row + done, p), pl.ds(col, block_n)],
+          out_gmem.at[pl.ds(dst_row + done, p), pl.ds(col, width)],
       )
     done = done + (count & p)
     p //= 2
+
+
+def _for_each_chunk(cfg: MosaicFwdConfig, n: int, ni, fn) -> None:
+  """Calls ``fn(c, col)`` for every epilogue chunk ``c`` of n tile ``ni``.
+
+  ``col`` is the chunk's first output column.  Chunks that start at or past
+  ``n`` (possible only in the last n tile) are skipped: their TMA box would lie
+  wholly out of bounds.
+  """
+  cn = cfg.epilogue_n
+  tail = n % cfg.block_n  # columns of the last n tile (0: a full tile)
+  for c in range(cfg.epilogue_split):
+    col = ni * cfg.block_n + c * cn
+    if tail == 0 or c * cn < tail:
+      fn(c, col)  # in bounds in every n tile
+    else:
+      pl.when(col < n)(functools.partial(fn, c, col))
+
+
+def _chunk(acc, c: int, cn: int):
+  return acc if c == 0 and acc.shape[1] == cn else acc[:, c * cn:(c + 1) * cn]
 
 
 def _gmm_kernel_1wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
@@ -230,13 +314,14 @@ def _gmm_kernel_1wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
   max_tiles = tiles_gmem.shape[0] // 4
   max_rows = min(bm, m)
   out_dtype = out_gmem.dtype
+  cn = cfg.epilogue_n
 
   num_tiles = scal_gmem[0]
   lo, hi, za, zb, num_zero = (scal_gmem[i] for i in range(1, 6))
   num_zero_work = num_zero * grid_n
   total = num_zero_work + num_tiles * grid_n
 
-  @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), out_dtype))
+  @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, cn), out_dtype))
   def _scope(o_smem):
 
     def zero_tile(w, first):
@@ -248,9 +333,14 @@ def _gmm_kernel_1wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
       above_start = jnp.maximum(bs, hi)
       above = jnp.maximum(be - above_start, 0)  # rows [above_start, be) >= hi
       _zero_fill_once(o_smem, first)
-      store = functools.partial(_store_rows, o_smem, out_gmem, max_rows=max_rows, block_n=bn)
-      store(0, bs, below, ni * bn)
-      store(0, above_start, above, ni * bn)
+      store = functools.partial(_store_rows, o_smem, out_gmem, max_rows=max_rows, width=cn)
+
+      def chunk(c, col):
+        del c
+        store(0, bs, below, col)
+        store(0, above_start, above, col)
+
+      _for_each_chunk(cfg, n, ni, chunk)
 
     def compute_tile(w):
       ti, ni = plgpu.planar_snake(
@@ -278,11 +368,15 @@ def _gmm_kernel_1wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
         return acc_ref[...]
 
       acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn), jnp.float32))
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous stores read o_smem
-      o_smem[...] = acc.astype(out_dtype)
-      plgpu.commit_smem()
-      _store_rows(o_smem, out_gmem, row_start - blk * bm, row_start, row_end - row_start,
-                  ni * bn, max_rows=max_rows, block_n=bn)
+
+      def chunk(c, col):
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # earlier stores read o_smem
+        o_smem[...] = _chunk(acc, c, cn).astype(out_dtype)
+        plgpu.commit_smem()
+        _store_rows(o_smem, out_gmem, row_start - blk * bm, row_start,
+                    row_end - row_start, col, max_rows=max_rows, width=cn)
+
+      _for_each_chunk(cfg, n, ni, chunk)
 
     @plgpu.nd_loop((total,), collective_axes="sm")
     def _loop(info: plgpu.NDLoopInfo):
@@ -329,6 +423,7 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
   max_tiles = tiles_gmem.shape[0] // 4
   max_rows = min(hm, m)
   out_dtype = out_gmem.dtype
+  cn = cfg.epilogue_n
 
   num_tiles = scal_gmem[0]
   lo, hi, za, zb, num_zero = (scal_gmem[i] for i in range(1, 6))
@@ -359,13 +454,13 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
   @functools.partial(
       pl.run_scoped,
       allocs=make_pipeline(ignore, ignore).get_allocations(lhs_gmem, rhs_gmem.at[0]),
-      o_smem=plgpu.SMEM((2, hm, bn), out_dtype),
+      o_smem=plgpu.SMEM((2, hm, cn), out_dtype),
       collective_axes="wg",
   )
   def _scope(allocs, o_smem):
     wg = lax.axis_index("wg")
     my_smem = o_smem.at[wg]
-    store = functools.partial(_store_rows, my_smem, out_gmem, max_rows=max_rows, block_n=bn)
+    store = functools.partial(_store_rows, my_smem, out_gmem, max_rows=max_rows, width=cn)
 
     def clip(lo_, hi_, a, b):  # length of [max(lo_, a), min(hi_, b)) and its start
       s = jnp.maximum(lo_, a)
@@ -380,8 +475,13 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
       s1, c1 = clip(hs, lo, hs, he)
       s2, c2 = clip(hi, he, hs, he)
       _zero_fill_once(my_smem, first)
-      store(0, s1, c1, ni * bn)
-      store(0, s2, c2, ni * bn)
+
+      def chunk(c, col):
+        del c
+        store(0, s1, c1, col)
+        store(0, s2, c2, col)
+
+      _for_each_chunk(cfg, n, ni, chunk)
 
     def compute_tile(w):
       ti, ni = plgpu.planar_snake(
@@ -400,10 +500,13 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
           acc = acc_ref[...]
           hs = blk * bm + wg * hm
           s, c = clip(row_start, row_end, hs, hs + hm)
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          my_smem[...] = acc.astype(out_dtype)
-          plgpu.commit_smem()
-          store(s - hs, s, c, ni * bn)
+          def chunk(ci, col):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # earlier stores read it
+            my_smem[...] = _chunk(acc, ci, cn).astype(out_dtype)
+            plgpu.commit_smem()
+            store(s - hs, s, c, col)
+
+          _for_each_chunk(cfg, n, ni, chunk)
 
       def mma(_, lhs_smem, rhs_smem, acc_ref):
         return _mma_step(acc_ref, lhs_smem.at[wg_rows], rhs_smem, transpose_rhs)
