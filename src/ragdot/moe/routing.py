@@ -1,6 +1,19 @@
-"""On-device token routing for MoE layers: top-k, sort by expert, unsort.
+"""On-device token routing for MoE layers: scoring, top-k, sort by group, unsort.
 
-Everything is jit-safe: group sizes are computed on device and never synced.
+Two scorers produce ``(weights[tokens, top_k] f32, experts[tokens, top_k] int32)``:
+
+* ``softmax_top_k``: softmax over experts, top-k, optional renormalisation
+  (Qwen3 / Mixtral style).
+* ``deepseek_top_k``: DeepSeek-V3 style: sigmoid scores; a per-expert bias
+  (aux-loss-free load balancing) is added for *selection only*; experts are split
+  into ``n_group`` groups, each group is scored by the sum of its two best biased
+  scores, only the best ``topk_group`` groups may be chosen; the weights are the
+  unbiased scores of the chosen experts, optionally renormalised, times
+  ``routed_scaling_factor``.
+
+``make_routing`` then lays the ``tokens * top_k`` assignments out for ragged_dot:
+sorted by group id (the expert, or ``expert * num_adapters + adapter`` for LoRA
+experts), with on-device group sizes.  Nothing here syncs to the host.
 """
 
 from __future__ import annotations
@@ -18,8 +31,9 @@ class Routing:
 
   order: int32[tokens*top_k], row r of the sorted layout is flat assignment
     ``order[r]`` (token ``order[r] // top_k``).
-  group_sizes: int32[num_experts], rows per expert in the sorted layout.
-  weights: [tokens, top_k] combine weights; experts: int32[tokens, top_k].
+  group_sizes: int32[num_groups], rows per group in the sorted layout (groups
+    are experts, or (expert, adapter) pairs ``expert * A + adapter``).
+  weights: [tokens, top_k] f32 combine weights; experts: int32[tokens, top_k].
   """
 
   order: jax.Array
@@ -28,17 +42,81 @@ class Routing:
   experts: jax.Array
 
 
-def top_k_routing(logits: jax.Array, top_k: int, *, renormalize: bool = True) -> Routing:
-  """Softmax top-k routing of ``logits[tokens, num_experts]`` (f32 math)."""
-  num_experts = logits.shape[-1]
+def softmax_top_k(logits: jax.Array, top_k: int, *, renormalize: bool = True,
+                  routed_scaling_factor: float = 1.0) -> tuple[jax.Array, jax.Array]:
+  """Softmax top-k of ``logits[tokens, E]`` in f32 -> (weights, experts)."""
   probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
   weights, experts = jax.lax.top_k(probs, top_k)
   if renormalize:
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-  flat = experts.reshape(-1)
+  return weights * routed_scaling_factor, experts.astype(jnp.int32)
+
+
+def deepseek_top_k(logits: jax.Array, top_k: int, *, bias: jax.Array | None = None,
+                   n_group: int = 1, topk_group: int = 1, renormalize: bool = True,
+                   routed_scaling_factor: float = 1.0) -> tuple[jax.Array, jax.Array]:
+  """DeepSeek-V3 sigmoid + bias, group-limited top-k -> (weights, experts).
+
+  Args:
+    logits: ``[tokens, E]`` router logits (cast to f32).
+    bias: optional ``[E]`` score-correction bias, used for choosing experts
+      only (it gets no gradient).
+    n_group: expert groups (must divide E); topk_group: groups a token may use
+      (``top_k <= topk_group * E / n_group``).
+  """
+  tokens, num_experts = logits.shape
+  if num_experts % n_group:
+    raise ValueError(f"n_group={n_group} must divide num_experts={num_experts}")
+  per_group = num_experts // n_group
+  if not 1 <= topk_group <= n_group or top_k > topk_group * per_group:
+    raise ValueError(f"need 1 <= topk_group <= n_group and top_k <= topk_group * E / n_group;"
+                     f" got top_k={top_k}, n_group={n_group}, topk_group={topk_group}, E={num_experts}")
+  scores = jax.nn.sigmoid(logits.astype(jnp.float32))
+  choice = scores
+  if bias is not None:
+    choice = scores + jax.lax.stop_gradient(bias.astype(jnp.float32))
+  choice = jax.lax.stop_gradient(choice)  # selection only; weights carry the gradient
+  if n_group > 1 and topk_group < n_group:
+    grouped = choice.reshape(tokens, n_group, per_group)
+    best2 = jax.lax.top_k(grouped, min(2, per_group))[0].sum(-1)  # [tokens, n_group]
+    _, keep = jax.lax.top_k(best2, topk_group)
+    group_mask = jnp.zeros((tokens, n_group), bool).at[jnp.arange(tokens)[:, None], keep].set(True)
+    expert_mask = jnp.repeat(group_mask, per_group, axis=1)
+    choice = jnp.where(expert_mask, choice, -jnp.inf)
+  _, experts = jax.lax.top_k(choice, top_k)
+  weights = jnp.take_along_axis(scores, experts, axis=-1)
+  if renormalize:
+    weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+  return weights * routed_scaling_factor, experts.astype(jnp.int32)
+
+
+def make_routing(weights: jax.Array, experts: jax.Array, num_experts: int, *,
+                 adapter_ids: jax.Array | None = None, num_adapters: int = 1) -> Routing:
+  """Sorted layout for ``experts[tokens, top_k]``.
+
+  With ``adapter_ids[tokens]`` (LoRA), row groups are (expert, adapter) pairs
+  ``expert * num_adapters + adapter``: sorted this way the rows are also sorted
+  by expert, so the base weights use ``expert_group_sizes`` of the same layout.
+  """
+  tokens, top_k = experts.shape
+  groups = experts
+  if adapter_ids is not None and num_adapters > 1:
+    groups = experts * num_adapters + adapter_ids.astype(jnp.int32)[:, None]
+  flat = groups.reshape(-1)
   order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-  group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-  return Routing(order, group_sizes, weights, experts.astype(jnp.int32))
+  group_sizes = jnp.bincount(flat, length=num_experts * num_adapters).astype(jnp.int32)
+  return Routing(order, group_sizes, weights.astype(jnp.float32), experts.astype(jnp.int32))
+
+
+def expert_group_sizes(routing: Routing, num_experts: int) -> jax.Array:
+  """Rows per expert (sums the adapter groups of each expert)."""
+  return routing.group_sizes.reshape(num_experts, -1).sum(-1).astype(jnp.int32)
+
+
+def top_k_routing(logits: jax.Array, top_k: int, *, renormalize: bool = True) -> Routing:
+  """Softmax top-k routing of ``logits[tokens, num_experts]`` (f32 math)."""
+  weights, experts = softmax_top_k(logits, top_k, renormalize=renormalize)
+  return make_routing(weights, experts, logits.shape[-1])
 
 
 def sort_tokens(x: jax.Array, routing: Routing, top_k: int) -> jax.Array:
@@ -47,8 +125,14 @@ def sort_tokens(x: jax.Array, routing: Routing, top_k: int) -> jax.Array:
 
 
 def combine(y_sorted: jax.Array, routing: Routing, top_k: int) -> jax.Array:
-  """Unsorts ``y_sorted[tokens*top_k, d]`` and takes the weighted sum over k."""
+  """Unsorts ``y_sorted[tokens*top_k, d]`` and takes the weighted sum over k (f32)."""
   tokens = routing.weights.shape[0]
   y = jnp.zeros_like(y_sorted).at[routing.order].set(y_sorted)
   y = y.reshape(tokens, top_k, -1).astype(jnp.float32)
   return jnp.einsum("tkd,tk->td", y, routing.weights).astype(y_sorted.dtype)
+
+
+def expert_load(routing: Routing, num_experts: int) -> jax.Array:
+  """Fraction of the ``tokens * top_k`` assignments each expert got (f32[E])."""
+  gs = expert_group_sizes(routing, num_experts).astype(jnp.float32)
+  return gs / jnp.maximum(gs.sum(), 1.0)

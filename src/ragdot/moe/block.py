@@ -1,0 +1,140 @@
+"""Flax NNX ``MoEMLP``: router, SwiGLU experts (fused gate_up option), weighted
+combine, optional LoRA adapters on the experts, expert parallelism over a mesh.
+
+Parameters are stored in ``param_dtype`` (bf16 by default); routing math is f32;
+the expert ragged_dots run in ``dtype`` (default: param_dtype).  Variable types:
+
+* ``nnx.Param``: router kernel and base expert weights.
+* ``LoRAParam`` (an ``nnx.Param``): LoRA ``a``/``b``; train only them with
+  ``nnx.split(model, LoRAParam, ...)`` or ``wrt=LoRAParam``, or set
+  ``MoEConfig.freeze_base`` which stops the base weights' gradients.
+* ``RouterBias`` (an ``nnx.Variable``, not a Param): the DeepSeek score-correction
+  bias, updated outside the gradient (``update_router_bias``).
+
+The module just gathers its variables into ``functional``'s params pytree, so the
+NNX block and the pure function compute exactly the same thing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ragdot.moe import functional as F
+from ragdot.moe import routing as rt
+from ragdot.moe.config import MoEConfig
+
+
+class LoRAParam(nnx.Param):
+  """Trainable LoRA factor of an expert projection."""
+
+
+class RouterBias(nnx.Variable):
+  """DeepSeek-V3 per-expert selection bias (not trained by gradient)."""
+
+
+_SAME = object()
+
+
+class MoEMLP(nnx.Module):
+  """MoE SwiGLU MLP on ``x[..., hidden]``.
+
+  Args:
+    cfg: ``MoEConfig``.
+    rngs: ``nnx.Rngs``.
+    param_dtype: storage dtype of router/expert/LoRA weights (bf16 default).
+    dtype: compute dtype of the expert matmuls (default param_dtype).
+    mesh, ep_axis: run the experts under expert parallelism over mesh axis
+      ``ep_axis`` (None: no shard_map).  Expert weights are created with the
+      sharding metadata ``(ep_axis, None, ...)``; place them with
+      ``shard_moe_state`` or let jit reshard them.
+    lora_init_b_zero: standard LoRA init (``b = 0``: adapters start as no-ops).
+  """
+
+  def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs, param_dtype: Any = jnp.bfloat16,
+               dtype: Any = None, mesh: Any = None, ep_axis: str = "ep",
+               lora_init_b_zero: bool = True):
+    self.cfg = cfg
+    self.param_dtype = jnp.dtype(param_dtype)
+    self.dtype = jnp.dtype(dtype or param_dtype)
+    self.mesh = mesh
+    self.ep_axis = ep_axis
+    p = F.init_params(rngs.params(), cfg, jnp.float32)
+    cast = lambda a: a.astype(self.param_dtype)
+    self.router = nnx.Param(cast(p["router"]))
+    if "router_bias" in p:
+      self.router_bias = RouterBias(p["router_bias"])
+    for name in cfg.projections:
+      setattr(self, name, nnx.Param(cast(p[name])))
+    for name in cfg.targets:
+      b = p["lora"][name]["b"]
+      setattr(self, f"lora_{name}_a", LoRAParam(cast(p["lora"][name]["a"])))
+      setattr(self, f"lora_{name}_b", LoRAParam(cast(jnp.zeros_like(b) if lora_init_b_zero else b)))
+
+  def params(self) -> dict:
+    """The functional params pytree (current values)."""
+    p = {"router": self.router[...]}
+    if self.cfg.scoring == "deepseek":
+      p["router_bias"] = self.router_bias[...]
+    for name in self.cfg.projections:
+      p[name] = getattr(self, name)[...]
+    if self.cfg.targets:
+      p["lora"] = {name: {"a": getattr(self, f"lora_{name}_a")[...],
+                          "b": getattr(self, f"lora_{name}_b")[...]}
+                   for name in self.cfg.targets}
+    return p
+
+  def __call__(self, x: jax.Array, adapter_ids: jax.Array | None = None, *,
+               mesh: Any = _SAME, reference: bool = False) -> jax.Array:
+    """``x[..., d] -> [..., d]`` in x.dtype.
+
+    ``mesh`` overrides the module's mesh for this call (None: one shard);
+    ``reference=True`` uses the per-token dense f32 path instead (for checks).
+    """
+    params = self.params()
+    if reference:
+      return F.reference_moe_mlp(params, x, self.cfg, adapter_ids=adapter_ids).astype(x.dtype)
+    mesh = self.mesh if mesh is _SAME else mesh
+    y = F.moe_mlp(params, x, self.cfg, adapter_ids=adapter_ids, mesh=mesh,
+                  ep_axis=self.ep_axis, dtype=self.dtype)
+    return y.astype(x.dtype)
+
+  def routing(self, x: jax.Array, adapter_ids: jax.Array | None = None) -> rt.Routing:
+    x2 = x.reshape(-1, x.shape[-1])
+    ids = None if adapter_ids is None else adapter_ids.reshape(-1)
+    return F.route(self.params(), x2, self.cfg, ids)
+
+  def update_router_bias(self, x: jax.Array, rate: float = 1e-3) -> None:
+    """DeepSeek aux-loss-free balancing: raise the bias of under-loaded experts."""
+    if self.cfg.scoring != "deepseek":
+      return
+    load = rt.expert_load(self.routing(x), self.cfg.num_experts)
+    self.router_bias[...] = self.router_bias[...] + rate * jnp.sign(load.mean() - load)
+
+
+def expert_param_paths(cfg: MoEConfig) -> tuple[str, ...]:
+  """Attribute names of a MoEMLP's expert-sharded variables."""
+  names = list(cfg.projections)
+  for t in cfg.targets:
+    names += [f"lora_{t}_a", f"lora_{t}_b"]
+  return tuple(names)
+
+
+def shard_moe_state(state: Any, mesh: Any, ep_axis: str = "ep") -> Any:
+  """Places an NNX state (or any pytree with path names): leaves under a MoEMLP
+  expert attribute get ``P(ep_axis)`` on their leading dim, others are replicated."""
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  expert_names = {"gate_up", "gate", "up", "down"}
+
+  def place(path, leaf):
+    keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    is_expert = any(isinstance(k, str) and (k in expert_names or k.startswith("lora_"))
+                    for k in keys)
+    spec = P(ep_axis) if is_expert and np.ndim(leaf) >= 3 else P()
+    return jax.device_put(leaf, NamedSharding(mesh, spec))
+
+  return jax.tree_util.tree_map_with_path(place, state)

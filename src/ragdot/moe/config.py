@@ -1,0 +1,78 @@
+"""Static configuration of an MoE MLP (hashable: safe as a jit static argument)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  """Shape and routing of one MoE MLP.
+
+  hidden, intermediate: d_model and the per-expert SwiGLU width.
+  num_experts, top_k: E and k.
+  scoring: "softmax" (Qwen3/Mixtral) or "deepseek" (sigmoid + bias, group-limited).
+  n_group, topk_group: DeepSeek group-limited routing (ignored for softmax).
+  routed_scaling_factor: multiplies the combine weights; renormalize: make the
+    k weights of a token sum to 1 before scaling.
+  fused_gate_up: one [E, d, 2f] projection instead of gate and up [E, d, f].
+  num_adapters: LoRA adapters per expert (0: no LoRA); lora_rank, lora_alpha:
+    LoRA rank r and scale alpha / r; lora_targets: projections with LoRA
+    (names among "gate_up" or "gate", "up", and "down").
+  freeze_base: stop gradients to the router and base expert weights.
+  implementation: ragdot backend (None: automatic).
+  precision: matmul precision passed to ragdot (None: default).
+  """
+
+  hidden: int
+  intermediate: int
+  num_experts: int
+  top_k: int
+  scoring: str = "softmax"
+  n_group: int = 1
+  topk_group: int = 1
+  routed_scaling_factor: float = 1.0
+  renormalize: bool = True
+  fused_gate_up: bool = True
+  num_adapters: int = 0
+  lora_rank: int = 8
+  lora_alpha: float = 16.0
+  lora_targets: tuple[str, ...] | None = None
+  freeze_base: bool = False
+  implementation: str | None = None
+  precision: Any = None
+
+  def __post_init__(self):
+    if self.scoring not in ("softmax", "deepseek"):
+      raise ValueError(f"scoring must be 'softmax' or 'deepseek', got {self.scoring!r}")
+    if not 1 <= self.top_k <= self.num_experts:
+      raise ValueError(f"need 1 <= top_k <= num_experts, got {self.top_k}, {self.num_experts}")
+    bad = set(self.targets) - set(self.projections)
+    if bad:
+      raise ValueError(f"lora_targets {sorted(bad)} not among projections {self.projections}")
+
+  @property
+  def projections(self) -> tuple[str, ...]:
+    return ("gate_up", "down") if self.fused_gate_up else ("gate", "up", "down")
+
+  @property
+  def targets(self) -> tuple[str, ...]:
+    """Projections that carry LoRA (all of them by default)."""
+    if self.num_adapters <= 0:
+      return ()
+    return self.projections if self.lora_targets is None else tuple(self.lora_targets)
+
+  @property
+  def adapters(self) -> int:
+    """Adapters per expert in the group layout (1 without LoRA)."""
+    return max(self.num_adapters, 1)
+
+  @property
+  def lora_scale(self) -> float:
+    return self.lora_alpha / self.lora_rank
+
+  def proj_shape(self, name: str) -> tuple[int, int]:
+    """(k, n) of one expert's matrix for projection ``name``."""
+    d, f = self.hidden, self.intermediate
+    return {"gate_up": (d, 2 * f), "gate": (d, f), "up": (d, f), "down": (f, d)}[name]

@@ -1,0 +1,209 @@
+"""Pure-function MoE MLP (no flax): a params pytree in, activations out.
+
+Params (a dict; ``E`` experts, ``A`` adapters, shapes of ``MoEConfig.proj_shape``)::
+
+  router:        [d, E]        router kernel (routing math is f32)
+  router_bias:   [E]           DeepSeek score-correction bias (selection only, no grad)
+  gate_up | gate, up, down:    [E, k, n] expert weights
+  lora: {proj: {"a": [E, A, k, r], "b": [E, A, r, n]}}   LoRA adapters (optional)
+
+``moe_mlp`` routes on device, sorts the ``tokens * top_k`` rows by group, runs
+the expert SwiGLU with ragdot ragged_dots (under expert parallelism when given a
+mesh, see ``parallel.py``) and takes the weighted sum over k.
+``reference_moe_mlp`` is the per-token dense f32 computation with LoRA merged into
+the weights (``W + scale * A @ B``), for checking.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import ragdot
+from ragdot.moe import routing as rt
+from ragdot.moe.config import MoEConfig
+
+EXPERT_KEYS = ("gate_up", "gate", "up", "down", "lora")
+
+
+def init_params(key: jax.Array, cfg: MoEConfig, dtype: Any = jnp.bfloat16) -> dict:
+  """Random params (fan-in scaled normals).  LoRA ``b`` is random too (not the
+  usual 0) so that checks see the adapters; ``block.MoEMLP`` zeroes it by default."""
+  keys = iter(jax.random.split(key, 4 + 2 * len(cfg.projections)))
+  e, d = cfg.num_experts, cfg.hidden
+  normal = lambda shape, fan_in: (jax.random.normal(next(keys), shape, jnp.float32)
+                                  / np.sqrt(fan_in)).astype(dtype)
+  params = {"router": normal((d, e), d)}
+  if cfg.scoring == "deepseek":
+    params["router_bias"] = jnp.zeros((e,), jnp.float32)
+  for name in cfg.projections:
+    k, n = cfg.proj_shape(name)
+    params[name] = normal((e, k, n), k)
+  if cfg.targets:
+    a, r = cfg.num_adapters, cfg.lora_rank
+    params["lora"] = {}
+    for name in cfg.targets:
+      k, n = cfg.proj_shape(name)
+      params["lora"][name] = {"a": normal((e, a, k, r), k), "b": normal((e, a, r, n), 4 * r)}
+  return params
+
+
+def split_params(params: dict) -> tuple[dict, dict]:
+  """(router params, expert params): the latter are sharded over experts."""
+  router = {k: v for k, v in params.items() if k not in EXPERT_KEYS}
+  experts = {k: v for k, v in params.items() if k in EXPERT_KEYS}
+  return router, experts
+
+
+def route(params: dict, x: jax.Array, cfg: MoEConfig,
+          adapter_ids: jax.Array | None = None) -> rt.Routing:
+  """Router on ``x[tokens, d]`` (f32 math) -> sorted layout over E*A groups."""
+  w = params["router"]
+  if cfg.freeze_base:
+    w = jax.lax.stop_gradient(w)
+  logits = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)
+  if cfg.scoring == "deepseek":
+    weights, experts = rt.deepseek_top_k(
+        logits, cfg.top_k, bias=params.get("router_bias"), n_group=cfg.n_group,
+        topk_group=cfg.topk_group, renormalize=cfg.renormalize,
+        routed_scaling_factor=cfg.routed_scaling_factor)
+  else:
+    weights, experts = rt.softmax_top_k(
+        logits, cfg.top_k, renormalize=cfg.renormalize,
+        routed_scaling_factor=cfg.routed_scaling_factor)
+  if cfg.num_adapters > 1 and adapter_ids is None:
+    raise ValueError("num_adapters > 1 needs adapter_ids[tokens]")
+  return rt.make_routing(weights, experts, cfg.num_experts,
+                         adapter_ids=adapter_ids, num_adapters=cfg.adapters)
+
+
+def expert_ffn(xs: jax.Array, group_sizes: jax.Array, experts: dict, cfg: MoEConfig, *,
+               expert_offset: jax.Array | None = None,
+               ragged_dot_fn: Any = None) -> jax.Array:
+  """SwiGLU of every sorted row through its expert (and adapter).
+
+  Args:
+    xs: ``[rows, d]`` rows sorted by group (``expert * A + adapter``).
+    group_sizes: ``[E * A]`` rows per group (all experts).
+    experts: expert params; under expert parallelism only the shard's
+      ``E_local`` experts (leading dim), starting at expert ``expert_offset``.
+    expert_offset: first local expert (traced is fine) or None (all experts).
+    ragged_dot_fn: optional ``fn(lhs, rhs, group_sizes) -> out`` replacing
+      ragdot (benchmarks against other grouped matmuls; no group_offset).
+
+  Returns:
+    ``[rows, d]`` in xs.dtype; rows of non-local experts are exactly 0.
+  """
+  a = cfg.adapters
+  expert_sizes = group_sizes.reshape(cfg.num_experts, a).sum(-1).astype(jnp.int32) if a > 1 \
+      else group_sizes
+  lora_offset = None if expert_offset is None else expert_offset * a
+  if ragged_dot_fn is None:
+    dot = lambda x, w, gs, go: ragdot.ragged_dot(
+        x, w, gs, precision=cfg.precision, group_offset=go, implementation=cfg.implementation)
+  else:
+    if expert_offset is not None:
+      raise ValueError("ragged_dot_fn is only supported without expert parallelism")
+    dot = lambda x, w, gs, go: ragged_dot_fn(x, w, gs)
+  dtype = xs.dtype
+
+  def proj(name: str, x: jax.Array) -> jax.Array:
+    w = experts[name].astype(dtype)
+    if cfg.freeze_base:
+      w = jax.lax.stop_gradient(w)
+    y = dot(x, w, expert_sizes, expert_offset)
+    if name in cfg.targets:
+      la, lb = experts["lora"][name]["a"], experts["lora"][name]["b"]
+      la = la.reshape((-1,) + la.shape[2:]).astype(dtype)  # [E_local * A, k, r]
+      lb = lb.reshape((-1,) + lb.shape[2:]).astype(dtype)  # [E_local * A, r, n]
+      t = dot(x, la, group_sizes, lora_offset)
+      y = (y.astype(jnp.float32)
+           + cfg.lora_scale * dot(t, lb, group_sizes, lora_offset).astype(jnp.float32))
+    return y.astype(jnp.float32)
+
+  if cfg.fused_gate_up:
+    gate, up = jnp.split(proj("gate_up", xs), 2, axis=-1)
+  else:
+    gate, up = proj("gate", xs), proj("up", xs)
+  h = (jax.nn.silu(gate) * up).astype(dtype)
+  return proj("down", h).astype(dtype)
+
+
+def moe_mlp(params: dict, x: jax.Array, cfg: MoEConfig, *,
+            adapter_ids: jax.Array | None = None, mesh: Any = None,
+            ep_axis: str = "ep", dtype: Any = None, manual: str = "auto",
+            ragged_dot_fn: Any = None) -> jax.Array:
+  """MoE MLP on ``x[..., d]`` -> same shape (dtype ``dtype`` or x.dtype).
+
+  With ``mesh`` (having axis ``ep_axis``) the experts run under expert
+  parallelism (``parallel.sharded_expert_ffn``); otherwise on one shard.
+  ``adapter_ids[...]`` (same leading shape as x) picks each token's adapter.
+  ``manual``: which mesh axes the shard_map makes manual (see ``parallel``).
+  """
+  if mesh is not None and cfg.num_experts % int(mesh.shape[ep_axis]):
+    raise ValueError(f"mesh axis {ep_axis!r} of size {mesh.shape[ep_axis]} must divide"
+                     f" num_experts={cfg.num_experts}")
+  lead = x.shape[:-1]
+  dtype = jnp.dtype(dtype or x.dtype)
+  x2 = x.reshape(-1, x.shape[-1])
+  ids = None if adapter_ids is None else adapter_ids.reshape(-1)
+  routing = route(params, x2, cfg, ids)
+  xs = rt.sort_tokens(x2.astype(dtype), routing, cfg.top_k)
+  _, experts = split_params(params)
+  if mesh is None:
+    ys = expert_ffn(xs, routing.group_sizes, experts, cfg, ragged_dot_fn=ragged_dot_fn)
+  else:
+    from ragdot.moe.parallel import sharded_expert_ffn  # pylint: disable=g-import-not-at-top
+    ys = sharded_expert_ffn(xs, routing.group_sizes, experts, cfg, mesh, ep_axis, manual)
+  return rt.combine(ys, routing, cfg.top_k).reshape(lead + (-1,))
+
+
+def merged_weights(params: dict, cfg: MoEConfig, name: str) -> jax.Array:
+  """f32 ``[E, A, k, n]`` = ``W[e] + scale * A[e, a] @ B[e, a]`` (A = 1 without LoRA)."""
+  w = params[name].astype(jnp.float32)[:, None]
+  if name in cfg.targets:
+    lo = params["lora"][name]
+    w = w + cfg.lora_scale * jnp.einsum(
+        "eakr,earn->eakn", lo["a"].astype(jnp.float32), lo["b"].astype(jnp.float32),
+        precision=jax.lax.Precision.HIGHEST)
+  return w
+
+
+def reference_moe_mlp(params: dict, x: jax.Array, cfg: MoEConfig, *,
+                      adapter_ids: jax.Array | None = None) -> jax.Array:
+  """Per-token dense f32 reference: every token through its k experts, with
+  LoRA merged into the weights; same routing as ``moe_mlp``.  Returns f32."""
+  hi = jax.lax.Precision.HIGHEST
+  lead = x.shape[:-1]
+  x2 = x.reshape(-1, x.shape[-1])
+  ids = None if adapter_ids is None else adapter_ids.reshape(-1)
+  routing = route(params, x2, cfg, ids)
+  x2 = x2.astype(jnp.float32)
+  a_idx = jnp.zeros(x2.shape[0], jnp.int32) if ids is None or cfg.adapters == 1 else ids
+  if cfg.freeze_base:
+    params = dict(params)
+    params.update({p: jax.lax.stop_gradient(params[p]) for p in cfg.projections})
+
+  def apply(name, h):  # h[tokens, k_in] -> [tokens, E, n] with each token's adapter
+    w = merged_weights(params, cfg, name)  # [E, A, k, n]
+    y = jnp.einsum("tk,eakn->tean", h, w, precision=hi)
+    return jnp.take_along_axis(y, a_idx[:, None, None, None], axis=2)[:, :, 0]
+
+  def apply_per_expert(name, h):  # h[tokens, E, k_in]
+    w = merged_weights(params, cfg, name)
+    y = jnp.einsum("tek,eakn->tean", h, w, precision=hi)
+    return jnp.take_along_axis(y, a_idx[:, None, None, None], axis=2)[:, :, 0]
+
+  if cfg.fused_gate_up:
+    gate, up = jnp.split(apply("gate_up", x2), 2, axis=-1)
+  else:
+    gate, up = apply("gate", x2), apply("up", x2)
+  y_all = apply_per_expert("down", jax.nn.silu(gate) * up)  # [tokens, E, d]
+  # combine matrix: token t gives weight w_tj to expert e_tj.
+  comb = jnp.zeros((x2.shape[0], cfg.num_experts), jnp.float32)
+  comb = comb.at[jnp.arange(x2.shape[0])[:, None], routing.experts].add(routing.weights)
+  return jnp.einsum("te,ted->td", comb, y_all, precision=hi).reshape(lead + (-1,))

@@ -1,0 +1,104 @@
+"""Routing: softmax / DeepSeek-V3 top-k properties and the sorted group layout."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ragdot.moe import routing as rt
+
+
+def _deepseek_numpy(logits, bias, top_k, n_group, topk_group, scale, renorm):
+  """Straight transcription of DeepSeek-V3's gate (per token, numpy f64)."""
+  t, e = logits.shape
+  scores = 1 / (1 + np.exp(-logits.astype(np.float64)))
+  experts = np.zeros((t, top_k), np.int64)
+  weights = np.zeros((t, top_k))
+  for i in range(t):
+    choice = scores[i] + bias
+    groups = choice.reshape(n_group, -1)
+    gscore = np.sort(groups, axis=1)[:, -2:].sum(1)
+    keep = np.argsort(-gscore, kind="stable")[:topk_group]
+    masked = np.full(e, -np.inf)
+    for g in keep:
+      masked[g * (e // n_group):(g + 1) * (e // n_group)] = choice[g * (e // n_group):(g + 1) * (e // n_group)]
+    idx = np.argsort(-masked, kind="stable")[:top_k]
+    w = scores[i, idx]
+    if renorm:
+      w = w / w.sum()
+    experts[i], weights[i] = idx, w * scale
+  return weights, experts
+
+
+@pytest.mark.parametrize("n_group,topk_group,renorm", [(4, 2, True), (8, 3, False)])
+def test_deepseek_matches_numpy_transcription(n_group, topk_group, renorm):
+  logits = np.asarray(jax.random.normal(jax.random.key(0), (64, 32)), np.float32)
+  bias = np.asarray(jax.random.normal(jax.random.key(1), (32,)) * 0.3, np.float32)
+  w, e = rt.deepseek_top_k(jnp.asarray(logits), 4, bias=jnp.asarray(bias), n_group=n_group,
+                           topk_group=topk_group, renormalize=renorm, routed_scaling_factor=2.5)
+  w_ref, e_ref = _deepseek_numpy(logits, bias.astype(np.float64), 4, n_group, topk_group, 2.5, renorm)
+  np.testing.assert_array_equal(np.sort(np.asarray(e), 1), np.sort(e_ref, 1))
+  order = np.argsort(np.asarray(e), 1)
+  order_ref = np.argsort(e_ref, 1)
+  np.testing.assert_allclose(np.take_along_axis(np.asarray(w), order, 1),
+                             np.take_along_axis(w_ref, order_ref, 1), rtol=1e-5)
+
+
+def test_deepseek_properties():
+  t, e, k, n_group, topk_group, scale = 128, 16, 4, 4, 2, 2.5
+  logits = jax.random.normal(jax.random.key(2), (t, e))
+  w, ex = rt.deepseek_top_k(logits, k, n_group=n_group, topk_group=topk_group,
+                            routed_scaling_factor=scale)
+  ex = np.asarray(ex)
+  # renormalised weights sum to the routed scaling factor; experts are distinct
+  np.testing.assert_allclose(np.asarray(w).sum(-1), scale, rtol=1e-5)
+  assert all(len(set(row)) == k for row in ex)
+  # experts come from at most topk_group groups
+  assert max(len(set(row // (e // n_group))) for row in ex) <= topk_group
+  # the bias changes the choice but not the weights: a huge bias forces expert 5 in,
+  # and its weight is its plain sigmoid score (before renormalisation).
+  bias = jnp.zeros(e).at[5].set(100.0)
+  w_b, ex_b = rt.deepseek_top_k(logits, k, bias=bias, n_group=n_group, topk_group=topk_group,
+                                renormalize=False)
+  assert np.all(np.any(np.asarray(ex_b) == 5, axis=1))
+  sig = jax.nn.sigmoid(logits)
+  np.testing.assert_allclose(np.asarray(w_b), np.take_along_axis(np.asarray(sig), np.asarray(ex_b), 1),
+                             rtol=1e-6)
+  # gradients reach the logits through the weights; none reach the bias
+  g_logits, g_bias = jax.grad(lambda l, b: jnp.sum(rt.deepseek_top_k(
+      l, k, bias=b, n_group=n_group, topk_group=topk_group)[0] ** 2), argnums=(0, 1))(logits, bias)
+  assert float(jnp.abs(g_logits).sum()) > 0 and float(jnp.abs(g_bias).sum()) == 0
+
+
+def test_deepseek_rejects_bad_groups():
+  with pytest.raises(ValueError):
+    rt.deepseek_top_k(jnp.zeros((2, 10)), 2, n_group=3, topk_group=1)
+  with pytest.raises(ValueError):
+    rt.deepseek_top_k(jnp.zeros((2, 8)), 4, n_group=4, topk_group=1)
+
+
+def test_softmax_top_k_and_layout_with_adapters():
+  t, e, k, a = 50, 8, 2, 3
+  logits = jax.random.normal(jax.random.key(3), (t, e))
+  w, ex = rt.softmax_top_k(logits, k)
+  np.testing.assert_allclose(np.asarray(w).sum(-1), 1.0, rtol=1e-6)
+  ids = jax.random.randint(jax.random.key(4), (t,), 0, a)
+  r = rt.make_routing(w, ex, e, adapter_ids=ids, num_adapters=a)
+  gs = np.asarray(r.group_sizes)
+  assert gs.shape == (e * a,) and gs.sum() == t * k
+  groups = (np.asarray(ex) * a + np.asarray(ids)[:, None]).reshape(-1)[np.asarray(r.order)]
+  assert np.all(np.diff(groups) >= 0)  # sorted by (expert, adapter) => by expert too
+  np.testing.assert_array_equal(np.bincount(groups, minlength=e * a), gs)
+  np.testing.assert_array_equal(np.asarray(rt.expert_group_sizes(r, e)),
+                                np.bincount(np.asarray(ex).reshape(-1), minlength=e))
+  # sort then combine with unit weights returns k copies summed
+  x = jax.random.normal(jax.random.key(5), (t, 4))
+  r1 = rt.make_routing(jnp.ones((t, k)), ex, e)
+  np.testing.assert_allclose(np.asarray(rt.combine(rt.sort_tokens(x, r1, k), r1, k)),
+                             k * np.asarray(x), rtol=1e-6)
+
+
+def test_routing_is_jittable_without_host_sync():
+  f = jax.jit(lambda l: rt.make_routing(*rt.deepseek_top_k(l, 2, n_group=2, topk_group=1), 8))
+  r = f(jnp.ones((4, 8)))
+  assert int(r.group_sizes.sum()) == 8
