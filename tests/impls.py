@@ -35,7 +35,12 @@ CONTRACT = {
         dtypes=(jnp.bfloat16, jnp.float16),
         max_examples=6,
     ),
+    # Pallas-Triton kernels (interpret mode on CPU): any k, n, m (masked
+    # loads/stores); f32 runs with precision=HIGHEST (IEEE products on GPU).
+    "triton": ImplSpec(
+        dims=st.integers(1, 40),
+        rows=st.integers(1, 48),
+        dtypes=(jnp.float32, jnp.bfloat16, jnp.float16),
+        max_examples=6,
+    ),
 }
-
-# Requesting these must raise NotImplementedError until their kernels land.
-NOT_YET_IMPLEMENTED = ("triton",)

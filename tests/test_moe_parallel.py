@@ -95,12 +95,7 @@ def test_ep8_bf16_matches_ep1_and_reference():
   assert got[1][0]["gate_up"].dtype == jnp.bfloat16
 
 
-@pytest.mark.parametrize("manual", [
-    "all",
-    pytest.param("ep", marks=pytest.mark.xfail(
-        reason="jax 0.11.2: jnp.searchsorted (ragdot.metadata) fails in a partially manual "
-               "shard_map", strict=False)),
-])
+@pytest.mark.parametrize("manual", ["all", "ep", "auto"])
 def test_two_axis_mesh(manual):
   """A (dp=2, ep=4) mesh with x sharded over "dp" (automatic outside the experts)."""
   params, x, _ = _case(CFG, jnp.float32)

@@ -87,7 +87,7 @@ def test_nearest_bucket_and_far_shapes():
   near = t.lookup("gmm", "bfloat16", 30000, 2048, 1400, 120)
   assert near.key == "gmm/bfloat16/m32768,k2048,n1536,g128" and near.distance == 0
   off = t.lookup("gmm_t", "bfloat16", 32768, 1536, 2048, 128)  # real dX of gate_up
-  assert off.key is not None and 0 < off.distance <= 3
+  assert off.key is not None and 0 <= off.distance <= 3
   far = t.lookup("tgmm", "bfloat16", 8, 64, 64, 2)
   assert far.key is None and far.backend == "mosaic" and far.config is None
   assert "table default" in far.reason

@@ -45,6 +45,9 @@ CONFIG_CLASSES = {
     ("xla", "gmm"): ("ragdot.backends.xla", "XlaConfig"),
     ("xla", "gmm_t"): ("ragdot.backends.xla", "XlaConfig"),
     ("xla", "tgmm"): ("ragdot.backends.xla", "XlaConfig"),
+    ("triton", "gmm"): ("ragdot.backends.triton", "TritonConfig"),
+    ("triton", "gmm_t"): ("ragdot.backends.triton", "TritonConfig"),
+    ("triton", "tgmm"): ("ragdot.backends.triton", "TritonConfig"),
 }
 
 

@@ -40,3 +40,11 @@ def match_varying(*xs: Any) -> tuple[Any, ...]:
   """All of ``xs`` marked varying over the union of their axes."""
   axes = varying_axes(*xs)
   return tuple(make_varying(x, axes) for x in xs)
+
+
+def out_struct(shape: tuple[int, ...], dtype: Any, like: Any) -> jax.ShapeDtypeStruct:
+  """A kernel's output type, varying over the same shard_map axes as ``like``."""
+  mat = getattr(jax.typeof(like), "mat", None)
+  if mat is None:
+    return jax.ShapeDtypeStruct(shape, dtype)
+  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)

@@ -160,7 +160,8 @@ def tile_schedule(
   excl = incl - count
   num_tiles = incl[-1]
   t = jnp.arange(total, dtype=jnp.int32)
-  group = jnp.searchsorted(incl, t, side="right").astype(jnp.int32)
+  # method="sort": the default scan fails to trace under a partly manual shard_map.
+  group = jnp.searchsorted(incl, t, side="right", method="sort").astype(jnp.int32)
   group = jnp.minimum(group, num_local - 1)
   block = first[group] + t - excl[group]
   real = t < num_tiles

@@ -36,6 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from ragdot.manual_axes import match_varying, out_struct
 from ragdot import metadata
 
 _IN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -481,12 +482,15 @@ def tgmm(
     scratch_types = [plgpu.SMEM((bk, bn), out_dtype, transforms=out_transforms)]
     extra = {}
 
+  i32 = lambda x: x.astype(jnp.int32)
+  args = match_varying(i32(starts), i32(ends), i32(first_block), i32(num_blocks), lhs, rhs)
+  lhs = args[4]
   num_sms = config.num_sms
   if num_sms is None:
     num_sms = 1 if interpret else _device_sms()
   kernel = plgpu.kernel(
       body,
-      out_type=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
+      out_type=out_struct((num_groups, k, n), out_dtype, lhs),
       scratch_types=scratch_types,
       grid=(num_sms,),
       grid_names=("sm",),
@@ -496,8 +500,7 @@ def tgmm(
       interpret=_interpret_params(interpret),
       **extra,
   )
-  i32 = lambda x: x.astype(jnp.int32)
-  return kernel(i32(starts), i32(ends), i32(first_block), i32(num_blocks), lhs, rhs)
+  return kernel(*args)
 
 
 def _interpret_params(interpret):

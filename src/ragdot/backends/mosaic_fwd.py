@@ -44,6 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from ragdot.manual_axes import match_varying, out_struct
 from ragdot import metadata
 
 _IN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -572,6 +573,7 @@ def gmm(
     )
 
   tiles, scalars = _build_metadata(group_sizes, group_offset, m, g_local, config.block_m)
+  tiles, scalars, lhs, rhs = match_varying(tiles, scalars, lhs, rhs)
   if config.num_compute_wgs == 1:
     body, extra = _gmm_kernel_1wg, {}
   else:
@@ -580,7 +582,7 @@ def gmm(
     interpret = plgpu.InterpretGPUParams()
   kernel = plgpu.kernel(
       functools.partial(body, m=m, k=k, n=n, cfg=config, transpose_rhs=transpose_rhs),
-      out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+      out_type=out_struct((m, n), out_dtype, lhs),
       grid=(_num_sms(config, bool(interpret)),),
       grid_names=("sm",),
       compiler_params=plgpu.CompilerParams(

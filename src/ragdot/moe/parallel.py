@@ -8,12 +8,9 @@ leaves every other row exactly 0, and the shards' outputs are summed with
 ``psum``.  Only ``ep_axis`` is manual: other mesh axes stay under automatic
 sharding.
 
-``manual="ep"`` (only the ep axis manual) is the intended mode.  On JAX 0.11.2
-``jnp.searchsorted`` (used by ragdot's tile schedule) fails to trace inside a
-*partially* manual shard_map, so with other mesh axes present the default
-``manual="auto"`` makes every axis manual instead: the rows are then replicated
-over the other axes inside the expert computation (correct, redundant work);
-everything outside it (router, other layers) stays under automatic sharding.
+``manual="ep"`` (only the ep axis manual, the default via ``"auto"``) leaves the
+other axes to automatic sharding; ``manual="all"`` makes every mesh axis manual
+inside the expert computation (rows replicated over the other axes).
 """
 
 from __future__ import annotations
@@ -52,7 +49,7 @@ def sharded_expert_ffn(xs: jax.Array, group_sizes: jax.Array, experts: dict,
   if manual not in ("auto", "ep", "all"):
     raise ValueError(f"manual must be 'auto', 'ep' or 'all', got {manual!r}")
   if manual == "auto":
-    manual = "ep" if tuple(mesh.axis_names) == (ep_axis,) else "all"
+    manual = "ep"
   axes = frozenset({ep_axis}) if manual == "ep" else frozenset(mesh.axis_names)
   ep = ep_size(mesh, ep_axis)
   if cfg.num_experts % ep:
