@@ -1,9 +1,18 @@
 #!/usr/bin/env bash
-# The one entry point on the GPU machine (device tool), run from the repo root:
-#   bash scripts/gpu_run.sh [bench presets...]
-# Runs the GPU-marked tests, then the benchmark table, from the source tree with
-# the machine's own python3.  Logs and JSON go under $OUT (./out when unset).
-# Carry .whl (tokamax and its wheels, plus .whl/stub) for side-by-side numbers.
+# The one entry point on the GPU machine (device tool), run from the repo root.
+# Runs stages from the source tree with the machine's own python3; logs and JSON
+# go under $OUT (./out when unset).  Carry .whl (tokamax + its wheels, and
+# .whl/stub for the xprof module tokamax imports) for side-by-side numbers.
+#
+#   STAGES="tests bench moe ep" bash scripts/gpu_run.sh
+#
+# stages (each with its own timeout, <NAME>_TIMEOUT seconds):
+#   tests  GPU-marked tests (kernels at real sizes, NaN-poisoned memory)    TESTS_ARGS
+#   sweep  kernel config sweep (scripts/gpu_sweep.py)
+#   tune   ragdot tune into $OUT/nvidia_h200.json (copy of the shipped table) TUNE_ARGS
+#   bench  ragdot bench table + JSON + PNG                                 BENCH_ARGS
+#   moe    one MoE block fwd+bwd: ragdot vs lax vs tokamax
+#   ep     MoE block expert-parallel scaling over the local GPUs
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -12,13 +21,28 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH="src:/tmp/site:.whl/stub"
 fi
-presets=${*:-training decode ep skewed}
-{ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv; python3 -c 'import jax; print(jax.__version__, jax.devices())'; } 2>&1 | tee "$OUT/env.txt"
-if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu -q --maxfail=6 -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -n 60 | tee "$OUT/gpu_tests.log"
-fi
-if [ "${SWEEP:-0}" = 1 ]; then
-  timeout "${SWEEP_TIMEOUT:-300}" python3 scripts/gpu_sweep.py "${SWEEP_BUDGET:-240}" 2>&1 | tee "$OUT/sweep.log" | grep -v '^{"op"' 
-fi
-[ "${SKIP_BENCH:-0}" = 1 ] && exit 0
-timeout "${BENCH_TIMEOUT:-400}" python3 -m ragdot.bench --preset $presets --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v '^{'
+STAGES=${STAGES:-tests bench}
+{ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv
+  python3 -c 'import jax; print(jax.__version__, jax.devices())'; } 2>&1 | tee "$OUT/env.txt"
+
+run() {  # run NAME TIMEOUT CMD...: output to $OUT/NAME.log, summary lines to stdout
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (timeout ${limit}s)"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "=== $name exit $?"
+  grep -v '^{' "$OUT/$name.log" | grep -v 'WARNING:absl' | tail -n "${TAIL:-45}"
+}
+
+for stage in $STAGES; do
+  case $stage in
+    tests) run tests "${TESTS_TIMEOUT:-300}" python3 -m pytest -m gpu -q --maxfail=6 -p no:cacheprovider tests/test_gpu.py ${TESTS_ARGS:-} ;;
+    sweep) run sweep "${SWEEP_TIMEOUT:-300}" python3 scripts/gpu_sweep.py "${SWEEP_BUDGET:-240}" ;;
+    tune)
+      cp src/ragdot/tables/nvidia_h200.json "$OUT/nvidia_h200.json"
+      run tune "${TUNE_TIMEOUT:-300}" python3 -m ragdot tune --table "$OUT/nvidia_h200.json" ${TUNE_ARGS:---preset training} ;;
+    bench) run bench "${BENCH_TIMEOUT:-400}" python3 -m ragdot bench --json "$OUT/bench.json" --plot "$OUT/bench.png" ${BENCH_ARGS:---preset training decode ep skewed} ;;
+    moe) run moe "${MOE_TIMEOUT:-120}" python3 -m ragdot.moe.bench --json "$OUT/moe.json" ;;
+    ep) run ep "${EP_TIMEOUT:-180}" python3 -m ragdot.moe.ep_bench --json "$OUT/ep.json" ;;
+    *) echo "unknown stage $stage" >&2 ;;
+  esac
+done

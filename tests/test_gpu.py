@@ -108,3 +108,20 @@ def test_grads_through_kernels_real_size(impl):
   want = jax.grad(ref, (0, 1))(x.astype(jnp.float32), w.astype(jnp.float32))
   for a, b in zip(got, want):
     oracle.assert_close(a, b, jnp.bfloat16, factor=2)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:2], ids=[f"{s[0]}x{s[1]}x{s[2]}g{s[3]}" for s in SHAPES[:2]])
+def test_triton_real_sizes(shape):
+  """The Pallas-Triton fallback: forward, dX (last shard) and dW at real sizes."""
+  m, k, n, g, layout = shape
+  sizes = _sizes(m, g, layout)
+  x, w, dy = oracle.random_inputs(jax.random.key(m + 1), [(m, k), (16, k, n), (m, n)], jnp.bfloat16)
+  go, gs = jnp.int32(g - 16), jnp.asarray(sizes)
+  _poison(4 * m * max(n, k))
+  out = jax.jit(lambda x, w: ragdot.ragged_dot(x, w, gs, group_offset=go, implementation="triton"))(x, w)
+  oracle.assert_close(out, oracle.np_ragged_dot(x, w, sizes, go), jnp.bfloat16)
+  oracle.assert_zero_rows(out, sizes, g - 16, 16)
+  got_dx = jax.jit(lambda d, w: ragdot.ragged_dot_general(d, w, gs, DN_DX, group_offset=go, implementation="triton"))(dy, w)
+  oracle.assert_close(got_dx, oracle.np_ragged_dot(dy, w, sizes, go, transpose_rhs=True), jnp.bfloat16)
+  dw = jax.jit(lambda x, d: ragdot.trans_ragged_dot(x, d, gs, implementation="triton"))(x, dy)
+  oracle.assert_close(dw, oracle.np_trans_ragged_dot(x, dy, sizes), jnp.bfloat16)

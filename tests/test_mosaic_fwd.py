@@ -144,8 +144,9 @@ def test_multiple_k_steps_and_n_tiles():
 
 def test_partial_k_and_n_blocks():
   # k % block_k != 0 and n % block_n != 0: TMA zero-fill / clipped stores.
-  _run_and_check(80, 40, 72, [25, 30, 5], transpose_rhs=False)
-  _run_and_check(40, 16, 40, [7, 33], transpose_rhs=True)
+  cfg = dataclasses.replace(CFG1, block_n=128, block_k=128)
+  _run_and_check(80, 192, 192, [25, 30, 5], transpose_rhs=False, config=cfg)
+  _run_and_check(40, 192, 64, [7, 33], transpose_rhs=True, config=cfg)
 
 
 @pytest.mark.parametrize("minor,width", [(1, 2), (0, 2)])
@@ -171,9 +172,9 @@ def test_two_consumer_warpgroups(m, sizes, offset, g_local, transpose_rhs):
     "m,k,n,sizes,offset,g_local,transpose_rhs",
     [
         (96, 64, 256, [10, 0, 50, 7, 20], None, None, False),  # 2 full n tiles
-        (160, 96, 200, [0, 70, 3, 0, 60, 11], 1, 4, True),  # offset; last tile 72 cols
-        (80, 64, 40, [25, 30, 5], None, None, False),  # chunk 1 wholly past n
-        (144, 64, 72, [12, 0, 20, 9, 0, 25], 2, 3, True),  # zero tiles, chunk 1 partial
+        (160, 128, 192, [0, 70, 3, 0, 60, 11], 1, 4, True),  # offset; last tile 64 cols
+        (80, 64, 64, [25, 30, 5], None, None, False),  # chunk 1 wholly past n
+        (144, 64, 192, [12, 0, 20, 9, 0, 25], 2, 3, True),  # zero tiles, half tile past n
     ],
 )
 def test_split_epilogue(config, m, k, n, sizes, offset, g_local, transpose_rhs):
@@ -205,6 +206,8 @@ def test_no_races(config):
     [
         (60, 64, jnp.bfloat16, None, jnp.float32),  # k not a multiple of 8
         (64, 36, jnp.bfloat16, None, jnp.float32),  # n not a multiple of 8
+        (72, 64, jnp.bfloat16, None, jnp.float32),  # k: sm90 lowering needs 64-col tiles
+        (64, 200, jnp.bfloat16, None, jnp.float32),  # n: likewise
         (64, 64, jnp.float32, None, jnp.float32),  # f32 inputs
         (64, 64, jnp.bfloat16, jnp.float16, jnp.float32),  # mixed inputs
         (64, 64, jnp.bfloat16, None, jnp.int32),  # unsupported out dtype
@@ -219,6 +222,14 @@ def test_unsupported_raises(k, n, dtype, rhs_dtype, out_dtype, transpose_rhs):
     mosaic_fwd.gmm(lhs, rhs, jnp.asarray([16, 16], jnp.int32), None,
                    transpose_rhs=transpose_rhs, out_dtype=out_dtype, precision=None,
                    interpret=True, config=CFG1)
+
+
+def test_rows_not_in_tiles_of_8_raise():
+  # sm90 lowering rejects TMA descriptors over m % 8 != 0 rows (seen on the H200).
+  with pytest.raises(NotImplementedError, match="m % 8"):
+    mosaic_fwd.gmm(jnp.ones((4079, 64), jnp.bfloat16), jnp.ones((2, 64, 64), jnp.bfloat16),
+                   jnp.asarray([16, 16], jnp.int32), None, transpose_rhs=False,
+                   out_dtype=jnp.bfloat16, precision=None, interpret=True, config=CFG1)
 
 
 def test_config_validation():
@@ -289,3 +300,15 @@ def test_sweep_lowers_for_sm90(k, n, transpose_rhs, out_dtype):
   m, g = 32768, 128
   for cfg in mosaic_fwd.gpu_sweep_configs(m, k, n, g, transpose_rhs, jnp.bfloat16, out_dtype):
     _lower_for_sm90(m, k, n, g, cfg, transpose_rhs, out_dtype)
+
+
+@pytest.mark.parametrize("m,k,n", [(4088, 192, 320), (5, 64, 64), (4096, 2048, 1536)])
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_every_accepted_shape_lowers_for_sm90(m, k, n, transpose_rhs):
+  """What _check_supported accepts must pass the real sm90 lowering (layout checks)."""
+  fn = jax.jit(functools.partial(mosaic_fwd.gmm, transpose_rhs=transpose_rhs,
+                                 out_dtype=jnp.bfloat16, precision=None, interpret=False))
+  rshape = (16, n, k) if transpose_rhs else (16, k, n)
+  args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct(rshape, jnp.bfloat16),
+          jax.ShapeDtypeStruct((16,), jnp.int32), None)
+  assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()

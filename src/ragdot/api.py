@@ -41,6 +41,12 @@ def _run(op: dispatch.Op, implementation: str | None, **kwargs) -> jax.Array:
   except NotImplementedError:
     if not choice.automatic or choice.implementation == "xla":
       raise
+  # Automatic choice refused by its kernel: Triton (any shape) on a GPU, then XLA.
+  if dispatch.has_gpu() and choice.implementation != "triton":
+    try:
+      return getattr(get_backend("triton"), op)(**kwargs, interpret=False)
+    except NotImplementedError:
+      pass
   return getattr(get_backend("xla"), op)(**kwargs, interpret=False)
 
 

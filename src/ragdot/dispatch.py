@@ -169,8 +169,10 @@ def _misaligned(op: str, m: int, k: int, n: int) -> str | None:
       return f"k={k}, n={n} not multiples of 64 (mosaic dW)"
     if m % 8:
       return f"m={m} not a multiple of 8 (mosaic dW)"
-  elif k % 8 or n % 8:
-    return f"k={k}, n={n} not multiples of 8 (16-byte TMA rows)"
+  elif k % 64 or n % 64:
+    return f"k={k}, n={n} not multiples of 64 (swizzled TMA tiles)"
+  elif m % 8 and m > 8:
+    return f"m={m} not a multiple of 8 (TMA row tiles)"
   return None
 
 
@@ -267,7 +269,8 @@ def _automatic(top, dtype, precision_ok, out_dtype, m, k, n, g, num_groups,
   if hit.backend == "mosaic" and m is not None:
     bad = _misaligned(top, m, k, n)
     if bad:
-      return xla(f"{bad}; table said mosaic")
+      return Choice("triton", automatic=True,
+                    reason=f"{bad}; table said mosaic; the Triton kernels take any shape")
   config, note = _built_config(hit.backend, top, hit.config_items, dtype,
                                out_dtype or dtype)
   return Choice(hit.backend, config=config, automatic=True,

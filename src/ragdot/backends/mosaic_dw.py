@@ -36,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ragdot.manual_axes import match_varying, out_struct
+from ragdot.manual_axes import make_varying, match_varying, out_struct, varying_axes
 from ragdot import metadata
 
 _IN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -500,7 +500,8 @@ def tgmm(
       interpret=_interpret_params(interpret),
       **extra,
   )
-  return kernel(*args)
+  # plgpu.kernel drops the shard_map axis type of out_type: restore it.
+  return make_varying(kernel(*args), varying_axes(lhs))
 
 
 def _interpret_params(interpret):

@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ragdot.manual_axes import match_varying, out_struct
+from ragdot.manual_axes import make_varying, match_varying, out_struct, varying_axes
 from ragdot import metadata
 
 _IN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -226,13 +226,17 @@ def _check_supported(lhs, rhs, out_dtype, transpose_rhs) -> None:
     raise NotImplementedError(
         f"mosaic gmm supports bf16/f16/f32 outputs only, got {out_dtype}"
     )
-  k = lhs.shape[1]
+  m, k = lhs.shape
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-  # TMA needs 16-byte aligned row strides of lhs, rhs and out.
-  if k % 8 or n % 8:
+  # Mosaic builds TMA descriptors on the swizzle-tiled views: rows in tiles of
+  # 8 and 64 (128-byte) columns, checked only when lowering for the real GPU
+  # (interpret mode accepts more), so refuse what sm90 lowering rejects.
+  if k % 64 or n % 64:
     raise NotImplementedError(
-        f"mosaic gmm needs k and n to be multiples of 8 (16-byte TMA rows), got k={k}, n={n}"
+        f"mosaic gmm needs k and n to be multiples of 64 (swizzled TMA tiles), got k={k}, n={n}"
     )
+  if m % 8 and m > 8:
+    raise NotImplementedError(f"mosaic gmm needs m % 8 == 0 (TMA row tiles), got m={m}")
 
 
 def _num_sms(config: MosaicFwdConfig, interpret: bool) -> int:
@@ -591,4 +595,5 @@ def gmm(
       interpret=interpret if interpret else None,
       **extra,
   )
-  return kernel(tiles, scalars, lhs, rhs)
+  # plgpu.kernel drops the shard_map axis type of out_type: restore it.
+  return make_varying(kernel(tiles, scalars, lhs, rhs), varying_axes(lhs))

@@ -44,7 +44,7 @@ def sharded_expert_ffn(xs: jax.Array, group_sizes: jax.Array, experts: dict,
   """``functional.expert_ffn`` with experts split over ``ep_axis``; psum'd result.
 
   manual: "ep" (only ``ep_axis`` manual), "all" (every mesh axis manual) or
-  "auto" ("ep" if it is the mesh's only axis, else "all"; see module doc).
+  "auto" (same as "ep").
   """
   if manual not in ("auto", "ep", "all"):
     raise ValueError(f"manual must be 'auto', 'ep' or 'all', got {manual!r}")

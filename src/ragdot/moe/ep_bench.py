@@ -1,0 +1,130 @@
+"""Expert-parallel scaling of one MoE block on the local devices.
+
+For ep = 1, 2, 4, 8 (up to the device count) one MoE block forward+backward at
+Qwen3-30B-A3B sizes (4096 tokens, hidden 2048, moe_intermediate 768, 128
+experts, top-8, bf16) runs with the experts sharded over "ep", two ways:
+
+* ``group_offset``: ragdot computes only the shard's rows (every other row 0);
+* ``masked``: what callers without group_offset do: each rank zero-pads its
+  experts to all E and computes every row (non-local rows come out 0).
+
+Step time (device time, all kernels of one call), tokens/s, and the expert
+matmuls' share (the same step with the expert FFN alone).
+
+  python -m ragdot.moe.ep_bench            # GPUs
+  python -m ragdot.moe.ep_bench --small    # CPU smoke test (8 simulated devices)
+"""
+
+from __future__ import annotations
+
+import os
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_force_host_platform_device_count=8").strip()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from ragdot.moe import functional as F  # noqa: E402
+from ragdot.moe import parallel  # noqa: E402
+from ragdot.moe import routing as rt  # noqa: E402
+from ragdot.moe.bench import FULL, SMALL  # noqa: E402
+from ragdot.moe.config import MoEConfig  # noqa: E402
+from ragdot.timing import device_time_ms  # noqa: E402
+
+
+def _masked_expert_ffn(xs, group_sizes, experts, cfg, mesh):
+  """Each rank zero-pads its experts to all E and computes every row."""
+  local = cfg.num_experts // int(mesh.shape["ep"])
+
+  def body(xs, group_sizes, experts):
+    start = jax.lax.axis_index("ep") * local
+    pad = lambda w: jax.lax.dynamic_update_slice_in_dim(
+        jnp.zeros((cfg.num_experts,) + w.shape[1:], w.dtype), w, start, 0)
+    ys = F.expert_ffn(xs, group_sizes, jax.tree.map(pad, experts), cfg)
+    return jax.lax.psum(ys, "ep")
+
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), parallel.expert_specs(experts)),
+                     out_specs=P())
+  return fn(xs, group_sizes, experts)
+
+
+def make_steps(cfg: MoEConfig, mesh, strategy: str):
+  """(block step, expert-FFN-only step), each value_and_grad w.r.t. x and params."""
+  ffn = (lambda xs, gs, ex: parallel.sharded_expert_ffn(xs, gs, ex, cfg, mesh)) \
+      if strategy == "group_offset" else \
+      (lambda xs, gs, ex: _masked_expert_ffn(xs, gs, ex, cfg, mesh))
+
+  def block(params, x, cot):
+    routing = F.route(params, x, cfg)
+    xs = rt.sort_tokens(x, routing, cfg.top_k)
+    _, experts = F.split_params(params)
+    y = rt.combine(ffn(xs, routing.group_sizes, experts), routing, cfg.top_k)
+    return jnp.sum(y.astype(jnp.float32) * cot)
+
+  def experts_only(params, xs, gs, cot_rows):
+    _, experts = F.split_params(params)
+    return jnp.sum(ffn(xs, gs, experts).astype(jnp.float32) * cot_rows)
+
+  return (jax.jit(jax.value_and_grad(block, argnums=(0, 1))),
+          jax.jit(jax.value_and_grad(experts_only, argnums=(0, 1))))
+
+
+def main(argv=None) -> list[dict]:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--small", action="store_true")
+  parser.add_argument("--iterations", type=int, default=10)
+  parser.add_argument("--json", default=None)
+  args = parser.parse_args(argv)
+  dims = SMALL if args.small else FULL
+  cfg = MoEConfig(hidden=dims["hidden"], intermediate=dims["intermediate"],
+                  num_experts=dims["experts"], top_k=dims["top_k"])
+  devices = jax.devices()
+  params = F.init_params(jax.random.key(0), cfg, jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(1), (dims["tokens"], cfg.hidden), jnp.float32).astype(jnp.bfloat16)
+  cot = jax.random.normal(jax.random.key(2), x.shape, jnp.float32)
+  routing = F.route(params, x, cfg)
+  xs = rt.sort_tokens(x, routing, cfg.top_k)
+  cot_rows = jax.random.normal(jax.random.key(3), xs.shape, jnp.float32)
+  print(f"MoE block EP scaling on {len(devices)} x {devices[0].device_kind}: {dims}")
+  results = []
+  for ep in (1, 2, 4, 8):
+    if ep > len(devices) or cfg.num_experts % ep:
+      continue
+    mesh = jax.make_mesh((ep,), ("ep",), devices=devices[:ep],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    router, experts = F.split_params(params)
+    sharded = {**router, **parallel.shard_experts(experts, mesh)}
+    for strategy in ("group_offset", "masked"):
+      block, experts_only = make_steps(cfg, mesh, strategy)
+      try:
+        ms, method = device_time_ms(block, sharded, x, cot, iterations=args.iterations)
+        ffn_ms, _ = device_time_ms(experts_only, sharded, xs, routing.group_sizes, cot_rows,
+                                   iterations=args.iterations)
+      except Exception as e:  # pylint: disable=broad-except
+        print(f"  ep={ep} {strategy:<12} failed: {type(e).__name__}: {str(e)[:200]}")
+        continue
+      row = dict(ep=ep, strategy=strategy, ms=ms, method=method,
+                 tokens_per_s=dims["tokens"] / ms * 1e3, expert_ffn_ms=ffn_ms,
+                 expert_share=min(ffn_ms / ms, 1.0))
+      results.append(row)
+      print(f"  ep={ep} {strategy:<12} step {ms:8.3f} ms ({method})  {row['tokens_per_s']:10.0f} tok/s"
+            f"  expert FFN {ffn_ms:7.3f} ms ({100 * row['expert_share']:.0f}%)", flush=True)
+  by = {(r["ep"], r["strategy"]): r["ms"] for r in results}
+  for ep in sorted({r["ep"] for r in results}):
+    if (ep, "masked") in by and (ep, "group_offset") in by:
+      print(f"  ep={ep}: group_offset is {by[(ep, 'masked')] / by[(ep, 'group_offset')]:.2f}x"
+            f" faster than the masked workaround")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(results, f, indent=1)
+  return results
+
+
+if __name__ == "__main__":
+  main()
