@@ -72,8 +72,9 @@ def config_fields(config: Any) -> dict[str, Any]:
 
 
 def candidates(task: Task, dtype) -> list[tuple[str, Any]]:
-  """(backend, Config) pairs to try; the kernel default comes first."""
-  from ragdot.backends import mosaic_dw, mosaic_fwd, xla  # pylint: disable=g-import-not-at-top
+  """(backend, Config) pairs to try; the Mosaic default comes first, then the
+  Mosaic sweep, a few Triton configs, and (for small problems) the xla backend."""
+  from ragdot.backends import mosaic_dw, mosaic_fwd, triton, xla  # pylint: disable=g-import-not-at-top
 
   if task.op == "dw":
     cfgs = [mosaic_dw.default_config(task.m, task.k, task.n, task.g, dtype)]
@@ -82,11 +83,17 @@ def candidates(task: Task, dtype) -> list[tuple[str, Any]]:
     tr = task.op == "dx"
     cfgs = [mosaic_fwd.default_config(task.m, task.k, task.n, task.g, dtype, tr, dtype)]
     cfgs += mosaic_fwd.gpu_sweep_configs(task.m, task.k, task.n, task.g, tr, dtype, dtype)
-  out = []
-  for c in cfgs:
+  top = {"fwd": "gmm", "dx": "gmm_t", "dw": "tgmm"}[task.op]
+  k, n = (task.n, task.k) if task.op == "dx" else (task.k, task.n)
+  tcfgs = [("triton", c) for c in triton.gpu_sweep_configs(top, task.m, k, n, task.g, dtype)[:4]]
+  # Both defaults first, so a shape cut short by its time budget still compares them.
+  out = [("mosaic", cfgs[0])] + tcfgs[:1]
+  for c in cfgs[1:]:
     if c is not None and ("mosaic", c) not in out:
       out.append(("mosaic", c))
-  out.append(("xla", xla.default_config(task.m, task.g)))
+  out += tcfgs[1:]
+  if task.m * task.k * task.n <= 2**33:  # the xla fallback loops tiles: only small shapes
+    out.append(("xla", xla.default_config(task.m, task.g)))
   return out
 
 
