@@ -32,7 +32,8 @@ def _settings(impl):
 
 
 @st.composite
-def forward_case(draw, spec):
+def trans_case(draw, spec):
+  """(m, k, n, sizes, offset, num_local, dtype, preferred, seed) of one call."""
   m = draw(spec.rows)
   k, n = draw(spec.dims), draw(spec.dims)
   num_groups = draw(st.integers(1, 6))
@@ -40,9 +41,15 @@ def forward_case(draw, spec):
   offset, num_local = draw(rst.shard(num_groups))
   dtype = draw(st.sampled_from(spec.dtypes))
   preferred = draw(st.sampled_from([None, jnp.float32]))
-  transpose_rhs = draw(st.booleans())
   seed = draw(st.integers(0, 2**31 - 1))
-  return m, k, n, sizes, offset, num_local, dtype, preferred, transpose_rhs, seed
+  return m, k, n, sizes, offset, num_local, dtype, preferred, seed
+
+
+@st.composite
+def forward_case(draw, spec):
+  """A trans_case plus transpose_rhs (before the seed)."""
+  *head, seed = draw(trans_case(spec))
+  return (*head, draw(st.booleans()), seed)
 
 
 def _run_forward(impl, case, jit_offset):
@@ -81,19 +88,6 @@ def test_forward_matches_oracle(impl):
     _run_forward(impl, case, jit_offset)
 
   check()
-
-
-@st.composite
-def trans_case(draw, spec):
-  m = draw(spec.rows)
-  k, n = draw(spec.dims), draw(spec.dims)
-  num_groups = draw(st.integers(1, 6))
-  sizes = draw(rst.group_sizes(m, num_groups))
-  offset, num_local = draw(rst.shard(num_groups))
-  dtype = draw(st.sampled_from(spec.dtypes))
-  preferred = draw(st.sampled_from([None, jnp.float32]))
-  seed = draw(st.integers(0, 2**31 - 1))
-  return m, k, n, sizes, offset, num_local, dtype, preferred, seed
 
 
 @pytest.mark.parametrize("impl", sorted(CONTRACT))
