@@ -8,7 +8,6 @@
 #
 # stages (each with its own timeout, <NAME>_TIMEOUT seconds):
 #   tests  GPU-marked tests (kernels at real sizes, NaN-poisoned memory)    TESTS_ARGS
-#   sweep  kernel config sweep (scripts/gpu_sweep.py)
 #   tune   ragdot tune into $OUT/nvidia_h200.json (copy of the shipped table) TUNE_ARGS
 #   bench  ragdot bench table + JSON + PNG                                 BENCH_ARGS
 #   moe    one MoE block fwd+bwd: ragdot vs lax vs tokamax
@@ -36,7 +35,6 @@ run() {  # run NAME TIMEOUT CMD...: output to $OUT/NAME.log, summary lines to st
 for stage in $STAGES; do
   case $stage in
     tests) run tests "${TESTS_TIMEOUT:-300}" python3 -m pytest -m gpu -q --maxfail=6 -p no:cacheprovider tests/test_gpu.py ${TESTS_ARGS:-} ;;
-    sweep) run sweep "${SWEEP_TIMEOUT:-300}" python3 scripts/gpu_sweep.py "${SWEEP_BUDGET:-240}" ;;
     tune)
       cp src/ragdot/tables/nvidia_h200.json "$OUT/nvidia_h200.json"
       run tune "${TUNE_TIMEOUT:-300}" python3 -m ragdot tune --table "$OUT/nvidia_h200.json" ${TUNE_ARGS:---preset training} ;;

@@ -234,7 +234,7 @@ def tune_task(task: Task, dtype, deadline: float, *, iterations: int, repeats: i
   }
 
 
-# --- import of scripts/gpu_sweep.py output -----------------------------------------
+# --- import of a config-sweep JSONL (docs/data/sweep_h200_v1.jsonl) -----------------------------------------
 
 _SWEEP_SHAPES = {
     "qwen3-30b gate_up": (32768, 2048, 1536, 128),
@@ -256,7 +256,7 @@ def parse_config_repr(text: str) -> tuple[str, dict[str, Any]]:
 
 
 def import_sweep(path: str, table: tables.Table, shapes=None, dtype: str = "bfloat16") -> int:
-  """Merges the best rows of a gpu_sweep.py JSONL file (rows of the sweep's shapes)."""
+  """Merges the best rows of a config-sweep JSONL file (one JSON row per config)."""
   shapes = shapes or _SWEEP_SHAPES
   best: dict[str, dict[str, Any]] = {}
   for line in Path(path).read_text().splitlines():
@@ -301,7 +301,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--jobs", type=int, default=4, help="parallel compile threads")
   parser.add_argument("--import-sweep", default=None,
-                      help="merge the best rows of a scripts/gpu_sweep.py JSONL file and exit")
+                      help="merge the best rows of a config-sweep JSONL file and exit")
   parser.add_argument("--device-kind", default=None,
                       help="device kind for --dry-run / --import-sweep (default: this device)")
 
