@@ -96,11 +96,20 @@ def test_config_shrinks_or_falls_back_to_fit_smem():
     assert c.config.smem_bytes(jnp.bfloat16, jnp.float32) <= dispatch._SMEM_LIMIT
 
 
-def test_group_offset_looks_up_the_shards_rows():
+def test_group_offset_shard_uses_the_full_calls_entry():
+  # An EP=8 shard (16 of 128 experts) has the full call's rows per group.
   full = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=H200, **GATE_UP)
   shard = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=H200, has_offset=True,
-                          **dict(GATE_UP, g=16))
-  assert full.reason != shard.reason  # 4096 local rows, not 32768
+                          **dict(GATE_UP, g=16, num_groups=128))
+  assert shard.measured and shard.config == full.config
+
+
+def test_explicit_triton_gets_the_table_config_where_the_table_names_triton():
+  dw = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, device=H200, **GATE_UP)
+  if dw.implementation != "triton":
+    pytest.fail(f"the shipped H200 table should pick Triton for Qwen3-30B dW, got {dw}")
+  explicit = dispatch.choose("tgmm", "triton", dtype=jnp.bfloat16, device=H200, **GATE_UP)
+  assert explicit.config == dw.config and not explicit.automatic
 
 
 def test_explicit_implementation_on_gpu_gets_the_table_config():

@@ -393,7 +393,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="run ragdot with this implementation only (no auto check)")
   parser.add_argument("--impls", nargs="+", default=None,
                       help="ragdot implementations timed next to the automatic choice"
-                           " (default: mosaic xla on a GPU, xla on CPU)")
+                           " (default: mosaic triton on a GPU, xla on CPU)")
   parser.add_argument("--no-baselines", action="store_true",
                       help="skip dense / lax / tokamax")
   parser.add_argument("--iterations", type=int, default=20)
@@ -413,7 +413,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
   impls = args.impls
   if impls is None:
-    impls = ["mosaic", "xla"] if jax.default_backend() == "gpu" else ["xla"]
+    impls = ["mosaic", "triton"] if jax.default_backend() == "gpu" else ["xla"]
   shapes = [s for p in (args.preset or ([] if args.shape else ["small"])) for s in PRESETS[p]]
   shapes += list(args.shape)
   print(f"devices: {jax.devices()}  tokamax: {'yes' if _tokamax() else 'no'}", flush=True)

@@ -210,8 +210,8 @@ def choose(op: Op, implementation: str | None, *, dtype: Any = None,
       unknown: then the table's op default is used).
     num_groups: G, the length of group_sizes.
     transpose_rhs: rhs laid out ``[g, n, k]`` (the dX mode).
-    has_offset: a group_offset is given: only about m * g / G rows are local,
-      and the lookup uses that row count.
+    has_offset: a group_offset is given: the shard's groups have the full
+      call's rows per group, so the lookup uses the full call (m, G).
     device: override the current device (``ragdot info --device-kind``, tests).
   """
   precision_ok = _default_precision(precision)
@@ -228,7 +228,7 @@ def _choose(op, implementation, dtype, precision_ok, out_dtype, m, k, n, g,
   if implementation is not None:
     choice = Choice(implementation, interpret=not on_gpu,
                     reason=f"implementation={implementation!r} requested")
-    if not on_gpu or implementation == "triton":
+    if not on_gpu:
       return choice
     auto = _automatic(top, dtype, precision_ok, out_dtype, m, k, n, g, num_groups,
                       has_offset, device)
@@ -259,10 +259,10 @@ def _automatic(top, dtype, precision_ok, out_dtype, m, k, n, g, num_groups,
     hit = tables.Hit(default["backend"], default.get("config"), False, table.name, None,
                      None, f"shape unknown: table default; {why}")
   else:
-    m_eff = m
-    if has_offset and num_groups:
-      m_eff = max(1, (m * g) // max(num_groups, 1))  # the shard's rows, if routing is even
-    hit = table.lookup(top, dtype, m_eff, k, n, g)
+    # An expert-parallel shard has the full call's rows per group: look up the
+    # full call (all rows, all G groups), not a shape with fewer rows *and* groups.
+    g_eff = num_groups if has_offset and num_groups else g
+    hit = table.lookup(top, dtype, m, k, n, g_eff)
     if hit is None:
       return xla(f"{why}: no entries for {top}/{dtype}")
     hit = dataclasses.replace(hit, reason=f"{hit.reason}; {why}")

@@ -83,9 +83,8 @@ def candidates(task: Task, dtype) -> list[tuple[str, Any]]:
     tr = task.op == "dx"
     cfgs = [mosaic_fwd.default_config(task.m, task.k, task.n, task.g, dtype, tr, dtype)]
     cfgs += mosaic_fwd.gpu_sweep_configs(task.m, task.k, task.n, task.g, tr, dtype, dtype)
-  top = {"fwd": "gmm", "dx": "gmm_t", "dw": "tgmm"}[task.op]
-  k, n = (task.n, task.k) if task.op == "dx" else (task.k, task.n)
-  tcfgs = [("triton", c) for c in triton.gpu_sweep_configs(top, task.m, k, n, task.g, dtype)[:4]]
+  tcfgs = [("triton", c) for c in
+           triton.gpu_sweep_configs(task.table_op, task.m, task.k, task.n, task.g, dtype)[:4]]
   # Both defaults first, so a shape cut short by its time budget still compares them.
   out = [("mosaic", cfgs[0])] + tcfgs[:1]
   for c in cfgs[1:]:
@@ -266,6 +265,8 @@ def import_sweep(path: str, table: tables.Table, shapes=None, dtype: str = "bflo
     if "tflops" not in row or row.get("rel_err", 1) >= REL_TOL or row["shape"] not in shapes:
       continue
     m, k, n, g = shapes[row["shape"]]
+    if row["op"] == "dx":  # the dX call sees the forward's k and n swapped (tasks_for)
+      k, n = n, k
     top = OPS[row["op"]]
     _, fields = parse_config_repr(row["config"])
     k_ = tables.key(top, dtype, m, k, n, g)

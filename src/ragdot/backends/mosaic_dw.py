@@ -391,7 +391,7 @@ def tgmm(
   if config is None:
     config = default_config(m, k, n, num_groups, lhs.dtype)
   if smem_bytes(config, lhs.dtype, out_dtype) > _SMEM_BUDGET:
-    raise ValueError(
+    raise NotImplementedError(
         f"{config} needs {smem_bytes(config, lhs.dtype, out_dtype)} bytes of"
         f" SMEM for {lhs.dtype} -> {out_dtype}; the budget is {_SMEM_BUDGET}"
     )
