@@ -33,7 +33,6 @@ from ragdot import tables
 
 Op = Literal["gmm", "tgmm"]
 
-_HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
 _KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
 _SMEM_LIMIT = 227 * 1024 - 2048  # the kernels' own budget: sm90 SMEM per CTA minus barriers
 
@@ -94,10 +93,6 @@ def current_device() -> Device:
 
 def has_gpu() -> bool:
   return _platform() == "gpu"
-
-
-def is_hopper() -> bool:
-  return has_gpu() and any(kind in device_kind() for kind in _HOPPER_KINDS)
 
 
 def _default_precision(precision: Any) -> bool:

@@ -116,14 +116,6 @@ class MoEMLP(nnx.Module):
     self.router_bias[...] = self.router_bias[...] + rate * jnp.sign(load.mean() - load)
 
 
-def expert_param_paths(cfg: MoEConfig) -> tuple[str, ...]:
-  """Attribute names of a MoEMLP's expert-sharded variables."""
-  names = list(cfg.projections)
-  for t in cfg.targets:
-    names += [f"lora_{t}_a", f"lora_{t}_b"]
-  return tuple(names)
-
-
 def shard_moe_state(state: Any, mesh: Any, ep_axis: str = "ep") -> Any:
   """Places an NNX state (or any pytree with path names): leaves under a MoEMLP
   expert attribute get ``P(ep_axis)`` on their leading dim, others are replicated."""
