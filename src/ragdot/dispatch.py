@@ -158,17 +158,10 @@ def _built_config(backend: str, op: str, items: tuple | None, dtype: str,
 
 
 def _misaligned(op: str, m: int, k: int, n: int) -> str | None:
-  """Why the Mosaic kernels refuse the shape (static), or None."""
-  if op == "tgmm":
-    if k < 64 or n < 64 or k % 64 or n % 64:
-      return f"k={k}, n={n} not multiples of 64 (mosaic dW)"
-    if m % 8:
-      return f"m={m} not a multiple of 8 (mosaic dW)"
-  elif k % 64 or n % 64:
-    return f"k={k}, n={n} not multiples of 64 (swizzled TMA tiles)"
-  elif m % 8 and m > 8:
-    return f"m={m} not a multiple of 8 (TMA row tiles)"
-  return None
+  """Why the Mosaic kernel for ``op`` refuses the shape (static), or None."""
+  module = importlib.import_module(CONFIG_CLASSES[("mosaic", op)][0])
+  reason = module.unsupported_shape(m, k, n)
+  return None if reason is None else f"mosaic {op}: {reason}"
 
 
 def _name(dtype: Any) -> str | None:

@@ -209,19 +209,22 @@ def _check_supported(lhs: jax.Array, rhs: jax.Array, out_dtype) -> None:
     )
   if jnp.dtype(out_dtype) not in _OUT_DTYPES:
     raise NotImplementedError(f"mosaic tgmm: unsupported out_dtype {out_dtype}")
-  m, k, n = lhs.shape[0], lhs.shape[1], rhs.shape[1]
+  reason = unsupported_shape(lhs.shape[0], lhs.shape[1], rhs.shape[1])
+  if reason:
+    raise NotImplementedError(f"mosaic tgmm: {reason}")
+
+
+def unsupported_shape(m: int, k: int, n: int) -> str | None:
+  """Why this kernel refuses lhs[m, k], rhs[m, n] (static; None: it takes it)."""
   if k < _MIN_DIM or n < _MIN_DIM:
-    raise NotImplementedError(
-        f"mosaic tgmm: thin k={k} or n={n} (< {_MIN_DIM}) is not supported"
-    )
+    return f"thin k={k} or n={n} (< {_MIN_DIM}) is not supported"
   # Mosaic builds its TMA descriptors on the swizzle-tiled view of GMEM, so the
   # tiled dims must be whole tiles: rows by 8, columns by one 128-byte atom.
   if k % _MIN_DIM or n % _MIN_DIM:
-    raise NotImplementedError(
-        f"mosaic tgmm: k={k} and n={n} must be multiples of {_MIN_DIM}"
-    )
+    return f"k={k} and n={n} must be multiples of {_MIN_DIM}"
   if m % 8:
-    raise NotImplementedError(f"mosaic tgmm: m={m} must be a multiple of 8")
+    return f"m={m} must be a multiple of 8"
+  return None
 
 
 def _mask_rows(tile_smem, row0, start, end):

@@ -226,17 +226,24 @@ def _check_supported(lhs, rhs, out_dtype, transpose_rhs) -> None:
     raise NotImplementedError(
         f"mosaic gmm supports bf16/f16/f32 outputs only, got {out_dtype}"
     )
-  m, k = lhs.shape
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-  # Mosaic builds TMA descriptors on the swizzle-tiled views: rows in tiles of
-  # 8 and 64 (128-byte) columns, checked only when lowering for the real GPU
-  # (interpret mode accepts more), so refuse what sm90 lowering rejects.
+  reason = unsupported_shape(lhs.shape[0], lhs.shape[1], n)
+  if reason:
+    raise NotImplementedError(f"mosaic gmm needs {reason}")
+
+
+def unsupported_shape(m: int, k: int, n: int) -> str | None:
+  """Why this kernel refuses lhs[m, k] -> out[m, n] (static; None: it takes it).
+
+  Mosaic builds TMA descriptors on the swizzle-tiled views: rows in tiles of 8
+  and 64 (128-byte) columns, checked only when lowering for the real GPU
+  (interpret mode accepts more), so refuse what sm90 lowering rejects.
+  """
   if k % 64 or n % 64:
-    raise NotImplementedError(
-        f"mosaic gmm needs k and n to be multiples of 64 (swizzled TMA tiles), got k={k}, n={n}"
-    )
+    return f"k and n to be multiples of 64 (swizzled TMA tiles), got k={k}, n={n}"
   if m % 8 and m > 8:
-    raise NotImplementedError(f"mosaic gmm needs m % 8 == 0 (TMA row tiles), got m={m}")
+    return f"m % 8 == 0 (TMA row tiles), got m={m}"
+  return None
 
 
 def _num_sms(config: MosaicFwdConfig, interpret: bool) -> int:
