@@ -41,6 +41,7 @@ CASES = [
     ("trans: num_groups not int", lambda: ragdot.trans_ragged_dot(L, D, GS, group_offset=jnp.int32(0), num_groups=2.0), TypeError, "num_groups"),
     ("trans: unknown implementation", lambda: ragdot.trans_ragged_dot(L, D, GS, implementation="x"), ValueError, "implementation"),
     ("general: not dimension numbers", lambda: ragdot.ragged_dot_general(L, R, GS, ((1,), (1,))), TypeError, "ragged_dot_dimension_numbers"),
+    ("general: num_groups in the forward mode", lambda: ragdot.ragged_dot_general(L, R, GS, DN_FWD, num_groups=2), ValueError, "num_groups"),
     ("general: k mismatch", lambda: ragdot.ragged_dot_general(L, jnp.ones((3, 6, 5)), GS, DN_FWD), TypeError, "contracting"),
 ]
 

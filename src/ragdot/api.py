@@ -306,6 +306,10 @@ def ragged_dot_general(
         f" got {type(dn).__name__}"
     )
   mode = _mode(jnp.ndim(lhs), jnp.ndim(rhs), dn)
+  if num_groups is not None and mode != "ragged_contracting":
+    raise ValueError(
+        "num_groups applies to the ragged contracting mode only (the weight"
+        f" gradient); these dimension numbers are mode {mode!r}")
   common = dict(precision=precision,
                 preferred_element_type=preferred_element_type,
                 implementation=impl, checks=checks)
@@ -324,8 +328,6 @@ def ragged_dot_general(
     (lc, rc), _ = dn.dot_dimension_numbers
     lhs_rows_first = lhs if int(lc[0]) == 0 else jnp.swapaxes(lhs, 0, 1)
     rhs_rows_first = rhs if int(rc[0]) == 0 else jnp.swapaxes(rhs, 0, 1)
-    if group_offset is None and num_groups is not None:
-      raise ValueError("num_groups is only meaningful with group_offset")
     return trans_ragged_dot(lhs_rows_first, rhs_rows_first, group_sizes,
                             group_offset=group_offset, num_groups=num_groups,
                             **common)
@@ -341,6 +343,10 @@ def ragged_dot_general(
         f"implementation={impl!r} supports the MoE modes only; got dimension"
         f" numbers {dn}"
     )
+  if checks:
+    raise NotImplementedError(
+        "checks=True covers the MoE modes only; this mode is delegated to"
+        " jax.lax.ragged_dot_general unchecked")
   return lax.ragged_dot_general(
       lhs, rhs, group_sizes, dn, precision=precision,
       preferred_element_type=preferred_element_type)

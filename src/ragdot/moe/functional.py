@@ -144,6 +144,8 @@ def moe_mlp(params: dict, x: jax.Array, cfg: MoEConfig, *,
   ``adapter_ids[...]`` (same leading shape as x) picks each token's adapter.
   ``manual``: which mesh axes the shard_map makes manual (see ``parallel``).
   """
+  if mesh is not None and ragged_dot_fn is not None:
+    raise ValueError("ragged_dot_fn is only supported without expert parallelism (mesh=None)")
   if mesh is not None and cfg.num_experts % int(mesh.shape[ep_axis]):
     raise ValueError(f"mesh axis {ep_axis!r} of size {mesh.shape[ep_axis]} must divide"
                      f" num_experts={cfg.num_experts}")
