@@ -2,7 +2,8 @@
 # The one entry point on the GPU machine (device tool), run from the repo root.
 # Runs stages from the source tree with the machine's own python3; logs and JSON
 # go under $OUT (./out when unset).  Carry .whl (tokamax + its wheels, and
-# .whl/stub for the xprof module tokamax imports) for side-by-side numbers.
+# .whl/stub for the xprof module tokamax imports; scripts/fetch_bench_wheels.sh
+# fills it) for side-by-side numbers.
 #
 #   STAGES="tests bench moe ep" bash scripts/gpu_run.sh
 #
