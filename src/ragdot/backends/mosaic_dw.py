@@ -227,6 +227,14 @@ def unsupported_shape(m: int, k: int, n: int) -> str | None:
   return None
 
 
+def _work_item(info, grid_k: int, grid_n: int, config: MosaicDwConfig,
+               starts_gmem, ends_gmem, first_gmem, nblocks_gmem):
+  """(group, k tile, n tile, row start, row end, first block, block count) of an item."""
+  j = info.index[0]
+  ki, ni = plgpu.planar_snake(info.index[1], (grid_k, grid_n), 1, config.grid_tile_width)
+  return (j, ki, ni, starts_gmem[j], ends_gmem[j], first_gmem[j], nblocks_gmem[j])
+
+
 def _mask_rows(tile_smem, row0, start, end):
   """Zeroes the rows of an SMEM tile that lie outside [start, end)."""
   tile = tile_smem[...]
@@ -297,12 +305,8 @@ def _body_2wg(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gm
 
     @plgpu.nd_loop((num_groups, grid_k * grid_n), collective_axes="sm")
     def _item(info: plgpu.NDLoopInfo):
-      j = info.index[0]
-      ki, ni = plgpu.planar_snake(
-          info.index[1], (grid_k, grid_n), 1, config.grid_tile_width
-      )
-      start, end = starts_gmem[j], ends_gmem[j]
-      first, nblocks = first_gmem[j], nblocks_gmem[j]
+      j, ki, ni, start, end, first, nblocks = _work_item(
+          info, grid_k, grid_n, config, starts_gmem, ends_gmem, first_gmem, nblocks_gmem)
 
       def step(idx, lhs_smem, rhs_smem, acc_ref):
         row0 = (first + idx[0]) * bm
@@ -418,12 +422,8 @@ def tgmm(
 
     @plgpu.nd_loop((num_groups, grid_k * grid_n), collective_axes="sm")
     def _item(info: plgpu.NDLoopInfo):
-      j = info.index[0]
-      ki, ni = plgpu.planar_snake(
-          info.index[1], (grid_k, grid_n), 1, config.grid_tile_width
-      )
-      start, end = starts_gmem[j], ends_gmem[j]
-      first, nblocks = first_gmem[j], nblocks_gmem[j]
+      j, ki, ni, start, end, first, nblocks = _work_item(
+          info, grid_k, grid_n, config, starts_gmem, ends_gmem, first_gmem, nblocks_gmem)
 
       def acc_scope(acc_ref):
         def step(idx, lhs_smem, rhs_smem):

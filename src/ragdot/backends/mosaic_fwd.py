@@ -297,6 +297,16 @@ def _store_rows(src_smem, out_gmem, src_row, dst_row, count, col, *, max_rows: i
     p //= 2
 
 
+def _work_item(tiles_gmem, w, num_tiles, max_tiles: int, grid_n: int,
+               cfg: MosaicFwdConfig):
+  """(row tile, n tile, group, block, row_start, row_end) of compute item w."""
+  ti, ni = plgpu.planar_snake(
+      w, (num_tiles, grid_n), cfg.grid_minor_dim, cfg.grid_tile_width
+  )
+  return (ti, ni, tiles_gmem[ti], tiles_gmem[max_tiles + ti],
+          tiles_gmem[2 * max_tiles + ti], tiles_gmem[3 * max_tiles + ti])
+
+
 def _for_each_chunk(cfg: MosaicFwdConfig, n: int, ni, fn) -> None:
   """Calls ``fn(c, col)`` for every epilogue chunk ``c`` of n tile ``ni``.
 
@@ -355,13 +365,8 @@ def _gmm_kernel_1wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
       _for_each_chunk(cfg, n, ni, chunk)
 
     def compute_tile(w):
-      ti, ni = plgpu.planar_snake(
-          w, (num_tiles, grid_n), cfg.grid_minor_dim, cfg.grid_tile_width
-      )
-      grp = tiles_gmem[ti]
-      blk = tiles_gmem[max_tiles + ti]
-      row_start = tiles_gmem[2 * max_tiles + ti]
-      row_end = tiles_gmem[3 * max_tiles + ti]
+      ti, ni, grp, blk, row_start, row_end = _work_item(
+          tiles_gmem, w, num_tiles, max_tiles, grid_n, cfg)
 
       def acc_scope(acc_ref):
         plgpu.emit_pipeline(
@@ -496,13 +501,8 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
       _for_each_chunk(cfg, n, ni, chunk)
 
     def compute_tile(w):
-      ti, ni = plgpu.planar_snake(
-          w, (num_tiles, grid_n), cfg.grid_minor_dim, cfg.grid_tile_width
-      )
-      grp = tiles_gmem[ti]
-      blk = tiles_gmem[max_tiles + ti]
-      row_start = tiles_gmem[2 * max_tiles + ti]
-      row_end = tiles_gmem[3 * max_tiles + ti]
+      ti, ni, grp, blk, row_start, row_end = _work_item(
+          tiles_gmem, w, num_tiles, max_tiles, grid_n, cfg)
       wg_rows = pl.ds(wg * hm, hm)
 
       def compute_context(eval_pipeline):
