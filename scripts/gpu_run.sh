@@ -12,7 +12,7 @@
 #   tune   ragdot tune into $OUT/nvidia_h200.json (copy of the shipped table) TUNE_ARGS
 #   bench  ragdot bench table + JSON + PNG                                 BENCH_ARGS
 #   moe    one MoE block fwd+bwd: ragdot vs lax vs tokamax
-#   ep     MoE block expert-parallel scaling over the local GPUs
+#   ep     MoE block expert-parallel scaling over the local GPUs           EP_ARGS
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -41,7 +41,7 @@ for stage in $STAGES; do
       run tune "${TUNE_TIMEOUT:-300}" python3 -m ragdot tune --table "$OUT/nvidia_h200.json" ${TUNE_ARGS:---preset training} ;;
     bench) run bench "${BENCH_TIMEOUT:-400}" python3 -m ragdot bench --json "$OUT/bench.json" --plot "$OUT/bench.png" ${BENCH_ARGS:---preset training decode ep skewed} ;;
     moe) run moe "${MOE_TIMEOUT:-120}" python3 -m ragdot.moe.bench --json "$OUT/moe.json" ;;
-    ep) run ep "${EP_TIMEOUT:-180}" python3 -m ragdot.moe.ep_bench --json "$OUT/ep.json" ;;
+    ep) run ep "${EP_TIMEOUT:-180}" python3 -m ragdot.moe.ep_bench --json "$OUT/ep.json" ${EP_ARGS:-} ;;
     *) echo "unknown stage $stage" >&2 ;;
   esac
 done

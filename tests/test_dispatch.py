@@ -75,8 +75,8 @@ def test_h200_rules_before_the_table():
                         **dict(GATE_UP, k=2047))
   assert odd.implementation == "triton" and "multiples of 64" in odd.reason
   rows = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=H200,
-                         **dict(GATE_UP, m=4079))
-  assert rows.implementation == "triton" and "m=4079" in rows.reason
+                         **dict(GATE_UP, m=32765))
+  assert rows.implementation == "triton" and "m=32765" in rows.reason
   thin = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, device=H200, **dict(GATE_UP, n=16))
   assert thin.implementation == "triton"
   cpu = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=dispatch.Device("cpu"), **GATE_UP)

@@ -125,3 +125,27 @@ def test_triton_real_sizes(shape):
   oracle.assert_close(got_dx, oracle.np_ragged_dot(dy, w, sizes, go, transpose_rhs=True), jnp.bfloat16)
   dw = jax.jit(lambda x, d: ragdot.trans_ragged_dot(x, d, gs, implementation="triton"))(x, dy)
   oracle.assert_close(dw, oracle.np_trans_ragged_dot(x, dy, sizes), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("wgs", [1, 2], ids=["1wg", "2wg"])
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
+def test_mosaic_fwd_both_bodies_real_size(wgs, transpose_rhs):
+  """Both kernel bodies (1 and 2 compute warpgroups, the latter skipping the
+  wgmmas of empty 64-row halves) on group-aligned tiles, with a shard."""
+  from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
+  m, k, n, g = 4096, 1024, 768, 64
+  sizes = _sizes(m, g, "routed")
+  cfg = mosaic_fwd.MosaicFwdConfig(block_m=64 * wgs, block_n=256, block_k=64, num_stages=4,
+                                   grid_tile_width=4, num_compute_wgs=wgs,
+                                   epilogue_split=2 if wgs == 2 else 1)
+  local, offset = 24, 20
+  wshape = (local, n, k) if transpose_rhs else (local, k, n)
+  x, w = oracle.random_inputs(jax.random.key(wgs), [(m, k), wshape], jnp.bfloat16)
+  go = jnp.int32(offset)
+  fn = jax.jit(lambda x, w, gs: mosaic_fwd.gmm(x, w, gs, go, transpose_rhs=transpose_rhs,
+                                               out_dtype=jnp.bfloat16, config=cfg))
+  _poison(4 * m * n)
+  out = fn(x, w, jnp.asarray(sizes))
+  oracle.assert_close(out, oracle.np_ragged_dot(x, w, sizes, go, transpose_rhs=transpose_rhs),
+                      jnp.bfloat16)
+  oracle.assert_zero_rows(out, sizes, offset, local)

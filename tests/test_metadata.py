@@ -1,6 +1,8 @@
-"""The tile schedule covers every local row exactly once, within its block."""
+"""The tile schedule covers every local row exactly once, within its tile window."""
 
 from __future__ import annotations
+
+import math
 
 import jax.numpy as jnp
 import numpy as np
@@ -30,8 +32,9 @@ def test_schedule_covers_local_rows_exactly_once(layout):
   starts, ends = md.group_bounds(jnp.asarray(sizes), m, go, num_local)
   sched = md.tile_schedule(starts, ends, m, block_m)
   lo, hi = md.local_row_window(jnp.asarray(sizes), m, go, num_local)
-  sched = {f: np.asarray(getattr(sched, f)) for f in ("group", "block", "row_start", "row_end", "num_tiles")}
+  sched = {f: np.asarray(getattr(sched, f)) for f in ("group", "row0", "row_start", "row_end", "num_tiles")}
 
+  ends_np = np.asarray(ends)
   o = offset or 0
   grp = oracle.group_of_rows(sizes, m)
   local = (grp >= o) & (grp < o + num_local) & (grp < len(sizes))
@@ -44,11 +47,18 @@ def test_schedule_covers_local_rows_exactly_once(layout):
       assert a == b  # padding tiles own no rows
       continue
     assert a < b, "a real tile must own rows"
-    blk = sched["block"][t]
-    assert blk * block_m <= a and b <= (blk + 1) * block_m
+    r0 = sched["row0"][t]
+    assert r0 % math.gcd(8, block_m) == 0
+    assert r0 <= a and b <= r0 + block_m
+    # Only a group's last tile may end before its window does.
+    assert b == r0 + block_m or b == ends_np[sched["group"][t]]
     assert np.all(grp[a:b] == o + sched["group"][t])
     covered[a:b] += 1
   np.testing.assert_array_equal(covered, local.astype(np.int32))
+  # Never more tiles than block-aligned tiling of the same groups.
+  s_np, e_np = np.asarray(starts), ends_np
+  aligned = np.where(e_np > s_np, (e_np - 1) // block_m - s_np // block_m + 1, 0).sum()
+  assert n_tiles <= aligned
   # The local rows form the window [lo, hi).
   rows = np.nonzero(local)[0]
   if rows.size:
@@ -59,13 +69,13 @@ def test_schedule_covers_local_rows_exactly_once(layout):
 
 @settings(max_examples=30)
 @given(st.integers(0, 2**31 - 1), st.integers(1, 50))
-def test_tiles_ordered_by_group_then_block(seed, m):
+def test_tiles_ordered_by_group_then_row(seed, m):
   rng = np.random.default_rng(seed)
   sizes = rng.multinomial(m, np.ones(5) / 5).astype(np.int32)
   starts, ends = md.group_bounds(jnp.asarray(sizes), m)
   sched = md.tile_schedule(starts, ends, m, 8)
   n = int(sched.num_tiles)
-  key = list(zip(np.asarray(sched.group)[:n], np.asarray(sched.block)[:n]))
+  key = list(zip(np.asarray(sched.group)[:n], np.asarray(sched.row0)[:n]))
   assert key == sorted(key)
 
 

@@ -266,14 +266,16 @@ def test_default_and_sweep_on_qwen_shapes():
   for m, k, n, tr in [(32768, 2048, 1536, False), (32768, 768, 2048, False),
                       (32768, 2048, 768, True)]:
     cfg = mosaic_fwd.default_config(m, k, n, 128, jnp.bfloat16, tr)
-    assert cfg == MosaicFwdConfig(64, 256, 64, 4, grid_tile_width=4)
-    sweep = mosaic_fwd.gpu_sweep_configs(m, k, n, 128, tr)
     # The 2-warpgroup 128x256 tile gets 4 stages through a split epilogue.
-    assert MosaicFwdConfig(128, 256, 64, 4, grid_tile_width=4, num_compute_wgs=2,
-                           epilogue_split=2) in sweep
-  # f32 output: 64x256x4 stages still fits without a split (160 + 64 KiB).
+    assert cfg == MosaicFwdConfig(128, 256, 64, 4, grid_tile_width=4, num_compute_wgs=2,
+                                  epilogue_split=2)
+    sweep = mosaic_fwd.gpu_sweep_configs(m, k, n, 128, tr)
+    assert MosaicFwdConfig(64, 256, 64, 4, grid_tile_width=4) in sweep
+  # f32 output: 4 stages still fit with the epilogue split in 4 (192 + 32 KiB).
   cfg = mosaic_fwd.default_config(32768, 2048, 1536, 128, jnp.bfloat16, False, jnp.float32)
-  assert cfg.num_stages == 4
+  assert (cfg.num_stages, cfg.epilogue_split) == (4, 4)
+  # A single k step: one warpgroup.
+  assert mosaic_fwd.default_config(4096, 64, 512, 8, jnp.bfloat16, False).num_compute_wgs == 1
 
 
 def _lower_for_sm90(m, k, n, g, config, transpose_rhs, out_dtype):

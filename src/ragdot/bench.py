@@ -1,13 +1,15 @@
 """Side-by-side benchmark: ragdot vs a dense matmul, tokamax and lax.ragged_dot.
 
 ``ragdot bench --preset training decode ep`` (or ``python -m ragdot.bench``;
-``--shape m,k,n,g`` for any shape) prints one table (ms, TFLOP/s, TB/s of
-minimal bytes, ratio to the dense matmul of the same FLOPs and to tokamax, peak
-device memory of the call from XLA's memory analysis) and can write JSON and a
+``--shape m,k,n,g`` for any shape) prints one table: ms, TFLOP/s, TB/s of
+minimal bytes and its ratio to the copy bandwidth measured in the same run
+(GPU), ratios to the dense matmul of the same FLOPs and to tokamax, and peak
+device memory of the call from XLA's memory analysis; it can write JSON and a
 PNG.  "ragdot" rows are the automatic choice, "ragdot:<impl>" rows force one
 backend; the run ends with the check that the automatic choice is within 5% of
-the best ragdot implementation on every (shape, op).  Group sizes come from top-k routing of random
-logits (or a skewed routing); inputs are fresh random values, never zeros.
+the best ragdot implementation on every (shape, op).  Group sizes come from
+top-k routing of random logits (or a skewed routing); inputs are fresh random
+values, never zeros.
 """
 
 from __future__ import annotations
@@ -226,6 +228,9 @@ def _ep_candidates(shape: Shape, impl: str, sizes: np.ndarray) -> dict[str, Call
   """Shard 0 of an EP split: group_offset vs the masked workaround vs local rows."""
   local = shape.g // shape.ep
   rows = int(sizes[:local].sum())
+  # The plain call gets the local rows in a buffer padded to a multiple of 8
+  # (rows past sum(group_sizes) are zeros), as a fixed-capacity EP buffer would.
+  rows8 = -(-rows // 8) * 8
   gs_local = jnp.asarray(sizes[:local])
   mask = (jnp.arange(shape.m) < rows)[:, None]
 
@@ -238,7 +243,7 @@ def _ep_candidates(shape: Shape, impl: str, sizes: np.ndarray) -> dict[str, Call
           x, w[:local], gs, group_offset=jnp.int32(0), implementation=impl),
       "masked": masked,
       "local-rows": lambda x, w, dy, gs: ragdot.ragged_dot(
-          x[:rows], w[:local], gs_local, implementation=impl),
+          x[:rows8], w[:local], gs_local, implementation=impl),
   }
   tk = _tokamax()
   if tk:
@@ -301,6 +306,21 @@ def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
   return rows
 
 
+def copy_bandwidth_tbps(iterations: int = 10, gib: float = 1.0) -> float:
+  """Measured copy bandwidth, TB/s: ``a + 1`` over ``gib`` GiB of f32 (read + write)."""
+  x = jax.random.normal(jax.random.key(7), (int(gib * 2**28),), jnp.float32)
+  compiled = jax.jit(lambda a: a + 1.0).lower(x).compile()
+  ms, _ = device_time_ms(compiled, x, iterations=iterations)
+  return 2 * x.nbytes / (ms * 1e-3) / 1e12
+
+
+def add_copy_ratio(rows: list[dict[str, Any]], copy_tbps: float) -> None:
+  """Adds ``vs_copy``: TB/s of minimal bytes over the measured copy bandwidth."""
+  for r in rows:
+    r["vs_copy"] = r["tbps"] / copy_tbps
+    r["copy_tbps"] = copy_tbps
+
+
 def auto_check(rows: list[dict[str, Any]], tolerance: float = 0.05) -> list[dict[str, Any]]:
   """Per (shape, op): the automatic choice vs the best ragdot implementation run.
 
@@ -348,14 +368,15 @@ def print_table(rows: list[dict[str, Any]], title: str = "ragdot bench") -> None
       print(r)
     return
   table = Table(title=title)
-  for col in ("shape", "op", "impl", "ms", "TFLOP/s", "TB/s", "x dense", "x tokamax",
-              "peak MiB", "note"):
+  for col in ("shape", "op", "impl", "ms", "TFLOP/s", "TB/s", "x copy", "x dense",
+              "x tokamax", "peak MiB", "note"):
     table.add_column(col)
   for r in rows:
     note = "" if r["method"] in ("cupti", "host") else r["method"]
     peak = r.get("peak_mib")
     table.add_row(r["shape"], r["op"], r["impl"], f"{r['ms']:.4f}", f"{r['tflops']:.1f}",
-                  f"{r['tbps']:.2f}", f"{r['vs_dense']:.2f}", f"{r['vs_tokamax']:.2f}",
+                  f"{r['tbps']:.2f}", f"{r.get('vs_copy', float('nan')):.2f}",
+                  f"{r['vs_dense']:.2f}", f"{r['vs_tokamax']:.2f}",
                   "" if peak is None else f"{peak:.1f}", note[:60])
   Console(width=200).print(table)
 
@@ -417,10 +438,16 @@ def run(args: argparse.Namespace) -> int:
   shapes = [s for p in (args.preset or ([] if args.shape else ["small"])) for s in PRESETS[p]]
   shapes += list(args.shape)
   print(f"devices: {jax.devices()}  tokamax: {'yes' if _tokamax() else 'no'}", flush=True)
+  copy_tbps = None
+  if jax.default_backend() == "gpu" and not args.no_baselines:
+    copy_tbps = copy_bandwidth_tbps(args.iterations)
+    print(f"copy bandwidth (1 GiB f32 a + 1, read + write): {copy_tbps:.2f} TB/s", flush=True)
   rows = []
   for shape in shapes:
     shape_rows = bench_shape(shape, args.ops, args.implementation, args.iterations,
                              impls=impls, baselines=not args.no_baselines)
+    if copy_tbps:
+      add_copy_ratio(shape_rows, copy_tbps)
     for r in shape_rows:
       print(json.dumps(r), flush=True)
     rows.extend(shape_rows)

@@ -8,10 +8,13 @@ the subtle arithmetic lives here once:
   negative sizes count as 0 and groups past ``m`` are cut there.
 * ``local_row_window``: the contiguous rows ``[lo, hi)`` owned by local groups;
   every other output row must be exactly zero.
-* ``tile_schedule``: one entry per (local group, row block) pair that holds rows
-  of that group.  At most ``cdiv(m, block_m) + num_local - 1`` entries exist; the
-  arrays have that static length and entries past ``num_tiles`` are padding
-  (``row_end == row_start``, group and block clamped to valid indices).
+* ``tile_schedule``: the row tiles of each local group.  A group's tiles start
+  at its first row rounded down to a multiple of ``align`` (8: the TMA row
+  granule) and step by ``block_m``, so only a group's last tile is partial (plus
+  < align leading rows of the first).  At most ``cdiv(m, block_m) + num_local -
+  1`` entries exist (never more than block-aligned tiling needs); the arrays
+  have that static length and entries past ``num_tiles`` are padding
+  (``row_end == row_start == row0 == 0``, group clamped to a valid index).
 
 Nothing here syncs to the host: all sizes that shape arrays are static.
 """
@@ -19,6 +22,7 @@ Nothing here syncs to the host: all sizes that shape arrays are static.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -114,14 +118,15 @@ def local_row_window(
 class TileSchedule:
   """Per-tile metadata, each int32[max_tiles] (``num_tiles`` is a scalar).
 
-  Tile t covers rows ``[row_start[t], row_end[t])`` of row block ``block[t]``
-  (rows ``[block*block_m, (block+1)*block_m)``), all in local group
-  ``group[t]``.  Tiles are ordered by group, then by block, so consecutive tiles
-  reuse one group's weights.
+  Tile t owns rows ``[row_start[t], row_end[t])``, all in local group
+  ``group[t]``, inside its window ``[row0[t], row0[t] + block_m)`` (``row0`` a
+  multiple of the schedule's alignment; the window may run past ``m``).
+  Tiles are ordered by group, then by row, so consecutive tiles reuse one
+  group's weights.
   """
 
   group: jax.Array
-  block: jax.Array
+  row0: jax.Array
   row_start: jax.Array
   row_end: jax.Array
   num_tiles: jax.Array
@@ -137,25 +142,30 @@ def pl_cdiv(a: int, b: int) -> int:
 
 
 def tile_schedule(
-    starts: jax.Array, ends: jax.Array, m: int, block_m: int
+    starts: jax.Array, ends: jax.Array, m: int, block_m: int, align: int = 8
 ) -> TileSchedule:
-  """Schedule of row tiles for local groups with the given bounds.
+  """Group-aligned row tiles for local groups with the given bounds.
 
   Args:
     starts, ends: int32[num_local] from ``group_bounds``.
     m: rows of the ragged operand.
     block_m: rows per tile (static).
+    align: tile windows start at multiples of ``gcd(align, block_m)``.
+
+  A group's tiles cover ``[floor_align(start), end)`` in steps of block_m.  The
+  first window starts inside the row block holding ``start`` (align divides
+  block_m), so a group never gets more tiles than block-aligned tiling would
+  give it: the static bound ``max_tiles`` still holds.
   """
   num_local = starts.shape[0]
   total = max_tiles(m, block_m, num_local)
-  num_blocks = max(pl_cdiv(m, block_m), 1)
   if num_local == 0:
     z = jnp.zeros((total,), jnp.int32)
     return TileSchedule(z, z, z, z, jnp.int32(0))
+  align = math.gcd(align, block_m)
   nonempty = ends > starts
-  first = starts // block_m
-  last = (ends - 1) // block_m
-  count = jnp.where(nonempty, last - first + 1, 0)
+  base = (starts // align) * align
+  count = jnp.where(nonempty, (ends - base + block_m - 1) // block_m, 0)
   incl = jnp.cumsum(count).astype(jnp.int32)
   excl = incl - count
   num_tiles = incl[-1]
@@ -163,11 +173,8 @@ def tile_schedule(
   # method="sort": the default scan fails to trace under a partly manual shard_map.
   group = jnp.searchsorted(incl, t, side="right", method="sort").astype(jnp.int32)
   group = jnp.minimum(group, num_local - 1)
-  block = first[group] + t - excl[group]
   real = t < num_tiles
-  block = jnp.where(real, jnp.clip(block, 0, num_blocks - 1), 0)
-  row_start = jnp.where(real, jnp.maximum(starts[group], block * block_m), 0)
-  row_end = jnp.where(
-      real, jnp.minimum(ends[group], (block + 1) * block_m), 0
-  )
-  return TileSchedule(group, block, row_start, row_end, num_tiles)
+  row0 = jnp.where(real, base[group] + (t - excl[group]) * block_m, 0)
+  row_start = jnp.where(real, jnp.maximum(starts[group], row0), 0)
+  row_end = jnp.where(real, jnp.minimum(ends[group], row0 + block_m), 0)
+  return TileSchedule(group, row0, row_start, row_end, num_tiles)

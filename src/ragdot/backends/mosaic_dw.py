@@ -10,9 +10,10 @@ Kernel layout: a persistent grid (one program per SM) walks the work items
 group's row blocks of ``lhs`` (``block_m x block_k``) and ``rhs``
 (``block_m x block_n``) through SMEM, and one warpgroup accumulates
 ``lhs_tile^T @ rhs_tile`` with wgmma, reading ``lhs^T`` through a transposed
-SMEM view.  Row blocks are aligned to ``block_m``; only a group's first and
-last block can hold rows of a neighbouring group, and only those blocks are
-masked (in SMEM, before the wgmma).  Items of empty groups skip the pipeline
+SMEM view.  A group's row blocks start at its first row rounded down to a
+multiple of 8 (the TMA row granule), so only its last block (and a first block
+starting up to 7 rows early) can hold rows of a neighbouring group, and only
+those blocks are masked (in SMEM, before the wgmma).  Items of empty groups skip the pipeline
 and store zeros.  Partial k/n tiles and row blocks past ``m`` rely on TMA:
 out-of-bounds loads read zeros and out-of-bounds stores are dropped.
 
@@ -42,6 +43,7 @@ from ragdot import metadata
 _IN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _OUT_DTYPES = _IN_DTYPES + (jnp.dtype(jnp.float32),)
 _MIN_DIM = 64  # k, n granule: one 128-byte swizzle atom of 16-bit elements
+_ROW_ALIGN = 8  # TMA row granule of the tiled GMEM view: row blocks start here
 _H200_SMS = 132
 _SMEM_BUDGET = 227 * 1024 - 2048  # sm90 per-block limit, minus barriers/slack
 
@@ -229,10 +231,17 @@ def unsupported_shape(m: int, k: int, n: int) -> str | None:
 
 def _work_item(info, grid_k: int, grid_n: int, config: MosaicDwConfig,
                starts_gmem, ends_gmem, first_gmem, nblocks_gmem):
-  """(group, k tile, n tile, row start, row end, first block, block count) of an item."""
+  """(group, k tile, n tile, row start, row end, first block's row, block count)."""
   j = info.index[0]
   ki, ni = plgpu.planar_snake(info.index[1], (grid_k, grid_n), 1, config.grid_tile_width)
-  return (j, ki, ni, starts_gmem[j], ends_gmem[j], first_gmem[j], nblocks_gmem[j])
+  first = pl.multiple_of(first_gmem[j], _ROW_ALIGN)
+  return (j, ki, ni, starts_gmem[j], ends_gmem[j], first, nblocks_gmem[j])
+
+
+def _row_spec(rows: int, cols: int, first, col_block, transforms, delay_release: int):
+  """Block i of a group: rows [first + i * rows, +rows), column block col_block."""
+  return plgpu.BlockSpec((pl.Element(rows), cols), lambda i: (first + i * rows, col_block),
+                         transforms=transforms, delay_release=delay_release)
 
 
 def _mask_rows(tile_smem, row0, start, end):
@@ -274,10 +283,8 @@ def _body_2wg(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gm
         grid=(nblocks,),
         memory_registers=40,
         in_specs=[
-            plgpu.BlockSpec((bm, bk), lambda i: (first + i, ki),
-                            transforms=in_transforms_lhs, delay_release=1),
-            plgpu.BlockSpec((bm, bn), lambda i: (first + i, ni),
-                            transforms=in_transforms_rhs, delay_release=1),
+            _row_spec(bm, bk, first, ki, in_transforms_lhs, 1),
+            _row_spec(bm, bn, first, ni, in_transforms_rhs, 1),
         ],
         wg_axis="wg",
         num_compute_wgs=2,
@@ -309,7 +316,7 @@ def _body_2wg(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gm
           info, grid_k, grid_n, config, starts_gmem, ends_gmem, first_gmem, nblocks_gmem)
 
       def step(idx, lhs_smem, rhs_smem, acc_ref):
-        row0 = (first + idx[0]) * bm
+        row0 = first + idx[0] * bm
 
         # Only a group's first and last blocks can straddle its bounds.
         @pl.when((row0 < start) | (row0 + bm > end))
@@ -407,8 +414,8 @@ def tgmm(
 
   bm, bk, bn = config.block_m, config.block_k, config.block_n
   starts, ends = metadata.group_bounds(group_sizes, m, group_offset, num_groups)
-  first_block = starts // bm
-  num_blocks = jnp.where(ends > starts, (ends - 1) // bm - first_block + 1, 0)
+  first_row = (starts // _ROW_ALIGN) * _ROW_ALIGN
+  num_blocks = jnp.where(ends > starts, pl.cdiv(ends - first_row, bm), 0)
 
   grid_k, grid_n = pl.cdiv(k, bk), pl.cdiv(n, bn)
   num_stages = config.num_stages
@@ -427,7 +434,7 @@ def tgmm(
 
       def acc_scope(acc_ref):
         def step(idx, lhs_smem, rhs_smem):
-          row0 = (first + idx[0]) * bm
+          row0 = first + idx[0] * bm
 
           # Only a group's first and last blocks can straddle its bounds.
           @pl.when((row0 < start) | (row0 + bm > end))
@@ -448,14 +455,8 @@ def tgmm(
               step,
               grid=(nblocks,),
               in_specs=[
-                  plgpu.BlockSpec(
-                      (bm, bk), lambda i: (first + i, ki),
-                      transforms=in_transforms_lhs, delay_release=delay_release,
-                  ),
-                  plgpu.BlockSpec(
-                      (bm, bn), lambda i: (first + i, ni),
-                      transforms=in_transforms_rhs, delay_release=delay_release,
-                  ),
+                  _row_spec(bm, bk, first, ki, in_transforms_lhs, delay_release),
+                  _row_spec(bm, bn, first, ni, in_transforms_rhs, delay_release),
               ],
               max_concurrent_steps=num_stages,
           )(lhs_gmem, rhs_gmem)
@@ -486,7 +487,7 @@ def tgmm(
     extra = {}
 
   i32 = lambda x: x.astype(jnp.int32)
-  args = match_varying(i32(starts), i32(ends), i32(first_block), i32(num_blocks), lhs, rhs)
+  args = match_varying(i32(starts), i32(ends), i32(first_row), i32(num_blocks), lhs, rhs)
   lhs = args[4]
   num_sms = config.num_sms
   if num_sms is None:

@@ -11,20 +11,24 @@ Design:
 * A persistent grid of ``num_sms`` CTAs walks a flat work list with
   ``plgpu.nd_loop``: first the *zero tiles* (row blocks, or parts of them,
   outside the local row window, stored from a zeroed SMEM buffer), then the
-  *compute tiles* (``metadata.tile_schedule`` entries x n tiles).  Both counts
+  *compute tiles* (``metadata.tile_schedule`` entries x n tiles: group-aligned
+  row windows, so only a group's last tile is partial).  Both counts
   are device scalars, so the loop length is dynamic and nothing syncs to host.
   Zero tiles come first in every CTA's sequence: their async TMA stores
   overlap the CTA's first compute tile, and the staging buffer is zeroed once.
 * Compute tile: ``emit_pipeline`` streams (block_m, block_k) lhs and
   (block_k, block_n) rhs blocks through ``num_stages`` TMA buffers into wgmma
-  with an f32 register accumulator.  A tile may hold rows of a neighbouring
-  group: only rows ``[row_start, row_end)`` are stored, as a ladder of
-  power-of-two-row TMA stores, so other groups' rows are never touched.
+  with an f32 register accumulator.  The lhs window starts at the tile's
+  ``row0`` (a multiple of 8, the TMA row granule) and may hold rows of a
+  neighbouring group: only rows ``[row_start, row_end)`` are stored, as a
+  ladder of power-of-two-row TMA stores, so other groups' rows are never
+  touched.
 * Partial blocks along m, k or n rely on TMA: out-of-bounds loads are zero
   filled, out-of-bounds stores are dropped.
 * ``num_compute_wgs=2``: a warp-specialized variant (one TMA producer
   warpgroup, two consumer warpgroups each owning 64 rows of a 128-row tile and
-  sharing the rhs block).
+  sharing the rhs block).  A consumer whose 64 rows hold none of the tile's
+  rows (the short last tile of a group) skips its wgmmas.
 * ``epilogue_split``: the f32 accumulator leaves through an SMEM staging buffer
   of block_n / split columns (per compute warpgroup), chunk after chunk, each
   chunk waiting until the previous chunk's TMA stores have read the buffer.
@@ -149,20 +153,23 @@ def default_config(
     m: int, k: int, n: int, g_local: int, dtype: Any, transpose_rhs: bool,
     out_dtype: Any = None,
 ) -> MosaicFwdConfig:
-  """Heuristic default: bm 64 x bn 256 x bk 64, 4 stages, grid_tile_width 4.
+  """Heuristic default: 2 warpgroups, 128 x 256 x 64 tiles, 4 stages, split 2.
 
-  One compute warpgroup: the best measured H200 point for Qwen3-30B gate_up
-  (420 TFLOP/s fwd, 416 dX; 2 warpgroups 128x256 x 3 stages is close, 417, and
-  wins on down, 344 vs 327).  block_n is the candidate in (256, 192, 128, 64)
-  that wastes the fewest padded columns; if SMEM does not fit (f32 output) the
-  epilogue is split first, then stages drop.
+  The best measured H200 point on group-aligned tiles for Qwen3-30B gate_up
+  and down (forward and dX).  One warpgroup (64 x 256) when k fits one k step
+  (the 2-warpgroup pipeline needs two).  block_n is the candidate in
+  (256, 192, 128, 64) that wastes the fewest padded columns; if SMEM does not
+  fit (f32 output) the epilogue is split further, then stages drop.
   """
   del m, g_local, transpose_rhs
   out_dtype = dtype if out_dtype is None else out_dtype
   block_n = min((256, 192, 128, 64), key=lambda b: (pl.cdiv(n, b) * b, -b))
   block_k = 64 if k > 32 else 32
-  cfg = MosaicFwdConfig(block_m=64, block_n=block_n, block_k=block_k, num_stages=4,
-                        grid_tile_width=4)
+  wgs = 2 if k > block_k else 1
+  split = 2 if block_n % 128 == 0 else 1
+  cfg = MosaicFwdConfig(block_m=_WG_ROWS * wgs, block_n=block_n, block_k=block_k,
+                        num_stages=4, grid_tile_width=4, num_compute_wgs=wgs,
+                        epilogue_split=split if wgs == 2 else 1)
   while True:
     fitted = _fit_split(cfg, dtype, out_dtype)
     if fitted is not None or cfg.num_stages == 2:
@@ -172,22 +179,22 @@ def default_config(
 
 # (block_m, block_n, block_k (None = the default's), stages, tile width, epilogue split)
 _SWEEP = (
-    # One compute warpgroup, bm 64.
-    (64, 256, None, 4, 1, 1),
-    (64, 256, None, 4, 8, 1),
-    (64, 256, None, 5, 4, 2),  # 200 + 16 KiB
-    (64, 256, None, 5, 1, 2),
-    (64, 256, 32, 8, 4, 2),  # 160 + 16 KiB
-    (64, 128, None, 6, 4, 1),  # small-n fallback
-    # Two consumer warpgroups + TMA producer, bm 128.
-    (128, 256, None, 3, 1, 1),  # measured: fwd 417 / 344, dX 406
-    (128, 256, None, 3, 4, 1),
+    # Two consumer warpgroups + TMA producer, bm 128 (first: the likely winners
+    # when a tuning budget cuts the list short).
     (128, 256, None, 4, 1, 2),  # 192 + 32 KiB
     (128, 256, None, 4, 4, 2),
+    (128, 256, None, 4, 8, 2),
     (128, 256, None, 4, 4, 4),  # 192 + 16 KiB
+    (128, 256, None, 3, 4, 1),
     (128, 256, 32, 8, 4, 2),  # 192 + 32 KiB
-    (128, 128, None, 4, 4, 1),  # measured (tile width 1): 400 / 322
+    (128, 128, None, 4, 4, 1),
     (128, 128, None, 6, 4, 1),  # 192 + 32 KiB
+    # One compute warpgroup, bm 64.
+    (64, 256, None, 4, 4, 1),
+    (64, 256, None, 4, 1, 1),
+    (64, 256, None, 5, 4, 2),  # 200 + 16 KiB
+    (64, 256, 32, 8, 4, 2),  # 160 + 16 KiB
+    (64, 128, None, 6, 4, 1),  # small-n fallback
 )
 
 
@@ -261,7 +268,8 @@ def _num_sms(config: MosaicFwdConfig, interpret: bool) -> int:
 
 
 def _build_metadata(group_sizes, group_offset, m: int, g_local: int, block_m: int):
-  """Per-tile schedule int32[4 * T] and scalars int32[6] (built by XLA)."""
+  """Per-tile schedule int32[4 * T] (group, row0, row_start, row_end) and
+  scalars int32[6] (built by XLA)."""
   starts, ends = metadata.group_bounds(group_sizes, m, group_offset, g_local)
   sched = metadata.tile_schedule(starts, ends, m, block_m)
   lo, hi = metadata.local_row_window(group_sizes, m, group_offset, g_local)
@@ -272,7 +280,7 @@ def _build_metadata(group_sizes, group_offset, m: int, g_local: int, block_m: in
   za = (lo + block_m - 1) // block_m
   zb = jnp.minimum(jnp.maximum(hi // block_m, za), num_blocks)
   num_zero = za + jnp.where(hi < m, num_blocks - zb, 0)
-  tiles = jnp.concatenate([sched.group, sched.block, sched.row_start, sched.row_end])
+  tiles = jnp.concatenate([sched.group, sched.row0, sched.row_start, sched.row_end])
   scalars = jnp.stack([sched.num_tiles, lo, hi, za, zb, num_zero]).astype(jnp.int32)
   return tiles.astype(jnp.int32), scalars
 
@@ -299,12 +307,19 @@ def _store_rows(src_smem, out_gmem, src_row, dst_row, count, col, *, max_rows: i
 
 def _work_item(tiles_gmem, w, num_tiles, max_tiles: int, grid_n: int,
                cfg: MosaicFwdConfig):
-  """(row tile, n tile, group, block, row_start, row_end) of compute item w."""
+  """(n tile, group, row0, row_start, row_end) of compute item w."""
   ti, ni = plgpu.planar_snake(
       w, (num_tiles, grid_n), cfg.grid_minor_dim, cfg.grid_tile_width
   )
-  return (ti, ni, tiles_gmem[ti], tiles_gmem[max_tiles + ti],
-          tiles_gmem[2 * max_tiles + ti], tiles_gmem[3 * max_tiles + ti])
+  row0 = pl.multiple_of(tiles_gmem[max_tiles + ti], 8)
+  return (ni, tiles_gmem[ti], row0, tiles_gmem[2 * max_tiles + ti],
+          tiles_gmem[3 * max_tiles + ti])
+
+
+def _lhs_spec(cfg: MosaicFwdConfig, row0):
+  """The (block_m, block_k) lhs window at row ``row0`` (any multiple of 8)."""
+  return plgpu.BlockSpec((pl.Element(cfg.block_m), cfg.block_k),
+                         lambda ki: (row0, ki), delay_release=1)
 
 
 def _for_each_chunk(cfg: MosaicFwdConfig, n: int, ni, fn) -> None:
@@ -365,7 +380,7 @@ def _gmm_kernel_1wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
       _for_each_chunk(cfg, n, ni, chunk)
 
     def compute_tile(w):
-      ti, ni, grp, blk, row_start, row_end = _work_item(
+      ni, grp, row0, row_start, row_end = _work_item(
           tiles_gmem, w, num_tiles, max_tiles, grid_n, cfg)
 
       def acc_scope(acc_ref):
@@ -373,7 +388,7 @@ def _gmm_kernel_1wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
             lambda _, lhs_smem, rhs_smem: _mma_step(acc_ref, lhs_smem, rhs_smem, transpose_rhs),
             grid=(k_steps,),
             in_specs=[
-                plgpu.BlockSpec((bm, bk), lambda ki: (blk, ki), delay_release=1),
+                _lhs_spec(cfg, row0),
                 plgpu.BlockSpec(
                     (bn, bk) if transpose_rhs else (bk, bn),
                     (lambda ki: (ni, ki)) if transpose_rhs else (lambda ki: (ki, ni)),
@@ -390,7 +405,7 @@ def _gmm_kernel_1wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # earlier stores read o_smem
         o_smem[...] = _chunk(acc, c, cn).astype(out_dtype)
         plgpu.commit_smem()
-        _store_rows(o_smem, out_gmem, row_start - blk * bm, row_start,
+        _store_rows(o_smem, out_gmem, row_start - row0, row_start,
                     row_end - row_start, col, max_rows=max_rows, width=cn)
 
       _for_each_chunk(cfg, n, ni, chunk)
@@ -419,11 +434,14 @@ def _zero_fill_once(smem, first) -> None:
     plgpu.commit_smem()
 
 
-def _mma_step(acc_ref, lhs_smem, rhs_smem, transpose_rhs: bool):
+def _mma_step(acc_ref, lhs_smem, rhs_smem, transpose_rhs: bool, active=None):
   # dX: rhs blocks arrive as (block_n, block_k) slices of rhs[g, n, k] and feed
   # wgmma through a transposed SMEM view (no transposed copy in HBM).
   rhs_op = rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem
-  plgpu.wgmma(acc_ref, lhs_smem, rhs_op)
+  if active is None:
+    plgpu.wgmma(acc_ref, lhs_smem, rhs_op)
+  else:
+    pl.when(active)(lambda: plgpu.wgmma(acc_ref, lhs_smem, rhs_op))
   # With delay_release=1 a step's buffers are refilled one step later: wait
   # until at most this step's wgmma is in flight.
   plgpu.wgmma_wait(1)
@@ -447,13 +465,13 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
   num_zero_work = num_zero * grid_n
   total = num_zero_work + num_tiles * grid_n
 
-  def make_pipeline(body, compute_context, blk=0, ni=0):
+  def make_pipeline(body, compute_context, row0=0, ni=0):
     return plgpu.emit_pipeline_warp_specialized(
         body,
         grid=(k_steps,),
         memory_registers=40,
         in_specs=[
-            plgpu.BlockSpec((bm, bk), lambda ki: (blk, ki), delay_release=1),
+            _lhs_spec(cfg, row0),
             plgpu.BlockSpec(
                 (bn, bk) if transpose_rhs else (bk, bn),
                 (lambda ki: (ni, ki)) if transpose_rhs else (lambda ki: (ki, ni)),
@@ -501,16 +519,17 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
       _for_each_chunk(cfg, n, ni, chunk)
 
     def compute_tile(w):
-      ti, ni, grp, blk, row_start, row_end = _work_item(
+      ni, grp, row0, row_start, row_end = _work_item(
           tiles_gmem, w, num_tiles, max_tiles, grid_n, cfg)
       wg_rows = pl.ds(wg * hm, hm)
+      hs = row0 + wg * hm  # this consumer's first row
+      active = hs < row_end
 
       def compute_context(eval_pipeline):
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((hm, bn), jnp.float32))
         def _acc(acc_ref):
           eval_pipeline(acc_ref)
           acc = acc_ref[...]
-          hs = blk * bm + wg * hm
           s, c = clip(row_start, row_end, hs, hs + hm)
           def chunk(ci, col):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # earlier stores read it
@@ -521,9 +540,9 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
           _for_each_chunk(cfg, n, ni, chunk)
 
       def mma(_, lhs_smem, rhs_smem, acc_ref):
-        return _mma_step(acc_ref, lhs_smem.at[wg_rows], rhs_smem, transpose_rhs)
+        return _mma_step(acc_ref, lhs_smem.at[wg_rows], rhs_smem, transpose_rhs, active)
 
-      make_pipeline(mma, compute_context, blk, ni)(
+      make_pipeline(mma, compute_context, row0, ni)(
           lhs_gmem, rhs_gmem.at[grp], allocations=allocs
       )
 

@@ -11,7 +11,7 @@ Design (see CONTEXT.md §5):
 * gmm: a static 1-D grid of ``max_tiles * n_tiles + num_row_blocks`` programs.
   The first ``max_tiles * n_tiles`` programs are (row tile, n tile) pairs of the
   on-device ``metadata.tile_schedule``: program ``t * n_tiles + j`` reads tile
-  t's (group, block, row_start, row_end) from HBM and exits at once when
+  t's (group, row0, row_start, row_end) from HBM and exits at once when
   ``t >= num_tiles`` (read on device), so a group_offset shard only costs work
   for its own rows.  A tile computes a ``[block_m, block_n]`` product over a
   k loop and stores only rows ``[row_start, row_end)`` (masked store), so rows
@@ -277,7 +277,7 @@ def _gmm_kernel(tiles_ref, info_ref, lhs_ref, rhs_ref, out_ref, *, m, k, n, bm,
     @pl.when(t < info_ref[0])
     def _tile():
       grp = tiles_ref[0, t]
-      row0 = pl.multiple_of(tiles_ref[1, t] * bm, bm)
+      row0 = pl.multiple_of(tiles_ref[1, t], 8)  # group-aligned window
       rows = _iota(bm, row0)
       row_mask = (rows >= tiles_ref[2, t]) & (rows < tiles_ref[3, t])
       n0 = pl.multiple_of(j * bn, bn)
@@ -352,7 +352,7 @@ def gmm(
   starts, ends = md.group_bounds(group_sizes, m, group_offset, num_local)
   sched = md.tile_schedule(starts, ends, m, bm)
   lo, hi = md.local_row_window(group_sizes, m, group_offset, num_local)
-  tiles = jnp.stack([sched.group, sched.block, sched.row_start, sched.row_end])
+  tiles = jnp.stack([sched.group, sched.row0, sched.row_start, sched.row_end])
   info = jnp.stack([sched.num_tiles, lo, hi]).astype(jnp.int32)
 
   max_t = md.max_tiles(m, bm, num_local)

@@ -50,7 +50,7 @@ def _row_tile(x: jax.Array, first: jax.Array, rows: int) -> jax.Array:
 
 def _tile_rows(sched: md.TileSchedule, t: jax.Array, m: int, bm: int):
   """First row of the (in-bounds) slice for tile t and its row mask [bm]."""
-  first = jnp.minimum(sched.block[t] * bm, m - bm)
+  first = jnp.minimum(sched.row0[t], m - bm)
   rows = first + jnp.arange(bm, dtype=jnp.int32)
   mask = (rows >= sched.row_start[t]) & (rows < sched.row_end[t])
   return first, mask

@@ -79,7 +79,9 @@ def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--small", action="store_true")
   parser.add_argument("--iterations", type=int, default=10)
-  parser.add_argument("--json", default=None)
+  parser.add_argument("--json", default=None, help="rows so far are written after each ep")
+  parser.add_argument("--ep", type=int, nargs="+", default=[1, 2, 4, 8],
+                      help="expert-parallel sizes, run in this order (those that fit)")
   args = parser.parse_args(argv)
   dims = SMALL if args.small else FULL
   cfg = MoEConfig(hidden=dims["hidden"], intermediate=dims["intermediate"],
@@ -93,7 +95,7 @@ def main(argv=None) -> list[dict]:
   cot_rows = jax.random.normal(jax.random.key(3), xs.shape, jnp.float32)
   print(f"MoE block EP scaling on {len(devices)} x {devices[0].device_kind}: {dims}")
   results = []
-  for ep in (1, 2, 4, 8):
+  for ep in args.ep:
     if ep > len(devices) or cfg.num_experts % ep:
       continue
     mesh = jax.make_mesh((ep,), ("ep",), devices=devices[:ep],
@@ -115,6 +117,9 @@ def main(argv=None) -> list[dict]:
       results.append(row)
       print(f"  ep={ep} {strategy:<12} step {ms:8.3f} ms ({method})  {row['tokens_per_s']:10.0f} tok/s"
             f"  expert FFN {ffn_ms:7.3f} ms ({100 * row['expert_share']:.0f}%)", flush=True)
+      if args.json:
+        with open(args.json, "w") as f:
+          json.dump(results, f, indent=1)
   by = {(r["ep"], r["strategy"]): r["ms"] for r in results}
   for ep in sorted({r["ep"] for r in results}):
     if (ep, "masked") in by and (ep, "group_offset") in by:
