@@ -111,3 +111,11 @@ def test_rejects_ep_not_dividing_experts():
   params, x = {}, jnp.zeros((4, 8))
   with pytest.raises(ValueError, match="must divide"):
     F.moe_mlp(params, x, cfg, mesh=_mesh((4,), ("ep",)))
+
+
+def test_ep_bench_smoke_times_each_strategy_and_the_psum():
+  from ragdot.moe import ep_bench  # pylint: disable=g-import-not-at-top
+  rows = ep_bench.main(["--small", "--ep", "2", "--iterations", "1"])
+  got = {(r["ep"], r["strategy"]) for r in rows}
+  assert got == {(2, "psum only"), (2, "group_offset"), (2, "masked")}
+  assert all(r["ms"] > 0 and r["method"] == "host: 2 devices" for r in rows)

@@ -1,9 +1,11 @@
 """Device timing of jitted calls: CUPTI kernel times when available.
 
 ``device_time_ms`` sums the GPU time of every kernel one call launches
-(jax.experimental.mosaic.gpu.profiler, CUPTI), takes the median over
-iterations, and falls back to a host clock around synchronised calls when
-CUPTI is unavailable (reported in the ``method`` field).
+(jax.experimental.mosaic.gpu.profiler, CUPTI) and takes the median over
+iterations.  CUPTI adds up kernels of *all* devices, so for a call whose
+outputs live on several devices (expert parallelism over GPUs) that sum is not
+the step time: such calls, and any call where CUPTI is unavailable, are timed
+by the host clock around back-to-back calls instead (``method`` says which).
 """
 
 from __future__ import annotations
@@ -15,12 +17,41 @@ from typing import Any, Callable
 import jax
 
 
+def _num_devices(out: Any) -> int:
+  devices = set()
+  for leaf in jax.tree.leaves(out):
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is not None:
+      devices |= set(sharding.device_set)
+  return max(len(devices), 1)
+
+
+def host_time_ms(fn: Callable[..., Any], *args: Any, iterations: int = 20,
+                 repeats: int = 3) -> float:
+  """Median over ``repeats`` of the wall time of ``iterations`` back-to-back calls."""
+  per_call = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    out = None
+    for _ in range(iterations):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    per_call.append((time.perf_counter() - start) * 1e3 / iterations)
+  return float(statistics.median(per_call))
+
+
 def device_time_ms(fn: Callable[..., Any], *args: Any, iterations: int = 20,
                    warmup: int = 2) -> tuple[float, str]:
-  """(median milliseconds per call, method) for the jitted ``fn(*args)``."""
+  """(median milliseconds per call, method) for the jitted ``fn(*args)``.
+
+  method: "cupti" (summed kernel time of one device), "host" (no CUPTI), or
+  "host: N devices" (wall time of a multi-device call).
+  """
+  out = None
   for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  if jax.default_backend() == "gpu":
+    out = jax.block_until_ready(fn(*args))
+  ndev = _num_devices(out)
+  if jax.default_backend() == "gpu" and ndev == 1:
     try:
       from jax.experimental.mosaic.gpu import profiler  # pylint: disable=g-import-not-at-top
 
@@ -28,9 +59,5 @@ def device_time_ms(fn: Callable[..., Any], *args: Any, iterations: int = 20,
       return float(statistics.median(times)), "cupti"
     except Exception:  # pylint: disable=broad-except
       pass
-  samples = []
-  for _ in range(iterations):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    samples.append((time.perf_counter() - start) * 1e3)
-  return float(statistics.median(samples)), "host"
+  method = "host" if ndev == 1 else f"host: {ndev} devices"
+  return host_time_ms(fn, *args, iterations=iterations), method

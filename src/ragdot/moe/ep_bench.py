@@ -8,8 +8,10 @@ experts, top-8, bf16) runs with the experts sharded over "ep", two ways:
 * ``masked``: what callers without group_offset do: each rank zero-pads its
   experts to all E and computes every row (non-local rows come out 0).
 
-Step time (device time, all kernels of one call), tokens/s, and the expert
-matmuls' share (the same step with the expert FFN alone).
+Step time (CUPTI device time on one GPU; wall time of back-to-back calls when
+the step spans several GPUs, since CUPTI would sum their kernels), tokens/s,
+the expert matmuls' share (the same step with the expert FFN alone), and the
+time of the psum over "ep" this design pays twice per step.
 
   python -m ragdot.moe.ep_bench            # GPUs
   python -m ragdot.moe.ep_bench --small    # CPU smoke test (8 simulated devices)
@@ -75,6 +77,18 @@ def make_steps(cfg: MoEConfig, mesh, strategy: str):
           jax.jit(jax.value_and_grad(experts_only, argnums=(0, 1))))
 
 
+def psum_ms(mesh, rows: int, hidden: int, iterations: int) -> tuple[float, str]:
+  """Time of the all-reduce this design pays (twice per step: the forward's
+  psum of the expert output and the backward's psum of d(rows)): a psum over
+  "ep" of one bf16 [rows, hidden] array per device."""
+  ep = mesh.shape["ep"]
+  y = jax.random.normal(jax.random.key(4), (ep, rows, hidden), jnp.float32).astype(jnp.bfloat16)
+  y = jax.device_put(y, jax.sharding.NamedSharding(mesh, P("ep")))
+  f = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a[0], "ep"), mesh=mesh,
+                            in_specs=P("ep"), out_specs=P()))
+  return device_time_ms(f, y, iterations=iterations)
+
+
 def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--small", action="store_true")
@@ -102,6 +116,11 @@ def main(argv=None) -> list[dict]:
                          axis_types=(jax.sharding.AxisType.Auto,))
     router, experts = F.split_params(params)
     sharded = {**router, **parallel.shard_experts(experts, mesh)}
+    if ep > 1:
+      ar_ms, ar_method = psum_ms(mesh, xs.shape[0], cfg.hidden, args.iterations)
+      results.append(dict(ep=ep, strategy="psum only", ms=ar_ms, method=ar_method))
+      print(f"  ep={ep} psum of the bf16 {list(xs.shape)} expert output: {ar_ms:.3f} ms"
+            f" ({ar_method}); paid twice per step (forward output, backward d(rows))")
     for strategy in ("group_offset", "masked"):
       block, experts_only = make_steps(cfg, mesh, strategy)
       try:
