@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from ragdot import dispatch
+from ragdot.backends import mosaic_fwd
 
 
 def test_explicit_implementation_is_honoured_in_interpret_mode_without_gpu():
@@ -93,7 +94,7 @@ def test_config_shrinks_or_falls_back_to_fit_smem():
                       m=32768, k=768, n=2048, g=128)
   assert c.implementation == "mosaic"
   if c.config is not None:
-    assert c.config.smem_bytes(jnp.bfloat16, jnp.float32) <= dispatch._SMEM_LIMIT
+    assert mosaic_fwd.fit_config(c.config, jnp.bfloat16, jnp.float32) == c.config
 
 
 def test_group_offset_shard_uses_the_full_calls_entry():
@@ -126,3 +127,13 @@ def test_choose_is_cached_and_cheap():
   for _ in range(1000):
     dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=H200, **GATE_UP)
   assert (time.perf_counter() - t0) / 1000 < 1e-3
+
+
+def test_backend_call_maps_user_ops():
+  assert dispatch.backend_call("fwd", 2048, 1536) == dispatch.BackendCall("gmm", 2048, 1536, False)
+  assert dispatch.backend_call("fwdbwd", 2048, 1536).table_op == "gmm"
+  dx = dispatch.backend_call("dx", 2048, 1536)
+  assert (dx.op, dx.k, dx.n, dx.table_op) == ("gmm", 1536, 2048, "gmm_t")
+  assert dispatch.backend_call("dw", 2048, 1536).table_op == "tgmm"
+  with pytest.raises(ValueError, match="user_op"):
+    dispatch.backend_call("bwd", 1, 1)

@@ -190,12 +190,10 @@ def auto_choice(op: str, shape: Shape, dtype: Any = jnp.bfloat16, device=None) -
   """What the dispatcher picks for ``op`` of ``shape`` (backend, config, why)."""
   from ragdot import dispatch  # pylint: disable=g-import-not-at-top
 
-  m, k, n, g = shape.m, shape.k, shape.n, shape.g
-  call = {"fwd": ("gmm", k, n, False), "fwdbwd": ("gmm", k, n, False),
-          "dx": ("gmm", n, k, True), "dw": ("tgmm", k, n, False)}[op]
-  name, ck, cn, tr = call
-  c = dispatch.choose(name, None, dtype=dtype, out_dtype=dtype, m=m, k=ck, n=cn, g=g,
-                      num_groups=g, transpose_rhs=tr, device=device)
+  call = dispatch.backend_call(op, shape.k, shape.n)
+  c = dispatch.choose(call.op, None, dtype=dtype, out_dtype=dtype, m=shape.m, k=call.k,
+                      n=call.n, g=shape.g, num_groups=shape.g,
+                      transpose_rhs=call.transpose_rhs, device=device)
   return describe_choice(c)
 
 

@@ -34,7 +34,6 @@ from ragdot import tables
 Op = Literal["gmm", "tgmm"]
 
 _KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
-_SMEM_LIMIT = 227 * 1024 - 2048  # the kernels' own budget: sm90 SMEM per CTA minus barriers
 
 # (backend, table op) -> (module, Config class name).
 CONFIG_CLASSES = {
@@ -118,6 +117,32 @@ def table_op(op: str, transpose_rhs: bool = False) -> str:
   raise ValueError(f"op must be 'gmm' or 'tgmm', got {op!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class BackendCall:
+  """The backend entry point behind a user-level op of ``[m, k] x [g, k, n]``."""
+
+  op: Op  # "gmm" or "tgmm"
+  k: int  # contraction size the backend sees
+  n: int  # output columns the backend sees
+  transpose_rhs: bool
+
+  @property
+  def table_op(self) -> str:
+    return table_op(self.op, self.transpose_rhs)
+
+
+def backend_call(user_op: str, k: int, n: int) -> BackendCall:
+  """fwd / fwdbwd -> gmm(k, n); dx -> gmm of dy [m, n] with rhs [g, k, n] read
+  transposed (k and n swapped); dw -> tgmm(k, n)."""
+  if user_op in ("fwd", "fwdbwd"):
+    return BackendCall("gmm", k, n, False)
+  if user_op == "dx":
+    return BackendCall("gmm", n, k, True)
+  if user_op == "dw":
+    return BackendCall("tgmm", k, n, False)
+  raise ValueError(f"user_op must be fwd, fwdbwd, dx or dw, got {user_op!r}")
+
+
 def config_class(backend: str, op: str) -> type:
   """The Config dataclass of ``backend`` for table op ``op`` (imports it)."""
   module, name = CONFIG_CLASSES[(backend, op)]
@@ -131,13 +156,12 @@ def make_config(backend: str, op: str, fields: dict[str, Any] | None) -> Any:
   return config_class(backend, op)(**fields)
 
 
-def _smem_bytes(backend: str, op: str, config: Any, dtype: str, out_dtype: str) -> int:
+def _fit_smem(backend: str, op: str, config: Any, dtype: str, out_dtype: str) -> Any:
+  """The kernel's own SMEM fitting of ``config`` (None: it cannot fit)."""
   if backend != "mosaic":
-    return 0
-  if hasattr(config, "smem_bytes"):
-    return config.smem_bytes(dtype, out_dtype)
+    return config
   module = importlib.import_module(CONFIG_CLASSES[(backend, op)][0])
-  return module.smem_bytes(config, dtype, out_dtype)
+  return module.fit_config(config, dtype, out_dtype)
 
 
 @functools.lru_cache(maxsize=512)
@@ -150,10 +174,11 @@ def _built_config(backend: str, op: str, items: tuple | None, dtype: str,
     config = make_config(backend, op, dict(items))
   except (TypeError, ValueError) as e:  # the kernel's Config changed under the table
     return None, f"; table config rejected ({e}), backend default used"
-  while _smem_bytes(backend, op, config, dtype, out_dtype) > _SMEM_LIMIT:
-    if getattr(config, "num_stages", 2) <= 2:
-      return None, f"; table config exceeds SMEM for {dtype}->{out_dtype}, default used"
-    config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+  fitted = _fit_smem(backend, op, config, dtype, out_dtype)
+  if fitted is None:
+    return None, f"; table config exceeds SMEM for {dtype}->{out_dtype}, default used"
+  if fitted != config:
+    return fitted, f"; table config refitted to SMEM for {dtype}->{out_dtype}"
   return config, ""
 
 

@@ -35,8 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from ragdot import tables
+from ragdot.dispatch import backend_call
 
-OPS = {"fwd": "gmm", "dx": "gmm_t", "dw": "tgmm"}
+OPS = ("fwd", "dx", "dw")
 REL_TOL = 2e-2
 
 
@@ -54,15 +55,16 @@ class Task:
 
   @property
   def table_op(self) -> str:
-    return OPS[self.op]
+    return backend_call(self.op, self.k, self.n).table_op  # k, n do not matter here
 
 
 def tasks_for(shapes, ops) -> list[Task]:
+  """One task per (shape, op), with the k and n the backend call sees."""
   out = []
   for s in shapes:
     for op in ops:
-      k, n = (s.n, s.k) if op == "dx" else (s.k, s.n)
-      out.append(Task(op, s.name, s.m, k, n, s.g, min(s.top_k, s.g)))
+      call = backend_call(op, s.k, s.n)
+      out.append(Task(op, s.name, s.m, call.k, call.n, s.g, min(s.top_k, s.g)))
   return out
 
 
@@ -264,10 +266,9 @@ def import_sweep(path: str, table: tables.Table, shapes=None, dtype: str = "bflo
     row = json.loads(line)
     if "tflops" not in row or row.get("rel_err", 1) >= REL_TOL or row["shape"] not in shapes:
       continue
-    m, k, n, g = shapes[row["shape"]]
-    if row["op"] == "dx":  # the dX call sees the forward's k and n swapped (tasks_for)
-      k, n = n, k
-    top = OPS[row["op"]]
+    m, fk, fn, g = shapes[row["shape"]]
+    call = backend_call(row["op"], fk, fn)
+    k, n, top = call.k, call.n, call.table_op
     _, fields = parse_config_repr(row["config"])
     k_ = tables.key(top, dtype, m, k, n, g)
     if k_ not in best or row["tflops"] > best[k_]["tflops"]:

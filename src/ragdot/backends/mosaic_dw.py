@@ -125,8 +125,9 @@ def _fit(block: int, dim: int) -> int:
   return block
 
 
-def _fit_stages(config: MosaicDwConfig, dtype, out_dtype) -> MosaicDwConfig | None:
-  """Drops pipeline stages (down to 2) until the config fits in SMEM."""
+def fit_config(config: MosaicDwConfig, dtype, out_dtype) -> MosaicDwConfig | None:
+  """``config`` with pipeline stages dropped (down to 2) until it fits SMEM; None
+  when even 2 do not fit."""
   while smem_bytes(config, dtype, out_dtype) > _SMEM_BUDGET:
     if config.num_stages <= 2:
       return None
@@ -148,7 +149,7 @@ def default_config(
   config = MosaicDwConfig(
       block_m=64, block_k=_fit(128, k), block_n=_fit(128, n), num_stages=4
   )
-  return _fit_stages(config, dtype, jnp.float32)
+  return fit_config(config, dtype, jnp.float32)
 
 
 def gpu_sweep_configs(
@@ -187,7 +188,7 @@ def gpu_sweep_configs(
         block_m=bm, block_k=bk, block_n=bn, num_stages=stages,
         grid_tile_width=width, num_compute_wgs=wgs,
     )
-    config = _fit_stages(config, dtype, out_dtype)
+    config = fit_config(config, dtype, out_dtype)
     if config is not None and config not in out:
       out.append(config)
   return out

@@ -126,7 +126,7 @@ class MosaicFwdConfig:
     """Static SMEM footprint (pipeline buffers + output staging chunk).
 
     Barriers and alignment add a few dozen bytes on top (48 measured at
-    lowering for the 2-warpgroup kernel): ``_fits`` keeps 1 KiB for them.
+    lowering for the 2-warpgroup kernel): ``fit_config`` keeps 1 KiB for them.
     """
     isz, osz = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
     per_stage = (self.block_m + self.block_n) * self.block_k * isz
@@ -147,6 +147,18 @@ def _fit_split(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> MosaicFwdCon
     if _fits(c, dtype, out_dtype):
       return c
   return None
+
+
+def fit_config(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> MosaicFwdConfig | None:
+  """``cfg`` made to fit SMEM: a larger epilogue split first, then fewer stages
+  (down to 2); None when nothing fits."""
+  while True:
+    fitted = _fit_split(cfg, dtype, out_dtype)
+    if fitted is not None:
+      return fitted
+    if cfg.num_stages <= 2:
+      return None
+    cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
 
 
 def default_config(
@@ -170,11 +182,7 @@ def default_config(
   cfg = MosaicFwdConfig(block_m=_WG_ROWS * wgs, block_n=block_n, block_k=block_k,
                         num_stages=4, grid_tile_width=4, num_compute_wgs=wgs,
                         epilogue_split=split if wgs == 2 else 1)
-  while True:
-    fitted = _fit_split(cfg, dtype, out_dtype)
-    if fitted is not None or cfg.num_stages == 2:
-      return fitted or cfg
-    cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+  return fit_config(cfg, dtype, out_dtype) or cfg
 
 
 # (block_m, block_n, block_k (None = the default's), stages, tile width, epilogue split)
