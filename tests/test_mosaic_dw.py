@@ -251,7 +251,8 @@ def test_config_validation():
               dict(grid_tile_width=0), dict(num_sms=0), dict(num_compute_wgs=3),
               dict(num_compute_wgs=2, block_k=64),
               dict(num_compute_wgs=2, block_k=256, block_n=256),
-              dict(num_compute_wgs=2, num_stages=1)):
+              dict(num_compute_wgs=2, num_stages=1), dict(ctas_per_sm=3),
+              dict(num_compute_wgs=2, ctas_per_sm=2)):
     with pytest.raises(ValueError):
       MosaicDwConfig(**bad)
   too_big = MosaicDwConfig(block_m=256, block_k=128, block_n=256, num_stages=4)
@@ -270,10 +271,10 @@ def test_default_and_sweep_configs_fit():
     default = mosaic_dw.default_config(m, k, n, g, jnp.bfloat16)
     for out_dtype in (jnp.bfloat16, jnp.float32):
       configs = mosaic_dw.gpu_sweep_configs(m, k, n, g, out_dtype=out_dtype)
-      assert 3 <= len(configs) <= 12
+      assert 3 <= len(configs) <= 14
       assert configs[0] == default
       for cfg in [default, *configs]:
-        assert mosaic_dw.smem_bytes(cfg, jnp.bfloat16, out_dtype) <= mosaic_dw._SMEM_BUDGET
+        assert mosaic_dw.smem_bytes(cfg, jnp.bfloat16, out_dtype) <= cfg.smem_budget()
         assert k % cfg.block_k == 0 and n % cfg.block_n == 0
 
 
@@ -298,3 +299,12 @@ def test_lowers_for_sm90(out_dtype, shape):
   for cfg in configs:
     lower_for_sm90(m, k, n, g, cfg, out_dtype=out_dtype)
   lower_for_sm90(1000, 192, 320, 16, None, dtype=jnp.float16, out_dtype=out_dtype)
+
+
+def test_two_ctas_per_sm_config_runs():
+  cfg = MosaicDwConfig(block_m=64, block_k=64, block_n=64, num_stages=2, ctas_per_sm=2,
+                       num_sms=2)
+  assert mosaic_dw.smem_bytes(cfg, jnp.bfloat16, jnp.float32) <= cfg.smem_budget()
+  assert cfg.smem_budget() < 114 * 1024
+  out, ref = run(200, 64, 128, [37, 0, 90, 73], config=cfg)
+  check(out, ref, jnp.float32)

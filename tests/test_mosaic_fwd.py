@@ -314,3 +314,20 @@ def test_every_accepted_shape_lowers_for_sm90(m, k, n, transpose_rhs):
   args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct(rshape, jnp.bfloat16),
           jax.ShapeDtypeStruct((16,), jnp.int32), None)
   assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_two_ctas_per_sm_halves_the_smem_budget():
+  one = MosaicFwdConfig(64, 128, 64, 3, grid_tile_width=4)
+  two = dataclasses.replace(one, ctas_per_sm=2)
+  assert two.smem_budget() < one.smem_budget() // 2
+  assert two.smem_bytes(jnp.bfloat16, jnp.bfloat16) <= two.smem_budget()
+  # 4 stages of 64x256x64 fit one CTA per SM but not two.
+  big = MosaicFwdConfig(64, 256, 64, 4, ctas_per_sm=2)
+  assert mosaic_fwd.fit_config(big, jnp.bfloat16, jnp.bfloat16).num_stages < 4
+  with pytest.raises(ValueError, match="ctas_per_sm"):
+    MosaicFwdConfig(128, 256, 64, 4, num_compute_wgs=2, ctas_per_sm=2)
+
+
+def test_two_ctas_per_sm_config_runs():
+  cfg = MosaicFwdConfig(64, 128, 32, 3, grid_tile_width=2, ctas_per_sm=2, num_sms=3)
+  _run_and_check(96, 64, 128, [20, 0, 41, 30], config=cfg)

@@ -39,13 +39,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ragdot.manual_axes import make_varying, match_varying, out_struct, varying_axes
 from ragdot import metadata
+from ragdot.backends import sm90
 
 _IN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _OUT_DTYPES = _IN_DTYPES + (jnp.dtype(jnp.float32),)
 _MIN_DIM = 64  # k, n granule: one 128-byte swizzle atom of 16-bit elements
 _ROW_ALIGN = 8  # TMA row granule of the tiled GMEM view: row blocks start here
-_H200_SMS = 132
-_SMEM_BUDGET = 227 * 1024 - 2048  # sm90 per-block limit, minus barriers/slack
+_SMEM_RESERVE = 2048  # barriers and alignment
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +61,10 @@ class MosaicDwConfig:
       wgmma).
     grid_tile_width: the (k tile, n tile) plane of each group is walked in a
       snake of stripes this many n tiles wide (L2 locality of lhs/rhs blocks).
-    num_sms: programs in the persistent grid; None = the device's SM count.
+    num_sms: programs in the persistent grid; None = ctas_per_sm x the
+      device's SM count.
+    ctas_per_sm: 1, or 2 resident CTAs per SM (one compute warpgroup only, SMEM
+      halved): one CTA's pipeline fill and epilogue overlap the other's wgmmas.
     num_compute_wgs: 1 (one warpgroup runs the TMA pipeline and the wgmma) or
       2 (warp-specialized: a producer warpgroup issues the TMA loads, two
       consumer warpgroups each own block_k / 2 rows of the output tile and
@@ -75,6 +78,7 @@ class MosaicDwConfig:
   grid_tile_width: int = 1
   num_sms: int | None = None
   num_compute_wgs: int = 1
+  ctas_per_sm: int = 1
 
   def __post_init__(self):
     if self.block_m <= 0 or self.block_m % 64:
@@ -108,6 +112,14 @@ class MosaicDwConfig:
       raise ValueError(f"grid_tile_width must be >= 1, got {self.grid_tile_width}")
     if self.num_sms is not None and self.num_sms < 1:
       raise ValueError(f"num_sms must be >= 1 or None, got {self.num_sms}")
+    if self.ctas_per_sm not in (1, 2) or (self.ctas_per_sm == 2 and self.num_compute_wgs != 1):
+      raise ValueError(
+          f"ctas_per_sm must be 1, or 2 with num_compute_wgs=1 (registers), got"
+          f" {self.ctas_per_sm} with num_compute_wgs={self.num_compute_wgs}")
+
+  def smem_budget(self) -> int:
+    """SMEM this config may use (per CTA, with ``ctas_per_sm`` CTAs on an SM)."""
+    return sm90.smem_budget(self.ctas_per_sm, _SMEM_RESERVE)
 
 
 def smem_bytes(config: MosaicDwConfig, dtype, out_dtype) -> int:
@@ -128,7 +140,7 @@ def _fit(block: int, dim: int) -> int:
 def fit_config(config: MosaicDwConfig, dtype, out_dtype) -> MosaicDwConfig | None:
   """``config`` with pipeline stages dropped (down to 2) until it fits SMEM; None
   when even 2 do not fit."""
-  while smem_bytes(config, dtype, out_dtype) > _SMEM_BUDGET:
+  while smem_bytes(config, dtype, out_dtype) > config.smem_budget():
     if config.num_stages <= 2:
       return None
     config = dataclasses.replace(config, num_stages=config.num_stages - 1)
@@ -158,35 +170,39 @@ def gpu_sweep_configs(
 ) -> list[MosaicDwConfig]:
   """A short list of candidates for a GPU sweep (default first; all fit in SMEM).
 
-  Six one-warpgroup configs, then six warp-specialized ones
-  (``num_compute_wgs=2``: 256 x 128 or 128 x 256 output tiles per item, or
-  128 x 128 with 128-row steps).  Stages drop until SMEM fits (f32 outputs
+  Six one-warpgroup configs, six warp-specialized ones (``num_compute_wgs=2``:
+  256 x 128 or 128 x 256 output tiles per item, or 128 x 128 with 128-row
+  steps), and two with two resident CTAs per SM.  Stages drop until SMEM fits (f32 outputs
   need a bigger staging tile); configs that no longer fit, or whose k tile is
   too small for two 64-row halves, are left out.
   """
   del m
   out = [default_config(m=0, k=k, n=n, num_groups=num_groups, dtype=dtype)]
   out = [c for c in out if c is not None]
-  for bm, bk, bn, stages, width, wgs in (
-      (64, 128, 128, 4, 1, 1),
-      (64, 128, 128, 6, 1, 1),
-      (64, 128, 128, 4, 8, 1),
-      (64, 64, 256, 4, 1, 1),
-      (128, 128, 128, 3, 1, 1),
-      (64, 128, 256, 3, 1, 1),
-      (64, 256, 128, 3, 1, 2),
-      (64, 128, 256, 3, 1, 2),
-      (64, 256, 128, 3, 8, 2),
-      (64, 128, 128, 6, 1, 2),
-      (128, 128, 128, 3, 1, 2),
-      (128, 256, 64, 3, 1, 2),
+  for bm, bk, bn, stages, width, wgs, ctas in (
+      (64, 128, 128, 4, 1, 1, 1),
+      (64, 128, 128, 6, 1, 1, 1),
+      (64, 128, 128, 4, 8, 1, 1),
+      (64, 64, 256, 4, 1, 1, 1),
+      (128, 128, 128, 3, 1, 1, 1),
+      (64, 128, 256, 3, 1, 1, 1),
+      (64, 256, 128, 3, 1, 2, 1),
+      (64, 128, 256, 3, 1, 2, 1),
+      (64, 256, 128, 3, 8, 2, 1),
+      (64, 128, 128, 6, 1, 2, 1),
+      (128, 128, 128, 3, 1, 2, 1),
+      (128, 256, 64, 3, 1, 2, 1),
+      # Two resident CTAs per SM: one item's fill and epilogue under the other's
+      # wgmmas (a group's reduction is only a few row blocks long).
+      (64, 128, 128, 2, 1, 1, 2),  # 64 + 32 KiB
+      (64, 128, 128, 2, 8, 1, 2),
   ):
     bk, bn = min(bk, _fit(256, k)), min(bn, _fit(256, n))
     if wgs == 2 and (bk < 128 or (bk // 2) * bn > 128 * 128):
       continue
     config = MosaicDwConfig(
         block_m=bm, block_k=bk, block_n=bn, num_stages=stages,
-        grid_tile_width=width, num_compute_wgs=wgs,
+        grid_tile_width=width, num_compute_wgs=wgs, ctas_per_sm=ctas,
     )
     config = fit_config(config, dtype, out_dtype)
     if config is not None and config not in out:
@@ -405,10 +421,10 @@ def tgmm(
   out_dtype = jnp.dtype(out_dtype)
   if config is None:
     config = default_config(m, k, n, num_groups, lhs.dtype)
-  if smem_bytes(config, lhs.dtype, out_dtype) > _SMEM_BUDGET:
+  if smem_bytes(config, lhs.dtype, out_dtype) > config.smem_budget():
     raise NotImplementedError(
         f"{config} needs {smem_bytes(config, lhs.dtype, out_dtype)} bytes of"
-        f" SMEM for {lhs.dtype} -> {out_dtype}; the budget is {_SMEM_BUDGET}"
+        f" SMEM for {lhs.dtype} -> {out_dtype}; the budget is {config.smem_budget()}"
     )
   if num_groups == 0 or m == 0:
     return jnp.zeros((num_groups, k, n), out_dtype)
@@ -492,7 +508,7 @@ def tgmm(
   lhs = args[4]
   num_sms = config.num_sms
   if num_sms is None:
-    num_sms = 1 if interpret else _device_sms()
+    num_sms = 1 if interpret else config.ctas_per_sm * sm90.device_sm_count()
   kernel = plgpu.kernel(
       body,
       out_type=out_struct((num_groups, k, n), out_dtype, lhs),
@@ -516,10 +532,3 @@ def _interpret_params(interpret):
     return plgpu.InterpretGPUParams()
   return interpret or None
 
-
-def _device_sms() -> int:
-  try:
-    count = jax.devices("gpu")[0].core_count
-  except RuntimeError:
-    return _H200_SMS
-  return int(count) if count else _H200_SMS

@@ -50,11 +50,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ragdot.manual_axes import make_varying, match_varying, out_struct, varying_axes
 from ragdot import metadata
+from ragdot.backends import sm90
 
 _IN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _OUT_DTYPES = _IN_DTYPES + (jnp.dtype(jnp.float32),)
-_SMEM_BYTES = 227 * 1024  # usable dynamic SMEM per CTA on H100/H200
-_H200_SMS = 132
+_SMEM_RESERVE = 1024  # barriers and alignment (48 bytes measured for 2 warpgroups)
 _WG_ROWS = 64  # wgmma M per warpgroup
 _INTERPRET_SMS = 4
 
@@ -76,8 +76,11 @@ class MosaicFwdConfig:
     in this many column chunks of block_n / epilogue_split (a multiple of 64),
     one chunk buffer per compute warpgroup, reused chunk after chunk.  Frees
     SMEM for pipeline stages (e.g. 2 warpgroups x 128x256 with 4 stages).
-  num_sms: persistent CTAs; None = the device's SM count (132 on H200), or 4
-    in interpret mode.
+  num_sms: persistent CTAs; None = ctas_per_sm x the device's SM count (132 on
+    H200), or 4 in interpret mode.
+  ctas_per_sm: 1, or 2 resident CTAs per SM (one warpgroup only, SMEM halved):
+    the hardware overlaps one CTA's pipeline fill and epilogue with the other's
+    wgmmas.
   """
 
   block_m: int = 64
@@ -89,6 +92,7 @@ class MosaicFwdConfig:
   num_compute_wgs: int = 1
   num_sms: int | None = None
   epilogue_split: int = 1
+  ctas_per_sm: int = 1
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -110,6 +114,10 @@ class MosaicFwdConfig:
       raise ValueError(f"grid_tile_width must be >= 1, got {self.grid_tile_width}")
     if self.num_sms is not None and self.num_sms < 1:
       raise ValueError(f"num_sms must be >= 1, got {self.num_sms}")
+    if self.ctas_per_sm not in (1, 2) or (self.ctas_per_sm == 2 and self.num_compute_wgs != 1):
+      raise ValueError(
+          f"ctas_per_sm must be 1, or 2 with num_compute_wgs=1 (registers), got"
+          f" {self.ctas_per_sm} with num_compute_wgs={self.num_compute_wgs}")
     if (self.epilogue_split not in (1, 2, 4) or self.block_n % self.epilogue_split
         or (self.epilogue_split > 1 and (self.block_n // self.epilogue_split) % 64)):
       raise ValueError(
@@ -126,15 +134,20 @@ class MosaicFwdConfig:
     """Static SMEM footprint (pipeline buffers + output staging chunk).
 
     Barriers and alignment add a few dozen bytes on top (48 measured at
-    lowering for the 2-warpgroup kernel): ``fit_config`` keeps 1 KiB for them.
+    lowering for the 2-warpgroup kernel): ``smem_budget`` keeps 1 KiB for them.
     """
     isz, osz = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
     per_stage = (self.block_m + self.block_n) * self.block_k * isz
     return self.num_stages * per_stage + self.block_m * self.epilogue_n * osz
 
 
+  def smem_budget(self) -> int:
+    """SMEM this config may use (per CTA, with ``ctas_per_sm`` CTAs on an SM)."""
+    return sm90.smem_budget(self.ctas_per_sm, _SMEM_RESERVE)
+
+
 def _fits(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> bool:
-  return cfg.smem_bytes(dtype, out_dtype) <= _SMEM_BYTES - 1024  # barriers, slack
+  return cfg.smem_bytes(dtype, out_dtype) <= cfg.smem_budget()
 
 
 def _fit_split(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> MosaicFwdConfig | None:
@@ -185,24 +198,29 @@ def default_config(
   return fit_config(cfg, dtype, out_dtype) or cfg
 
 
-# (block_m, block_n, block_k (None = the default's), stages, tile width, epilogue split)
+# (block_m, block_n, block_k (None = the default's), stages, tile width, epilogue split,
+#  CTAs per SM)
 _SWEEP = (
     # Two consumer warpgroups + TMA producer, bm 128 (first: the likely winners
     # when a tuning budget cuts the list short).
-    (128, 256, None, 4, 1, 2),  # 192 + 32 KiB
-    (128, 256, None, 4, 4, 2),
-    (128, 256, None, 4, 8, 2),
-    (128, 256, None, 4, 4, 4),  # 192 + 16 KiB
-    (128, 256, None, 3, 4, 1),
-    (128, 256, 32, 8, 4, 2),  # 192 + 32 KiB
-    (128, 128, None, 4, 4, 1),
-    (128, 128, None, 6, 4, 1),  # 192 + 32 KiB
+    (128, 256, None, 4, 1, 2, 1),  # 192 + 32 KiB
+    (128, 256, None, 4, 4, 2, 1),
+    (128, 256, None, 4, 8, 2, 1),
+    (128, 256, None, 4, 4, 4, 1),  # 192 + 16 KiB
+    (128, 256, None, 3, 4, 1, 1),
+    (128, 256, 32, 8, 4, 2, 1),  # 192 + 32 KiB
+    (128, 128, None, 4, 4, 1, 1),
+    (128, 128, None, 6, 4, 1, 1),  # 192 + 32 KiB
     # One compute warpgroup, bm 64.
-    (64, 256, None, 4, 4, 1),
-    (64, 256, None, 4, 1, 1),
-    (64, 256, None, 5, 4, 2),  # 200 + 16 KiB
-    (64, 256, 32, 8, 4, 2),  # 160 + 16 KiB
-    (64, 128, None, 6, 4, 1),  # small-n fallback
+    (64, 256, None, 4, 4, 1, 1),
+    (64, 256, None, 4, 1, 1, 1),
+    (64, 256, None, 5, 4, 2, 1),  # 200 + 16 KiB
+    (64, 256, 32, 8, 4, 2, 1),  # 160 + 16 KiB
+    (64, 128, None, 6, 4, 1, 1),  # small-n fallback
+    # Two resident CTAs per SM (<= 113 KiB each): one CTA's fill and epilogue
+    # under the other's wgmmas (short k loops, decode).
+    (64, 256, 32, 4, 4, 2, 2),  # 80 + 16 KiB
+    (64, 128, None, 3, 4, 1, 2),  # 72 + 16 KiB
 )
 
 
@@ -217,11 +235,12 @@ def gpu_sweep_configs(
   out_dtype = dtype if out_dtype is None else out_dtype
   base = default_config(m, k, n, g, dtype, transpose_rhs, out_dtype)
   out = [base]
-  for bm, bn, bk, stages, width, split in _SWEEP:
+  for bm, bn, bk, stages, width, split, ctas in _SWEEP:
     if bn > max(base.block_n, 64):
       continue
     c = MosaicFwdConfig(bm, bn, bk or base.block_k, stages, 0, width,
-                        num_compute_wgs=bm // _WG_ROWS, epilogue_split=split)
+                        num_compute_wgs=bm // _WG_ROWS, epilogue_split=split,
+                        ctas_per_sm=ctas)
     c = _fit_split(c, dtype, out_dtype)
     if c is not None and c not in out:
       out.append(c)
@@ -266,13 +285,7 @@ def _num_sms(config: MosaicFwdConfig, interpret: bool) -> int:
     return config.num_sms
   if interpret:
     return _INTERPRET_SMS  # each simulated CTA is a CPU thread
-  try:
-    dev = jax.devices()[0]
-    if dev.platform == "gpu":
-      return int(dev.core_count)
-  except Exception:  # pylint: disable=broad-except
-    pass
-  return _H200_SMS
+  return config.ctas_per_sm * sm90.device_sm_count()
 
 
 def _build_metadata(group_sizes, group_offset, m: int, g_local: int, block_m: int):
@@ -607,7 +620,7 @@ def gmm(
     # The warp-specialized pipeline never releases a tile's last slot: with a
     # single k step the producer could refill it early, so use one warpgroup.
     config = default_config(m, k, n, g_local, lhs.dtype, transpose_rhs, out_dtype)
-  if config.smem_bytes(lhs.dtype, out_dtype) > _SMEM_BYTES:
+  if config.smem_bytes(lhs.dtype, out_dtype) > config.smem_budget():
     raise NotImplementedError(
         f"config {config} needs {config.smem_bytes(lhs.dtype, out_dtype)} bytes of SMEM"
     )

@@ -43,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ragdot import metadata as md
+from ragdot.backends import sm90
 from ragdot.manual_axes import match_varying, out_struct
 
 _IN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -50,7 +51,7 @@ _OUT_DTYPES = _IN_DTYPES
 _OPS = ("gmm", "gmm_t", "tgmm")
 _MIN_BLOCK = 16  # tl.dot needs every dimension >= 16
 _MAX_BLOCK = 512
-H200_SMEM_BYTES = 227 * 1024
+H200_SMEM_BYTES = sm90.SMEM_PER_CTA
 A100_SMEM_BYTES = 163 * 1024  # 164 KiB per SM, 163 KiB per block (opt-in)
 
 

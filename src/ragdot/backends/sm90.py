@@ -1,0 +1,28 @@
+"""Hopper (sm90) limits that size the Mosaic kernels' grids and SMEM budgets."""
+
+from __future__ import annotations
+
+import jax
+
+SMEM_PER_SM = 228 * 1024  # shared memory of one SM
+SMEM_PER_CTA = 227 * 1024  # the most dynamic SMEM one CTA may opt into
+_DRIVER_RESERVE = 1024  # the driver keeps 1 KiB per resident CTA
+H200_SMS = 132
+
+
+def smem_budget(ctas_per_sm: int, reserve: int) -> int:
+  """Dynamic SMEM one CTA may allocate when ``ctas_per_sm`` CTAs share an SM,
+  minus ``reserve`` bytes the kernel keeps for barriers and alignment."""
+  if ctas_per_sm < 1:
+    raise ValueError(f"ctas_per_sm must be >= 1, got {ctas_per_sm}")
+  per_cta = SMEM_PER_CTA if ctas_per_sm == 1 else SMEM_PER_SM // ctas_per_sm - _DRIVER_RESERVE
+  return per_cta - reserve
+
+
+def device_sm_count() -> int:
+  """SM count of the first GPU (H200's 132 when no GPU is visible)."""
+  try:
+    count = jax.devices("gpu")[0].core_count
+  except RuntimeError:
+    return H200_SMS
+  return int(count) if count else H200_SMS
