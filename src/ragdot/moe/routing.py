@@ -31,6 +31,8 @@ class Routing:
 
   order: int32[tokens*top_k], row r of the sorted layout is flat assignment
     ``order[r]`` (token ``order[r] // top_k``).
+  position: int32[tokens*top_k], the inverse permutation: flat assignment a
+    sits at sorted row ``position[a]``.
   group_sizes: int32[num_groups], rows per group in the sorted layout (groups
     are experts, or (expert, adapter) pairs ``expert * A + adapter``).
   weights: [tokens, top_k] f32 combine weights; experts: int32[tokens, top_k].
@@ -40,6 +42,7 @@ class Routing:
   group_sizes: jax.Array
   weights: jax.Array
   experts: jax.Array
+  position: jax.Array
 
 
 def softmax_top_k(logits: jax.Array, top_k: int, *, renormalize: bool = True,
@@ -104,8 +107,10 @@ def make_routing(weights: jax.Array, experts: jax.Array, num_experts: int, *,
     groups = experts * num_adapters + adapter_ids.astype(jnp.int32)[:, None]
   flat = groups.reshape(-1)
   order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+  position = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
   group_sizes = jnp.bincount(flat, length=num_experts * num_adapters).astype(jnp.int32)
-  return Routing(order, group_sizes, weights.astype(jnp.float32), experts.astype(jnp.int32))
+  return Routing(order, group_sizes, weights.astype(jnp.float32), experts.astype(jnp.int32),
+                 position)
 
 
 def expert_group_sizes(routing: Routing, num_experts: int) -> jax.Array:
@@ -119,16 +124,60 @@ def top_k_routing(logits: jax.Array, top_k: int, *, renormalize: bool = True) ->
   return make_routing(weights, experts, logits.shape[-1])
 
 
+# Both layout changes are gathers with gather-only VJPs: autodiff of a gather
+# would scatter-add the cotangent (atomics; for bf16 a compare-and-swap loop).
+
+
+@jax.custom_vjp
+def _expand(x: jax.Array, order: jax.Array, position: jax.Array) -> jax.Array:
+  top_k = order.shape[0] // max(x.shape[0], 1)
+  return x[order // max(top_k, 1)]
+
+
+def _expand_fwd(x, order, position):
+  return _expand(x, order, position), (order, position, x.shape[0])
+
+
+def _expand_bwd(res, g):
+  order, position, tokens = res
+  if tokens == 0:
+    return jnp.zeros((0,) + g.shape[1:], g.dtype), None, None
+  # Token t's rows sit at position[t*top_k : (t+1)*top_k]: gather and sum them.
+  dx = g[position].reshape(tokens, -1, g.shape[-1]).astype(jnp.float32).sum(1)
+  return dx.astype(g.dtype), None, None
+
+
+_expand.defvjp(_expand_fwd, _expand_bwd)
+
+
+@jax.custom_vjp
+def _unsort(y_sorted: jax.Array, order: jax.Array, position: jax.Array) -> jax.Array:
+  return y_sorted[position]
+
+
+def _unsort_fwd(y_sorted, order, position):
+  return _unsort(y_sorted, order, position), (order,)
+
+
+def _unsort_bwd(res, g):
+  (order,) = res
+  return g[order], None, None  # a permutation: its transpose is the inverse gather
+
+
+_unsort.defvjp(_unsort_fwd, _unsort_bwd)
+
+
 def sort_tokens(x: jax.Array, routing: Routing, top_k: int) -> jax.Array:
   """``x[tokens, d] -> [tokens*top_k, d]`` rows grouped by expert."""
-  return x[routing.order // top_k]
+  del top_k  # implied by the routing's shapes
+  return _expand(x, routing.order, routing.position)
 
 
 def combine(y_sorted: jax.Array, routing: Routing, top_k: int) -> jax.Array:
   """Unsorts ``y_sorted[tokens*top_k, d]`` and takes the weighted sum over k (f32)."""
   tokens = routing.weights.shape[0]
-  y = jnp.zeros_like(y_sorted).at[routing.order].set(y_sorted)
-  y = y.reshape(tokens, top_k, -1).astype(jnp.float32)
+  y = _unsort(y_sorted, routing.order, routing.position)
+  y = y.reshape(tokens, top_k, y_sorted.shape[-1]).astype(jnp.float32)
   return jnp.einsum("tkd,tk->td", y, routing.weights).astype(y_sorted.dtype)
 
 
