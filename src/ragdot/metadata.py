@@ -170,8 +170,10 @@ def tile_schedule(
   excl = incl - count
   num_tiles = incl[-1]
   t = jnp.arange(total, dtype=jnp.int32)
-  # method="sort": the default scan fails to trace under a partly manual shard_map.
-  group = jnp.searchsorted(incl, t, side="right", method="sort").astype(jnp.int32)
+  # searchsorted(incl, t, side="right") as one fused compare-and-count (T x G
+  # int compares; no sort kernels before the GEMM).  jnp.searchsorted's own
+  # methods either sort or fail to trace under a partly manual shard_map.
+  group = jnp.sum(incl[None, :] <= t[:, None], axis=1, dtype=jnp.int32)
   group = jnp.minimum(group, num_local - 1)
   real = t < num_tiles
   row0 = jnp.where(real, base[group] + (t - excl[group]) * block_m, 0)
