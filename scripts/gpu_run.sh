@@ -10,6 +10,7 @@
 # stages (each with its own timeout, <NAME>_TIMEOUT seconds):
 #   tests  GPU-marked tests (kernels at real sizes, NaN-poisoned memory)    TESTS_ARGS
 #   tune   ragdot tune into $OUT/nvidia_h200.json (copy of the shipped table) TUNE_ARGS
+#          (USE_TUNED=1: the stages after it use that table)
 #   bench  ragdot bench table + JSON + PNG                                 BENCH_ARGS
 #   moe    one MoE block fwd+bwd: ragdot vs lax vs tokamax
 #   ep     MoE block expert-parallel scaling over the local GPUs           EP_ARGS
@@ -38,7 +39,9 @@ for stage in $STAGES; do
     tests) run tests "${TESTS_TIMEOUT:-300}" python3 -m pytest -m gpu -q --maxfail=6 -p no:cacheprovider tests/test_gpu.py ${TESTS_ARGS:-} ;;
     tune)
       cp src/ragdot/tables/nvidia_h200.json "$OUT/nvidia_h200.json"
-      run tune "${TUNE_TIMEOUT:-300}" python3 -m ragdot tune --table "$OUT/nvidia_h200.json" ${TUNE_ARGS:---preset training} ;;
+      run tune "${TUNE_TIMEOUT:-300}" python3 -m ragdot tune --table "$OUT/nvidia_h200.json" ${TUNE_ARGS:---preset training}
+      # USE_TUNED=1: later stages of this call run with the table just tuned.
+      [ "${USE_TUNED:-0}" = 1 ] && cp "$OUT/nvidia_h200.json" src/ragdot/tables/nvidia_h200.json ;;
     bench) run bench "${BENCH_TIMEOUT:-400}" python3 -m ragdot bench --json "$OUT/bench.json" --plot "$OUT/bench.png" ${BENCH_ARGS:---preset training decode ep skewed} ;;
     moe) run moe "${MOE_TIMEOUT:-120}" python3 -m ragdot.moe.bench --json "$OUT/moe.json" ;;
     ep) run ep "${EP_TIMEOUT:-180}" python3 -m ragdot.moe.ep_bench --json "$OUT/ep.json" ${EP_ARGS:-} ;;

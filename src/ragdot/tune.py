@@ -12,9 +12,9 @@ They are compiled in parallel threads, checked against the xla backend in f32
 of ``--repeats`` medians) on group sizes from top-k routing of random logits.
 The fastest correct candidate is merged into the device's table (one entry per
 shape bucket; see ``ragdot.tables``) after every op, so an interrupted run
-resumes: entries already measured are skipped unless ``--force``.  Each shape
-gets at most ``--budget-s`` seconds (default 60); an entry cut short is marked
-``"complete": false`` and is redone next time.
+resumes: entries already measured are skipped unless ``--force``.  Each (op,
+shape) gets at most ``--budget-s`` seconds (default 60); an entry cut short is
+marked ``"complete": false`` and is redone next time.
 
 Without a GPU only ``--dry-run`` (list candidates and table keys) works.
 """
@@ -298,7 +298,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="table file to merge into (default: this device's shipped table)")
   parser.add_argument("--force", action="store_true", help="re-measure entries already measured")
   parser.add_argument("--dry-run", action="store_true", help="list candidates; run nothing")
-  parser.add_argument("--budget-s", type=float, default=60.0, help="seconds per shape")
+  parser.add_argument("--budget-s", type=float, default=60.0, help="seconds per (op, shape)")
   parser.add_argument("--iterations", type=int, default=10)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--jobs", type=int, default=4, help="parallel compile threads")
@@ -358,15 +358,17 @@ def run(args: argparse.Namespace) -> int:
     by_shape.setdefault(task.name, []).append(task)
   with Progress() as progress:
     for name, shape_tasks in by_shape.items():
-      deadline = time.time() + args.budget_s
       for task in shape_tasks:
         if _done(table, task, dtype.name) and not args.force:
           progress.console.print(f"skip {task.op} {name}: already measured")
           continue
+        deadline = time.time() + args.budget_s
         entry = tune_task(task, dtype, deadline, iterations=args.iterations,
                           repeats=args.repeats, jobs=args.jobs, progress=progress)
         if entry is None:
-          progress.console.print(f"[red]{task.op} {name}: no candidate passed[/red]")
+          progress.console.print(
+              f"[red]{task.op} {name}: no candidate timed within {args.budget_s:.0f} s"
+              " or passed the accuracy check; table entry unchanged[/red]")
           continue
         text = table.put(task.table_op, dtype.name, task.m, task.k, task.n, task.g, entry)
         table.save(path)
