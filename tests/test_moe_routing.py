@@ -126,3 +126,11 @@ def test_layout_gradients_match_plain_autodiff(tokens):
   np.testing.assert_allclose(ours(x), plain(x), rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(jax.grad(ours)(x), jax.grad(plain)(x), rtol=1e-6, atol=1e-6)
   np.testing.assert_array_equal(r.position[r.order], np.arange(tokens * k))
+
+
+def test_sort_tokens_gradient_with_trailing_dims():
+  r = rt.top_k_routing(jax.random.normal(jax.random.key(3), (5, 4)), 2)
+  x = jax.random.normal(jax.random.key(4), (5, 2, 3))
+  got = jax.grad(lambda x: jnp.sum(rt.sort_tokens(x, r, 2) ** 2))(x)
+  want = jax.grad(lambda x: jnp.sum(x[r.order // 2] ** 2))(x)
+  np.testing.assert_allclose(got, want, rtol=1e-6)

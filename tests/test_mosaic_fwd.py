@@ -39,7 +39,7 @@ def _reset_interpreter():
 def _reference(lhs, rhs, sizes, offset, transpose_rhs):
   """f32 out[m, n]: pad rhs to all G groups, then zero the non-local rows."""
   m = lhs.shape[0]
-  sizes = np.asarray(sizes)
+  sizes = np.maximum(np.asarray(sizes), 0)  # negative sizes count as 0 (metadata.group_bounds)
   big_g, g_local = len(sizes), rhs.shape[0]
   o = 0 if offset is None else int(offset)
   rhs32 = np.asarray(rhs, np.float32)
@@ -331,3 +331,16 @@ def test_two_ctas_per_sm_halves_the_smem_budget():
 def test_two_ctas_per_sm_config_runs():
   cfg = MosaicFwdConfig(64, 128, 32, 3, grid_tile_width=2, ctas_per_sm=2, num_sms=3)
   _run_and_check(96, 64, 128, [20, 0, 41, 30], config=cfg)
+
+
+def test_two_warpgroups_without_the_skip():
+  cfg = dataclasses.replace(CFG2, skip_empty_halves=False)
+  _run_and_check(160, 64, 64, [0, 70, 3, 0, 60, 11], offset=1, g_local=4, config=cfg,
+                 out_dtype=jnp.bfloat16)
+  sweep = mosaic_fwd.gpu_sweep_configs(32768, 2048, 1536, 128, False)
+  assert sweep[1] == dataclasses.replace(sweep[0], skip_empty_halves=False)
+
+
+def test_default_is_one_warpgroup_below_128_rows():
+  assert mosaic_fwd.default_config(64, 2048, 1536, 128, jnp.bfloat16, False).num_compute_wgs == 1
+  assert mosaic_fwd.default_config(128, 2048, 1536, 128, jnp.bfloat16, False).num_compute_wgs == 2

@@ -226,8 +226,9 @@ def _ep_candidates(shape: Shape, impl: str, sizes: np.ndarray) -> dict[str, Call
   """Shard 0 of an EP split: group_offset vs the masked workaround vs local rows."""
   local = shape.g // shape.ep
   rows = int(sizes[:local].sum())
-  # The plain call gets the local rows in a buffer padded to a multiple of 8
-  # (rows past sum(group_sizes) are zeros), as a fixed-capacity EP buffer would.
+  # The plain call gets the local rows in a buffer padded to a multiple of 8 (the
+  # pad rows belong to no group, so their outputs are zero), as a fixed-capacity
+  # EP buffer would.
   rows8 = -(-rows // 8) * 8
   gs_local = jnp.asarray(sizes[:local])
   mask = (jnp.arange(shape.m) < rows)[:, None]

@@ -47,8 +47,8 @@ def device_time_ms(fn: Callable[..., Any], *args: Any, iterations: int = 20,
   method: "cupti" (summed kernel time of one device), "host" (no CUPTI), or
   "host: N devices" (wall time of a multi-device call).
   """
-  out = None
-  for _ in range(warmup):
+  out = jax.block_until_ready(fn(*args))  # at least one call: its outputs' devices
+  for _ in range(warmup - 1):
     out = jax.block_until_ready(fn(*args))
   ndev = _num_devices(out)
   if jax.default_backend() == "gpu" and ndev == 1:

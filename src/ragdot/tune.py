@@ -264,7 +264,8 @@ def import_sweep(path: str, table: tables.Table, shapes=None, dtype: str = "bflo
     if not line.startswith("{"):
       continue
     row = json.loads(line)
-    if "tflops" not in row or row.get("rel_err", 1) >= REL_TOL or row["shape"] not in shapes:
+    if ("tflops" not in row or row.get("rel_err", 1) >= REL_TOL or row["shape"] not in shapes
+        or row.get("op") not in OPS):
       continue
     m, fk, fn, g = shapes[row["shape"]]
     call = backend_call(row["op"], fk, fn)

@@ -81,6 +81,9 @@ class MosaicFwdConfig:
   ctas_per_sm: 1, or 2 resident CTAs per SM (one warpgroup only, SMEM halved):
     the hardware overlaps one CTA's pipeline fill and epilogue with the other's
     wgmmas.
+  skip_empty_halves: with 2 compute warpgroups, a warpgroup whose 64 rows hold
+    none of the tile's rows skips its wgmmas (a conditional wgmma: False is the
+    A/B baseline in case ptxas serializes the wgmmas around it).
   """
 
   block_m: int = 64
@@ -93,6 +96,7 @@ class MosaicFwdConfig:
   num_sms: int | None = None
   epilogue_split: int = 1
   ctas_per_sm: int = 1
+  skip_empty_halves: bool = True
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -182,15 +186,15 @@ def default_config(
 
   The best measured H200 point on group-aligned tiles for Qwen3-30B gate_up
   and down (forward and dX).  One warpgroup (64 x 256) when k fits one k step
-  (the 2-warpgroup pipeline needs two).  block_n is the candidate in
+  (the 2-warpgroup pipeline needs two) or m < 128.  block_n is the candidate in
   (256, 192, 128, 64) that wastes the fewest padded columns; if SMEM does not
   fit (f32 output) the epilogue is split further, then stages drop.
   """
-  del m, g_local, transpose_rhs
+  del g_local, transpose_rhs
   out_dtype = dtype if out_dtype is None else out_dtype
   block_n = min((256, 192, 128, 64), key=lambda b: (pl.cdiv(n, b) * b, -b))
   block_k = 64 if k > 32 else 32
-  wgs = 2 if k > block_k else 1
+  wgs = 2 if k > block_k and m >= 2 * _WG_ROWS else 1
   split = 2 if block_n % 128 == 0 else 1
   cfg = MosaicFwdConfig(block_m=_WG_ROWS * wgs, block_n=block_n, block_k=block_k,
                         num_stages=4, grid_tile_width=4, num_compute_wgs=wgs,
@@ -235,6 +239,8 @@ def gpu_sweep_configs(
   out_dtype = dtype if out_dtype is None else out_dtype
   base = default_config(m, k, n, g, dtype, transpose_rhs, out_dtype)
   out = [base]
+  if base.num_compute_wgs == 2:  # the skip's A/B baseline, measured next to it
+    out.append(dataclasses.replace(base, skip_empty_halves=False))
   for bm, bn, bk, stages, width, split, ctas in _SWEEP:
     if bn > max(base.block_n, 64):
       continue
@@ -544,7 +550,7 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
           tiles_gmem, w, num_tiles, max_tiles, grid_n, cfg)
       wg_rows = pl.ds(wg * hm, hm)
       hs = row0 + wg * hm  # this consumer's first row
-      active = hs < row_end
+      active = hs < row_end if cfg.skip_empty_halves else None
 
       def compute_context(eval_pipeline):
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((hm, bn), jnp.float32))

@@ -107,7 +107,8 @@ def make_routing(weights: jax.Array, experts: jax.Array, num_experts: int, *,
     groups = experts * num_adapters + adapter_ids.astype(jnp.int32)[:, None]
   flat = groups.reshape(-1)
   order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-  position = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
+  position = jnp.zeros_like(order).at[order].set(
+      jnp.arange(order.shape[0], dtype=jnp.int32), unique_indices=True)
   group_sizes = jnp.bincount(flat, length=num_experts * num_adapters).astype(jnp.int32)
   return Routing(order, group_sizes, weights.astype(jnp.float32), experts.astype(jnp.int32),
                  position)
@@ -126,6 +127,8 @@ def top_k_routing(logits: jax.Array, top_k: int, *, renormalize: bool = True) ->
 
 # Both layout changes are gathers with gather-only VJPs: autodiff of a gather
 # would scatter-add the cotangent (atomics; for bf16 a compare-and-swap loop).
+# Being custom_vjp functions, they support reverse-mode AD only (as do ragdot's
+# own ops).
 
 
 @jax.custom_vjp
@@ -143,7 +146,7 @@ def _expand_bwd(res, g):
   if tokens == 0:
     return jnp.zeros((0,) + g.shape[1:], g.dtype), None, None
   # Token t's rows sit at position[t*top_k : (t+1)*top_k]: gather and sum them.
-  dx = g[position].reshape(tokens, -1, g.shape[-1]).astype(jnp.float32).sum(1)
+  dx = g[position].reshape((tokens, -1) + g.shape[1:]).astype(jnp.float32).sum(1)
   return dx.astype(g.dtype), None, None
 
 
