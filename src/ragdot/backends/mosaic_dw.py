@@ -194,8 +194,8 @@ def gpu_sweep_configs(
       (128, 256, 64, 3, 1, 2, 1),
       # Two resident CTAs per SM: one item's fill and epilogue under the other's
       # wgmmas (a group's reduction is only a few row blocks long).
-      (64, 128, 128, 2, 1, 1, 2),  # 64 + 32 KiB
-      (64, 128, 128, 2, 8, 1, 2),
+      (64, 128, 128, 2, 1, 1, 2),  # 64 + 32 KiB (no load ahead: the other CTA covers it)
+      (64, 64, 128, 3, 1, 1, 2),  # 72 + 16 KiB
   ):
     bk, bn = min(bk, _fit(256, k)), min(bn, _fit(256, n))
     if wgs == 2 and (bk < 128 or (bk // 2) * bn > 128 * 128):
