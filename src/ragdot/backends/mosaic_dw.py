@@ -112,10 +112,7 @@ class MosaicDwConfig:
       raise ValueError(f"grid_tile_width must be >= 1, got {self.grid_tile_width}")
     if self.num_sms is not None and self.num_sms < 1:
       raise ValueError(f"num_sms must be >= 1 or None, got {self.num_sms}")
-    if self.ctas_per_sm not in (1, 2) or (self.ctas_per_sm == 2 and self.num_compute_wgs != 1):
-      raise ValueError(
-          f"ctas_per_sm must be 1, or 2 with num_compute_wgs=1 (registers), got"
-          f" {self.ctas_per_sm} with num_compute_wgs={self.num_compute_wgs}")
+    sm90.check_ctas_per_sm(self.ctas_per_sm, self.num_compute_wgs)
 
   def smem_budget(self) -> int:
     """SMEM this config may use (per CTA, with ``ctas_per_sm`` CTAs on an SM)."""

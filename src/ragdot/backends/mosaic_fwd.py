@@ -118,10 +118,7 @@ class MosaicFwdConfig:
       raise ValueError(f"grid_tile_width must be >= 1, got {self.grid_tile_width}")
     if self.num_sms is not None and self.num_sms < 1:
       raise ValueError(f"num_sms must be >= 1, got {self.num_sms}")
-    if self.ctas_per_sm not in (1, 2) or (self.ctas_per_sm == 2 and self.num_compute_wgs != 1):
-      raise ValueError(
-          f"ctas_per_sm must be 1, or 2 with num_compute_wgs=1 (registers), got"
-          f" {self.ctas_per_sm} with num_compute_wgs={self.num_compute_wgs}")
+    sm90.check_ctas_per_sm(self.ctas_per_sm, self.num_compute_wgs)
     if (self.epilogue_split not in (1, 2, 4) or self.block_n % self.epilogue_split
         or (self.epilogue_split > 1 and (self.block_n // self.epilogue_split) % 64)):
       raise ValueError(
@@ -349,6 +346,40 @@ def _lhs_spec(cfg: MosaicFwdConfig, row0):
                          lambda ki: (row0, ki), delay_release=1)
 
 
+def _rhs_spec(cfg: MosaicFwdConfig, ni, transpose_rhs: bool):
+  """The (block_k, block_n) rhs block of n tile ``ni``; (block_n, block_k) of
+  rhs[g, n, k] in the dX mode."""
+  bn, bk = cfg.block_n, cfg.block_k
+  if transpose_rhs:
+    return plgpu.BlockSpec((bn, bk), lambda ki: (ni, ki), delay_release=1)
+  return plgpu.BlockSpec((bk, bn), lambda ki: (ki, ni), delay_release=1)
+
+
+def _work_counts(scal_gmem, grid_n: int):
+  """(num_tiles, lo, hi, za, zb, zero items, all items) from the metadata scalars."""
+  num_tiles = scal_gmem[0]
+  lo, hi, za, zb, num_zero = (scal_gmem[i] for i in range(1, 6))
+  num_zero_work = num_zero * grid_n
+  return num_tiles, lo, hi, za, zb, num_zero_work, num_zero_work + num_tiles * grid_n
+
+
+def _zero_item(w, grid_n: int, za, zb):
+  """(row block, n tile) of zero item w: blocks [0, za), then [zb, ...)."""
+  zi, ni = lax.div(w, grid_n), lax.rem(w, grid_n)
+  return jnp.where(zi < za, zi, zi - za + zb), ni
+
+
+def _overlap(lo, hi, a, b):
+  """Start and length of [max(lo, a), min(hi, b)) (length 0 when empty)."""
+  start = jnp.maximum(lo, a)
+  return start, jnp.maximum(jnp.minimum(hi, b) - start, 0)
+
+
+def _outside_window(hs, he, lo, hi):
+  """The pieces of rows [hs, he) below ``lo`` and at or above ``hi``."""
+  return _overlap(hs, lo, hs, he), _overlap(hi, he, hs, he)
+
+
 def _for_each_chunk(cfg: MosaicFwdConfig, n: int, ni, fn) -> None:
   """Calls ``fn(c, col)`` for every epilogue chunk ``c`` of n tile ``ni``.
 
@@ -379,30 +410,22 @@ def _gmm_kernel_1wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
   max_rows = min(bm, m)
   out_dtype = out_gmem.dtype
   cn = cfg.epilogue_n
-
-  num_tiles = scal_gmem[0]
-  lo, hi, za, zb, num_zero = (scal_gmem[i] for i in range(1, 6))
-  num_zero_work = num_zero * grid_n
-  total = num_zero_work + num_tiles * grid_n
+  num_tiles, lo, hi, za, zb, num_zero_work, total = _work_counts(scal_gmem, grid_n)
 
   @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, cn), out_dtype))
   def _scope(o_smem):
 
     def zero_tile(w, first):
-      zi, ni = lax.div(w, grid_n), lax.rem(w, grid_n)
-      blk = jnp.where(zi < za, zi, zi - za + zb)
+      blk, ni = _zero_item(w, grid_n, za, zb)
       bs = blk * bm
-      be = jnp.minimum(bs + bm, m)
-      below = jnp.maximum(jnp.minimum(be, lo) - bs, 0)  # rows [bs, bs+below) < lo
-      above_start = jnp.maximum(bs, hi)
-      above = jnp.maximum(be - above_start, 0)  # rows [above_start, be) >= hi
+      pieces = _outside_window(bs, jnp.minimum(bs + bm, m), lo, hi)
       _zero_fill_once(o_smem, first)
       store = functools.partial(_store_rows, o_smem, out_gmem, max_rows=max_rows, width=cn)
 
       def chunk(c, col):
         del c
-        store(0, bs, below, col)
-        store(0, above_start, above, col)
+        for start, count in pieces:
+          store(0, start, count, col)
 
       _for_each_chunk(cfg, n, ni, chunk)
 
@@ -414,14 +437,7 @@ def _gmm_kernel_1wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
         plgpu.emit_pipeline(
             lambda _, lhs_smem, rhs_smem: _mma_step(acc_ref, lhs_smem, rhs_smem, transpose_rhs),
             grid=(k_steps,),
-            in_specs=[
-                _lhs_spec(cfg, row0),
-                plgpu.BlockSpec(
-                    (bn, bk) if transpose_rhs else (bk, bn),
-                    (lambda ki: (ni, ki)) if transpose_rhs else (lambda ki: (ki, ni)),
-                    delay_release=1,
-                ),
-            ],
+            in_specs=[_lhs_spec(cfg, row0), _rhs_spec(cfg, ni, transpose_rhs)],
             max_concurrent_steps=cfg.num_stages,
         )(lhs_gmem, rhs_gmem.at[grp])
         return acc_ref[...]
@@ -486,25 +502,14 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
   max_rows = min(hm, m)
   out_dtype = out_gmem.dtype
   cn = cfg.epilogue_n
-
-  num_tiles = scal_gmem[0]
-  lo, hi, za, zb, num_zero = (scal_gmem[i] for i in range(1, 6))
-  num_zero_work = num_zero * grid_n
-  total = num_zero_work + num_tiles * grid_n
+  num_tiles, lo, hi, za, zb, num_zero_work, total = _work_counts(scal_gmem, grid_n)
 
   def make_pipeline(body, compute_context, row0=0, ni=0):
     return plgpu.emit_pipeline_warp_specialized(
         body,
         grid=(k_steps,),
         memory_registers=40,
-        in_specs=[
-            _lhs_spec(cfg, row0),
-            plgpu.BlockSpec(
-                (bn, bk) if transpose_rhs else (bk, bn),
-                (lambda ki: (ni, ki)) if transpose_rhs else (lambda ki: (ki, ni)),
-                delay_release=1,
-            ),
-        ],
+        in_specs=[_lhs_spec(cfg, row0), _rhs_spec(cfg, ni, transpose_rhs)],
         wg_axis="wg",
         num_compute_wgs=2,
         max_concurrent_steps=cfg.num_stages,
@@ -524,24 +529,17 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
     my_smem = o_smem.at[wg]
     store = functools.partial(_store_rows, my_smem, out_gmem, max_rows=max_rows, width=cn)
 
-    def clip(lo_, hi_, a, b):  # length of [max(lo_, a), min(hi_, b)) and its start
-      s = jnp.maximum(lo_, a)
-      return s, jnp.maximum(jnp.minimum(hi_, b) - s, 0)
-
     def zero_tile(w, first):
-      zi, ni = lax.div(w, grid_n), lax.rem(w, grid_n)
-      blk = jnp.where(zi < za, zi, zi - za + zb)
+      blk, ni = _zero_item(w, grid_n, za, zb)
       # Each consumer zeroes the rows of its own 64-row half.
       hs = blk * bm + wg * hm
-      he = jnp.minimum(hs + hm, m)
-      s1, c1 = clip(hs, lo, hs, he)
-      s2, c2 = clip(hi, he, hs, he)
+      pieces = _outside_window(hs, jnp.minimum(hs + hm, m), lo, hi)
       _zero_fill_once(my_smem, first)
 
       def chunk(c, col):
         del c
-        store(0, s1, c1, col)
-        store(0, s2, c2, col)
+        for start, count in pieces:
+          store(0, start, count, col)
 
       _for_each_chunk(cfg, n, ni, chunk)
 
@@ -557,7 +555,7 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
         def _acc(acc_ref):
           eval_pipeline(acc_ref)
           acc = acc_ref[...]
-          s, c = clip(row_start, row_end, hs, hs + hm)
+          s, c = _overlap(row_start, row_end, hs, hs + hm)
           def chunk(ci, col):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # earlier stores read it
             my_smem[...] = _chunk(acc, ci, cn).astype(out_dtype)

@@ -19,6 +19,14 @@ def smem_budget(ctas_per_sm: int, reserve: int) -> int:
   return per_cta - reserve
 
 
+def check_ctas_per_sm(ctas_per_sm: int, num_compute_wgs: int) -> None:
+  """1, or 2 resident CTAs per SM for one compute warpgroup (registers); else ValueError."""
+  if ctas_per_sm not in (1, 2) or (ctas_per_sm == 2 and num_compute_wgs != 1):
+    raise ValueError(
+        f"ctas_per_sm must be 1, or 2 with num_compute_wgs=1 (registers), got"
+        f" {ctas_per_sm} with num_compute_wgs={num_compute_wgs}")
+
+
 def device_sm_count() -> int:
   """SM count of the first GPU (H200's 132 when no GPU is visible)."""
   try:

@@ -109,6 +109,13 @@ def main(argv=None) -> list[dict]:
   cot_rows = jax.random.normal(jax.random.key(3), xs.shape, jnp.float32)
   print(f"MoE block EP scaling on {len(devices)} x {devices[0].device_kind}: {dims}")
   results = []
+
+  def save():  # the file always holds the rows so far: a run cut short keeps them
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(results, f, indent=1)
+
+  save()
   for ep in args.ep:
     if ep > len(devices) or cfg.num_experts % ep:
       continue
@@ -136,17 +143,12 @@ def main(argv=None) -> list[dict]:
       results.append(row)
       print(f"  ep={ep} {strategy:<12} step {ms:8.3f} ms ({method})  {row['tokens_per_s']:10.0f} tok/s"
             f"  expert FFN {ffn_ms:7.3f} ms ({100 * row['expert_share']:.0f}%)", flush=True)
-      if args.json:
-        with open(args.json, "w") as f:
-          json.dump(results, f, indent=1)
+    save()
   by = {(r["ep"], r["strategy"]): r["ms"] for r in results}
   for ep in sorted({r["ep"] for r in results}):
     if (ep, "masked") in by and (ep, "group_offset") in by:
       print(f"  ep={ep}: group_offset is {by[(ep, 'masked')] / by[(ep, 'group_offset')]:.2f}x"
             f" faster than the masked workaround")
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(results, f, indent=1)
   return results
 
 
