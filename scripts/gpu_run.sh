@@ -14,6 +14,7 @@
 #   bench  ragdot bench table + JSON + PNG                                 BENCH_ARGS
 #   moe    one MoE block fwd+bwd: ragdot vs lax vs tokamax
 #   ep     MoE block expert-parallel scaling over the local GPUs           EP_ARGS
+#   profile  ncu counters of the main kernels (scripts/profile_kernels.py)  PROFILE_ARGS
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -39,12 +40,21 @@ for stage in $STAGES; do
     tests) run tests "${TESTS_TIMEOUT:-300}" python3 -m pytest -m gpu -q --maxfail=6 -p no:cacheprovider tests/test_gpu.py ${TESTS_ARGS:-} ;;
     tune)
       cp src/ragdot/tables/nvidia_h200.json "$OUT/nvidia_h200.json"
-      run tune "${TUNE_TIMEOUT:-300}" python3 -m ragdot tune --table "$OUT/nvidia_h200.json" ${TUNE_ARGS:---preset training}
+      run tune "${TUNE_TIMEOUT:-300}" python3 -m ragdot tune --table "$OUT/nvidia_h200.json" \
+        --log "$OUT/tune_candidates.jsonl" ${TUNE_ARGS:---preset training}
       # USE_TUNED=1: later stages of this call run with the table just tuned.
       [ "${USE_TUNED:-0}" = 1 ] && cp "$OUT/nvidia_h200.json" src/ragdot/tables/nvidia_h200.json ;;
     bench) run bench "${BENCH_TIMEOUT:-400}" python3 -m ragdot bench --json "$OUT/bench.json" --plot "$OUT/bench.png" ${BENCH_ARGS:---preset training decode ep skewed} ;;
     moe) run moe "${MOE_TIMEOUT:-120}" python3 -m ragdot.moe.bench --json "$OUT/moe.json" ;;
     ep) run ep "${EP_TIMEOUT:-180}" python3 -m ragdot.moe.ep_bench --json "$OUT/ep.json" ${EP_ARGS:-} ;;
+    profile)
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      # No preallocation: ncu backs up the memory a replayed kernel may touch.
+      XLA_PYTHON_CLIENT_PREALLOCATE=false run profile "${PROFILE_TIMEOUT:-180}" "$NCU" \
+        --clock-control none --profile-from-start off --launch-count 60 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+        --section WarpStateStats --section LaunchStats --section Occupancy \
+        python3 scripts/profile_kernels.py ${PROFILE_ARGS:-} ;;
     *) echo "unknown stage $stage" >&2 ;;
   esac
 done

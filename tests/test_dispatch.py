@@ -106,11 +106,12 @@ def test_group_offset_shard_uses_the_full_calls_entry():
 
 
 def test_explicit_triton_gets_the_table_config_where_the_table_names_triton():
-  dw = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, device=H200, **GATE_UP)
-  if dw.implementation != "triton":
-    pytest.fail(f"the shipped H200 table should pick Triton for Qwen3-30B dW, got {dw}")
-  explicit = dispatch.choose("tgmm", "triton", dtype=jnp.bfloat16, device=H200, **GATE_UP)
-  assert explicit.config == dw.config and not explicit.automatic
+  deepseek = dict(GATE_UP, k=2048, n=7168, g=256, num_groups=256)
+  fwd = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=H200, **deepseek)
+  if fwd.implementation != "triton":
+    pytest.fail(f"the shipped H200 table should pick Triton for DeepSeek-V3 down, got {fwd}")
+  explicit = dispatch.choose("gmm", "triton", dtype=jnp.bfloat16, device=H200, **deepseek)
+  assert explicit.config == fwd.config and not explicit.automatic
 
 
 def test_explicit_implementation_on_gpu_gets_the_table_config():

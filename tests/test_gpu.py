@@ -127,17 +127,22 @@ def test_triton_real_sizes(shape):
   oracle.assert_close(dw, oracle.np_trans_ragged_dot(x, dy, sizes), jnp.bfloat16)
 
 
-@pytest.mark.parametrize("wgs", [1, 2], ids=["1wg", "2wg"])
+@pytest.mark.parametrize("wgs,chained", [(1, False), (2, False), (2, True)],
+                         ids=["1wg", "2wg", "2wg_chained"])
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
-def test_mosaic_fwd_both_bodies_real_size(wgs, transpose_rhs):
+def test_mosaic_fwd_both_bodies_real_size(wgs, chained, transpose_rhs):
   """Both kernel bodies (1 and 2 compute warpgroups, the latter skipping the
-  wgmmas of empty 64-row halves) on group-aligned tiles, with a shard."""
+  wgmmas of empty 64-row halves, per tile or with one pipeline through each
+  CTA's tiles) on group-aligned tiles, with a shard."""
   from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
   m, k, n, g = 4096, 1024, 768, 64
   sizes = _sizes(m, g, "routed")
   cfg = mosaic_fwd.MosaicFwdConfig(block_m=64 * wgs, block_n=256, block_k=64, num_stages=4,
                                    grid_tile_width=4, num_compute_wgs=wgs,
-                                   epilogue_split=2 if wgs == 2 else 1)
+                                   epilogue_split=2 if wgs == 2 else 1,
+                                   delay_release=0 if chained else 1,
+                                   pipeline_across_tiles=chained,
+                                   skip_empty_halves=wgs == 2)
   local, offset = 24, 20
   wshape = (local, n, k) if transpose_rhs else (local, k, n)
   x, w = oracle.random_inputs(jax.random.key(wgs), [(m, k), wshape], jnp.bfloat16)
@@ -174,4 +179,27 @@ def test_two_ctas_per_sm_real_size(kernel):
     out = jax.jit(lambda x, d: mosaic_dw.tgmm(x, d, gs, None, num_groups=g,
                                               out_dtype=jnp.bfloat16, config=cfg))(x, dy)
     oracle.assert_close(out, oracle.np_trans_ragged_dot(x, dy, sizes), jnp.bfloat16)
+    assert np.all(np.isfinite(np.asarray(out, np.float32)))
+
+
+@pytest.mark.parametrize("bk,bn", [(128, 256), (256, 128)])
+def test_mosaic_dw_ring_across_items_real_size(bk, bn):
+  """The warp-specialized dW with one ring of stages across items, on hardware:
+  every group's tile written (NaN-poisoned memory), empty groups zero, a shard."""
+  from ragdot.backends import mosaic_dw  # pylint: disable=g-import-not-at-top
+  m, k, n, g = 4096, 1024, 768, 64
+  sizes = _sizes(m, g, "routed")
+  sizes[6] += sizes[5]  # an empty group (its rows go to the next one)
+  sizes[5] = 0
+  gs = jnp.asarray(sizes)
+  cfg = mosaic_dw.MosaicDwConfig(block_m=64, block_k=bk, block_n=bn, num_stages=3,
+                                 num_compute_wgs=2, pipeline_across_items=True)
+  x, dy = oracle.random_inputs(jax.random.key(5), [(m, k), (m, n)], jnp.bfloat16)
+  for offset, local in [(None, g), (20, 24)]:
+    go = None if offset is None else jnp.int32(offset)
+    _poison(4 * g * k * n)
+    out = jax.jit(lambda x, d: mosaic_dw.tgmm(x, d, gs, go, num_groups=local,
+                                              out_dtype=jnp.bfloat16, config=cfg))(x, dy)
+    want = oracle.np_trans_ragged_dot(x, dy, sizes, offset, local)
+    oracle.assert_close(out, want, jnp.bfloat16)
     assert np.all(np.isfinite(np.asarray(out, np.float32)))

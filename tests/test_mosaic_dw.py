@@ -8,6 +8,7 @@ dialect lowering run in Python; only the LLVM/PTX steps need the GPU).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -24,6 +25,9 @@ SMALL = MosaicDwConfig(block_m=64, block_k=64, block_n=64, num_stages=2, num_sms
 # Warp-specialized: two consumer warpgroups (64 output rows each) + a producer.
 TWO_WG = MosaicDwConfig(block_m=64, block_k=128, block_n=128, num_stages=2, num_sms=3,
                         num_compute_wgs=2)
+# The same with one ring of stages through all of a CTA's items.
+FLAT = dataclasses.replace(TWO_WG, pipeline_across_items=True)
+TWO_WG_BODIES = pytest.mark.parametrize("two_wg", [TWO_WG, FLAT], ids=["per_item", "flat"])
 
 
 @pytest.fixture(autouse=True)
@@ -108,23 +112,26 @@ def test_groups(sizes, dtype, out_dtype):
         ([10, 20, 0, 0, 30, 0, 36], jnp.bfloat16, jnp.float32),
     ],
 )
-def test_groups_two_warpgroups(sizes, dtype, out_dtype):
-  out, ref = run(96, 128, 128, sizes, dtype=dtype, out_dtype=out_dtype, config=TWO_WG,
+@TWO_WG_BODIES
+def test_groups_two_warpgroups(sizes, dtype, out_dtype, two_wg):
+  out, ref = run(96, 128, 128, sizes, dtype=dtype, out_dtype=out_dtype, config=two_wg,
                  seed=len(sizes))
   check(out, ref, out_dtype)
 
 
-def test_two_warpgroups_all_zero_sizes():
-  out, ref = run(96, 128, 128, [0, 0, 0], out_dtype=jnp.bfloat16, config=TWO_WG)
+@TWO_WG_BODIES
+def test_two_warpgroups_all_zero_sizes(two_wg):
+  out, ref = run(96, 128, 128, [0, 0, 0], out_dtype=jnp.bfloat16, config=two_wg)
   assert not ref.any() and not out.any()
 
 
-def test_two_warpgroups_big_tiles_partial_k():
+@pytest.mark.parametrize("flat", [False, True], ids=["per_item", "flat"])
+def test_two_warpgroups_big_tiles_partial_k(flat):
   # 256-row output tile (128 rows per consumer), 128-row steps, k = 192: the
   # second consumer's half is half out of bounds (TMA zero fill / clipped
   # store); groups spanning several blocks, an empty one, 2 SMs.
   cfg = MosaicDwConfig(block_m=128, block_k=256, block_n=64, num_stages=2, num_sms=2,
-                       num_compute_wgs=2)
+                       num_compute_wgs=2, pipeline_across_items=flat)
   out, ref = run(296, 192, 128, [17, 0, 160, 10, 90], config=cfg, seed=3)
   check(out, ref, jnp.float32)
 
@@ -148,14 +155,16 @@ def test_group_offset(offset, num_groups):
   check(out, ref, jnp.bfloat16)
 
 
+@TWO_WG_BODIES
 @pytest.mark.parametrize("offset, num_groups", [(0, 2), (3, 2), (6, 2), (5, 3), (-1, 2)])
-def test_group_offset_two_warpgroups(offset, num_groups):
+def test_group_offset_two_warpgroups(offset, num_groups, two_wg):
   out, ref = run(96, 128, 128, SHARD_SIZES, offset=offset, num_groups=num_groups,
-                 out_dtype=jnp.bfloat16, config=TWO_WG, seed=offset + 20)
+                 out_dtype=jnp.bfloat16, config=two_wg, seed=offset + 20)
   check(out, ref, jnp.bfloat16)
 
 
-@pytest.mark.parametrize("config, k, n", [(SMALL, 64, 64), (TWO_WG, 128, 256)])
+@pytest.mark.parametrize("config, k, n", [(SMALL, 64, 64), (TWO_WG, 128, 256),
+                                         (FLAT, 128, 256)])
 def test_rows_outside_the_shard_never_contribute(config, k, n):
   # NaN in every row no local group owns (neighbour groups and the tail past
   # sum(sizes)): the boundary blocks must mask both operands, not scale them.
@@ -172,7 +181,7 @@ def test_rows_outside_the_shard_never_contribute(config, k, n):
   check(np.asarray(out), reference(lhs, rhs, sizes, offset, num_groups), jnp.float32)
 
 
-@pytest.mark.parametrize("config, k", [(SMALL, 64), (TWO_WG, 128)])
+@pytest.mark.parametrize("config, k", [(SMALL, 64), (TWO_WG, 128), (FLAT, 128)])
 def test_empty_shard_is_zero(config, k):
   out, _ = run(96, k, 128, SHARD_SIZES, offset=2, num_groups=2, config=config)
   assert not out.any()
@@ -205,13 +214,16 @@ def test_no_races():
   assert not interpret_pallas_call.get_races().races_found
 
 
-def test_no_races_two_warpgroups():
+@pytest.mark.parametrize("flat,stages", [(False, 2), (True, 2), (True, 3)],
+                         ids=["per_item", "flat", "flat_3_stages"])
+def test_no_races_two_warpgroups(flat, stages):
   # Single-block groups (a one-step pipeline per item), empty items between
   # busy ones, and multi-block groups; the interpreter also checks that no
-  # barrier phase is skipped (the producer must not run an item ahead).
+  # barrier phase is skipped (per item: the producer must not run an item
+  # ahead; flat: the ring's slots are reused across items).
   params = plgpu.InterpretGPUParams(detect_races=True)
-  cfg = MosaicDwConfig(block_m=64, block_k=128, block_n=128, num_stages=2, num_sms=2,
-                       num_compute_wgs=2)
+  cfg = MosaicDwConfig(block_m=64, block_k=128, block_n=128, num_stages=stages, num_sms=2,
+                       num_compute_wgs=2, pipeline_across_items=flat)
   out, ref = run(256, 128, 256, [10, 70, 0, 0, 40, 100], config=cfg, interpret=params,
                  out_dtype=jnp.bfloat16)
   check(out, ref, jnp.bfloat16)
@@ -252,7 +264,7 @@ def test_config_validation():
               dict(num_compute_wgs=2, block_k=64),
               dict(num_compute_wgs=2, block_k=256, block_n=256),
               dict(num_compute_wgs=2, num_stages=1), dict(ctas_per_sm=3),
-              dict(num_compute_wgs=2, ctas_per_sm=2)):
+              dict(num_compute_wgs=2, ctas_per_sm=2), dict(pipeline_across_items=True)):
     with pytest.raises(ValueError):
       MosaicDwConfig(**bad)
   too_big = MosaicDwConfig(block_m=256, block_k=128, block_n=256, num_stages=4)
@@ -268,8 +280,8 @@ SHAPES = [(32768, 2048, 1536, 128), (32768, 768, 2048, 128), (16384, 4096, 28672
 
 def test_default_and_sweep_configs_fit():
   for m, k, n, g in SHAPES:
-    default = mosaic_dw.default_config(m, k, n, g, jnp.bfloat16)
     for out_dtype in (jnp.bfloat16, jnp.float32):
+      default = mosaic_dw.default_config(m, k, n, g, jnp.bfloat16, out_dtype)
       configs = mosaic_dw.gpu_sweep_configs(m, k, n, g, out_dtype=out_dtype)
       assert 3 <= len(configs) <= 14
       assert configs[0] == default
@@ -292,13 +304,25 @@ def lower_for_sm90(m, k, n, g, config, dtype=jnp.bfloat16, out_dtype=jnp.bfloat1
                                    (32768, 2048, 7168, 256)])  # DeepSeek-V3 down
 def test_lowers_for_sm90(out_dtype, shape):
   m, k, n, g = shape
-  configs = [mosaic_dw.default_config(m, k, n, g), SMALL, TWO_WG,
+  configs = [mosaic_dw.default_config(m, k, n, g), SMALL, TWO_WG, FLAT,
              MosaicDwConfig(block_m=128, block_k=128, block_n=64, num_stages=1)]
   configs += mosaic_dw.gpu_sweep_configs(m, k, n, g, out_dtype=out_dtype)
   assert any(c.num_compute_wgs == 2 for c in configs)
   for cfg in configs:
     lower_for_sm90(m, k, n, g, cfg, out_dtype=out_dtype)
   lower_for_sm90(1000, 192, 320, 16, None, dtype=jnp.float16, out_dtype=out_dtype)
+
+
+def test_default_is_the_ring_across_items():
+  # The best measured H200 point on the Qwen and DeepSeek dW shapes (2026-11-29).
+  cfg = mosaic_dw.default_config(32768, 2048, 1536, 128, jnp.bfloat16, jnp.bfloat16)
+  assert cfg == MosaicDwConfig(block_m=64, block_k=128, block_n=256, num_stages=3,
+                               num_compute_wgs=2, pipeline_across_items=True)
+  # k = 64 cannot give each consumer 64 rows: one warpgroup.
+  assert mosaic_dw.default_config(4096, 64, 512, 8).num_compute_wgs == 1
+  # f32 output (a 2 x 64 x 256 f32 staging tile): fewer stages, still fits.
+  f32 = mosaic_dw.default_config(32768, 2048, 1536, 128)
+  assert f32.pipeline_across_items and f32.num_stages == 2
 
 
 def test_two_ctas_per_sm_config_runs():

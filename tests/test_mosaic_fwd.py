@@ -22,12 +22,16 @@ from ragdot.backends.mosaic_fwd import MosaicFwdConfig
 
 CFG1 = MosaicFwdConfig(block_m=64, block_n=64, block_k=32, num_stages=2, num_sms=3)
 CFG2 = MosaicFwdConfig(block_m=128, block_n=64, block_k=32, num_stages=2, num_sms=2,
-                       num_compute_wgs=2)
+                       num_compute_wgs=2, skip_empty_halves=True)
 # Split epilogues: the (rows, 128) result leaves through a (rows, 64) buffer.
 CFG1S = MosaicFwdConfig(block_m=64, block_n=128, block_k=32, num_stages=3, num_sms=3,
                         grid_tile_width=2, epilogue_split=2)
 CFG2S = MosaicFwdConfig(block_m=128, block_n=128, block_k=32, num_stages=3, num_sms=2,
                         num_compute_wgs=2, epilogue_split=2)
+# One pipeline through each CTA's tiles (k steps a multiple of the stages).
+CFG2C = MosaicFwdConfig(block_m=128, block_n=64, block_k=32, num_stages=2, num_sms=2,
+                        num_compute_wgs=2, delay_release=0, pipeline_across_tiles=True,
+                        skip_empty_halves=True)
 
 
 @pytest.fixture(autouse=True)
@@ -167,6 +171,28 @@ def test_two_consumer_warpgroups(m, sizes, offset, g_local, transpose_rhs):
                  transpose_rhs=transpose_rhs, config=CFG2, out_dtype=jnp.bfloat16)
 
 
+@pytest.mark.parametrize(
+    "m,k,n,sizes,offset,g_local,transpose_rhs,num_sms,stages",
+    [
+        (160, 128, 128, [0, 70, 3, 0, 60, 11], 1, 4, True, 2, 2),  # several tiles per CTA
+        (96, 64, 64, [10, 0, 50, 7, 20], None, None, False, 2, 2),  # one tile per CTA
+        (96, 64, 128, [40, 0, 56], None, None, False, 3, 2),  # a CTA without compute tiles
+        (160, 128, 64, [30, 50, 40], None, None, True, 2, 4),  # 4 k steps, 4 stages
+        (160, 192, 64, [30, 50, 40], None, None, True, 2, 4),  # 6 k steps: per-tile pipelines
+    ],
+)
+def test_pipeline_across_tiles(m, k, n, sizes, offset, g_local, transpose_rhs, num_sms,
+                               stages):
+  cfg = dataclasses.replace(CFG2C, num_sms=num_sms, num_stages=stages)
+  _run_and_check(m, k, n, sizes, offset=offset, g_local=g_local,
+                 transpose_rhs=transpose_rhs, config=cfg, out_dtype=jnp.bfloat16)
+
+
+def test_delay_release_zero_per_tile():
+  cfg = dataclasses.replace(CFG2C, pipeline_across_tiles=False)
+  _run_and_check(160, 128, 64, [0, 70, 3, 0, 60, 11], offset=1, g_local=4, config=cfg)
+
+
 @pytest.mark.parametrize("config", [CFG1S, CFG2S], ids=["1wg", "2wg"])
 @pytest.mark.parametrize(
     "m,k,n,sizes,offset,g_local,transpose_rhs",
@@ -187,7 +213,8 @@ def test_default_config_in_interpret_mode():
 
 
 @pytest.mark.parametrize(
-    "config", [CFG1, CFG2, CFG1S, CFG2S], ids=["1wg", "2wg", "1wg_split", "2wg_split"])
+    "config", [CFG1, CFG2, CFG1S, CFG2S, CFG2C],
+    ids=["1wg", "2wg", "1wg_split", "2wg_split", "2wg_chained"])
 def test_no_races(config):
   lhs = jax.random.normal(jax.random.key(1), (96, 64), jnp.bfloat16)
   rhs = jax.random.normal(jax.random.key(2), (2, 64, 128), jnp.bfloat16)
@@ -245,6 +272,12 @@ def test_config_validation():
     MosaicFwdConfig(block_n=192, epilogue_split=2)
   with pytest.raises(ValueError):
     MosaicFwdConfig(epilogue_split=3)
+  with pytest.raises(ValueError):
+    MosaicFwdConfig(delay_release=2)
+  with pytest.raises(ValueError):  # chaining tiles releases each stage at once
+    MosaicFwdConfig(128, num_compute_wgs=2, pipeline_across_tiles=True)
+  with pytest.raises(ValueError):
+    MosaicFwdConfig(64, delay_release=0, pipeline_across_tiles=True)
 
 
 @pytest.mark.parametrize(
@@ -338,7 +371,15 @@ def test_two_warpgroups_without_the_skip():
   _run_and_check(160, 64, 64, [0, 70, 3, 0, 60, 11], offset=1, g_local=4, config=cfg,
                  out_dtype=jnp.bfloat16)
   sweep = mosaic_fwd.gpu_sweep_configs(32768, 2048, 1536, 128, False)
-  assert sweep[1] == dataclasses.replace(sweep[0], skip_empty_halves=False)
+  base = sweep[0]
+  assert not base.skip_empty_halves  # measured 2-3% faster on gate_up (2026-11-29)
+  assert sweep[1:4] == [
+      dataclasses.replace(base, skip_empty_halves=True),
+      dataclasses.replace(base, delay_release=0, pipeline_across_tiles=True),
+      dataclasses.replace(base, delay_release=0)]
+  # 6 k steps of 64 over 4 stages cannot chain: no chained candidate.
+  sweep = mosaic_fwd.gpu_sweep_configs(32768, 384, 1536, 128, False)
+  assert not any(c.pipeline_across_tiles for c in sweep)
 
 
 def test_default_is_one_warpgroup_below_128_rows():

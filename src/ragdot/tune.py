@@ -79,7 +79,7 @@ def candidates(task: Task, dtype) -> list[tuple[str, Any]]:
   from ragdot.backends import mosaic_dw, mosaic_fwd, triton, xla  # pylint: disable=g-import-not-at-top
 
   if task.op == "dw":
-    cfgs = [mosaic_dw.default_config(task.m, task.k, task.n, task.g, dtype)]
+    cfgs = [mosaic_dw.default_config(task.m, task.k, task.n, task.g, dtype, dtype)]
     cfgs += mosaic_dw.gpu_sweep_configs(task.m, task.k, task.n, task.g, dtype, dtype)
   else:
     tr = task.op == "dx"
@@ -171,8 +171,12 @@ def _done(table: tables.Table, task: Task, dtype_name: str) -> bool:
 
 
 def tune_task(task: Task, dtype, deadline: float, *, iterations: int, repeats: int,
-              jobs: int, progress=None) -> dict[str, Any] | None:
-  """Measures every candidate of ``task`` until ``deadline``; the best as an entry."""
+              jobs: int, progress=None, log=None) -> dict[str, Any] | None:
+  """Measures every candidate of ``task`` until ``deadline``; the best as an entry.
+
+  ``log``, when given, is called with one dict per candidate tried (backend,
+  config, ms or error, rel_err): the A/B record behind the table entry.
+  """
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from ragdot.timing import device_time_ms  # pylint: disable=g-import-not-at-top
@@ -209,6 +213,8 @@ def tune_task(task: Task, dtype, deadline: float, *, iterations: int, repeats: i
       except Exception as e:  # pylint: disable=broad-except
         row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
       results.append(row)
+      if log is not None:
+        log(dict(op=task.op, shape=task.name, call=[task.m, task.k, task.n, task.g], **row))
       if bar is not None:
         progress.advance(bar)
   timed = [r for r in results if "ms" in r]
@@ -303,6 +309,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--iterations", type=int, default=10)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--jobs", type=int, default=4, help="parallel compile threads")
+  parser.add_argument("--log", default=None,
+                      help="append every timed candidate to this JSONL file")
   parser.add_argument("--import-sweep", default=None,
                       help="merge the best rows of a config-sweep JSONL file and exit")
   parser.add_argument("--device-kind", default=None,
@@ -354,6 +362,12 @@ def run(args: argparse.Namespace) -> int:
   from rich.progress import Progress  # pylint: disable=g-import-not-at-top
 
   print(f"tuning on {kind}: {len(tasks)} (op, shape) pairs -> {path}", flush=True)
+
+  def log(row: dict[str, Any]) -> None:
+    if args.log:
+      with open(args.log, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
   by_shape: dict[str, list[Task]] = {}
   for task in tasks:
     by_shape.setdefault(task.name, []).append(task)
@@ -365,7 +379,8 @@ def run(args: argparse.Namespace) -> int:
           continue
         deadline = time.time() + args.budget_s
         entry = tune_task(task, dtype, deadline, iterations=args.iterations,
-                          repeats=args.repeats, jobs=args.jobs, progress=progress)
+                          repeats=args.repeats, jobs=args.jobs, progress=progress,
+                          log=log)
         if entry is None:
           progress.console.print(
               f"[red]{task.op} {name}: no candidate timed within {args.budget_s:.0f} s"

@@ -46,6 +46,7 @@ _OUT_DTYPES = _IN_DTYPES + (jnp.dtype(jnp.float32),)
 _MIN_DIM = 64  # k, n granule: one 128-byte swizzle atom of 16-bit elements
 _ROW_ALIGN = 8  # TMA row granule of the tiled GMEM view: row blocks start here
 _SMEM_RESERVE = 2048  # barriers and alignment
+_PRODUCER_REGISTERS = 40  # per thread of the TMA warpgroup (warp-specialized bodies)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +70,10 @@ class MosaicDwConfig:
       2 (warp-specialized: a producer warpgroup issues the TMA loads, two
       consumer warpgroups each own block_k / 2 rows of the output tile and
       share the rhs block; each holds a (block_k / 2) x block_n accumulator).
+    pipeline_across_items: with 2 warpgroups, one ring of stages runs through
+      all of a CTA's items (the producer loads the next item's row blocks
+      during the current item's last wgmmas and store) instead of a pipeline
+      filled and drained per item.
   """
 
   block_m: int = 64
@@ -79,6 +84,7 @@ class MosaicDwConfig:
   num_sms: int | None = None
   num_compute_wgs: int = 1
   ctas_per_sm: int = 1
+  pipeline_across_items: bool = False
 
   def __post_init__(self):
     if self.block_m <= 0 or self.block_m % 64:
@@ -113,6 +119,8 @@ class MosaicDwConfig:
     if self.num_sms is not None and self.num_sms < 1:
       raise ValueError(f"num_sms must be >= 1 or None, got {self.num_sms}")
     sm90.check_ctas_per_sm(self.ctas_per_sm, self.num_compute_wgs)
+    if self.pipeline_across_items and self.num_compute_wgs != 2:
+      raise ValueError("pipeline_across_items needs num_compute_wgs=2")
 
   def smem_budget(self) -> int:
     """SMEM this config may use (per CTA, with ``ctas_per_sm`` CTAs on an SM)."""
@@ -145,20 +153,26 @@ def fit_config(config: MosaicDwConfig, dtype, out_dtype) -> MosaicDwConfig | Non
 
 
 def default_config(
-    m: int, k: int, n: int, num_groups: int, dtype=jnp.bfloat16
+    m: int, k: int, n: int, num_groups: int, dtype=jnp.bfloat16, out_dtype=None
 ) -> MosaicDwConfig:
-  """Heuristic config: 64-row steps, a 128 x 128 output tile, 4 stages.
+  """Heuristic config: the warp-specialized ring across items, 128 x 256 tiles.
 
-  JAX's example dW kernel (64-row steps, 4 stages) reached 272 TFLOP/s on
-  Qwen3-30B gate_up; 128 x 256 accumulators overflow one warpgroup's registers.
-  The config fits in SMEM for any output dtype.  The warp-specialized variant
-  (``num_compute_wgs=2``) is only in ``gpu_sweep_configs`` until it is measured.
+  Two consumer warpgroups (64 output rows each) over 64-row steps, 3 stages,
+  one ring of stages through all of a CTA's items: the best measured H200
+  point on Qwen3-30B gate_up / down, Qwen3-235B gate_up and DeepSeek-V3 down
+  (1.27-1.59x the same tiles with a pipeline per item, 2026-11-29).  When k
+  cannot give each consumer 64 rows (k < 128), one warpgroup with a 128 x 128
+  tile and 4 stages.  Stages drop until SMEM fits ``out_dtype``'s staging
+  tile (None: any output dtype, i.e. f32).
   """
   del m, num_groups
-  config = MosaicDwConfig(
-      block_m=64, block_k=_fit(128, k), block_n=_fit(128, n), num_stages=4
-  )
-  return fit_config(config, dtype, jnp.float32)
+  bk, bn = _fit(128, k), _fit(256, n)
+  if bk >= 128:
+    config = MosaicDwConfig(block_m=64, block_k=bk, block_n=bn, num_stages=3,
+                            num_compute_wgs=2, pipeline_across_items=True)
+  else:
+    config = MosaicDwConfig(block_m=64, block_k=bk, block_n=_fit(128, n), num_stages=4)
+  return fit_config(config, dtype, jnp.float32 if out_dtype is None else out_dtype)
 
 
 def gpu_sweep_configs(
@@ -167,32 +181,36 @@ def gpu_sweep_configs(
 ) -> list[MosaicDwConfig]:
   """A short list of candidates for a GPU sweep (default first; all fit in SMEM).
 
-  Six one-warpgroup configs, six warp-specialized ones (``num_compute_wgs=2``:
-  256 x 128 or 128 x 256 output tiles per item, or 128 x 128 with 128-row
-  steps), and two with two resident CTAs per SM.  Stages drop until SMEM fits (f32 outputs
-  need a bigger staging tile); configs that no longer fit, or whose k tile is
-  too small for two 64-row halves, are left out.
+  Four warp-specialized configs with one ring of stages across items, two with
+  two resident CTAs per SM, five one-warpgroup configs and three warp-specialized
+  ones with a pipeline per item (``num_compute_wgs=2``: 256 x 128 or 128 x 256
+  output tiles, or 128 x 128).  Stages drop until SMEM fits (f32 outputs need a
+  bigger staging tile); configs that no longer fit, or whose k tile is too
+  small for two 64-row halves, are left out.
   """
   del m
-  out = [default_config(m=0, k=k, n=n, num_groups=num_groups, dtype=dtype)]
+  out = [default_config(m=0, k=k, n=n, num_groups=num_groups, dtype=dtype,
+                        out_dtype=out_dtype)]
   out = [c for c in out if c is not None]
-  for bm, bk, bn, stages, width, wgs, ctas in (
-      (64, 128, 128, 4, 1, 1, 1),
-      (64, 128, 128, 6, 1, 1, 1),
-      (64, 128, 128, 4, 8, 1, 1),
-      (64, 64, 256, 4, 1, 1, 1),
-      (128, 128, 128, 3, 1, 1, 1),
-      (64, 128, 256, 3, 1, 1, 1),
-      (64, 256, 128, 3, 1, 2, 1),
-      (64, 128, 256, 3, 1, 2, 1),
-      (64, 256, 128, 3, 8, 2, 1),
-      (64, 128, 128, 6, 1, 2, 1),
-      (128, 128, 128, 3, 1, 2, 1),
-      (128, 256, 64, 3, 1, 2, 1),
+  for bm, bk, bn, stages, width, wgs, ctas, flat in (
+      # One ring of stages through all of a CTA's items (first: the likely
+      # winners when a tuning budget cuts the list short).
+      (64, 128, 256, 3, 1, 2, 1, True),  # 144 + 64 KiB
+      (64, 256, 128, 3, 1, 2, 1, True),
+      (64, 128, 128, 6, 1, 2, 1, True),  # 192 + 32 KiB
+      (128, 128, 128, 3, 1, 2, 1, True),
       # Two resident CTAs per SM: one item's fill and epilogue under the other's
       # wgmmas (a group's reduction is only a few row blocks long).
-      (64, 128, 128, 2, 1, 1, 2),  # 64 + 32 KiB (no load ahead: the other CTA covers it)
-      (64, 64, 128, 3, 1, 1, 2),  # 72 + 16 KiB
+      (64, 128, 128, 2, 1, 1, 2, False),  # 64 + 32 KiB (no load ahead: the other CTA covers it)
+      (64, 64, 128, 3, 1, 1, 2, False),  # 72 + 16 KiB
+      (64, 128, 128, 4, 1, 1, 1, False),  # one warpgroup, pipeline per item
+      (64, 128, 128, 6, 1, 1, 1, False),
+      (64, 64, 256, 4, 1, 1, 1, False),
+      (128, 128, 128, 3, 1, 1, 1, False),
+      (64, 128, 256, 3, 1, 1, 1, False),
+      (64, 256, 128, 3, 1, 2, 1, False),
+      (64, 128, 256, 3, 1, 2, 1, False),
+      (64, 128, 128, 6, 1, 2, 1, False),
   ):
     bk, bn = min(bk, _fit(256, k)), min(bn, _fit(256, n))
     if wgs == 2 and (bk < 128 or (bk // 2) * bn > 128 * 128):
@@ -200,6 +218,7 @@ def gpu_sweep_configs(
     config = MosaicDwConfig(
         block_m=bm, block_k=bk, block_n=bn, num_stages=stages,
         grid_tile_width=width, num_compute_wgs=wgs, ctas_per_sm=ctas,
+        pipeline_across_items=flat,
     )
     config = fit_config(config, dtype, out_dtype)
     if config is not None and config not in out:
@@ -379,6 +398,131 @@ def _body_2wg(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gm
     pl.when(is_consumer)(lambda: plgpu.wait_smem_to_gmem(0))
 
 
+def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gmem,
+                   out_gmem, *, config, num_groups, grid_k, grid_n, out_dtype,
+                   in_transforms_lhs, in_transforms_rhs, out_transforms):
+  """Warp-specialized dW with one pipeline through all of a CTA's items.
+
+  The same roles and tiles as ``_body_2wg`` (consumers 0 and 1 each own half of
+  the item's k tile; warpgroup 2 issues the TMA loads), but the stages form
+  one ring that runs through the CTA's whole item sequence: the producer loads
+  the next item's row blocks while the consumers finish an item and store it,
+  so an item of a few row blocks (a group of ~256 rows) no longer pays a
+  pipeline fill and drain.  Step ``s`` (counted over all items of the CTA)
+  uses slot ``s % num_stages``; ``produced[slot]`` (TMA bytes landed) and
+  ``consumed[slot]`` (both consumers' wgmmas done with it) are the ring's
+  barriers, and each thread tracks their phases by waiting once per use.
+  """
+  bm, bk, bn = config.block_m, config.block_k, config.block_n
+  hk = bk // 2
+  stages = config.num_stages
+  regs_consumer = min(256, (512 - _PRODUCER_REGISTERS) // 2) // 8 * 8
+
+  def items(body):
+    """Runs ``body(item, step) -> step`` over this CTA's items in order; the
+    number of steps taken."""
+    @plgpu.nd_loop((num_groups, grid_k * grid_n), collective_axes="sm",
+                   init_carry=jnp.int32(0))
+    def steps(info: plgpu.NDLoopInfo, carry):
+      item = _work_item(info, grid_k, grid_n, config, starts_gmem, ends_gmem, first_gmem,
+                        nblocks_gmem)
+      return body(item, carry)
+    return steps
+
+  @functools.partial(
+      pl.run_scoped,
+      lhs_smem=plgpu.SMEM((stages, bm, bk), lhs_gmem.dtype, transforms=in_transforms_lhs),
+      rhs_smem=plgpu.SMEM((stages, bm, bn), rhs_gmem.dtype, transforms=in_transforms_rhs),
+      produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      o_smem=plgpu.SMEM((2, hk, bn), out_dtype, transforms=out_transforms),
+      mask_barrier=plgpu.Barrier(num_arrivals=2),
+      collective_axes="wg",
+  )
+  def _scope(lhs_smem, rhs_smem, produced, consumed, o_smem, mask_barrier):
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == 2)
+    def _producer():
+      plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+
+      def item(it, step0):
+        _, ki, ni, _, _, first, nblocks = it
+
+        def load(i, step):
+          slot = lax.rem(step, stages)
+          # The slot's previous use (step - stages) must be consumed first.
+          pl.when(step >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
+          rows = pl.ds(pl.multiple_of(first + i * bm, _ROW_ALIGN), bm)
+          plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, pl.ds(ki * bk, bk)],
+                                  lhs_smem.at[slot], produced.at[slot])
+          plgpu.copy_gmem_to_smem(rhs_gmem.at[rows, pl.ds(ni * bn, bn)],
+                                  rhs_smem.at[slot], produced.at[slot])
+          return step + 1
+
+        return lax.fori_loop(0, nblocks, load, step0)
+
+      total = items(item)
+
+      # Observe the consumption of the last stages too (every barrier phase is
+      # waited for before the barriers go away).
+      @pl.loop(jnp.maximum(total - stages, 0), total)
+      def _drain(step):
+        plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
+
+    @pl.when(wg < 2)
+    def _consumers():
+      plgpu.set_max_registers(regs_consumer, action="increase")
+      my_smem = o_smem.at[wg]
+
+      def item(it, step0):
+        j, ki, ni, start, end, first, nblocks = it
+
+        def acc_scope(acc_ref):
+          def mma(i, step):
+            slot = lax.rem(step, stages)
+            plgpu.barrier_wait(produced.at[slot])
+            lhs_t, rhs_t = lhs_smem.at[slot], rhs_smem.at[slot]
+            row0 = first + i * bm
+
+            # Only a group's first and last blocks can straddle its bounds;
+            # the consumers split the masking of the shared stage.
+            @pl.when((row0 < start) | (row0 + bm > end))
+            def _():
+              chunks = [(lhs_t, c) for c in range(0, bk, 64)]
+              chunks += [(rhs_t, c) for c in range(0, bn, 64)]
+              for c_i, (ref, col) in enumerate(chunks):
+                pl.when(wg == c_i % 2)(functools.partial(
+                    _mask_rows, ref.at[:, pl.ds(col, 64)], row0, start, end))
+              plgpu.commit_smem()
+              plgpu.barrier_arrive(mask_barrier)
+              plgpu.barrier_wait(mask_barrier)
+
+            plgpu.wgmma(acc_ref, lhs_t.at[:, pl.ds(wg * hk, hk)].T, rhs_t)
+            plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release it
+            pl.when(i > 0)(lambda: plgpu.barrier_arrive(
+                consumed.at[lax.rem(step + stages - 1, stages)]))
+            return step + 1
+
+          step = lax.fori_loop(0, nblocks, mma, step0)
+          acc = acc_ref[...]  # waits for the last wgmma
+          pl.when(nblocks > 0)(lambda: plgpu.barrier_arrive(
+              consumed.at[lax.rem(step + stages - 1, stages)]))
+          return acc, step
+
+        acc, step = pl.run_scoped(acc_scope, plgpu.ACC((hk, bn), jnp.float32))
+        # This consumer's previous store must be done reading its buffer.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        my_smem[...] = acc.astype(out_dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(
+            my_smem, out_gmem.at[j, pl.ds(ki * bk + wg * hk, hk), pl.ds(ni * bn, bn)])
+        return step
+
+      items(item)
+      plgpu.wait_smem_to_gmem(0)
+
+
 def tgmm(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -417,7 +561,7 @@ def tgmm(
   n = rhs.shape[1]
   out_dtype = jnp.dtype(out_dtype)
   if config is None:
-    config = default_config(m, k, n, num_groups, lhs.dtype)
+    config = default_config(m, k, n, num_groups, lhs.dtype, out_dtype)
   if smem_bytes(config, lhs.dtype, out_dtype) > config.smem_budget():
     raise NotImplementedError(
         f"{config} needs {smem_bytes(config, lhs.dtype, out_dtype)} bytes of"
@@ -490,7 +634,7 @@ def tgmm(
 
   if config.num_compute_wgs == 2:
     body = functools.partial(
-        _body_2wg, config=config, num_groups=num_groups, grid_k=grid_k,
+        _body_2wg_flat if config.pipeline_across_items else _body_2wg, config=config, num_groups=num_groups, grid_k=grid_k,
         grid_n=grid_n, out_dtype=out_dtype, in_transforms_lhs=in_transforms_lhs,
         in_transforms_rhs=in_transforms_rhs, out_transforms=out_transforms,
     )

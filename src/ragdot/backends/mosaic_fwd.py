@@ -82,8 +82,16 @@ class MosaicFwdConfig:
     the hardware overlaps one CTA's pipeline fill and epilogue with the other's
     wgmmas.
   skip_empty_halves: with 2 compute warpgroups, a warpgroup whose 64 rows hold
-    none of the tile's rows skips its wgmmas (a conditional wgmma: False is the
-    A/B baseline in case ptxas serializes the wgmmas around it).
+    none of the tile's rows runs the tile's pipeline with a body that issues no
+    wgmma (one branch per tile, outside the k loop); False: both always compute.
+  delay_release: 2 warpgroups only: 1 keeps one wgmma in flight per consumer
+    across pipeline steps (a stage is released one step late); 0 waits for each
+    step's wgmma before releasing its stage.
+  pipeline_across_tiles: 2 warpgroups only (needs delay_release=0): the
+    producer runs one pipeline through all of its CTA's tiles, loading the
+    next tile's first stages while the consumers finish a tile and run its
+    epilogue, instead of draining and refilling the pipeline per tile.  Used
+    when the tile's k steps are a multiple of num_stages (otherwise per tile).
   """
 
   block_m: int = 64
@@ -96,7 +104,9 @@ class MosaicFwdConfig:
   num_sms: int | None = None
   epilogue_split: int = 1
   ctas_per_sm: int = 1
-  skip_empty_halves: bool = True
+  skip_empty_halves: bool = False
+  delay_release: int = 1
+  pipeline_across_tiles: bool = False
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -119,6 +129,10 @@ class MosaicFwdConfig:
     if self.num_sms is not None and self.num_sms < 1:
       raise ValueError(f"num_sms must be >= 1, got {self.num_sms}")
     sm90.check_ctas_per_sm(self.ctas_per_sm, self.num_compute_wgs)
+    if self.delay_release not in (0, 1):
+      raise ValueError(f"delay_release must be 0 or 1, got {self.delay_release}")
+    if self.pipeline_across_tiles and (self.num_compute_wgs != 2 or self.delay_release):
+      raise ValueError("pipeline_across_tiles needs num_compute_wgs=2 and delay_release=0")
     if (self.epilogue_split not in (1, 2, 4) or self.block_n % self.epilogue_split
         or (self.epilogue_split > 1 and (self.block_n // self.epilogue_split) % 64)):
       raise ValueError(
@@ -182,7 +196,8 @@ def default_config(
   """Heuristic default: 2 warpgroups, 128 x 256 x 64 tiles, 4 stages, split 2.
 
   The best measured H200 point on group-aligned tiles for Qwen3-30B gate_up
-  and down (forward and dX).  One warpgroup (64 x 256) when k fits one k step
+  and down (forward and dX); both consumers always compute (skipping an empty
+  64-row half measured 2-3% slower on gate_up, in the k loop and hoisted).  One warpgroup (64 x 256) when k fits one k step
   (the 2-warpgroup pipeline needs two) or m < 128.  block_n is the candidate in
   (256, 192, 128, 64) that wastes the fewest padded columns; if SMEM does not
   fit (f32 output) the epilogue is split further, then stages drop.
@@ -229,15 +244,21 @@ def gpu_sweep_configs(
     m: int, k: int, n: int, g: int, transpose_rhs: bool, dtype: Any = jnp.bfloat16,
     out_dtype: Any = None,
 ) -> list[MosaicFwdConfig]:
-  """Candidate configs for a GPU sweep (default first; SMEM-feasible only, <= 15).
+  """Candidate configs for a GPU sweep (default first; SMEM-feasible only, <= 16).
 
   An f32 output gets a larger epilogue split where that makes a candidate fit.
   """
   out_dtype = dtype if out_dtype is None else out_dtype
   base = default_config(m, k, n, g, dtype, transpose_rhs, out_dtype)
   out = [base]
-  if base.num_compute_wgs == 2:  # the skip's A/B baseline, measured next to it
-    out.append(dataclasses.replace(base, skip_empty_halves=False))
+  if base.num_compute_wgs == 2:
+    # Next to the default: skipping empty 64-row halves, one pipeline across
+    # tiles, and the per-step release that needs on its own.
+    out.append(dataclasses.replace(base, skip_empty_halves=True))
+    per_step = dataclasses.replace(base, delay_release=0)
+    if _chains_tiles(dataclasses.replace(per_step, pipeline_across_tiles=True), k):
+      out.append(dataclasses.replace(per_step, pipeline_across_tiles=True))
+    out.append(per_step)
   for bm, bn, bk, stages, width, split, ctas in _SWEEP:
     if bn > max(base.block_n, 64):
       continue
@@ -247,7 +268,7 @@ def gpu_sweep_configs(
     c = _fit_split(c, dtype, out_dtype)
     if c is not None and c not in out:
       out.append(c)
-  return out
+  return out[:16]
 
 
 def _check_supported(lhs, rhs, out_dtype, transpose_rhs) -> None:
@@ -340,19 +361,40 @@ def _work_item(tiles_gmem, w, num_tiles, max_tiles: int, grid_n: int,
           tiles_gmem[3 * max_tiles + ti])
 
 
-def _lhs_spec(cfg: MosaicFwdConfig, row0):
+def _lhs_spec(cfg: MosaicFwdConfig, row0, delay_release: int = 1):
   """The (block_m, block_k) lhs window at row ``row0`` (any multiple of 8)."""
   return plgpu.BlockSpec((pl.Element(cfg.block_m), cfg.block_k),
-                         lambda ki: (row0, ki), delay_release=1)
+                         lambda ki: (row0, ki), delay_release=delay_release)
 
 
-def _rhs_spec(cfg: MosaicFwdConfig, ni, transpose_rhs: bool):
+def _rhs_spec(cfg: MosaicFwdConfig, ni, transpose_rhs: bool, delay_release: int = 1):
   """The (block_k, block_n) rhs block of n tile ``ni``; (block_n, block_k) of
   rhs[g, n, k] in the dX mode."""
   bn, bk = cfg.block_n, cfg.block_k
   if transpose_rhs:
-    return plgpu.BlockSpec((bn, bk), lambda ki: (ni, ki), delay_release=1)
-  return plgpu.BlockSpec((bk, bn), lambda ki: (ki, ni), delay_release=1)
+    return plgpu.BlockSpec((bn, bk), lambda ki: (ni, ki), delay_release=delay_release)
+  return plgpu.BlockSpec((bk, bn), lambda ki: (ki, ni), delay_release=delay_release)
+
+
+class _PipelinePhase:
+  """``pipeline_state`` of one tile in a chain of warp-specialized pipelines.
+
+  The pipeline compares its state with START (fill the stages first) and STOP
+  (drain at the end); a CTA's only tile is both, which no single
+  ``PipelinePipeline`` value can say, so the comparisons answer from two flags.
+  """
+
+  def __init__(self, first, last):
+    self.first, self.last = first, last
+
+  def __eq__(self, other):
+    if other == plgpu.PipelinePipeline.START:
+      return self.first
+    if other == plgpu.PipelinePipeline.STOP:
+      return self.last
+    return jnp.logical_not(self.first | self.last)
+
+  __hash__ = None
 
 
 def _work_counts(scal_gmem, grid_n: int):
@@ -477,22 +519,25 @@ def _zero_fill_once(smem, first) -> None:
     plgpu.commit_smem()
 
 
-def _mma_step(acc_ref, lhs_smem, rhs_smem, transpose_rhs: bool, active=None):
+def _mma_step(acc_ref, lhs_smem, rhs_smem, transpose_rhs: bool, delay_release: int = 1):
   # dX: rhs blocks arrive as (block_n, block_k) slices of rhs[g, n, k] and feed
   # wgmma through a transposed SMEM view (no transposed copy in HBM).
   rhs_op = rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem
-  if active is None:
-    plgpu.wgmma(acc_ref, lhs_smem, rhs_op)
-  else:
-    pl.when(active)(lambda: plgpu.wgmma(acc_ref, lhs_smem, rhs_op))
-  # With delay_release=1 a step's buffers are refilled one step later: wait
-  # until at most this step's wgmma is in flight.
-  plgpu.wgmma_wait(1)
+  plgpu.wgmma(acc_ref, lhs_smem, rhs_op)
+  # A step's buffers are refilled delay_release steps later: wait until at
+  # most that many wgmmas are in flight.
+  plgpu.wgmma_wait(delay_release)
   return acc_ref
 
 
+def _chains_tiles(cfg: MosaicFwdConfig, k: int) -> bool:
+  """Whether the 2-warpgroup kernel runs one pipeline across its tiles."""
+  return cfg.pipeline_across_tiles and pl.cdiv(k, cfg.block_k) % cfg.num_stages == 0
+
+
 def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
-                    m: int, k: int, n: int, cfg: MosaicFwdConfig, transpose_rhs: bool):
+                    m: int, k: int, n: int, cfg: MosaicFwdConfig, transpose_rhs: bool,
+                    num_ctas: int):
   """Two consumer warpgroups (64 rows each) + one TMA producer warpgroup."""
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
   hm = _WG_ROWS
@@ -502,18 +547,21 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
   max_rows = min(hm, m)
   out_dtype = out_gmem.dtype
   cn = cfg.epilogue_n
+  dr = cfg.delay_release
+  chain = _chains_tiles(cfg, k)
   num_tiles, lo, hi, za, zb, num_zero_work, total = _work_counts(scal_gmem, grid_n)
 
-  def make_pipeline(body, compute_context, row0=0, ni=0):
+  def make_pipeline(body, compute_context, row0=0, ni=0, state=None):
     return plgpu.emit_pipeline_warp_specialized(
         body,
         grid=(k_steps,),
         memory_registers=40,
-        in_specs=[_lhs_spec(cfg, row0), _rhs_spec(cfg, ni, transpose_rhs)],
+        in_specs=[_lhs_spec(cfg, row0, dr), _rhs_spec(cfg, ni, transpose_rhs, dr)],
         wg_axis="wg",
         num_compute_wgs=2,
         max_concurrent_steps=cfg.num_stages,
         compute_context=compute_context,
+        pipeline_state=state,
     )
 
   ignore = lambda *_, **__: None
@@ -543,12 +591,11 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
 
       _for_each_chunk(cfg, n, ni, chunk)
 
-    def compute_tile(w):
+    def compute_tile(w, state):
       ni, grp, row0, row_start, row_end = _work_item(
           tiles_gmem, w, num_tiles, max_tiles, grid_n, cfg)
       wg_rows = pl.ds(wg * hm, hm)
       hs = row0 + wg * hm  # this consumer's first row
-      active = hs < row_end if cfg.skip_empty_halves else None
 
       def compute_context(eval_pipeline):
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((hm, bn), jnp.float32))
@@ -562,14 +609,31 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
             plgpu.commit_smem()
             store(s - hs, s, c, col)
 
-          _for_each_chunk(cfg, n, ni, chunk)
+          pl.when(c > 0)(lambda: _for_each_chunk(cfg, n, ni, chunk))
 
       def mma(_, lhs_smem, rhs_smem, acc_ref):
-        return _mma_step(acc_ref, lhs_smem.at[wg_rows], rhs_smem, transpose_rhs, active)
+        return _mma_step(acc_ref, lhs_smem.at[wg_rows], rhs_smem, transpose_rhs,
+                         delay_release=dr)
 
-      make_pipeline(mma, compute_context, row0, ni)(
-          lhs_gmem, rhs_gmem.at[grp], allocations=allocs
-      )
+      def idle(_, lhs_smem, rhs_smem, acc_ref):
+        del lhs_smem, rhs_smem  # the stage is released untouched
+        return acc_ref
+
+      def run(body):
+        make_pipeline(body, compute_context, row0, ni, state)(
+            lhs_gmem, rhs_gmem.at[grp], allocations=allocs
+        )
+
+      if not cfg.skip_empty_halves:
+        run(mma)
+        return
+      # A consumer without rows in this tile walks the same pipeline (its
+      # barrier arrivals are part of the protocol) with a body that issues no
+      # wgmma.  The branch sits outside the k loop: a wgmma under a condition
+      # inside the loop measured slower than no skip at all.
+      empty = (wg < 2) & (hs >= row_end)
+      pl.when(jnp.logical_not(empty))(lambda: run(mma))
+      pl.when(empty)(lambda: run(idle))
 
     @plgpu.nd_loop((total,), collective_axes="sm")
     def _loop(info: plgpu.NDLoopInfo):
@@ -577,7 +641,11 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
       is_zero = w < num_zero_work
       # The producer warpgroup has nothing to do for zero tiles.
       pl.when(is_zero & (wg < 2))(lambda: zero_tile(w, info.local_index == 0))
-      pl.when(jnp.logical_not(is_zero))(lambda: compute_tile(w - num_zero_work))
+      # Chained: this CTA's first compute tile fills the pipeline and its last
+      # drains it (items of a CTA are w, w + num_ctas, ...).
+      state = _PipelinePhase(w - num_ctas < num_zero_work,
+                             w + num_ctas >= total) if chain else None
+      pl.when(jnp.logical_not(is_zero))(lambda: compute_tile(w - num_zero_work, state))
 
     pl.when(wg < 2)(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
 
@@ -631,16 +699,18 @@ def gmm(
 
   tiles, scalars = _build_metadata(group_sizes, group_offset, m, g_local, config.block_m)
   tiles, scalars, lhs, rhs = match_varying(tiles, scalars, lhs, rhs)
+  num_ctas = _num_sms(config, bool(interpret))
   if config.num_compute_wgs == 1:
     body, extra = _gmm_kernel_1wg, {}
   else:
-    body, extra = _gmm_kernel_2wg, dict(num_threads=3, thread_name="wg")
+    body = functools.partial(_gmm_kernel_2wg, num_ctas=num_ctas)
+    extra = dict(num_threads=3, thread_name="wg")
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
   kernel = plgpu.kernel(
       functools.partial(body, m=m, k=k, n=n, cfg=config, transpose_rhs=transpose_rhs),
       out_type=out_struct((m, n), out_dtype, lhs),
-      grid=(_num_sms(config, bool(interpret)),),
+      grid=(num_ctas,),
       grid_names=("sm",),
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup

@@ -1,0 +1,77 @@
+"""Hardware counters of the main kernels, for ``ncu`` (scripts/gpu_run.sh stage ``profile``).
+
+Compiles and warms up each case, then runs it once between cudaProfilerStart and
+cudaProfilerStop, so ``ncu --profile-from-start off`` sees only those launches:
+
+  ncu --clock-control none --profile-from-start off --section SpeedOfLight ... \\
+      python3 scripts/profile_kernels.py [case ...]
+
+Cases: Qwen3-30B gate_up forward and dW with the automatic choice, the dense
+matmul of the same (m, k, n), and Mixtral gate_up forward (the shape where the
+forward kernel is closest to dense) for contrast.  Inputs are routed random
+data, never zeros.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import jax
+import jax.numpy as jnp
+
+import ragdot
+from ragdot import bench
+
+
+def _cudart():
+  for name in ("libcudart.so", "libcudart.so.13", "libcudart.so.12"):
+    try:
+      return ctypes.CDLL(name)
+    except OSError:
+      continue
+  import cupy  # pylint: disable=g-import-not-at-top  (on the device image)
+  return cupy.cuda.runtime
+
+
+def _cases():
+  qwen = bench.Shape("qwen3-30b gate_up", 32768, 2048, 1536, 128, 8)
+  mixtral = bench.Shape("mixtral gate_up", 16384, 4096, 28672, 8, top_k=2)
+  out = {}
+  for name, s, op in [("fwd_qwen", qwen, "fwd"), ("dw_qwen", qwen, "dw"),
+                      ("fwd_mixtral", mixtral, "fwd")]:
+    key = jax.random.key(len(out))
+    sizes = jnp.asarray(bench.routed_group_sizes(s, seed=len(out)))
+    x = jax.random.normal(key, (s.m, s.k), jnp.bfloat16)
+    if op == "fwd":
+      w = jax.random.normal(jax.random.fold_in(key, 1), (s.g, s.k, s.n), jnp.bfloat16)
+      fn = jax.jit(lambda x, w, gs: ragdot.ragged_dot(x, w, gs))
+    else:
+      w = jax.random.normal(jax.random.fold_in(key, 1), (s.m, s.n), jnp.bfloat16)
+      fn = jax.jit(lambda x, d, gs: ragdot.trans_ragged_dot(x, d, gs))
+    out[name] = (fn, (x, w, sizes))
+  x = jax.random.normal(jax.random.key(7), (32768, 2048), jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(8), (2048, 1536), jnp.bfloat16)
+  out["dense_qwen"] = (jax.jit(jnp.dot), (x, w))
+  return out
+
+
+def main(argv: list[str]) -> int:
+  cases = _cases()
+  names = argv or list(cases)
+  for name in names:
+    fn, args = cases[name]
+    jax.block_until_ready(fn(*args))  # compile + warm up
+    jax.block_until_ready(fn(*args))
+  rt = _cudart()
+  for name in names:
+    fn, args = cases[name]
+    print(f"profiling {name}", flush=True)
+    (rt.cudaProfilerStart if hasattr(rt, "cudaProfilerStart") else rt.profilerStart)()
+    jax.block_until_ready(fn(*args))
+    (rt.cudaProfilerStop if hasattr(rt, "cudaProfilerStop") else rt.profilerStop)()
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
