@@ -182,24 +182,32 @@ def test_two_ctas_per_sm_real_size(kernel):
     assert np.all(np.isfinite(np.asarray(out, np.float32)))
 
 
-@pytest.mark.parametrize("bk,bn", [(128, 256), (256, 128)])
-def test_mosaic_dw_ring_across_items_real_size(bk, bn):
+@pytest.mark.parametrize(
+    "bm,bk,bn,stages,k,out_dtype",
+    [(64, 128, 256, 3, 1024, jnp.bfloat16),  # the default
+     (64, 256, 128, 3, 1024, jnp.bfloat16),
+     (64, 128, 256, 2, 1024, jnp.float32),  # the default for f32 output
+     (128, 128, 128, 3, 1024, jnp.bfloat16),
+     (64, 256, 128, 3, 320, jnp.bfloat16)],  # partial k tile; consumer 1's half past k
+    ids=["default", "256x128", "f32_2_stages", "bm128", "partial_k"])
+def test_mosaic_dw_ring_across_items_real_size(bm, bk, bn, stages, k, out_dtype):
   """The warp-specialized dW with one ring of stages across items, on hardware:
-  every group's tile written (NaN-poisoned memory), empty groups zero, a shard."""
+  every group's tile written (NaN-poisoned memory), empty groups zero, a shard,
+  and a shard of 2 groups (fewer items than CTAs: idle CTAs)."""
   from ragdot.backends import mosaic_dw  # pylint: disable=g-import-not-at-top
-  m, k, n, g = 4096, 1024, 768, 64
+  m, n, g = 4096, 768, 64
   sizes = _sizes(m, g, "routed")
   sizes[6] += sizes[5]  # an empty group (its rows go to the next one)
   sizes[5] = 0
   gs = jnp.asarray(sizes)
-  cfg = mosaic_dw.MosaicDwConfig(block_m=64, block_k=bk, block_n=bn, num_stages=3,
+  cfg = mosaic_dw.MosaicDwConfig(block_m=bm, block_k=bk, block_n=bn, num_stages=stages,
                                  num_compute_wgs=2, pipeline_across_items=True)
   x, dy = oracle.random_inputs(jax.random.key(5), [(m, k), (m, n)], jnp.bfloat16)
-  for offset, local in [(None, g), (20, 24)]:
+  for offset, local in [(None, g), (20, 24), (4, 2)]:
     go = None if offset is None else jnp.int32(offset)
     _poison(4 * g * k * n)
     out = jax.jit(lambda x, d: mosaic_dw.tgmm(x, d, gs, go, num_groups=local,
-                                              out_dtype=jnp.bfloat16, config=cfg))(x, dy)
+                                              out_dtype=out_dtype, config=cfg))(x, dy)
     want = oracle.np_trans_ragged_dot(x, dy, sizes, offset, local)
-    oracle.assert_close(out, want, jnp.bfloat16)
+    oracle.assert_close(out, want, out_dtype)
     assert np.all(np.isfinite(np.asarray(out, np.float32)))

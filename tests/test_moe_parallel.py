@@ -119,3 +119,20 @@ def test_ep_bench_smoke_times_each_strategy_and_the_psum():
   got = {(r["ep"], r["strategy"]) for r in rows}
   assert got == {(2, "psum only"), (2, "group_offset"), (2, "masked")}
   assert all(r["ms"] > 0 and r["method"] == "host: 2 devices" for r in rows)
+
+
+def test_ep_bench_strategies_compute_the_same_block():
+  # The masked workaround and group_offset must give the same loss and grads
+  # (the benchmark compares their speed, so they must do the same work).
+  from ragdot.moe import ep_bench, parallel  # pylint: disable=g-import-not-at-top
+  cfg = MoEConfig(hidden=32, intermediate=16, num_experts=8, top_k=2, implementation="xla")
+  params = F.init_params(jax.random.key(0), cfg, jnp.float32)
+  x = jax.random.normal(jax.random.key(1), (T, cfg.hidden), jnp.float32)
+  cot = jax.random.normal(jax.random.key(2), x.shape, jnp.float32)
+  mesh = _mesh((4,), ("ep",))
+  router, experts = F.split_params(params)
+  sharded = {**router, **parallel.shard_experts(experts, mesh)}
+  with jax.default_matmul_precision("highest"):
+    got = ep_bench.make_steps(cfg, mesh, "group_offset")[0](sharded, x, cot)
+    want = ep_bench.make_steps(cfg, mesh, "masked")[0](sharded, x, cot)
+  _compare(got, want, F32_TOL)

@@ -96,6 +96,11 @@ def test_softmax_top_k_and_layout_with_adapters():
   r1 = rt.make_routing(jnp.ones((t, k)), ex, e)
   np.testing.assert_allclose(np.asarray(rt.combine(rt.sort_tokens(x, r1, k), r1, k)),
                              k * np.asarray(x), rtol=1e-6)
+  # bf16 rows, f32 sum kept in f32 (expert parallelism psums these partials)
+  xb = x.astype(jnp.bfloat16)
+  y32 = rt.combine(rt.sort_tokens(xb, r1, k), r1, k, out_dtype=jnp.float32)
+  assert y32.dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(y32), k * np.asarray(xb, np.float32))
 
 
 def test_routing_is_jittable_without_host_sync():

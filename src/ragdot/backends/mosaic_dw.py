@@ -287,6 +287,17 @@ def _mask_rows(tile_smem, row0, start, end):
   tile_smem[...] = jnp.where(keep, tile, jnp.zeros_like(tile))
 
 
+def _store_half(src_smem, out_gmem, j, row, col) -> None:
+  """One consumer's (block_k / 2, block_n) part of output tile j at (row, col).
+
+  Skipped when it lies wholly past k (a k tile wider than k's remainder): a
+  TMA box entirely out of bounds is not left to the hardware to drop.
+  """
+  hk, bn = src_smem.shape
+  pl.when(row < out_gmem.shape[1])(lambda: plgpu.copy_smem_to_gmem(
+      src_smem, out_gmem.at[j, pl.ds(row, hk), pl.ds(col, bn)]))
+
+
 def _body_2wg(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gmem,
               out_gmem, *, config, num_groups, grid_k, grid_n, out_dtype,
               in_transforms_lhs, in_transforms_rhs, out_transforms):
@@ -380,10 +391,7 @@ def _body_2wg(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gm
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           my_smem[...] = acc.astype(out_dtype)
           plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(
-              my_smem,
-              out_gmem.at[j, pl.ds(ki * bk + wg * hk, hk), pl.ds(ni * bn, bn)],
-          )
+          _store_half(my_smem, out_gmem, j, ki * bk + wg * hk, ni * bn)
 
       # Items of empty groups run a zero-step pipeline: the consumers store
       # the zero-initialized accumulator, the producer loads nothing.
@@ -515,8 +523,7 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         my_smem[...] = acc.astype(out_dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(
-            my_smem, out_gmem.at[j, pl.ds(ki * bk + wg * hk, hk), pl.ds(ni * bn, bn)])
+        _store_half(my_smem, out_gmem, j, ki * bk + wg * hk, ni * bn)
         return step
 
       items(item)

@@ -10,8 +10,9 @@ experts, top-8, bf16) runs with the experts sharded over "ep", two ways:
 
 Step time (CUPTI device time on one GPU; wall time of back-to-back calls when
 the step spans several GPUs, since CUPTI would sum their kernels), tokens/s,
-the expert matmuls' share (the same step with the expert FFN alone), and the
-time of the psum over "ep" this design pays twice per step.
+the expert matmuls' share (each rank's expert FFN alone, no collective), and
+the time of the two psums over "ep" a step pays (f32 partial outputs forward,
+bf16 d(tokens) backward, both [tokens, hidden]; see ``moe.parallel``).
 
   python -m ragdot.moe.ep_bench            # GPUs
   python -m ragdot.moe.ep_bench --small    # CPU smoke test (8 simulated devices)
@@ -40,49 +41,55 @@ from ragdot.moe.config import MoEConfig  # noqa: E402
 from ragdot.timing import device_time_ms  # noqa: E402
 
 
-def _masked_expert_ffn(xs, group_sizes, experts, cfg, mesh):
-  """Each rank zero-pads its experts to all E and computes every row."""
-  local = cfg.num_experts // int(mesh.shape["ep"])
-
-  def body(xs, group_sizes, experts):
-    start = jax.lax.axis_index("ep") * local
+def _masked_ffn(cfg: MoEConfig, local: int):
+  """What callers without group_offset do: each rank zero-pads its experts to
+  all E and computes every row (other ranks' rows come out 0)."""
+  def ffn(xs, group_sizes, experts, offset):
     pad = lambda w: jax.lax.dynamic_update_slice_in_dim(
-        jnp.zeros((cfg.num_experts,) + w.shape[1:], w.dtype), w, start, 0)
-    ys = F.expert_ffn(xs, group_sizes, jax.tree.map(pad, experts), cfg)
-    return jax.lax.psum(ys, "ep")
+        jnp.zeros((cfg.num_experts,) + w.shape[1:], w.dtype), w, offset, 0)
+    return F.expert_ffn(xs, group_sizes, jax.tree.map(pad, experts), cfg)
+  return ffn
 
-  fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), parallel.expert_specs(experts)),
-                     out_specs=P())
-  return fn(xs, group_sizes, experts)
+
+def _offset_ffn(cfg: MoEConfig):
+  return lambda xs, gs, ex, offset: F.expert_ffn(xs, gs, ex, cfg, expert_offset=offset)
 
 
 def make_steps(cfg: MoEConfig, mesh, strategy: str):
-  """(block step, expert-FFN-only step), each value_and_grad w.r.t. x and params."""
-  ffn = (lambda xs, gs, ex: parallel.sharded_expert_ffn(xs, gs, ex, cfg, mesh)) \
-      if strategy == "group_offset" else \
-      (lambda xs, gs, ex: _masked_expert_ffn(xs, gs, ex, cfg, mesh))
+  """(block step, expert-FFN-only step), each value_and_grad w.r.t. x and params.
+
+  The FFN-only step runs each rank's expert SwiGLU on its own copy of the
+  sorted rows (sharded over "ep"): no collective, the expert matmuls' share.
+  """
+  local = cfg.num_experts // int(mesh.shape["ep"])
+  ffn = _offset_ffn(cfg) if strategy == "group_offset" else _masked_ffn(cfg, local)
 
   def block(params, x, cot):
     routing = F.route(params, x, cfg)
-    xs = rt.sort_tokens(x, routing, cfg.top_k)
     _, experts = F.split_params(params)
-    y = rt.combine(ffn(xs, routing.group_sizes, experts), routing, cfg.top_k)
+    y = parallel.sharded_moe_experts(x, routing, experts, cfg, mesh, ffn=ffn)
     return jnp.sum(y.astype(jnp.float32) * cot)
 
-  def experts_only(params, xs, gs, cot_rows):
+  def experts_only(params, xs_per_rank, gs, cot_rows):
     _, experts = F.split_params(params)
-    return jnp.sum(ffn(xs, gs, experts).astype(jnp.float32) * cot_rows)
+
+    def body(xs, gs, experts, cot):
+      ys = ffn(xs[0], gs, experts, jax.lax.axis_index("ep") * local)
+      return jax.lax.psum(jnp.sum(ys.astype(jnp.float32) * cot), "ep")
+
+    return jax.shard_map(body, mesh=mesh, out_specs=P(), in_specs=(
+        P("ep"), P(), parallel.expert_specs(experts), P()))(xs_per_rank, gs, experts, cot_rows)
 
   return (jax.jit(jax.value_and_grad(block, argnums=(0, 1))),
           jax.jit(jax.value_and_grad(experts_only, argnums=(0, 1))))
 
 
-def psum_ms(mesh, rows: int, hidden: int, iterations: int) -> tuple[float, str]:
-  """Time of the all-reduce this design pays (twice per step: the forward's
-  psum of the expert output and the backward's psum of d(rows)): a psum over
-  "ep" of one bf16 [rows, hidden] array per device."""
+def psum_ms(mesh, rows: int, hidden: int, dtype, iterations: int) -> tuple[float, str]:
+  """Time of a psum over "ep" of one [rows, hidden] array per device.  A step
+  pays two: the forward's f32 partial outputs and the backward's bf16 d(tokens),
+  both [tokens, hidden]."""
   ep = mesh.shape["ep"]
-  y = jax.random.normal(jax.random.key(4), (ep, rows, hidden), jnp.float32).astype(jnp.bfloat16)
+  y = jax.random.normal(jax.random.key(4), (ep, rows, hidden), jnp.float32).astype(dtype)
   y = jax.device_put(y, jax.sharding.NamedSharding(mesh, P("ep")))
   f = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a[0], "ep"), mesh=mesh,
                             in_specs=P("ep"), out_specs=P()))
@@ -124,16 +131,20 @@ def main(argv=None) -> list[dict]:
     router, experts = F.split_params(params)
     sharded = {**router, **parallel.shard_experts(experts, mesh)}
     if ep > 1:
-      ar_ms, ar_method = psum_ms(mesh, xs.shape[0], cfg.hidden, args.iterations)
-      results.append(dict(ep=ep, strategy="psum only", ms=ar_ms, method=ar_method))
-      print(f"  ep={ep} psum of the bf16 {list(xs.shape)} expert output: {ar_ms:.3f} ms"
-            f" ({ar_method}); paid twice per step (forward output, backward d(rows))")
+      fwd_ms, ar_method = psum_ms(mesh, x.shape[0], cfg.hidden, jnp.float32, args.iterations)
+      bwd_ms, _ = psum_ms(mesh, x.shape[0], cfg.hidden, jnp.bfloat16, args.iterations)
+      results.append(dict(ep=ep, strategy="psum only", ms=fwd_ms + bwd_ms, method=ar_method,
+                          forward_ms=fwd_ms, backward_ms=bwd_ms))
+      print(f"  ep={ep} psums per step: f32 {list(x.shape)} partial outputs {fwd_ms:.3f} ms"
+            f" + bf16 {list(x.shape)} d(tokens) {bwd_ms:.3f} ms ({ar_method})")
+    xs_per_rank = jax.device_put(jnp.broadcast_to(xs, (ep,) + xs.shape),
+                                 jax.sharding.NamedSharding(mesh, P("ep")))
     for strategy in ("group_offset", "masked"):
       block, experts_only = make_steps(cfg, mesh, strategy)
       try:
         ms, method = device_time_ms(block, sharded, x, cot, iterations=args.iterations)
-        ffn_ms, _ = device_time_ms(experts_only, sharded, xs, routing.group_sizes, cot_rows,
-                                   iterations=args.iterations)
+        ffn_ms, _ = device_time_ms(experts_only, sharded, xs_per_rank, routing.group_sizes,
+                                   cot_rows, iterations=args.iterations)
       except Exception as e:  # pylint: disable=broad-except
         print(f"  ep={ep} {strategy:<12} failed: {type(e).__name__}: {str(e)[:200]}")
         continue

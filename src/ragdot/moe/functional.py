@@ -139,8 +139,8 @@ def moe_mlp(params: dict, x: jax.Array, cfg: MoEConfig, *,
             ragged_dot_fn: Any = None) -> jax.Array:
   """MoE MLP on ``x[..., d]`` -> same shape (dtype ``dtype`` or x.dtype).
 
-  With ``mesh`` (having axis ``ep_axis``) the experts run under expert
-  parallelism (``parallel.sharded_expert_ffn``); otherwise on one shard.
+  With ``mesh`` (having axis ``ep_axis``) sort, experts and combine run under
+  expert parallelism (``parallel.sharded_moe_experts``); otherwise on one shard.
   ``adapter_ids[...]`` (same leading shape as x) picks each token's adapter.
   ``manual``: which mesh axes the shard_map makes manual (see ``parallel``).
   """
@@ -154,13 +154,13 @@ def moe_mlp(params: dict, x: jax.Array, cfg: MoEConfig, *,
   x2 = x.reshape(-1, x.shape[-1])
   ids = None if adapter_ids is None else adapter_ids.reshape(-1)
   routing = route(params, x2, cfg, ids)
-  xs = rt.sort_tokens(x2.astype(dtype), routing, cfg.top_k)
   _, experts = split_params(params)
-  if mesh is None:
-    ys = expert_ffn(xs, routing.group_sizes, experts, cfg, ragged_dot_fn=ragged_dot_fn)
-  else:
-    from ragdot.moe.parallel import sharded_expert_ffn  # pylint: disable=g-import-not-at-top
-    ys = sharded_expert_ffn(xs, routing.group_sizes, experts, cfg, mesh, ep_axis, manual)
+  if mesh is not None:
+    from ragdot.moe.parallel import sharded_moe_experts  # pylint: disable=g-import-not-at-top
+    y = sharded_moe_experts(x2.astype(dtype), routing, experts, cfg, mesh, ep_axis, manual)
+    return y.reshape(lead + (-1,))
+  xs = rt.sort_tokens(x2.astype(dtype), routing, cfg.top_k)
+  ys = expert_ffn(xs, routing.group_sizes, experts, cfg, ragged_dot_fn=ragged_dot_fn)
   return rt.combine(ys, routing, cfg.top_k).reshape(lead + (-1,))
 
 

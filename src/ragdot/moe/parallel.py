@@ -1,25 +1,31 @@
 """Expert parallelism: the experts' ragged_dots under ``jax.shard_map``.
 
 The expert weights are sharded over mesh axis ``ep_axis`` (default "ep"; its
-size ``ep`` must divide E).  Every shard sees all sorted rows (replicated over
-"ep"), computes only the rows of its ``E / ep`` experts through ragdot's native
-``group_offset = axis_index * E / ep`` (LoRA groups: times the adapter count),
-leaves every other row exactly 0, and the shards' outputs are summed with
-``psum``.  Only ``ep_axis`` is manual: other mesh axes stay under automatic
-sharding.
+size ``ep`` must divide E).  Every shard sees all tokens (replicated over
+"ep"), sorts them into its copy of the ``tokens * top_k`` expert rows, computes
+only the rows of its ``E / ep`` experts through ragdot's native
+``group_offset = axis_index * E / ep`` (LoRA groups: times the adapter count;
+every other row is exactly 0), and combines its rows into a partial
+``[tokens, d]`` sum over k.  One ``psum`` of those f32 partials (``top_k / 2``
+times fewer bytes than the bf16 expert rows) makes the output; in the backward
+pass the transpose of replicating the tokens is one psum of the bf16
+``[tokens, d]`` input cotangent.  Only ``ep_axis`` is manual: other mesh axes
+stay under automatic sharding.
 
 ``manual="ep"`` (only the ep axis manual, the default via ``"auto"``) leaves the
 other axes to automatic sharding; ``manual="all"`` makes every mesh axis manual
-inside the expert computation (rows replicated over the other axes).
+inside the expert computation (tokens replicated over the other axes).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from ragdot.moe import routing as rt
 from ragdot.moe.config import MoEConfig
 from ragdot.moe.functional import expert_ffn
 
@@ -38,23 +44,64 @@ def shard_experts(experts: Any, mesh: Any, ep_axis: str = "ep") -> Any:
   return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P(ep_axis))), experts)
 
 
-def sharded_expert_ffn(xs: jax.Array, group_sizes: jax.Array, experts: dict,
-                       cfg: MoEConfig, mesh: Any, ep_axis: str = "ep",
-                       manual: str = "auto") -> jax.Array:
-  """``functional.expert_ffn`` with experts split over ``ep_axis``; psum'd result.
-
-  manual: "ep" (only ``ep_axis`` manual), "all" (every mesh axis manual) or
-  "auto" (same as "ep").
-  """
+def _manual_axes(mesh: Any, ep_axis: str, manual: str) -> frozenset:
   if manual not in ("auto", "ep", "all"):
     raise ValueError(f"manual must be 'auto', 'ep' or 'all', got {manual!r}")
-  if manual == "auto":
-    manual = "ep"
-  axes = frozenset({ep_axis}) if manual == "ep" else frozenset(mesh.axis_names)
+  return frozenset({ep_axis}) if manual in ("auto", "ep") else frozenset(mesh.axis_names)
+
+
+def _local_experts(cfg: MoEConfig, mesh: Any, ep_axis: str) -> int:
   ep = ep_size(mesh, ep_axis)
   if cfg.num_experts % ep:
     raise ValueError(f"mesh axis {ep_axis!r} of size {ep} must divide num_experts={cfg.num_experts}")
-  local = cfg.num_experts // ep
+  return cfg.num_experts // ep
+
+
+def sharded_moe_experts(x: jax.Array, routing: rt.Routing, experts: dict, cfg: MoEConfig,
+                        mesh: Any, ep_axis: str = "ep", manual: str = "auto",
+                        ffn: Callable[..., jax.Array] | None = None) -> jax.Array:
+  """Sort, expert SwiGLU and weighted combine of ``x[tokens, d]`` with the
+  experts split over ``ep_axis``; returns ``[tokens, d]`` in x.dtype.
+
+  Args:
+    x: the routed tokens (replicated over ``ep_axis``).
+    routing: ``functional.route``'s result for x (replicated).
+    experts: expert params, leading dim sharded over ``ep_axis``.
+    manual: "ep" (only ``ep_axis`` manual), "all" (every mesh axis manual) or
+      "auto" (same as "ep").
+    ffn: ``ffn(rows, group_sizes, local_experts, expert_offset) -> rows``
+      replacing ``functional.expert_ffn`` (benchmarks: the masked workaround);
+      rows of other shards' experts must come out exactly 0.
+  """
+  axes = _manual_axes(mesh, ep_axis, manual)
+  local = _local_experts(cfg, mesh, ep_axis)
+  if ffn is None:
+    ffn = lambda xs, gs, ex, offset: expert_ffn(xs, gs, ex, cfg, expert_offset=offset)
+
+  def body(x, routing, experts):
+    xs = rt.sort_tokens(x, routing, cfg.top_k)
+    ys = ffn(xs, routing.group_sizes, experts, jax.lax.axis_index(ep_axis) * local)
+    # Each token's k rows live on up to k shards: sum the shards' f32 partials.
+    return jax.lax.psum(rt.combine(ys, routing, cfg.top_k, out_dtype=jnp.float32), ep_axis)
+
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), expert_specs(experts, ep_axis)),
+                     out_specs=P(), axis_names=axes)
+  return fn(x, routing, experts).astype(x.dtype)
+
+
+def sharded_expert_ffn(xs: jax.Array, group_sizes: jax.Array, experts: dict,
+                       cfg: MoEConfig, mesh: Any, ep_axis: str = "ep",
+                       manual: str = "auto") -> jax.Array:
+  """``functional.expert_ffn`` on sorted rows ``xs[tokens * top_k, d]`` with the
+  experts split over ``ep_axis``; the shards' rows are psum'd.
+
+  For callers that hold sorted rows; ``sharded_moe_experts`` (what
+  ``functional.moe_mlp`` uses) moves top_k / 2 times fewer bytes.
+  manual: "ep" (only ``ep_axis`` manual), "all" (every mesh axis manual) or
+  "auto" (same as "ep").
+  """
+  axes = _manual_axes(mesh, ep_axis, manual)
+  local = _local_experts(cfg, mesh, ep_axis)
 
   def body(xs, group_sizes, experts):
     offset = jax.lax.axis_index(ep_axis) * local

@@ -19,6 +19,7 @@ experts), with on-device group sizes.  Nothing here syncs to the host.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -176,12 +177,16 @@ def sort_tokens(x: jax.Array, routing: Routing, top_k: int) -> jax.Array:
   return _expand(x, routing.order, routing.position)
 
 
-def combine(y_sorted: jax.Array, routing: Routing, top_k: int) -> jax.Array:
-  """Unsorts ``y_sorted[tokens*top_k, d]`` and takes the weighted sum over k (f32)."""
+def combine(y_sorted: jax.Array, routing: Routing, top_k: int,
+            out_dtype: Any = None) -> jax.Array:
+  """Unsorts ``y_sorted[tokens*top_k, d]`` and takes the weighted sum over k.
+
+  The sum is f32; the result is ``out_dtype`` (default: y_sorted's dtype).
+  """
   tokens = routing.weights.shape[0]
   y = _unsort(y_sorted, routing.order, routing.position)
   y = y.reshape(tokens, top_k, y_sorted.shape[-1]).astype(jnp.float32)
-  return jnp.einsum("tkd,tk->td", y, routing.weights).astype(y_sorted.dtype)
+  return jnp.einsum("tkd,tk->td", y, routing.weights).astype(out_dtype or y_sorted.dtype)
 
 
 def expert_load(routing: Routing, num_experts: int) -> jax.Array:
