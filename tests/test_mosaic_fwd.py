@@ -377,6 +377,7 @@ def test_two_warpgroups_without_the_skip():
       dataclasses.replace(base, skip_empty_halves=True),
       dataclasses.replace(base, delay_release=0, pipeline_across_tiles=True),
       dataclasses.replace(base, delay_release=0)]
+  assert dataclasses.replace(base, grid_minor_dim=1, grid_tile_width=8) in sweep
   # 6 k steps of 64 over 4 stages cannot chain: no chained candidate.
   sweep = mosaic_fwd.gpu_sweep_configs(32768, 384, 1536, 128, False)
   assert not any(c.pipeline_across_tiles for c in sweep)
