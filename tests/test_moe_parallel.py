@@ -7,6 +7,7 @@ reference and 1e-2 vs ep=1 in bf16.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -136,3 +137,19 @@ def test_ep_bench_strategies_compute_the_same_block():
     got = ep_bench.make_steps(cfg, mesh, "group_offset")[0](sharded, x, cot)
     want = ep_bench.make_steps(cfg, mesh, "masked")[0](sharded, x, cot)
   _compare(got, want, F32_TOL)
+
+
+def test_ep_reduces_tokens_not_expert_rows():
+  # The forward psum is of the [T, d] partial outputs and the backward's of
+  # d(tokens) [T, d]: no collective carries the top_k times larger [T*k, d] rows.
+  cfg = MoEConfig(hidden=32, intermediate=16, num_experts=8, top_k=4, implementation="xla")
+  params = F.init_params(jax.random.key(0), cfg, jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(1), (T, cfg.hidden), jnp.float32).astype(jnp.bfloat16)
+  mesh = _mesh((4,), ("ep",))
+  loss = lambda p, x: jnp.sum(F.moe_mlp(p, x, cfg, mesh=mesh).astype(jnp.float32) ** 2)
+  hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(params, x).compile().as_text()
+  reduced = re.findall(r"(\w+)\[([\d,]+)\]", "\n".join(
+      line.split("all-reduce")[0] for line in hlo.splitlines() if "all-reduce" in line))
+  shapes = {tuple(int(d) for d in dims.split(",")) for _, dims in reduced}
+  assert (T, cfg.hidden) in shapes, shapes
+  assert (T * cfg.top_k, cfg.hidden) not in shapes, shapes

@@ -11,8 +11,8 @@ experts, top-8, bf16) runs with the experts sharded over "ep", two ways:
 Step time (CUPTI device time on one GPU; wall time of back-to-back calls when
 the step spans several GPUs, since CUPTI would sum their kernels), tokens/s,
 the expert matmuls' share (each rank's expert FFN alone, no collective), and
-the time of the two psums over "ep" a step pays (f32 partial outputs forward,
-bf16 d(tokens) backward, both [tokens, hidden]; see ``moe.parallel``).
+the time of the two psums over "ep" a step pays (partial outputs forward,
+d(tokens) backward, both f32 [tokens, hidden]; see ``moe.parallel``).
 
   python -m ragdot.moe.ep_bench            # GPUs
   python -m ragdot.moe.ep_bench --small    # CPU smoke test (8 simulated devices)
@@ -86,8 +86,8 @@ def make_steps(cfg: MoEConfig, mesh, strategy: str):
 
 def psum_ms(mesh, rows: int, hidden: int, dtype, iterations: int) -> tuple[float, str]:
   """Time of a psum over "ep" of one [rows, hidden] array per device.  A step
-  pays two: the forward's f32 partial outputs and the backward's bf16 d(tokens),
-  both [tokens, hidden]."""
+  pays two: the forward's partial outputs and the backward's d(tokens), both
+  f32 [tokens, hidden]."""
   ep = mesh.shape["ep"]
   y = jax.random.normal(jax.random.key(4), (ep, rows, hidden), jnp.float32).astype(dtype)
   y = jax.device_put(y, jax.sharding.NamedSharding(mesh, P("ep")))
@@ -132,11 +132,11 @@ def main(argv=None) -> list[dict]:
     sharded = {**router, **parallel.shard_experts(experts, mesh)}
     if ep > 1:
       fwd_ms, ar_method = psum_ms(mesh, x.shape[0], cfg.hidden, jnp.float32, args.iterations)
-      bwd_ms, _ = psum_ms(mesh, x.shape[0], cfg.hidden, jnp.bfloat16, args.iterations)
+      bwd_ms, _ = psum_ms(mesh, x.shape[0], cfg.hidden, jnp.float32, args.iterations)
       results.append(dict(ep=ep, strategy="psum only", ms=fwd_ms + bwd_ms, method=ar_method,
                           forward_ms=fwd_ms, backward_ms=bwd_ms))
       print(f"  ep={ep} psums per step: f32 {list(x.shape)} partial outputs {fwd_ms:.3f} ms"
-            f" + bf16 {list(x.shape)} d(tokens) {bwd_ms:.3f} ms ({ar_method})")
+            f" + f32 {list(x.shape)} d(tokens) {bwd_ms:.3f} ms ({ar_method})")
     xs_per_rank = jax.device_put(jnp.broadcast_to(xs, (ep,) + xs.shape),
                                  jax.sharding.NamedSharding(mesh, P("ep")))
     for strategy in ("group_offset", "masked"):

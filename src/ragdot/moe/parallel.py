@@ -8,8 +8,8 @@ only the rows of its ``E / ep`` experts through ragdot's native
 every other row is exactly 0), and combines its rows into a partial
 ``[tokens, d]`` sum over k.  One ``psum`` of those f32 partials (``top_k / 2``
 times fewer bytes than the bf16 expert rows) makes the output; in the backward
-pass the transpose of replicating the tokens is one psum of the bf16
-``[tokens, d]`` input cotangent.  Only ``ep_axis`` is manual: other mesh axes
+pass the transpose of making the tokens per-shard is one psum of the f32
+``[tokens, d]`` input cotangent (again ``top_k / 2`` times fewer bytes).  Only ``ep_axis`` is manual: other mesh axes
 stay under automatic sharding.
 
 ``manual="ep"`` (only the ep axis manual, the default via ``"auto"``) leaves the
@@ -79,7 +79,11 @@ def sharded_moe_experts(x: jax.Array, routing: rt.Routing, experts: dict, cfg: M
     ffn = lambda xs, gs, ex, offset: expert_ffn(xs, gs, ex, cfg, expert_offset=offset)
 
   def body(x, routing, experts):
-    xs = rt.sort_tokens(x, routing, cfg.top_k)
+    # Mark the tokens per-shard here, in f32, so that the backward's psum (the
+    # transpose of this step) is over d(tokens) in f32, not over the top_k
+    # times larger d(rows) that autodiff would otherwise place after the sort.
+    xv = jax.lax.pcast(x.astype(jnp.float32), ep_axis, to="varying")
+    xs = rt.sort_tokens(xv.astype(x.dtype), routing, cfg.top_k)
     ys = ffn(xs, routing.group_sizes, experts, jax.lax.axis_index(ep_axis) * local)
     # Each token's k rows live on up to k shards: sum the shards' f32 partials.
     return jax.lax.psum(rt.combine(ys, routing, cfg.top_k, out_dtype=jnp.float32), ep_axis)
