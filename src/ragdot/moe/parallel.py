@@ -82,6 +82,9 @@ def sharded_moe_experts(x: jax.Array, routing: rt.Routing, experts: dict, cfg: M
     # Mark the tokens per-shard here, in f32, so that the backward's psum (the
     # transpose of this step) is over d(tokens) in f32, not over the top_k
     # times larger d(rows) that autodiff would otherwise place after the sort.
+    # (The sort itself stays in x.dtype: each shard's share of d(tokens) is
+    # rounded once to it before the f32 psum; measured equal accuracy against
+    # the f32 reference to ep=1, at half the gather bytes of an f32 sort.)
     xv = jax.lax.pcast(x.astype(jnp.float32), ep_axis, to="varying")
     xs = rt.sort_tokens(xv.astype(x.dtype), routing, cfg.top_k)
     ys = ffn(xs, routing.group_sizes, experts, jax.lax.axis_index(ep_axis) * local)
