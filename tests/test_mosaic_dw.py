@@ -29,8 +29,11 @@ TWO_WG = MosaicDwConfig(block_m=64, block_k=128, block_n=128, num_stages=2, num_
 FLAT = dataclasses.replace(TWO_WG, pipeline_across_items=True)
 # ... with the producer masking the boundary blocks.
 FLAT_PM = dataclasses.replace(FLAT, producer_masks=True)
-TWO_WG_BODIES = pytest.mark.parametrize("two_wg", [TWO_WG, FLAT, FLAT_PM],
-                                        ids=["per_item", "flat", "flat_producer_masks"])
+# ... masking one step late (3 stages).
+FLAT_PM3 = dataclasses.replace(FLAT_PM, num_stages=3)
+TWO_WG_BODIES = pytest.mark.parametrize(
+    "two_wg", [TWO_WG, FLAT, FLAT_PM, FLAT_PM3],
+    ids=["per_item", "flat", "flat_producer_masks", "flat_producer_masks_lagged"])
 
 
 @pytest.fixture(autouse=True)
@@ -167,7 +170,8 @@ def test_group_offset_two_warpgroups(offset, num_groups, two_wg):
 
 
 @pytest.mark.parametrize("config, k, n", [(SMALL, 64, 64), (TWO_WG, 128, 256),
-                                         (FLAT, 128, 256), (FLAT_PM, 128, 256)])
+                                         (FLAT, 128, 256), (FLAT_PM, 128, 256),
+                                         (FLAT_PM3, 128, 256)])
 def test_rows_outside_the_shard_never_contribute(config, k, n):
   # NaN in every row no local group owns (neighbour groups and the tail past
   # sum(sizes)): the boundary blocks must mask both operands, not scale them.

@@ -432,14 +432,19 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
 
   ``producer_masks``: the producer masks a group's boundary blocks itself,
   ahead of the consumers: it loads such a block against its own ``landed[slot]``
-  barrier, waits for it, zeroes the rows outside the group, and then arrives on
-  ``produced[slot]`` twice (its two arrivals) by hand.  Otherwise the two
-  consumers split the masking between their wgmmas.
+  barrier and, after issuing the next step's load (3+ stages), waits for it,
+  zeroes the rows outside the group, and arrives on ``produced[slot]`` twice
+  (the TMA copies' two arrivals) by hand.  Otherwise the two consumers split
+  the masking between their wgmmas.
   """
   bm, bk, bn = config.block_m, config.block_k, config.block_n
   hk = bk // 2
   stages = config.num_stages
   producer_masks = config.producer_masks
+  # With 3+ stages the producer masks a boundary block one step late, after the
+  # next load is issued.  Not with 2: the consumers release a stage only once
+  # they hold the next, which would wait for the very mask being deferred.
+  lag = producer_masks and stages >= 3
   regs_producer = _PRODUCER_REGISTERS_MASKING if producer_masks else _PRODUCER_REGISTERS
   regs_consumer = min(256, (512 - regs_producer) // 2) // 8 * 8
 
@@ -451,11 +456,11 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
     # Only a group's first and last blocks can straddle its bounds.
     return (row0 < start) | (row0 + bm > end)
 
-  def items(body):
-    """Runs ``body(item, step) -> step`` over this CTA's items in order; the
-    number of steps taken."""
+  def items(body, init=None):
+    """Runs ``body(item, carry) -> carry`` over this CTA's items in order (the
+    carry starts as ``init``, default the step count 0); the final carry."""
     @plgpu.nd_loop((num_groups, grid_k * grid_n), collective_axes="sm",
-                   init_carry=jnp.int32(0))
+                   init_carry=jnp.int32(0) if init is None else init)
     def steps(info: plgpu.NDLoopInfo, carry):
       item = _work_item(info, grid_k, grid_n, config, starts_gmem, ends_gmem, first_gmem,
                         nblocks_gmem)
@@ -480,42 +485,56 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
     def _producer():
       plgpu.set_max_registers(regs_producer, action="decrease")
 
-      def item(it, step0):
+      def finish(pend):
+        """Masks a boundary block that has landed and hands it to the consumers."""
+        valid, slot, row0, start, end = pend
+
+        @pl.when(valid != 0)
+        def _():
+          plgpu.barrier_wait(landed.at[slot])
+          for ref, col in mask_chunks(lhs_smem.at[slot], rhs_smem.at[slot]):
+            _mask_rows(ref.at[:, pl.ds(col, 64)], row0, start, end)
+          plgpu.commit_smem()  # the zeros before the consumers' wgmmas read them
+          plgpu.barrier_arrive(produced.at[slot])  # the two arrivals the TMA
+          plgpu.barrier_arrive(produced.at[slot])  # copies would have made
+
+      def item(it, carry):
         _, ki, ni, start, end, first, nblocks = it
 
-        def load(i, step):
+        def load(i, carry):
+          step, pend = carry
           slot = lax.rem(step, stages)
           # The slot's previous use (step - stages) must be consumed first.
           pl.when(step >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
           row0 = pl.multiple_of(first + i * bm, _ROW_ALIGN)
-          lhs_t, rhs_t = lhs_smem.at[slot], rhs_smem.at[slot]
 
           def copy_in(barrier):
             rows = pl.ds(row0, bm)
-            plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, pl.ds(ki * bk, bk)], lhs_t, barrier)
-            plgpu.copy_gmem_to_smem(rhs_gmem.at[rows, pl.ds(ni * bn, bn)], rhs_t, barrier)
+            plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, pl.ds(ki * bk, bk)],
+                                    lhs_smem.at[slot], barrier)
+            plgpu.copy_gmem_to_smem(rhs_gmem.at[rows, pl.ds(ni * bn, bn)],
+                                    rhs_smem.at[slot], barrier)
 
           if not producer_masks:
             copy_in(produced.at[slot])
-            return step + 1
+            return step + 1, pend
           edge = boundary(row0, start, end)
           pl.when(jnp.logical_not(edge))(lambda: copy_in(produced.at[slot]))
+          pl.when(edge)(lambda: copy_in(landed.at[slot]))
+          this = (edge.astype(jnp.int32), slot, row0, start, end)
+          if not lag:
+            finish(this)
+            return step + 1, pend
+          # Lagged: mask the previous boundary block now that this step's
+          # load is in flight (its landing latency overlaps this one's).
+          finish(pend)
+          return step + 1, this
 
-          @pl.when(edge)
-          def _():
-            copy_in(landed.at[slot])
-            plgpu.barrier_wait(landed.at[slot])
-            for ref, col in mask_chunks(lhs_t, rhs_t):
-              _mask_rows(ref.at[:, pl.ds(col, 64)], row0, start, end)
-            plgpu.commit_smem()  # the zeros before the consumers' wgmmas read them
-            plgpu.barrier_arrive(produced.at[slot])
-            plgpu.barrier_arrive(produced.at[slot])
+        return lax.fori_loop(0, nblocks, load, carry)
 
-          return step + 1
-
-        return lax.fori_loop(0, nblocks, load, step0)
-
-      total = items(item)
+      no_pend = (jnp.int32(0),) * 5
+      total, pend = items(item, (jnp.int32(0), no_pend))
+      finish(pend)
 
       # Observe the consumption of the last stages too (every barrier phase is
       # waited for before the barriers go away).
