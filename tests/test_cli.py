@@ -35,8 +35,20 @@ def test_bench_tiny_shape(tmp_path, capsys):
   assert {"ragdot", "ragdot:xla", "dense"} <= impls
   auto = next(r for r in rows if r["impl"] == "ragdot")
   assert auto["ms"] > 0 and auto["peak_mib"] > 0 and auto["choice"].startswith("xla")
+  # On CPU the automatic choice is the xla backend: its explicit row is the same
+  # kernels, so it carries the automatic row's timing instead of a second sample.
+  explicit = next(r for r in rows if r["impl"] == "ragdot:xla")
+  assert explicit["ms"] == auto["ms"] and "automatic choice's kernels" in explicit["method"]
   out = capsys.readouterr().out
   assert "auto-choice check" in out
+
+
+def test_resolved_kernels_tell_apart_backends_and_ops():
+  from ragdot import bench  # pylint: disable=g-import-not-at-top
+  s = bench.Shape("t", 256, 64, 64, 4)
+  assert bench.resolved_kernels("fwd", s, None) == bench.resolved_kernels("fwd", s, "xla")
+  assert bench.resolved_kernels("fwd", s, None) != bench.resolved_kernels("fwd", s, "triton")
+  assert len(bench.resolved_kernels("fwdbwd", s, None)) == 3
 
 
 def test_tune_dry_run_lists_candidates(tmp_path, capsys):
