@@ -186,15 +186,24 @@ def _candidates(op: str, shape: Shape, impl: str | None,
   return fns
 
 
-def auto_choice(op: str, shape: Shape, dtype: Any = jnp.bfloat16, device=None) -> str:
-  """What the dispatcher picks for ``op`` of ``shape`` (backend, config, why)."""
+def dispatch_choice(op: str, shape: Shape, impl: str | None = None,
+                    dtype: Any = jnp.bfloat16, device=None):
+  """The dispatcher's Choice for the backend call of ``op`` (fwd, dx, dw) on
+  ``shape``; an EP shape (``ep > 1``) is its shard 0 (group_offset, g / ep
+  local groups)."""
   from ragdot import dispatch  # pylint: disable=g-import-not-at-top
 
   call = dispatch.backend_call(op, shape.k, shape.n)
-  c = dispatch.choose(call.op, None, dtype=dtype, out_dtype=dtype, m=shape.m, k=call.k,
-                      n=call.n, g=shape.g, num_groups=shape.g,
-                      transpose_rhs=call.transpose_rhs, device=device)
-  return describe_choice(c)
+  local = shape.g // shape.ep if shape.ep > 1 else shape.g
+  return dispatch.choose(call.op, impl, dtype=dtype, out_dtype=dtype, m=shape.m, k=call.k,
+                         n=call.n, g=local, num_groups=shape.g,
+                         transpose_rhs=call.transpose_rhs, has_offset=shape.ep > 1,
+                         device=device)
+
+
+def auto_choice(op: str, shape: Shape, dtype: Any = jnp.bfloat16, device=None) -> str:
+  """What the dispatcher picks for ``op`` of ``shape`` (backend, config, why)."""
+  return describe_choice(dispatch_choice(op, shape, None, dtype, device))
 
 
 def resolved_kernels(op: str, shape: Shape, impl: str | None, dtype: Any = jnp.bfloat16,
@@ -202,14 +211,9 @@ def resolved_kernels(op: str, shape: Shape, impl: str | None, dtype: Any = jnp.b
   """The (backend, config) of each kernel call ``op`` makes with ``impl`` (None:
   automatic); fwdbwd makes three (forward, dX, dW).  Equal tuples: the same
   kernels run."""
-  from ragdot import dispatch  # pylint: disable=g-import-not-at-top
-
   out = []
   for sub in (("fwd", "dx", "dw") if op == "fwdbwd" else (op,)):
-    call = dispatch.backend_call(sub, shape.k, shape.n)
-    c = dispatch.choose(call.op, impl, dtype=dtype, out_dtype=dtype, m=shape.m, k=call.k,
-                        n=call.n, g=shape.g, num_groups=shape.g,
-                        transpose_rhs=call.transpose_rhs, device=device)
+    c = dispatch_choice(sub, shape, impl, dtype, device)
     # (The xla backend ignores ``interpret``: plain JAX either way.)
     out.append((c.implementation, c.config, c.interpret and c.implementation != "xla"))
   return tuple(out)

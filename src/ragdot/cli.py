@@ -80,13 +80,8 @@ def run_info(args: argparse.Namespace) -> int:
   dtype = jnp.dtype(args.dtype)
   rows = []
   for s in shapes:
-    local = s.g // s.ep if s.ep > 1 else s.g
     for op in ("fwd", "dx", "dw"):
-      call = dispatch.backend_call(op, s.k, s.n)
-      c = dispatch.choose(call.op, None, dtype=dtype, out_dtype=dtype, m=s.m, k=call.k,
-                          n=call.n, g=local, num_groups=s.g,
-                          transpose_rhs=call.transpose_rhs, has_offset=s.ep > 1,
-                          device=device)
+      c = bench.dispatch_choice(op, s, None, dtype, device)
       cfg = "default config" if c.config is None else bench._short_config(c.config)  # pylint: disable=protected-access
       rows.append((s.name, f"{s.m},{s.k},{s.n},{s.g}", op, c.implementation, cfg, c.reason))
   try:

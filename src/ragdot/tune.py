@@ -364,9 +364,8 @@ def run(args: argparse.Namespace) -> int:
   print(f"tuning on {kind}: {len(tasks)} (op, shape) pairs -> {path}", flush=True)
 
   def log(row: dict[str, Any]) -> None:
-    if args.log:
-      with open(args.log, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    with open(args.log, "a") as f:
+      f.write(json.dumps(row) + "\n")
 
   by_shape: dict[str, list[Task]] = {}
   for task in tasks:
@@ -380,7 +379,7 @@ def run(args: argparse.Namespace) -> int:
         deadline = time.time() + args.budget_s
         entry = tune_task(task, dtype, deadline, iterations=args.iterations,
                           repeats=args.repeats, jobs=args.jobs, progress=progress,
-                          log=log)
+                          log=log if args.log else None)
         if entry is None:
           progress.console.print(
               f"[red]{task.op} {name}: no candidate timed within {args.budget_s:.0f} s"

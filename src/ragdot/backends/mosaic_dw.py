@@ -296,6 +296,41 @@ def _mask_rows(tile_smem, row0, start, end):
   tile_smem[...] = jnp.where(keep, tile, jnp.zeros_like(tile))
 
 
+def _straddles(row0, rows: int, start, end):
+  """Whether the row block [row0, row0 + rows) holds rows outside [start, end).
+
+  Only a group's first and last blocks can: those are the ones masked.
+  """
+  return (row0 < start) | (row0 + rows > end)
+
+
+def _mask_chunks(lhs_t, rhs_t) -> list:
+  """The (ref, first column) 64-column chunks of an lhs and an rhs stage."""
+  return ([(lhs_t, c) for c in range(0, lhs_t.shape[1], 64)]
+          + [(rhs_t, c) for c in range(0, rhs_t.shape[1], 64)])
+
+
+def _consumers_mask(lhs_t, rhs_t, wg, row0, start, end, mask_barrier) -> None:
+  """The two consumers split the masking of a shared stage by 64-column chunks,
+  then both wait until all of it is masked before their wgmmas read it."""
+  for i, (ref, col) in enumerate(_mask_chunks(lhs_t, rhs_t)):
+    pl.when(wg == i % 2)(functools.partial(
+        _mask_rows, ref.at[:, pl.ds(col, 64)], row0, start, end))
+  plgpu.commit_smem()
+  plgpu.barrier_arrive(mask_barrier)
+  plgpu.barrier_wait(mask_barrier)
+
+
+def _store_consumer_half(acc, my_smem, out_gmem, j, row, col) -> None:
+  """A consumer's epilogue: its f32 accumulator through its own SMEM buffer to
+  output tile j at (row, col)."""
+  # This consumer's previous store must be done reading its buffer.
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  my_smem[...] = acc.astype(my_smem.dtype)
+  plgpu.commit_smem()
+  _store_half(my_smem, out_gmem, j, row, col)
+
+
 def _store_half(src_smem, out_gmem, j, row, col) -> None:
   """One consumer's (block_k / 2, block_n) part of output tile j at (row, col).
 
@@ -334,7 +369,7 @@ def _body_2wg(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gm
     return plgpu.emit_pipeline_warp_specialized(
         step,
         grid=(nblocks,),
-        memory_registers=40,
+        memory_registers=_PRODUCER_REGISTERS,
         in_specs=[
             _row_spec(bm, bk, first, ki, in_transforms_lhs, 1),
             _row_spec(bm, bn, first, ni, in_transforms_rhs, 1),
@@ -370,18 +405,8 @@ def _body_2wg(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gm
 
       def step(idx, lhs_smem, rhs_smem, acc_ref):
         row0 = first + idx[0] * bm
-
-        # Only a group's first and last blocks can straddle its bounds.
-        @pl.when((row0 < start) | (row0 + bm > end))
-        def _():
-          chunks = [(lhs_smem, c) for c in range(0, bk, 64)]
-          chunks += [(rhs_smem, c) for c in range(0, bn, 64)]
-          for i, (ref, col) in enumerate(chunks):
-            pl.when(wg == i % 2)(functools.partial(
-                _mask_rows, ref.at[:, pl.ds(col, 64)], row0, start, end))
-          plgpu.commit_smem()
-          plgpu.barrier_arrive(mask_barrier)
-          plgpu.barrier_wait(mask_barrier)
+        pl.when(_straddles(row0, bm, start, end))(functools.partial(
+            _consumers_mask, lhs_smem, rhs_smem, wg, row0, start, end, mask_barrier))
 
         plgpu.wgmma(acc_ref, lhs_smem.at[:, pl.ds(wg * hk, hk)].T, rhs_smem)
         # delay_release=1: this step's slot is released one step later, once
@@ -395,12 +420,7 @@ def _body_2wg(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gm
           eval_pipeline(acc_ref)
           acc = acc_ref[...]  # waits for the last wgmma
           pl.when(nblocks > 0)(lambda: plgpu.barrier_arrive(done_barrier))
-          my_smem = o_smem.at[wg]
-          # This consumer's previous store must be done reading its buffer.
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          my_smem[...] = acc.astype(out_dtype)
-          plgpu.commit_smem()
-          _store_half(my_smem, out_gmem, j, ki * bk + wg * hk, ni * bn)
+          _store_consumer_half(acc, o_smem.at[wg], out_gmem, j, ki * bk + wg * hk, ni * bn)
 
       # Items of empty groups run a zero-step pipeline: the consumers store
       # the zero-initialized accumulator, the producer loads nothing.
@@ -448,14 +468,6 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
   regs_producer = _PRODUCER_REGISTERS_MASKING if producer_masks else _PRODUCER_REGISTERS
   regs_consumer = min(256, (512 - regs_producer) // 2) // 8 * 8
 
-  def mask_chunks(lhs_t, rhs_t):
-    """The (ref, column) 64-column chunks of a stage, for ``_mask_rows``."""
-    return ([(lhs_t, c) for c in range(0, bk, 64)] + [(rhs_t, c) for c in range(0, bn, 64)])
-
-  def boundary(row0, start, end):
-    # Only a group's first and last blocks can straddle its bounds.
-    return (row0 < start) | (row0 + bm > end)
-
   def items(body, init=None):
     """Runs ``body(item, carry) -> carry`` over this CTA's items in order (the
     carry starts as ``init``, default the step count 0); the final carry."""
@@ -492,7 +504,7 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
         @pl.when(valid != 0)
         def _():
           plgpu.barrier_wait(landed.at[slot])
-          for ref, col in mask_chunks(lhs_smem.at[slot], rhs_smem.at[slot]):
+          for ref, col in _mask_chunks(lhs_smem.at[slot], rhs_smem.at[slot]):
             _mask_rows(ref.at[:, pl.ds(col, 64)], row0, start, end)
           plgpu.commit_smem()  # the zeros before the consumers' wgmmas read them
           plgpu.barrier_arrive(produced.at[slot])  # the two arrivals the TMA
@@ -518,7 +530,7 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
           if not producer_masks:
             copy_in(produced.at[slot])
             return step + 1, pend
-          edge = boundary(row0, start, end)
+          edge = _straddles(row0, bm, start, end)
           pl.when(jnp.logical_not(edge))(lambda: copy_in(produced.at[slot]))
           pl.when(edge)(lambda: copy_in(landed.at[slot]))
           this = (edge.astype(jnp.int32), slot, row0, start, end)
@@ -545,7 +557,6 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
     @pl.when(wg < 2)
     def _consumers():
       plgpu.set_max_registers(regs_consumer, action="increase")
-      my_smem = o_smem.at[wg]
 
       def item(it, step0):
         j, ki, ni, start, end, first, nblocks = it
@@ -556,17 +567,9 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
             plgpu.barrier_wait(produced.at[slot])
             lhs_t, rhs_t = lhs_smem.at[slot], rhs_smem.at[slot]
             row0 = first + i * bm
-
-            def split_masking():  # the consumers split the masking of the shared stage
-              for c_i, (ref, col) in enumerate(mask_chunks(lhs_t, rhs_t)):
-                pl.when(wg == c_i % 2)(functools.partial(
-                    _mask_rows, ref.at[:, pl.ds(col, 64)], row0, start, end))
-              plgpu.commit_smem()
-              plgpu.barrier_arrive(mask_barrier)
-              plgpu.barrier_wait(mask_barrier)
-
             if not producer_masks:
-              pl.when(boundary(row0, start, end))(split_masking)
+              pl.when(_straddles(row0, bm, start, end))(functools.partial(
+                  _consumers_mask, lhs_t, rhs_t, wg, row0, start, end, mask_barrier))
 
             plgpu.wgmma(acc_ref, lhs_t.at[:, pl.ds(wg * hk, hk)].T, rhs_t)
             plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release it
@@ -581,11 +584,7 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
           return acc, step
 
         acc, step = pl.run_scoped(acc_scope, plgpu.ACC((hk, bn), jnp.float32))
-        # This consumer's previous store must be done reading its buffer.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        my_smem[...] = acc.astype(out_dtype)
-        plgpu.commit_smem()
-        _store_half(my_smem, out_gmem, j, ki * bk + wg * hk, ni * bn)
+        _store_consumer_half(acc, o_smem.at[wg], out_gmem, j, ki * bk + wg * hk, ni * bn)
         return step
 
       items(item)
@@ -663,8 +662,7 @@ def tgmm(
         def step(idx, lhs_smem, rhs_smem):
           row0 = first + idx[0] * bm
 
-          # Only a group's first and last blocks can straddle its bounds.
-          @pl.when((row0 < start) | (row0 + bm > end))
+          @pl.when(_straddles(row0, bm, start, end))
           def _():
             _mask_rows(lhs_smem, row0, start, end)
             _mask_rows(rhs_smem, row0, start, end)
@@ -703,8 +701,9 @@ def tgmm(
 
   if config.num_compute_wgs == 2:
     body = functools.partial(
-        _body_2wg_flat if config.pipeline_across_items else _body_2wg, config=config, num_groups=num_groups, grid_k=grid_k,
-        grid_n=grid_n, out_dtype=out_dtype, in_transforms_lhs=in_transforms_lhs,
+        _body_2wg_flat if config.pipeline_across_items else _body_2wg,
+        config=config, num_groups=num_groups, grid_k=grid_k, grid_n=grid_n,
+        out_dtype=out_dtype, in_transforms_lhs=in_transforms_lhs,
         in_transforms_rhs=in_transforms_rhs, out_transforms=out_transforms,
     )
     scratch_types = []

@@ -27,8 +27,9 @@ Design:
   filled, out-of-bounds stores are dropped.
 * ``num_compute_wgs=2``: a warp-specialized variant (one TMA producer
   warpgroup, two consumer warpgroups each owning 64 rows of a 128-row tile and
-  sharing the rhs block).  A consumer whose 64 rows hold none of the tile's
-  rows (the short last tile of a group) skips its wgmmas.
+  sharing the rhs block).  Options (``MosaicFwdConfig``): a consumer whose 64
+  rows hold none of the tile's rows may skip its wgmmas, and one pipeline may
+  run through all of a CTA's tiles.
 * ``epilogue_split``: the f32 accumulator leaves through an SMEM staging buffer
   of block_n / split columns (per compute warpgroup), chunk after chunk, each
   chunk waiting until the previous chunk's TMA stores have read the buffer.
@@ -197,8 +198,9 @@ def default_config(
 
   The best measured H200 point on group-aligned tiles for Qwen3-30B gate_up
   and down (forward and dX); both consumers always compute (skipping an empty
-  64-row half measured 2-3% slower on gate_up, in the k loop and hoisted).  One warpgroup (64 x 256) when k fits one k step
-  (the 2-warpgroup pipeline needs two) or m < 128.  block_n is the candidate in
+  64-row half measured 2-3% slower on gate_up, in the k loop and hoisted).
+  One warpgroup (64 x 256) when k fits one k step (the 2-warpgroup pipeline
+  needs two) or m < 128.  block_n is the candidate in
   (256, 192, 128, 64) that wastes the fewest padded columns; if SMEM does not
   fit (f32 output) the epilogue is split further, then stages drop.
   """

@@ -51,10 +51,6 @@ def _masked_ffn(cfg: MoEConfig, local: int):
   return ffn
 
 
-def _offset_ffn(cfg: MoEConfig):
-  return lambda xs, gs, ex, offset: F.expert_ffn(xs, gs, ex, cfg, expert_offset=offset)
-
-
 def make_steps(cfg: MoEConfig, mesh, strategy: str):
   """(block step, expert-FFN-only step), each value_and_grad w.r.t. x and params.
 
@@ -62,7 +58,7 @@ def make_steps(cfg: MoEConfig, mesh, strategy: str):
   sorted rows (sharded over "ep"): no collective, the expert matmuls' share.
   """
   local = cfg.num_experts // int(mesh.shape["ep"])
-  ffn = _offset_ffn(cfg) if strategy == "group_offset" else _masked_ffn(cfg, local)
+  ffn = parallel.offset_expert_ffn(cfg) if strategy == "group_offset" else _masked_ffn(cfg, local)
 
   def block(params, x, cot):
     routing = F.route(params, x, cfg)

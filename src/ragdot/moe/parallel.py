@@ -44,17 +44,10 @@ def shard_experts(experts: Any, mesh: Any, ep_axis: str = "ep") -> Any:
   return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P(ep_axis))), experts)
 
 
-def _manual_axes(mesh: Any, ep_axis: str, manual: str) -> frozenset:
-  if manual not in ("auto", "ep", "all"):
-    raise ValueError(f"manual must be 'auto', 'ep' or 'all', got {manual!r}")
-  return frozenset({ep_axis}) if manual in ("auto", "ep") else frozenset(mesh.axis_names)
-
-
-def _local_experts(cfg: MoEConfig, mesh: Any, ep_axis: str) -> int:
-  ep = ep_size(mesh, ep_axis)
-  if cfg.num_experts % ep:
-    raise ValueError(f"mesh axis {ep_axis!r} of size {ep} must divide num_experts={cfg.num_experts}")
-  return cfg.num_experts // ep
+def offset_expert_ffn(cfg: MoEConfig) -> Callable[..., jax.Array]:
+  """``ffn(rows, group_sizes, local_experts, expert_offset)``: the shard's
+  experts through ragdot's ``group_offset`` (other rows exactly 0)."""
+  return lambda xs, gs, ex, offset: expert_ffn(xs, gs, ex, cfg, expert_offset=offset)
 
 
 def sharded_moe_experts(x: jax.Array, routing: rt.Routing, experts: dict, cfg: MoEConfig,
@@ -70,13 +63,17 @@ def sharded_moe_experts(x: jax.Array, routing: rt.Routing, experts: dict, cfg: M
     manual: "ep" (only ``ep_axis`` manual), "all" (every mesh axis manual) or
       "auto" (same as "ep").
     ffn: ``ffn(rows, group_sizes, local_experts, expert_offset) -> rows``
-      replacing ``functional.expert_ffn`` (benchmarks: the masked workaround);
+      replacing ``offset_expert_ffn(cfg)`` (benchmarks: the masked workaround);
       rows of other shards' experts must come out exactly 0.
   """
-  axes = _manual_axes(mesh, ep_axis, manual)
-  local = _local_experts(cfg, mesh, ep_axis)
-  if ffn is None:
-    ffn = lambda xs, gs, ex, offset: expert_ffn(xs, gs, ex, cfg, expert_offset=offset)
+  if manual not in ("auto", "ep", "all"):
+    raise ValueError(f"manual must be 'auto', 'ep' or 'all', got {manual!r}")
+  axes = frozenset({ep_axis}) if manual in ("auto", "ep") else frozenset(mesh.axis_names)
+  ep = ep_size(mesh, ep_axis)
+  if cfg.num_experts % ep:
+    raise ValueError(f"mesh axis {ep_axis!r} of size {ep} must divide num_experts={cfg.num_experts}")
+  local = cfg.num_experts // ep
+  ffn = ffn or offset_expert_ffn(cfg)
 
   def body(x, routing, experts):
     # Mark the tokens per-shard here, in f32, so that the backward's psum (the
@@ -94,27 +91,3 @@ def sharded_moe_experts(x: jax.Array, routing: rt.Routing, experts: dict, cfg: M
   fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), expert_specs(experts, ep_axis)),
                      out_specs=P(), axis_names=axes)
   return fn(x, routing, experts).astype(x.dtype)
-
-
-def sharded_expert_ffn(xs: jax.Array, group_sizes: jax.Array, experts: dict,
-                       cfg: MoEConfig, mesh: Any, ep_axis: str = "ep",
-                       manual: str = "auto") -> jax.Array:
-  """``functional.expert_ffn`` on sorted rows ``xs[tokens * top_k, d]`` with the
-  experts split over ``ep_axis``; the shards' rows are psum'd.
-
-  For callers that hold sorted rows; ``sharded_moe_experts`` (what
-  ``functional.moe_mlp`` uses) moves top_k / 2 times fewer bytes.
-  manual: "ep" (only ``ep_axis`` manual), "all" (every mesh axis manual) or
-  "auto" (same as "ep").
-  """
-  axes = _manual_axes(mesh, ep_axis, manual)
-  local = _local_experts(cfg, mesh, ep_axis)
-
-  def body(xs, group_sizes, experts):
-    offset = jax.lax.axis_index(ep_axis) * local
-    ys = expert_ffn(xs, group_sizes, experts, cfg, expert_offset=offset)
-    return jax.lax.psum(ys, ep_axis)  # each row is non-zero on exactly one shard
-
-  fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), expert_specs(experts, ep_axis)),
-                     out_specs=P(), axis_names=axes)
-  return fn(xs, group_sizes, experts)

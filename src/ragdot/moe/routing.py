@@ -139,11 +139,11 @@ def _expand(x: jax.Array, order: jax.Array, position: jax.Array) -> jax.Array:
 
 
 def _expand_fwd(x, order, position):
-  return _expand(x, order, position), (order, position, x.shape[0])
+  return _expand(x, order, position), (position, x.shape[0])
 
 
 def _expand_bwd(res, g):
-  order, position, tokens = res
+  position, tokens = res
   if tokens == 0:
     return jnp.zeros((0,) + g.shape[1:], g.dtype), None, None
   # Token t's rows sit at position[t*top_k : (t+1)*top_k]: gather and sum them.
