@@ -183,16 +183,14 @@ def test_two_ctas_per_sm_real_size(kernel):
 
 
 @pytest.mark.parametrize(
-    "bm,bk,bn,stages,k,out_dtype,producer_masks",
-    [(64, 128, 256, 3, 1024, jnp.bfloat16, False),  # the default
-     (64, 256, 128, 3, 1024, jnp.bfloat16, False),
-     (64, 128, 256, 2, 1024, jnp.float32, False),  # the default for f32 output
-     (128, 128, 128, 3, 1024, jnp.bfloat16, False),
-     (64, 256, 128, 3, 320, jnp.bfloat16, False),  # partial k tile; consumer 1's half past k
-     (64, 128, 256, 3, 1024, jnp.bfloat16, True)],
-    ids=["default", "256x128", "f32_2_stages", "bm128", "partial_k", "producer_masks"])
-def test_mosaic_dw_ring_across_items_real_size(bm, bk, bn, stages, k, out_dtype,
-                                               producer_masks):
+    "bm,bk,bn,stages,k,out_dtype",
+    [(64, 128, 256, 3, 1024, jnp.bfloat16),  # the default
+     (64, 256, 128, 3, 1024, jnp.bfloat16),
+     (64, 128, 256, 2, 1024, jnp.float32),  # the default for f32 output
+     (128, 128, 128, 3, 1024, jnp.bfloat16),
+     (64, 256, 128, 3, 320, jnp.bfloat16)],  # partial k tile; consumer 1's half past k
+    ids=["default", "256x128", "f32_2_stages", "bm128", "partial_k"])
+def test_mosaic_dw_ring_across_items_real_size(bm, bk, bn, stages, k, out_dtype):
   """The warp-specialized dW with one ring of stages across items, on hardware:
   every group's tile written (NaN-poisoned memory), empty groups zero, a shard,
   and a shard of 2 groups (fewer items than CTAs: idle CTAs)."""
@@ -203,8 +201,7 @@ def test_mosaic_dw_ring_across_items_real_size(bm, bk, bn, stages, k, out_dtype,
   sizes[5] = 0
   gs = jnp.asarray(sizes)
   cfg = mosaic_dw.MosaicDwConfig(block_m=bm, block_k=bk, block_n=bn, num_stages=stages,
-                                 num_compute_wgs=2, pipeline_across_items=True,
-                                 producer_masks=producer_masks)
+                                 num_compute_wgs=2, pipeline_across_items=True)
   x, dy = oracle.random_inputs(jax.random.key(5), [(m, k), (m, n)], jnp.bfloat16)
   for offset, local in [(None, g), (20, 24), (4, 2)]:
     go = None if offset is None else jnp.int32(offset)

@@ -27,13 +27,10 @@ TWO_WG = MosaicDwConfig(block_m=64, block_k=128, block_n=128, num_stages=2, num_
                         num_compute_wgs=2)
 # The same with one ring of stages through all of a CTA's items.
 FLAT = dataclasses.replace(TWO_WG, pipeline_across_items=True)
-# ... with the producer masking the boundary blocks.
-FLAT_PM = dataclasses.replace(FLAT, producer_masks=True)
-# ... masking one step late (3 stages).
-FLAT_PM3 = dataclasses.replace(FLAT_PM, num_stages=3)
+# ... with 3 stages.
+FLAT3 = dataclasses.replace(FLAT, num_stages=3)
 TWO_WG_BODIES = pytest.mark.parametrize(
-    "two_wg", [TWO_WG, FLAT, FLAT_PM, FLAT_PM3],
-    ids=["per_item", "flat", "flat_producer_masks", "flat_producer_masks_lagged"])
+    "two_wg", [TWO_WG, FLAT, FLAT3], ids=["per_item", "flat", "flat_3_stages"])
 
 
 @pytest.fixture(autouse=True)
@@ -170,8 +167,7 @@ def test_group_offset_two_warpgroups(offset, num_groups, two_wg):
 
 
 @pytest.mark.parametrize("config, k, n", [(SMALL, 64, 64), (TWO_WG, 128, 256),
-                                         (FLAT, 128, 256), (FLAT_PM, 128, 256),
-                                         (FLAT_PM3, 128, 256)])
+                                         (FLAT, 128, 256), (FLAT3, 128, 256)])
 def test_rows_outside_the_shard_never_contribute(config, k, n):
   # NaN in every row no local group owns (neighbour groups and the tail past
   # sum(sizes)): the boundary blocks must mask both operands, not scale them.
@@ -221,17 +217,16 @@ def test_no_races():
   assert not interpret_pallas_call.get_races().races_found
 
 
-@pytest.mark.parametrize("flat,stages,pm", [(False, 2, False), (True, 2, False), (True, 3, False),
-                                           (True, 2, True), (True, 3, True)],
-                         ids=["per_item", "flat", "flat_3_stages", "flat_pm", "flat_pm_3_stages"])
-def test_no_races_two_warpgroups(flat, stages, pm):
+@pytest.mark.parametrize("flat,stages", [(False, 2), (True, 2), (True, 3)],
+                         ids=["per_item", "flat", "flat_3_stages"])
+def test_no_races_two_warpgroups(flat, stages):
   # Single-block groups (a one-step pipeline per item), empty items between
   # busy ones, and multi-block groups; the interpreter also checks that no
   # barrier phase is skipped (per item: the producer must not run an item
   # ahead; flat: the ring's slots are reused across items).
   params = plgpu.InterpretGPUParams(detect_races=True)
   cfg = MosaicDwConfig(block_m=64, block_k=128, block_n=128, num_stages=stages, num_sms=2,
-                       num_compute_wgs=2, pipeline_across_items=flat, producer_masks=pm)
+                       num_compute_wgs=2, pipeline_across_items=flat)
   out, ref = run(256, 128, 256, [10, 70, 0, 0, 40, 100], config=cfg, interpret=params,
                  out_dtype=jnp.bfloat16)
   check(out, ref, jnp.bfloat16)
@@ -272,8 +267,7 @@ def test_config_validation():
               dict(num_compute_wgs=2, block_k=64),
               dict(num_compute_wgs=2, block_k=256, block_n=256),
               dict(num_compute_wgs=2, num_stages=1), dict(ctas_per_sm=3),
-              dict(num_compute_wgs=2, ctas_per_sm=2), dict(pipeline_across_items=True),
-              dict(num_compute_wgs=2, producer_masks=True)):
+              dict(num_compute_wgs=2, ctas_per_sm=2), dict(pipeline_across_items=True)):
     with pytest.raises(ValueError):
       MosaicDwConfig(**bad)
   too_big = MosaicDwConfig(block_m=256, block_k=128, block_n=256, num_stages=4)
@@ -313,7 +307,7 @@ def lower_for_sm90(m, k, n, g, config, dtype=jnp.bfloat16, out_dtype=jnp.bfloat1
                                    (32768, 2048, 7168, 256)])  # DeepSeek-V3 down
 def test_lowers_for_sm90(out_dtype, shape):
   m, k, n, g = shape
-  configs = [mosaic_dw.default_config(m, k, n, g), SMALL, TWO_WG, FLAT, FLAT_PM,
+  configs = [mosaic_dw.default_config(m, k, n, g), SMALL, TWO_WG, FLAT, FLAT3,
              MosaicDwConfig(block_m=128, block_k=128, block_n=64, num_stages=1)]
   configs += mosaic_dw.gpu_sweep_configs(m, k, n, g, out_dtype=out_dtype)
   assert any(c.num_compute_wgs == 2 for c in configs)

@@ -47,7 +47,6 @@ _MIN_DIM = 64  # k, n granule: one 128-byte swizzle atom of 16-bit elements
 _ROW_ALIGN = 8  # TMA row granule of the tiled GMEM view: row blocks start here
 _SMEM_RESERVE = 2048  # barriers and alignment
 _PRODUCER_REGISTERS = 40  # per thread of the TMA warpgroup (warp-specialized bodies)
-_PRODUCER_REGISTERS_MASKING = 96  # ... when it also masks boundary blocks (a 64x64 tile + iota)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +74,6 @@ class MosaicDwConfig:
       all of a CTA's items (the producer loads the next item's row blocks
       during the current item's last wgmmas and store) instead of a pipeline
       filled and drained per item.
-    producer_masks: with the ring, the producer warpgroup zeroes the rows of a
-      group's boundary blocks that belong to other groups (ahead of the
-      consumers) instead of the consumers between their wgmmas.
   """
 
   block_m: int = 64
@@ -89,7 +85,6 @@ class MosaicDwConfig:
   num_compute_wgs: int = 1
   ctas_per_sm: int = 1
   pipeline_across_items: bool = False
-  producer_masks: bool = False
 
   def __post_init__(self):
     if self.block_m <= 0 or self.block_m % 64:
@@ -126,8 +121,6 @@ class MosaicDwConfig:
     sm90.check_ctas_per_sm(self.ctas_per_sm, self.num_compute_wgs)
     if self.pipeline_across_items and self.num_compute_wgs != 2:
       raise ValueError("pipeline_across_items needs num_compute_wgs=2")
-    if self.producer_masks and not self.pipeline_across_items:
-      raise ValueError("producer_masks needs pipeline_across_items=True")
 
   def smem_budget(self) -> int:
     """SMEM this config may use (per CTA, with ``ctas_per_sm`` CTAs on an SM)."""
@@ -200,26 +193,25 @@ def gpu_sweep_configs(
   out = [default_config(m=0, k=k, n=n, num_groups=num_groups, dtype=dtype,
                         out_dtype=out_dtype)]
   out = [c for c in out if c is not None]
-  # (bm, bk, bn, stages, tile width, warpgroups, CTAs per SM, ring, producer masks)
-  for bm, bk, bn, stages, width, wgs, ctas, flat, pm in (
+  # (bm, bk, bn, stages, tile width, warpgroups, CTAs per SM, ring)
+  for bm, bk, bn, stages, width, wgs, ctas, flat in (
       # One ring of stages through all of a CTA's items (first: the likely
       # winners when a tuning budget cuts the list short).
-      (64, 128, 256, 3, 1, 2, 1, True, True),  # 144 + 64 KiB
-      (64, 128, 256, 3, 1, 2, 1, True, False),
-      (64, 256, 128, 3, 1, 2, 1, True, False),
-      (64, 128, 128, 6, 1, 2, 1, True, False),  # 192 + 32 KiB
-      (128, 128, 128, 3, 1, 2, 1, True, False),
+      (64, 128, 256, 3, 1, 2, 1, True),  # 144 + 64 KiB
+      (64, 256, 128, 3, 1, 2, 1, True),
+      (64, 128, 128, 6, 1, 2, 1, True),  # 192 + 32 KiB
+      (128, 128, 128, 3, 1, 2, 1, True),
       # Two resident CTAs per SM: one item's fill and epilogue under the other's
       # wgmmas (a group's reduction is only a few row blocks long).
-      (64, 128, 128, 2, 1, 1, 2, False, False),  # 64 + 32 KiB
-      (64, 64, 128, 3, 1, 1, 2, False, False),  # 72 + 16 KiB
-      (64, 128, 128, 4, 1, 1, 1, False, False),  # one warpgroup, pipeline per item
-      (64, 128, 128, 6, 1, 1, 1, False, False),
-      (64, 64, 256, 4, 1, 1, 1, False, False),
-      (64, 128, 256, 3, 1, 1, 1, False, False),
-      (64, 256, 128, 3, 1, 2, 1, False, False),
-      (64, 128, 256, 3, 1, 2, 1, False, False),
-      (64, 128, 128, 6, 1, 2, 1, False, False),
+      (64, 128, 128, 2, 1, 1, 2, False),  # 64 + 32 KiB
+      (64, 64, 128, 3, 1, 1, 2, False),  # 72 + 16 KiB
+      (64, 128, 128, 4, 1, 1, 1, False),  # one warpgroup, pipeline per item
+      (64, 128, 128, 6, 1, 1, 1, False),
+      (64, 64, 256, 4, 1, 1, 1, False),
+      (64, 128, 256, 3, 1, 1, 1, False),
+      (64, 256, 128, 3, 1, 2, 1, False),
+      (64, 128, 256, 3, 1, 2, 1, False),
+      (64, 128, 128, 6, 1, 2, 1, False),
   ):
     bk, bn = min(bk, _fit(256, k)), min(bn, _fit(256, n))
     if wgs == 2 and (bk < 128 or (bk // 2) * bn > 128 * 128):
@@ -227,7 +219,7 @@ def gpu_sweep_configs(
     config = MosaicDwConfig(
         block_m=bm, block_k=bk, block_n=bn, num_stages=stages,
         grid_tile_width=width, num_compute_wgs=wgs, ctas_per_sm=ctas,
-        pipeline_across_items=flat, producer_masks=pm,
+        pipeline_across_items=flat,
     )
     config = fit_config(config, dtype, out_dtype)
     if config is not None and config not in out:
@@ -448,31 +440,19 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
   pipeline fill and drain.  Step ``s`` (counted over all items of the CTA)
   uses slot ``s % num_stages``; ``produced[slot]`` (TMA bytes landed) and
   ``consumed[slot]`` (both consumers' wgmmas done with it) are the ring's
-  barriers, and each thread tracks their phases by waiting once per use.
-
-  ``producer_masks``: the producer masks a group's boundary blocks itself,
-  ahead of the consumers: it loads such a block against its own ``landed[slot]``
-  barrier and, after issuing the next step's load (3+ stages), waits for it,
-  zeroes the rows outside the group, and arrives on ``produced[slot]`` twice
-  (the TMA copies' two arrivals) by hand.  Otherwise the two consumers split
-  the masking between their wgmmas.
+  barriers, and each thread tracks their phases by waiting once per use.  The
+  two consumers split a boundary block's row masking between their wgmmas.
   """
   bm, bk, bn = config.block_m, config.block_k, config.block_n
   hk = bk // 2
   stages = config.num_stages
-  producer_masks = config.producer_masks
-  # With 3+ stages the producer masks a boundary block one step late, after the
-  # next load is issued.  Not with 2: the consumers release a stage only once
-  # they hold the next, which would wait for the very mask being deferred.
-  lag = producer_masks and stages >= 3
-  regs_producer = _PRODUCER_REGISTERS_MASKING if producer_masks else _PRODUCER_REGISTERS
-  regs_consumer = min(256, (512 - regs_producer) // 2) // 8 * 8
+  regs_consumer = min(256, (512 - _PRODUCER_REGISTERS) // 2) // 8 * 8
 
-  def items(body, init=None):
-    """Runs ``body(item, carry) -> carry`` over this CTA's items in order (the
-    carry starts as ``init``, default the step count 0); the final carry."""
+  def items(body):
+    """Runs ``body(item, step) -> step`` over this CTA's items in order (the
+    step count starts at 0); the final step count."""
     @plgpu.nd_loop((num_groups, grid_k * grid_n), collective_axes="sm",
-                   init_carry=jnp.int32(0) if init is None else init)
+                   init_carry=jnp.int32(0))
     def steps(info: plgpu.NDLoopInfo, carry):
       item = _work_item(info, grid_k, grid_n, config, starts_gmem, ends_gmem, first_gmem,
                         nblocks_gmem)
@@ -485,68 +465,36 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
       rhs_smem=plgpu.SMEM((stages, bm, bn), rhs_gmem.dtype, transforms=in_transforms_rhs),
       produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      landed=plgpu.Barrier(num_arrivals=2, num_barriers=stages if producer_masks else 1),
       o_smem=plgpu.SMEM((2, hk, bn), out_dtype, transforms=out_transforms),
       mask_barrier=plgpu.Barrier(num_arrivals=2),
       collective_axes="wg",
   )
-  def _scope(lhs_smem, rhs_smem, produced, consumed, landed, o_smem, mask_barrier):
+  def _scope(lhs_smem, rhs_smem, produced, consumed, o_smem, mask_barrier):
     wg = lax.axis_index("wg")
 
     @pl.when(wg == 2)
     def _producer():
-      plgpu.set_max_registers(regs_producer, action="decrease")
+      plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
 
-      def finish(pend):
-        """Masks a boundary block that has landed and hands it to the consumers."""
-        valid, slot, row0, start, end = pend
+      def item(it, step):
+        _, ki, ni, _, _, first, nblocks = it
 
-        @pl.when(valid != 0)
-        def _():
-          plgpu.barrier_wait(landed.at[slot])
-          for ref, col in _mask_chunks(lhs_smem.at[slot], rhs_smem.at[slot]):
-            _mask_rows(ref.at[:, pl.ds(col, 64)], row0, start, end)
-          plgpu.commit_smem()  # the zeros before the consumers' wgmmas read them
-          plgpu.barrier_arrive(produced.at[slot])  # the two arrivals the TMA
-          plgpu.barrier_arrive(produced.at[slot])  # copies would have made
-
-      def item(it, carry):
-        _, ki, ni, start, end, first, nblocks = it
-
-        def load(i, carry):
-          step, pend = carry
+        def load(i, step):
           slot = lax.rem(step, stages)
           # The slot's previous use (step - stages) must be consumed first.
           pl.when(step >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
           row0 = pl.multiple_of(first + i * bm, _ROW_ALIGN)
 
-          def copy_in(barrier):
-            rows = pl.ds(row0, bm)
-            plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, pl.ds(ki * bk, bk)],
-                                    lhs_smem.at[slot], barrier)
-            plgpu.copy_gmem_to_smem(rhs_gmem.at[rows, pl.ds(ni * bn, bn)],
-                                    rhs_smem.at[slot], barrier)
+          rows = pl.ds(row0, bm)
+          plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, pl.ds(ki * bk, bk)],
+                                  lhs_smem.at[slot], produced.at[slot])
+          plgpu.copy_gmem_to_smem(rhs_gmem.at[rows, pl.ds(ni * bn, bn)],
+                                  rhs_smem.at[slot], produced.at[slot])
+          return step + 1
 
-          if not producer_masks:
-            copy_in(produced.at[slot])
-            return step + 1, pend
-          edge = _straddles(row0, bm, start, end)
-          pl.when(jnp.logical_not(edge))(lambda: copy_in(produced.at[slot]))
-          pl.when(edge)(lambda: copy_in(landed.at[slot]))
-          this = (edge.astype(jnp.int32), slot, row0, start, end)
-          if not lag:
-            finish(this)
-            return step + 1, pend
-          # Lagged: mask the previous boundary block now that this step's
-          # load is in flight (its landing latency overlaps this one's).
-          finish(pend)
-          return step + 1, this
+        return lax.fori_loop(0, nblocks, load, step)
 
-        return lax.fori_loop(0, nblocks, load, carry)
-
-      no_pend = (jnp.int32(0),) * 5
-      total, pend = items(item, (jnp.int32(0), no_pend))
-      finish(pend)
+      total = items(item)
 
       # Observe the consumption of the last stages too (every barrier phase is
       # waited for before the barriers go away).
@@ -567,9 +515,8 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
             plgpu.barrier_wait(produced.at[slot])
             lhs_t, rhs_t = lhs_smem.at[slot], rhs_smem.at[slot]
             row0 = first + i * bm
-            if not producer_masks:
-              pl.when(_straddles(row0, bm, start, end))(functools.partial(
-                  _consumers_mask, lhs_t, rhs_t, wg, row0, start, end, mask_barrier))
+            pl.when(_straddles(row0, bm, start, end))(functools.partial(
+                _consumers_mask, lhs_t, rhs_t, wg, row0, start, end, mask_barrier))
 
             plgpu.wgmma(acc_ref, lhs_t.at[:, pl.ds(wg * hk, hk)].T, rhs_t)
             plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release it
