@@ -1,0 +1,71 @@
+"""A/B of Mosaic forward / dX configs on the training shapes (GPU machine).
+
+  python3 scripts/ab_fwd.py OUT_DIR [--field short_tiles] [--rounds 3]
+
+For each training shape and op (fwd, dX) times the default config (A) and the
+same config with ``--field`` set to True (B), interleaved A, B, A, B, ... with
+CUPTI, on one set of fresh random inputs; prints medians, B/A, whether B's
+output equals A's bitwise, and writes OUT_DIR/ab_fwd.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ragdot import bench, timing
+from ragdot.backends import mosaic_fwd
+
+
+def main() -> None:
+  p = argparse.ArgumentParser()
+  p.add_argument("out_dir")
+  p.add_argument("--field", default="short_tiles")
+  p.add_argument("--rounds", type=int, default=3)
+  p.add_argument("--iterations", type=int, default=10)
+  args = p.parse_args()
+  rows = []
+  for s in bench.PRESETS["training"]:
+    gs = jnp.asarray(bench.routed_group_sizes(s))
+    for op in ("fwd", "dx"):
+      tr = op == "dx"
+      kx, kw = jax.random.split(jax.random.key(len(rows)))
+      x = jax.random.normal(kx, (s.m, s.k), jnp.bfloat16)
+      wshape = (s.g, s.n, s.k) if tr else (s.g, s.k, s.n)
+      w = (jax.random.normal(kw, wshape, jnp.float32) / 32).astype(jnp.bfloat16)
+      a = mosaic_fwd.default_config(s.m, s.k, s.n, s.g, jnp.bfloat16, tr, jnp.bfloat16)
+      try:
+        b = dataclasses.replace(a, **{args.field: True})
+      except ValueError as e:
+        print(f"{s.name} {op}: B invalid ({e})", flush=True)
+        continue
+      fns = [jax.jit(lambda x, w, gs, c=c: mosaic_fwd.gmm(
+          x, w, gs, None, transpose_rhs=tr, out_dtype=jnp.bfloat16, config=c)) for c in (a, b)]
+      outs = [np.asarray(jax.block_until_ready(f(x, w, gs)).astype(jnp.float32)) for f in fns]
+      times = ([], [])
+      for _ in range(args.rounds):
+        for i, f in enumerate(fns):
+          times[i].append(timing.device_time_ms(f, x, w, gs, iterations=args.iterations)[0])
+      ma, mb = (statistics.median(t) for t in times)
+      flops = 2 * s.m * s.k * s.n
+      row = dict(shape=s.name, op=op, a_ms=ma, b_ms=mb, a_tflops=flops / ma / 1e9,
+                 b_tflops=flops / mb / 1e9, b_over_a=mb / ma,
+                 bitwise_equal=bool(np.array_equal(outs[0], outs[1])),
+                 max_abs_diff=float(np.max(np.abs(outs[0] - outs[1]))), a=dataclasses.asdict(a))
+      rows.append(row)
+      print(f"{s.name:20s} {op:3s} A {ma:.4f} ms {row['a_tflops']:6.1f}  B({args.field}) "
+            f"{mb:.4f} ms {row['b_tflops']:6.1f}  B/A {mb / ma:.3f}  equal {row['bitwise_equal']}",
+            flush=True)
+  with open(os.path.join(args.out_dir, "ab_fwd.json"), "w") as f:
+    json.dump(dict(field=args.field, device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
