@@ -1,6 +1,6 @@
 """A/B of Mosaic forward / dX configs on the training shapes (GPU machine).
 
-  python3 scripts/ab_fwd.py OUT_DIR [--field short_tiles] [--rounds 3]
+  python3 scripts/ab_fwd.py OUT_DIR [--field short_tiles] [--rounds 3] [--ops fwd dx]
 
 For each training shape and op (fwd, dX) times the default config (A) and the
 same config with ``--field`` set to True (B), interleaved A, B, A, B, ... with
@@ -30,11 +30,12 @@ def main() -> None:
   p.add_argument("--field", default="short_tiles")
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--iterations", type=int, default=10)
+  p.add_argument("--ops", nargs="+", default=["fwd", "dx"], choices=["fwd", "dx"])
   args = p.parse_args()
   rows = []
   for s in bench.PRESETS["training"]:
     gs = jnp.asarray(bench.routed_group_sizes(s))
-    for op in ("fwd", "dx"):
+    for op in args.ops:
       tr = op == "dx"
       kx, kw = jax.random.split(jax.random.key(len(rows)))
       x = jax.random.normal(kx, (s.m, s.k), jnp.bfloat16)

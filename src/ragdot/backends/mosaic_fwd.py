@@ -688,16 +688,12 @@ def _short_tile_fns(cfg: MosaicFwdConfig, n: int, ni, wg, row0, row_start, row_e
   col0 = ni * cfg.block_n + wg * hn  # this consumer's first output column
 
   def mma(_, lhs_smem, rhs_smem, acc_ref):
-    # Static column slices under a branch per consumer: the swizzled (bk, bn)
-    # rhs block is sliced only at whole 64-column tiles.
-    for half in range(2):
-      cols = pl.ds(half * hn, hn)
-      rhs_half = rhs_smem.at[cols] if transpose_rhs else rhs_smem.at[:, cols]
-      pl.when(wg == half)(functools.partial(
-          plgpu.wgmma, acc_ref, lhs_smem.at[pl.ds(0, hm)],
-          rhs_half.transpose((1, 0)) if transpose_rhs else rhs_half))
-    plgpu.wgmma_wait(cfg.delay_release)
-    return acc_ref
+    # No branch around the wgmma: the column offset is a multiple of whole
+    # 64-column swizzle tiles.
+    cols = pl.ds(pl.multiple_of(wg * hn, hn), hn)
+    rhs_half = rhs_smem.at[cols] if transpose_rhs else rhs_smem.at[:, cols]
+    return _mma_step(acc_ref, lhs_smem.at[pl.ds(0, hm)], rhs_half, transpose_rhs,
+                     delay_release=cfg.delay_release)
 
   def context(eval_pipeline):
     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((hm, hn), jnp.float32))
