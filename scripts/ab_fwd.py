@@ -1,6 +1,6 @@
 """A/B of Mosaic forward / dX configs on the training shapes (GPU machine).
 
-  python3 scripts/ab_fwd.py OUT_DIR [--field short_tiles] [--rounds 3] [--ops fwd dx]
+  python3 scripts/ab_fwd.py OUT_DIR --field skip_empty_halves [--rounds 3] [--ops fwd dx]
 
 For each training shape and op (fwd, dX) times the default config (A) and the
 same config with ``--field`` set to True (B), interleaved A, B, A, B, ... with
@@ -27,7 +27,7 @@ from ragdot.backends import mosaic_fwd
 def main() -> None:
   p = argparse.ArgumentParser()
   p.add_argument("out_dir")
-  p.add_argument("--field", default="short_tiles")
+  p.add_argument("--field", required=True, help="a boolean MosaicFwdConfig field")
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--iterations", type=int, default=10)
   p.add_argument("--ops", nargs="+", default=["fwd", "dx"], choices=["fwd", "dx"])

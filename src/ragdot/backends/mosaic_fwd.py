@@ -88,11 +88,6 @@ class MosaicFwdConfig:
   delay_release: 2 warpgroups only: 1 keeps one wgmma in flight per consumer
     across pipeline steps (a stage is released one step late); 0 waits for each
     step's wgmma before releasing its stage.
-  short_tiles: 2 warpgroups only: a tile whose rows all lie in its window's
-    first 64 (a group's short last tile, or a small group) runs as 64 x
-    block_n with the consumers splitting the columns (64 x block_n / 2 each)
-    instead of one consumer computing 64 padding rows.  Needs block_n / 2 a
-    multiple of 64 and epilogue_split >= 2 (a chunk fits in half a tile).
   pipeline_across_tiles: 2 warpgroups only (needs delay_release=0): the
     producer runs one pipeline through all of its CTA's tiles, loading the
     next tile's first stages while the consumers finish a tile and run its
@@ -113,7 +108,6 @@ class MosaicFwdConfig:
   skip_empty_halves: bool = False
   delay_release: int = 1
   pipeline_across_tiles: bool = False
-  short_tiles: bool = False
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -140,12 +134,6 @@ class MosaicFwdConfig:
       raise ValueError(f"delay_release must be 0 or 1, got {self.delay_release}")
     if self.pipeline_across_tiles and (self.num_compute_wgs != 2 or self.delay_release):
       raise ValueError("pipeline_across_tiles needs num_compute_wgs=2 and delay_release=0")
-    if self.short_tiles and (self.num_compute_wgs != 2 or self.block_n % 128
-                             or self.epilogue_split < 2 or self.skip_empty_halves):
-      raise ValueError(
-          "short_tiles needs num_compute_wgs=2, block_n 128 or 256, epilogue_split >= 2"
-          " and skip_empty_halves=False"
-      )
     if (self.epilogue_split not in (1, 2, 4) or self.block_n % self.epilogue_split
         or (self.epilogue_split > 1 and (self.block_n // self.epilogue_split) % 64)):
       raise ValueError(
@@ -266,11 +254,8 @@ def gpu_sweep_configs(
   base = default_config(m, k, n, g, dtype, transpose_rhs, out_dtype)
   out = [base]
   if base.num_compute_wgs == 2:
-    # Next to the default: short tiles split by columns, skipping empty 64-row
-    # halves, one pipeline across tiles, and the per-step release that needs
-    # on its own.
-    if base.block_n % 128 == 0 and base.epilogue_split >= 2:
-      out.append(dataclasses.replace(base, short_tiles=True))
+    # Next to the default: skipping empty 64-row halves, one pipeline across
+    # tiles, and the per-step release that needs on its own.
     out.append(dataclasses.replace(base, skip_empty_halves=True))
     per_step = dataclasses.replace(base, delay_release=0)
     if _chains_tiles(dataclasses.replace(per_step, pipeline_across_tiles=True), k):
@@ -640,19 +625,11 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
         del lhs_smem, rhs_smem  # the stage is released untouched
         return acc_ref
 
-      def run(body, context=compute_context):
-        make_pipeline(body, context, row0, ni, state)(
+      def run(body):
+        make_pipeline(body, compute_context, row0, ni, state)(
             lhs_gmem, rhs_gmem.at[grp], allocations=allocs
         )
 
-      if cfg.short_tiles:
-        # Same loads (the producer cannot tell the two apart), half the wgmma
-        # work: both consumers read the window's first 64 rows.
-        short = row_end - row0 <= hm
-        pl.when(short)(lambda: run(*_short_tile_fns(
-            cfg, n, ni, wg, row0, row_start, row_end, my_smem, store, transpose_rhs)))
-        pl.when(jnp.logical_not(short))(lambda: run(mma))
-        return
       if not cfg.skip_empty_halves:
         run(mma)
         return
@@ -677,44 +654,6 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
       pl.when(jnp.logical_not(is_zero))(lambda: compute_tile(w - num_zero_work, state))
 
     pl.when(wg < 2)(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
-
-
-def _short_tile_fns(cfg: MosaicFwdConfig, n: int, ni, wg, row0, row_start, row_end,
-                    my_smem, store, transpose_rhs: bool):
-  """Pipeline body and compute context of a short tile (rows in the window's
-  first 64): consumer ``wg`` computes columns [wg * bn / 2, (wg + 1) * bn / 2)
-  of the 64-row tile."""
-  hm, hn, cn = _WG_ROWS, cfg.block_n // 2, cfg.epilogue_n
-  col0 = ni * cfg.block_n + wg * hn  # this consumer's first output column
-
-  def mma(_, lhs_smem, rhs_smem, acc_ref):
-    # No branch around the wgmma: the column offset is a multiple of whole
-    # 64-column swizzle tiles.
-    cols = pl.ds(pl.multiple_of(wg * hn, hn), hn)
-    rhs_half = rhs_smem.at[cols] if transpose_rhs else rhs_smem.at[:, cols]
-    return _mma_step(acc_ref, lhs_smem.at[pl.ds(0, hm)], rhs_half, transpose_rhs,
-                     delay_release=cfg.delay_release)
-
-  def context(eval_pipeline):
-    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((hm, hn), jnp.float32))
-    def _acc(acc_ref):
-      eval_pipeline(acc_ref)
-      acc = acc_ref[...]
-      for ci in range(hn // cn):
-        col = col0 + ci * cn
-
-        def chunk(ci=ci, col=col):
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # earlier stores read it
-          my_smem[...] = acc[:, ci * cn:(ci + 1) * cn].astype(my_smem.dtype)
-          plgpu.commit_smem()
-          store(row_start - row0, row_start, row_end - row_start, col)
-
-        if n % cfg.block_n == 0:
-          chunk()
-        else:  # the last n tile: a chunk wholly past n has no TMA box
-          pl.when(col < n)(chunk)
-
-  return mma, context
 
 
 def gmm(
