@@ -61,3 +61,25 @@ def device_time_ms(fn: Callable[..., Any], *args: Any, iterations: int = 20,
       pass
   method = "host" if ndev == 1 else f"host: {ndev} devices"
   return host_time_ms(fn, *args, iterations=iterations), method
+
+
+def kernel_time_sum_ms(fn: Callable[..., Any], *args: Any,
+                       iterations: int = 10) -> float | None:
+  """Median over iterations of the summed CUPTI kernel time of one call on
+  *all* devices (None without CUPTI, e.g. on CPU).
+
+  For a step balanced over d devices, this / d is each device's busy time:
+  set against the wall time of a multi-device step it shows how much of that
+  step the devices were idle (launch gaps, waits on each other).
+  """
+  if jax.default_backend() != "gpu":
+    return None
+  jax.block_until_ready(fn(*args))
+  try:
+    from jax.experimental.mosaic.gpu import profiler  # pylint: disable=g-import-not-at-top
+
+    _, times = profiler.measure(fn, iterations=iterations)(*args)
+    return float(statistics.median(times))
+  except Exception:  # pylint: disable=broad-except
+    return None
+

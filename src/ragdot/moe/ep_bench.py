@@ -12,7 +12,10 @@ Step time (CUPTI device time on one GPU; wall time of back-to-back calls when
 the step spans several GPUs, since CUPTI would sum their kernels), tokens/s,
 the expert matmuls' share (each rank's expert FFN alone, no collective), and
 the time of the two psums over "ep" a step pays (partial outputs forward,
-d(tokens) backward, both f32 [tokens, hidden]; see ``moe.parallel``).
+d(tokens) backward, both f32 [tokens, hidden]; see ``moe.parallel``).  With
+ep > 1 each step's CUPTI kernel time summed over the GPUs, divided by ep, is
+printed as the mean busy time per GPU: a wall time well above it means the
+GPUs sat idle for part of the step.
 
   python -m ragdot.moe.ep_bench            # GPUs
   python -m ragdot.moe.ep_bench --small    # CPU smoke test (8 simulated devices)
@@ -38,7 +41,7 @@ from ragdot.moe import parallel  # noqa: E402
 from ragdot.moe import routing as rt  # noqa: E402
 from ragdot.moe.bench import FULL, SMALL  # noqa: E402
 from ragdot.moe.config import MoEConfig  # noqa: E402
-from ragdot.timing import device_time_ms  # noqa: E402
+from ragdot.timing import device_time_ms, kernel_time_sum_ms  # noqa: E402
 
 
 def _masked_ffn(cfg: MoEConfig, local: int):
@@ -147,9 +150,17 @@ def main(argv=None) -> list[dict]:
       row = dict(ep=ep, strategy=strategy, ms=ms, method=method,
                  tokens_per_s=dims["tokens"] / ms * 1e3, expert_ffn_ms=ffn_ms,
                  expert_share=min(ffn_ms / ms, 1.0))
+      busy = ""
+      if ep > 1:
+        sums = [kernel_time_sum_ms(f, *a, iterations=args.iterations) for f, a in (
+            (block, (sharded, x, cot)), (experts_only, (sharded, xs_per_rank,
+                                                         routing.group_sizes, cot_rows)))]
+        if None not in sums:
+          row.update(busy_per_gpu_ms=sums[0] / ep, expert_ffn_busy_per_gpu_ms=sums[1] / ep)
+          busy = f"  busy per GPU {sums[0] / ep:.3f} ms (FFN {sums[1] / ep:.3f})"
       results.append(row)
       print(f"  ep={ep} {strategy:<12} step {ms:8.3f} ms ({method})  {row['tokens_per_s']:10.0f} tok/s"
-            f"  expert FFN {ffn_ms:7.3f} ms ({100 * row['expert_share']:.0f}%)", flush=True)
+            f"  expert FFN {ffn_ms:7.3f} ms ({100 * row['expert_share']:.0f}%){busy}", flush=True)
     save()
   by = {(r["ep"], r["strategy"]): r["ms"] for r in results}
   for ep in sorted({r["ep"] for r in results}):
