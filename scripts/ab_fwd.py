@@ -1,9 +1,9 @@
 """A/B of Mosaic forward / dX configs on the training shapes (GPU machine).
 
-  python3 scripts/ab_fwd.py OUT_DIR --field skip_empty_halves [--rounds 3] [--ops fwd dx]
+  python3 scripts/ab_fwd.py OUT_DIR --set split_n=True block_m=64 [--rounds 3] [--ops fwd]
 
 For each training shape and op (fwd, dX) times the default config (A) and the
-same config with ``--field`` set to True (B), interleaved A, B, A, B, ... with
+same config with the ``--set`` fields replaced (B), interleaved A, B, A, B, ... with
 CUPTI, on one set of fresh random inputs; prints medians, B/A, whether B's
 output equals A's bitwise, and writes OUT_DIR/ab_fwd.json.
 """
@@ -11,6 +11,7 @@ output equals A's bitwise, and writes OUT_DIR/ab_fwd.json.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import json
 import os
@@ -27,11 +28,14 @@ from ragdot.backends import mosaic_fwd
 def main() -> None:
   p = argparse.ArgumentParser()
   p.add_argument("out_dir")
-  p.add_argument("--field", required=True, help="a boolean MosaicFwdConfig field")
+  p.add_argument("--set", nargs="+", required=True, metavar="FIELD=VALUE",
+                 help="MosaicFwdConfig fields of B (Python literals)")
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--iterations", type=int, default=10)
   p.add_argument("--ops", nargs="+", default=["fwd", "dx"], choices=["fwd", "dx"])
   args = p.parse_args()
+  changes = {k: ast.literal_eval(v) for k, v in (kv.split("=", 1) for kv in args.set)}
+  label = " ".join(args.set)
   rows = []
   for s in bench.PRESETS["training"]:
     gs = jnp.asarray(bench.routed_group_sizes(s))
@@ -43,7 +47,10 @@ def main() -> None:
       w = (jax.random.normal(kw, wshape, jnp.float32) / 32).astype(jnp.bfloat16)
       a = mosaic_fwd.default_config(s.m, s.k, s.n, s.g, jnp.bfloat16, tr, jnp.bfloat16)
       try:
-        b = dataclasses.replace(a, **{args.field: True})
+        b = mosaic_fwd.fit_config(dataclasses.replace(a, **changes), jnp.bfloat16,
+                                  jnp.bfloat16)
+        if b is None:
+          raise ValueError("does not fit SMEM")
       except ValueError as e:
         print(f"{s.name} {op}: B invalid ({e})", flush=True)
         continue
@@ -59,13 +66,14 @@ def main() -> None:
       row = dict(shape=s.name, op=op, a_ms=ma, b_ms=mb, a_tflops=flops / ma / 1e9,
                  b_tflops=flops / mb / 1e9, b_over_a=mb / ma,
                  bitwise_equal=bool(np.array_equal(outs[0], outs[1])),
-                 max_abs_diff=float(np.max(np.abs(outs[0] - outs[1]))), a=dataclasses.asdict(a))
+                 max_abs_diff=float(np.max(np.abs(outs[0] - outs[1]))), a=dataclasses.asdict(a),
+                 b=dataclasses.asdict(b))
       rows.append(row)
-      print(f"{s.name:20s} {op:3s} A {ma:.4f} ms {row['a_tflops']:6.1f}  B({args.field}) "
+      print(f"{s.name:20s} {op:3s} A {ma:.4f} ms {row['a_tflops']:6.1f}  B({label}) "
             f"{mb:.4f} ms {row['b_tflops']:6.1f}  B/A {mb / ma:.3f}  equal {row['bitwise_equal']}",
             flush=True)
   with open(os.path.join(args.out_dir, "ab_fwd.json"), "w") as f:
-    json.dump(dict(field=args.field, device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
+    json.dump(dict(set=changes, device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

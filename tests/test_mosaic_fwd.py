@@ -33,6 +33,10 @@ CFG2C = MosaicFwdConfig(block_m=128, block_n=64, block_k=32, num_stages=2, num_s
                         num_compute_wgs=2, delay_release=0, pipeline_across_tiles=True,
                         skip_empty_halves=True)
 
+# 64-row tiles, the two consumers splitting the columns.
+CFG2N = MosaicFwdConfig(block_m=64, block_n=128, block_k=32, num_stages=3, num_sms=2,
+                        num_compute_wgs=2, epilogue_split=2, split_n=True)
+
 
 @pytest.fixture(autouse=True)
 def _reset_interpreter():
@@ -208,13 +212,39 @@ def test_split_epilogue(config, m, k, n, sizes, offset, g_local, transpose_rhs):
                  transpose_rhs=transpose_rhs, config=config, out_dtype=jnp.bfloat16)
 
 
+@pytest.mark.parametrize(
+    "m,k,n,sizes,offset,g_local,transpose_rhs,bn,split",
+    [
+        # groups of 70 (64 + 6) and 130 rows, a small group, an empty one
+        (320, 64, 256, [70, 0, 130, 20, 90], None, None, False, 128, 2),
+        (320, 128, 256, [70, 0, 130, 20, 90], None, None, True, 256, 2),  # dX
+        # offset (zero tiles); n = 192: consumer 1's half of the last n tile is past n
+        (264, 64, 192, [5, 60, 129, 0, 61, 9], 1, 4, False, 128, 2),
+        # two 64-column chunks per consumer, the last one past n
+        (264, 64, 192, [5, 60, 129, 0, 61, 9], 2, 3, True, 256, 4),
+        (200, 64, 128, [64, 64, 8, 64], None, None, False, 128, 2),  # exactly 64 rows
+        (104, 64, 128, [30, 30], None, None, False, 128, 2),  # rows past sum(sizes)
+    ],
+)
+def test_split_n(m, k, n, sizes, offset, g_local, transpose_rhs, bn, split):
+  cfg = dataclasses.replace(CFG2N, block_n=bn, epilogue_split=split)
+  _run_and_check(m, k, n, sizes, offset=offset, g_local=g_local,
+                 transpose_rhs=transpose_rhs, config=cfg, out_dtype=jnp.bfloat16)
+
+
+def test_split_n_chained_across_tiles():
+  cfg = dataclasses.replace(CFG2N, num_stages=2, delay_release=0, pipeline_across_tiles=True)
+  _run_and_check(264, 64, 128, [5, 60, 129, 0, 61, 9], offset=1, g_local=4, config=cfg,
+                 out_dtype=jnp.bfloat16)
+
+
 def test_default_config_in_interpret_mode():
   _run_and_check(64, 64, 64, [30, 30], config=None)
 
 
 @pytest.mark.parametrize(
-    "config", [CFG1, CFG2, CFG1S, CFG2S, CFG2C],
-    ids=["1wg", "2wg", "1wg_split", "2wg_split", "2wg_chained"])
+    "config", [CFG1, CFG2, CFG1S, CFG2S, CFG2C, CFG2N],
+    ids=["1wg", "2wg", "1wg_split", "2wg_split", "2wg_chained", "2wg_split_n"])
 def test_no_races(config):
   lhs = jax.random.normal(jax.random.key(1), (96, 64), jnp.bfloat16)
   rhs = jax.random.normal(jax.random.key(2), (2, 64, 128), jnp.bfloat16)
@@ -278,6 +308,13 @@ def test_config_validation():
     MosaicFwdConfig(128, num_compute_wgs=2, pipeline_across_tiles=True)
   with pytest.raises(ValueError):
     MosaicFwdConfig(64, delay_release=0, pipeline_across_tiles=True)
+  two = dict(block_m=64, num_compute_wgs=2, epilogue_split=2, split_n=True)
+  MosaicFwdConfig(**two)
+  for bad in (dict(two, block_m=128), dict(two, num_compute_wgs=1),
+              dict(two, block_n=192), dict(two, epilogue_split=1),
+              dict(two, skip_empty_halves=True)):
+    with pytest.raises(ValueError, match="split_n|block_m"):
+      MosaicFwdConfig(**bad)
 
 
 @pytest.mark.parametrize(
@@ -373,7 +410,8 @@ def test_two_warpgroups_without_the_skip():
   sweep = mosaic_fwd.gpu_sweep_configs(32768, 2048, 1536, 128, False)
   base = sweep[0]
   assert not base.skip_empty_halves  # measured 2-3% faster on gate_up (2026-11-29)
-  assert sweep[1:4] == [
+  assert sweep[1].split_n and sweep[1].block_m == 64 and sweep[2].split_n
+  assert sweep[3:6] == [
       dataclasses.replace(base, skip_empty_halves=True),
       dataclasses.replace(base, delay_release=0, pipeline_across_tiles=True),
       dataclasses.replace(base, delay_release=0)]

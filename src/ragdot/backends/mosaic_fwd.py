@@ -27,7 +27,8 @@ Design:
   filled, out-of-bounds stores are dropped.
 * ``num_compute_wgs=2``: a warp-specialized variant (one TMA producer
   warpgroup, two consumer warpgroups each owning 64 rows of a 128-row tile and
-  sharing the rhs block).  Options (``MosaicFwdConfig``): a consumer whose 64
+  sharing the rhs block; with ``split_n``, both consumers share a 64-row tile
+  and each owns half of its columns).  Options (``MosaicFwdConfig``): a consumer whose 64
   rows hold none of the tile's rows may skip its wgmmas, and one pipeline may
   run through all of a CTA's tiles.
 * ``epilogue_split``: the f32 accumulator leaves through an SMEM staging buffer
@@ -64,7 +65,7 @@ _INTERPRET_SMS = 4
 class MosaicFwdConfig:
   """Tiling of the forward / dX kernel.
 
-  block_m: rows per tile (64 per compute warpgroup).
+  block_m: rows per tile (64 per compute warpgroup; 64 with ``split_n``).
   block_n, block_k: output columns per tile, contraction step per pipeline stage.
   num_stages: TMA pipeline depth (buffers in flight).
   grid_minor_dim: 0 walks ``grid_tile_width`` row tiles across all n tiles
@@ -88,6 +89,12 @@ class MosaicFwdConfig:
   delay_release: 2 warpgroups only: 1 keeps one wgmma in flight per consumer
     across pipeline steps (a stage is released one step late); 0 waits for each
     step's wgmma before releasing its stage.
+  split_n: 2 warpgroups with block_m 64: both consumers read the tile's 64
+    lhs rows and each computes half of its block_n columns (64 x block_n / 2).
+    A group's last tile pads to 64 rows instead of 128 (Qwen3-30B routing:
+    1.12 computed rows per real row instead of 1.24), at the price of half the
+    rows per rhs block loaded.  Needs block_n 128 or 256 and epilogue_split 2
+    or 4 (each consumer stores its own chunks).
   pipeline_across_tiles: 2 warpgroups only (needs delay_release=0): the
     producer runs one pipeline through all of its CTA's tiles, loading the
     next tile's first stages while the consumers finish a tile and run its
@@ -108,14 +115,22 @@ class MosaicFwdConfig:
   skip_empty_halves: bool = False
   delay_release: int = 1
   pipeline_across_tiles: bool = False
+  split_n: bool = False
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
       raise ValueError(f"num_compute_wgs must be 1 or 2, got {self.num_compute_wgs}")
-    if self.block_m != _WG_ROWS * self.num_compute_wgs:
+    rows = _WG_ROWS if self.split_n else _WG_ROWS * self.num_compute_wgs
+    if self.block_m != rows:
       raise ValueError(
-          f"block_m must be {_WG_ROWS} x num_compute_wgs="
-          f"{_WG_ROWS * self.num_compute_wgs}, got {self.block_m}"
+          f"block_m must be {rows} (64 per compute warpgroup, 64 with split_n),"
+          f" got {self.block_m}"
+      )
+    if self.split_n and (self.num_compute_wgs != 2 or self.block_n % 128
+                         or self.epilogue_split not in (2, 4) or self.skip_empty_halves):
+      raise ValueError(
+          "split_n needs num_compute_wgs=2, block_n 128 or 256, epilogue_split 2 or 4"
+          f" and skip_empty_halves=False, got {self}"
       )
     if not (self.block_n % 64 == 0 and 64 <= self.block_n <= 256):
       raise ValueError(f"block_n must be a multiple of 64 in [64, 256], got {self.block_n}")
@@ -154,7 +169,9 @@ class MosaicFwdConfig:
     """
     isz, osz = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
     per_stage = (self.block_m + self.block_n) * self.block_k * isz
-    return self.num_stages * per_stage + self.block_m * self.epilogue_n * osz
+    # One (64, epilogue_n) staging buffer per compute warpgroup.
+    staging = self.num_compute_wgs * _WG_ROWS * self.epilogue_n * osz
+    return self.num_stages * per_stage + staging
 
 
   def smem_budget(self) -> int:
@@ -254,8 +271,16 @@ def gpu_sweep_configs(
   base = default_config(m, k, n, g, dtype, transpose_rhs, out_dtype)
   out = [base]
   if base.num_compute_wgs == 2:
-    # Next to the default: skipping empty 64-row halves, one pipeline across
+    # Next to the default: 64-row tiles split by columns (half the padding of
+    # a group's last tile), skipping empty 64-row halves, one pipeline across
     # tiles, and the per-step release that needs on its own.
+    if base.block_n % 128 == 0:
+      for stages, split, width in ((4, 2, 4), (5, 4, 8)):
+        c = fit_config(dataclasses.replace(
+            base, block_m=_WG_ROWS, split_n=True, num_stages=stages,
+            epilogue_split=split, grid_tile_width=width), dtype, out_dtype)
+        if c is not None and c not in out:
+          out.append(c)
     out.append(dataclasses.replace(base, skip_empty_halves=True))
     per_step = dataclasses.replace(base, delay_release=0)
     if _chains_tiles(dataclasses.replace(per_step, pipeline_across_tiles=True), k):
@@ -428,15 +453,25 @@ def _outside_window(hs, he, lo, hi):
   return _overlap(hs, lo, hs, he), _overlap(hi, he, hs, he)
 
 
-def _for_each_chunk(cfg: MosaicFwdConfig, n: int, ni, fn) -> None:
+def _for_each_chunk(cfg: MosaicFwdConfig, n: int, ni, fn, wg=None) -> None:
   """Calls ``fn(c, col)`` for every epilogue chunk ``c`` of n tile ``ni``.
 
   ``col`` is the chunk's first output column.  Chunks that start at or past
   ``n`` (possible only in the last n tile) are skipped: their TMA box would lie
-  wholly out of bounds.
+  wholly out of bounds.  With ``wg`` (``split_n``): only consumer ``wg``'s
+  half of the chunks, ``c`` counted within that half.
   """
   cn = cfg.epilogue_n
   tail = n % cfg.block_n  # columns of the last n tile (0: a full tile)
+  if wg is not None:
+    half = cfg.epilogue_split // 2
+    for c in range(half):
+      col = ni * cfg.block_n + (wg * half + c) * cn
+      if tail == 0:
+        fn(c, col)
+      else:
+        pl.when(col < n)(functools.partial(fn, c, col))
+    return
   for c in range(cfg.epilogue_split):
     col = ni * cfg.block_n + c * cn
     if tail == 0 or c * cn < tail:
@@ -544,7 +579,8 @@ def _chains_tiles(cfg: MosaicFwdConfig, k: int) -> bool:
 def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
                     m: int, k: int, n: int, cfg: MosaicFwdConfig, transpose_rhs: bool,
                     num_ctas: int):
-  """Two consumer warpgroups (64 rows each) + one TMA producer warpgroup."""
+  """Two consumer warpgroups (64 rows each, or half the columns each with
+  ``split_n``) + one TMA producer warpgroup."""
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
   hm = _WG_ROWS
   grid_n = pl.cdiv(n, bn)
@@ -555,6 +591,8 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
   cn = cfg.epilogue_n
   dr = cfg.delay_release
   chain = _chains_tiles(cfg, k)
+  split = cfg.split_n
+  acc_n = bn // 2 if split else bn  # accumulator columns per consumer
   num_tiles, lo, hi, za, zb, num_zero_work, total = _work_counts(scal_gmem, grid_n)
 
   def make_pipeline(body, compute_context, row0=0, ni=0, state=None):
@@ -581,12 +619,13 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
   def _scope(allocs, o_smem):
     wg = lax.axis_index("wg")
     my_smem = o_smem.at[wg]
+    my_chunks = wg if split else None  # split_n: each consumer stores its own columns
     store = functools.partial(_store_rows, my_smem, out_gmem, max_rows=max_rows, width=cn)
 
     def zero_tile(w, first):
       blk, ni = _zero_item(w, grid_n, za, zb)
-      # Each consumer zeroes the rows of its own 64-row half.
-      hs = blk * bm + wg * hm
+      # Each consumer zeroes its own 64-row half (split_n: its column half).
+      hs = blk * bm + (0 if split else wg * hm)
       pieces = _outside_window(hs, jnp.minimum(hs + hm, m), lo, hi)
       _zero_fill_once(my_smem, first)
 
@@ -595,16 +634,16 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
         for start, count in pieces:
           store(0, start, count, col)
 
-      _for_each_chunk(cfg, n, ni, chunk)
+      _for_each_chunk(cfg, n, ni, chunk, my_chunks)
 
     def compute_tile(w, state):
       ni, grp, row0, row_start, row_end = _work_item(
           tiles_gmem, w, num_tiles, max_tiles, grid_n, cfg)
       wg_rows = pl.ds(wg * hm, hm)
-      hs = row0 + wg * hm  # this consumer's first row
+      hs = row0 + (0 if split else wg * hm)  # this consumer's first row
 
       def compute_context(eval_pipeline):
-        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((hm, bn), jnp.float32))
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((hm, acc_n), jnp.float32))
         def _acc(acc_ref):
           eval_pipeline(acc_ref)
           acc = acc_ref[...]
@@ -615,9 +654,14 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
             plgpu.commit_smem()
             store(s - hs, s, c, col)
 
-          pl.when(c > 0)(lambda: _for_each_chunk(cfg, n, ni, chunk))
+          pl.when(c > 0)(lambda: _for_each_chunk(cfg, n, ni, chunk, my_chunks))
 
       def mma(_, lhs_smem, rhs_smem, acc_ref):
+        if split:
+          # The column offset is a whole number of 64-column swizzle tiles.
+          cols = pl.ds(pl.multiple_of(wg * acc_n, acc_n), acc_n)
+          rhs_half = rhs_smem.at[cols] if transpose_rhs else rhs_smem.at[:, cols]
+          return _mma_step(acc_ref, lhs_smem, rhs_half, transpose_rhs, delay_release=dr)
         return _mma_step(acc_ref, lhs_smem.at[wg_rows], rhs_smem, transpose_rhs,
                          delay_release=dr)
 
