@@ -128,7 +128,12 @@ def main(argv=None) -> list[dict]:
     mesh = jax.make_mesh((ep,), ("ep",), devices=devices[:ep],
                          axis_types=(jax.sharding.AxisType.Auto,))
     router, experts = F.split_params(params)
-    sharded = {**router, **parallel.shard_experts(experts, mesh)}
+    # Every input lives on the mesh before timing (replicated ones on every
+    # GPU): an input left on one GPU would be copied to the others inside each
+    # timed call (v5's FFN-only rows at ep=2 carried a 268 MB copy of cot_rows).
+    rep = lambda a: jax.device_put(a, jax.sharding.NamedSharding(mesh, P()))
+    sharded = {**jax.tree.map(rep, router), **parallel.shard_experts(experts, mesh)}
+    x_r, cot_r, cot_rows_r, gs_r = (rep(a) for a in (x, cot, cot_rows, routing.group_sizes))
     if ep > 1:
       fwd_ms, ar_method = psum_ms(mesh, x.shape[0], cfg.hidden, jnp.float32, args.iterations)
       bwd_ms, _ = psum_ms(mesh, x.shape[0], cfg.hidden, jnp.float32, args.iterations)
@@ -141,9 +146,9 @@ def main(argv=None) -> list[dict]:
     for strategy in ("group_offset", "masked"):
       block, experts_only = make_steps(cfg, mesh, strategy)
       try:
-        ms, method = device_time_ms(block, sharded, x, cot, iterations=args.iterations)
-        ffn_ms, _ = device_time_ms(experts_only, sharded, xs_per_rank, routing.group_sizes,
-                                   cot_rows, iterations=args.iterations)
+        ms, method = device_time_ms(block, sharded, x_r, cot_r, iterations=args.iterations)
+        ffn_ms, _ = device_time_ms(experts_only, sharded, xs_per_rank, gs_r, cot_rows_r,
+                                   iterations=args.iterations)
       except Exception as e:  # pylint: disable=broad-except
         print(f"  ep={ep} {strategy:<12} failed: {type(e).__name__}: {str(e)[:200]}")
         continue
@@ -153,8 +158,8 @@ def main(argv=None) -> list[dict]:
       busy = ""
       if ep > 1:
         sums = [kernel_time_sum_ms(f, *a, iterations=args.iterations) for f, a in (
-            (block, (sharded, x, cot)), (experts_only, (sharded, xs_per_rank,
-                                                         routing.group_sizes, cot_rows)))]
+            (block, (sharded, x_r, cot_r)),
+            (experts_only, (sharded, xs_per_rank, gs_r, cot_rows_r)))]
         if None not in sums:
           row.update(busy_per_gpu_ms=sums[0] / ep, expert_ffn_busy_per_gpu_ms=sums[1] / ep)
           busy = f"  busy per GPU {sums[0] / ep:.3f} ms (FFN {sums[1] / ep:.3f})"
