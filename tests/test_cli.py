@@ -71,3 +71,25 @@ def test_python_dash_m():
   res = subprocess.run([sys.executable, "-m", "ragdot", "info", "--preset", "small"],
                        env=env, capture_output=True, text=True, timeout=120, check=True)
   assert "versions" in res.stdout
+
+
+def test_tune_watchdog_ends_a_hung_candidate(tmp_path):
+  """A stretch armed longer than the limit ends the process with status 3 after
+  the hook runs; a disarmed one does not."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+
+  mark = tmp_path / "hung.txt"
+  code = f"""
+import time
+from ragdot.tune import Watchdog
+w = Watchdog(0.4, on_hang=lambda label: open({str(mark)!r}, "w").write(label))
+w.arm("quick"); time.sleep(0.1); w.disarm(); time.sleep(1.0)
+print("survived", flush=True)
+w.arm("candidate-x"); time.sleep(5)
+print("not reached", flush=True)
+"""
+  p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+  assert p.returncode == 3, p.stderr
+  assert "survived" in p.stdout and "not reached" not in p.stdout
+  assert "candidate-x" in p.stderr and mark.read_text() == "candidate-x"

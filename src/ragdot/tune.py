@@ -14,7 +14,11 @@ The fastest correct candidate is merged into the device's table (one entry per
 shape bucket; see ``ragdot.tables``) after every op, so an interrupted run
 resumes: entries already measured are skipped unless ``--force``.  Each (op,
 shape) gets at most ``--budget-s`` seconds (default 60); an entry cut short is
-marked ``"complete": false`` and is redone next time.
+marked ``"complete": false`` and is redone next time.  A candidate whose run
+takes longer than ``--hang-s`` (a kernel that deadlocks on the hardware) ends
+the process with exit status 3 after naming it (and logging it with ``--log``):
+the entries merged so far are already saved, and a calling script's later
+stages still run.
 
 Without a GPU only ``--dry-run`` (list candidates and table keys) works.
 """
@@ -28,8 +32,10 @@ import datetime
 import functools
 import json
 import re
+import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -170,12 +176,48 @@ def _done(table: tables.Table, task: Task, dtype_name: str) -> bool:
   return bool(entry and entry.get("measured") and entry.get("complete", True))
 
 
+class Watchdog:
+  """Ends the process (exit status ``HANG_EXIT``) when one armed stretch runs
+  longer than ``limit_s``: a GPU kernel that never finishes cannot be
+  interrupted from Python, and waiting on it would spend the whole run."""
+
+  HANG_EXIT = 3
+
+  def __init__(self, limit_s: float, on_hang=None):
+    self.limit_s, self.on_hang = limit_s, on_hang
+    self._label, self._since = None, 0.0
+    self._lock = threading.Lock()
+    threading.Thread(target=self._watch, daemon=True).start()
+
+  def arm(self, label: Any) -> None:
+    with self._lock:
+      self._label, self._since = label, time.monotonic()
+
+  def disarm(self) -> None:
+    with self._lock:
+      self._label = None
+
+  def _watch(self) -> None:
+    while True:
+      time.sleep(min(1.0, self.limit_s / 4))
+      with self._lock:
+        label, since = self._label, self._since
+      if label is not None and time.monotonic() - since > self.limit_s:
+        print(f"ragdot tune: {label} ran for more than {self.limit_s:.0f} s (hung?);"
+              " stopping (entries so far are saved)", file=sys.stderr, flush=True)
+        if self.on_hang is not None:
+          self.on_hang(label)
+        os._exit(self.HANG_EXIT)
+
+
 def tune_task(task: Task, dtype, deadline: float, *, iterations: int, repeats: int,
-              jobs: int, progress=None, log=None) -> dict[str, Any] | None:
+              jobs: int, progress=None, log=None,
+              watchdog: Watchdog | None = None) -> dict[str, Any] | None:
   """Measures every candidate of ``task`` until ``deadline``; the best as an entry.
 
   ``log``, when given, is called with one dict per candidate tried (backend,
   config, ms or error, rel_err): the A/B record behind the table entry.
+  ``watchdog``, when given, is armed while each candidate runs on the device.
   """
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -203,6 +245,8 @@ def tune_task(task: Task, dtype, deadline: float, *, iterations: int, repeats: i
         continue
       try:
         compiled = fut.result()
+        if watchdog is not None:
+          watchdog.arm(dict(op=task.op, shape=task.name, **row))
         out = jax.block_until_ready(compiled(lhs, rhs, gs))
         row["rel_err"] = _rel_err(out, ref)
         if row["rel_err"] < REL_TOL:
@@ -212,6 +256,9 @@ def tune_task(task: Task, dtype, deadline: float, *, iterations: int, repeats: i
           row["method"] = times[0][1]
       except Exception as e:  # pylint: disable=broad-except
         row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+      finally:
+        if watchdog is not None:
+          watchdog.disarm()
       results.append(row)
       if log is not None:
         log(dict(op=task.op, shape=task.name, call=[task.m, task.k, task.n, task.g], **row))
@@ -309,6 +356,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--iterations", type=int, default=10)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--jobs", type=int, default=4, help="parallel compile threads")
+  parser.add_argument("--hang-s", type=float, default=60.0,
+                      help="a candidate running longer than this ends the run (exit 3)")
   parser.add_argument("--log", default=None,
                       help="append every timed candidate to this JSONL file")
   parser.add_argument("--import-sweep", default=None,
@@ -367,6 +416,9 @@ def run(args: argparse.Namespace) -> int:
     with open(args.log, "a") as f:
       f.write(json.dumps(row) + "\n")
 
+  watchdog = Watchdog(args.hang_s, on_hang=lambda label: log(
+      dict(label, error=f"hang: still running after {args.hang_s:.0f} s")) if args.log else None)
+
   by_shape: dict[str, list[Task]] = {}
   for task in tasks:
     by_shape.setdefault(task.name, []).append(task)
@@ -379,7 +431,7 @@ def run(args: argparse.Namespace) -> int:
         deadline = time.time() + args.budget_s
         entry = tune_task(task, dtype, deadline, iterations=args.iterations,
                           repeats=args.repeats, jobs=args.jobs, progress=progress,
-                          log=log if args.log else None)
+                          log=log if args.log else None, watchdog=watchdog)
         if entry is None:
           progress.console.print(
               f"[red]{task.op} {name}: no candidate timed within {args.budget_s:.0f} s"
