@@ -23,6 +23,7 @@ import numpy as np
 
 from ragdot import bench, timing
 from ragdot.backends import mosaic_fwd
+from ragdot.dispatch import backend_call
 
 
 def main() -> None:
@@ -40,12 +41,15 @@ def main() -> None:
   for s in bench.PRESETS["training"]:
     gs = jnp.asarray(bench.routed_group_sizes(s))
     for op in args.ops:
-      tr = op == "dx"
+      # dX contracts over the forward's n and outputs its k (rhs [g, k, n] read
+      # transposed), as in a training step: the call's k and n are swapped.
+      call = backend_call(op, s.k, s.n)
+      tr = call.transpose_rhs
       kx, kw = jax.random.split(jax.random.key(len(rows)))
-      x = jax.random.normal(kx, (s.m, s.k), jnp.bfloat16)
-      wshape = (s.g, s.n, s.k) if tr else (s.g, s.k, s.n)
+      x = jax.random.normal(kx, (s.m, call.k), jnp.bfloat16)
+      wshape = (s.g, call.n, call.k) if tr else (s.g, call.k, call.n)
       w = (jax.random.normal(kw, wshape, jnp.float32) / 32).astype(jnp.bfloat16)
-      a = mosaic_fwd.default_config(s.m, s.k, s.n, s.g, jnp.bfloat16, tr, jnp.bfloat16)
+      a = mosaic_fwd.default_config(s.m, call.k, call.n, s.g, jnp.bfloat16, tr, jnp.bfloat16)
       try:
         b = mosaic_fwd.fit_config(dataclasses.replace(a, **changes), jnp.bfloat16,
                                   jnp.bfloat16)
@@ -62,7 +66,7 @@ def main() -> None:
         for i, f in enumerate(fns):
           times[i].append(timing.device_time_ms(f, x, w, gs, iterations=args.iterations)[0])
       ma, mb = (statistics.median(t) for t in times)
-      flops = 2 * s.m * s.k * s.n
+      flops = 2 * s.m * call.k * call.n
       row = dict(shape=s.name, op=op, a_ms=ma, b_ms=mb, a_tflops=flops / ma / 1e9,
                  b_tflops=flops / mb / 1e9, b_over_a=mb / ma,
                  bitwise_equal=bool(np.array_equal(outs[0], outs[1])),

@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from ragdot import cli
+from ragdot.tune import Watchdog
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -76,9 +79,6 @@ def test_python_dash_m():
 def test_tune_watchdog_ends_a_hung_candidate(tmp_path):
   """A stretch armed longer than the limit ends the process with status 3 after
   the hook runs; a disarmed one does not."""
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
-
   mark = tmp_path / "hung.txt"
   code = f"""
 import time
@@ -93,3 +93,5 @@ print("not reached", flush=True)
   assert p.returncode == 3, p.stderr
   assert "survived" in p.stdout and "not reached" not in p.stdout
   assert "candidate-x" in p.stderr and mark.read_text() == "candidate-x"
+  with pytest.raises(ValueError, match="limit_s"):
+    Watchdog(0)

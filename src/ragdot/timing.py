@@ -70,7 +70,9 @@ def kernel_time_sum_ms(fn: Callable[..., Any], *args: Any,
 
   For a step balanced over d devices, this / d is each device's busy time:
   set against the wall time of a multi-device step it shows how much of that
-  step the devices were idle (launch gaps, waits on each other).
+  step the devices were idle (launch gaps).  Collective kernels count the time
+  they wait for their peers as busy, so this is an upper bound.  None also
+  when the profiler cannot pair up the kernels of several devices.
   """
   if jax.default_backend() != "gpu":
     return None
@@ -82,4 +84,3 @@ def kernel_time_sum_ms(fn: Callable[..., Any], *args: Any,
     return float(statistics.median(times))
   except Exception:  # pylint: disable=broad-except
     return None
-

@@ -184,6 +184,8 @@ class Watchdog:
   HANG_EXIT = 3
 
   def __init__(self, limit_s: float, on_hang=None):
+    if not limit_s > 0:
+      raise ValueError(f"limit_s must be > 0, got {limit_s}")
     self.limit_s, self.on_hang = limit_s, on_hang
     self._label, self._since = None, 0.0
     self._lock = threading.Lock()
@@ -203,11 +205,13 @@ class Watchdog:
       with self._lock:
         label, since = self._label, self._since
       if label is not None and time.monotonic() - since > self.limit_s:
-        print(f"ragdot tune: {label} ran for more than {self.limit_s:.0f} s (hung?);"
-              " stopping (entries so far are saved)", file=sys.stderr, flush=True)
-        if self.on_hang is not None:
-          self.on_hang(label)
-        os._exit(self.HANG_EXIT)
+        try:
+          print(f"ragdot tune: {label} ran for more than {self.limit_s:.0f} s (hung?);"
+                " stopping (entries so far are saved)", file=sys.stderr, flush=True)
+          if self.on_hang is not None:
+            self.on_hang(label)
+        finally:
+          os._exit(self.HANG_EXIT)
 
 
 def tune_task(task: Task, dtype, deadline: float, *, iterations: int, repeats: int,
@@ -357,7 +361,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--jobs", type=int, default=4, help="parallel compile threads")
   parser.add_argument("--hang-s", type=float, default=60.0,
-                      help="a candidate running longer than this ends the run (exit 3)")
+                      help="a candidate whose device runs (check + timing) take longer than"
+                           " this in all ends the run with exit status 3; 0: no watchdog")
   parser.add_argument("--log", default=None,
                       help="append every timed candidate to this JSONL file")
   parser.add_argument("--import-sweep", default=None,
@@ -416,7 +421,7 @@ def run(args: argparse.Namespace) -> int:
     with open(args.log, "a") as f:
       f.write(json.dumps(row) + "\n")
 
-  watchdog = Watchdog(args.hang_s, on_hang=lambda label: log(
+  watchdog = None if args.hang_s <= 0 else Watchdog(args.hang_s, on_hang=lambda label: log(
       dict(label, error=f"hang: still running after {args.hang_s:.0f} s")) if args.log else None)
 
   by_shape: dict[str, list[Task]] = {}

@@ -263,7 +263,7 @@ def gpu_sweep_configs(
     m: int, k: int, n: int, g: int, transpose_rhs: bool, dtype: Any = jnp.bfloat16,
     out_dtype: Any = None,
 ) -> list[MosaicFwdConfig]:
-  """Candidate configs for a GPU sweep (default first; SMEM-feasible only, <= 16).
+  """Candidate configs for a GPU sweep (default first; SMEM-feasible only, <= 18).
 
   An f32 output gets a larger epilogue split where that makes a candidate fit.
   """
@@ -276,6 +276,7 @@ def gpu_sweep_configs(
     # tiles, and the per-step release that needs on its own.
     if base.block_n % 128 == 0:
       for stages, split, width in ((4, 2, 4), (5, 4, 8)):
+        split = min(split, base.block_n // 64)  # chunks of >= 64 columns
         c = fit_config(dataclasses.replace(
             base, block_m=_WG_ROWS, split_n=True, num_stages=stages,
             epilogue_split=split, grid_tile_width=width), dtype, out_dtype)
@@ -299,7 +300,7 @@ def gpu_sweep_configs(
     c = _fit_split(c, dtype, out_dtype)
     if c is not None and c not in out:
       out.append(c)
-  return out[:16]
+  return out[:18]
 
 
 def _check_supported(lhs, rhs, out_dtype, transpose_rhs) -> None:
