@@ -177,12 +177,16 @@ def gpu_sweep_configs(op: str, m: int, k: int, n: int, g: int,
     shapes = [(bm, bn, bk, w) for bm in (32, 64) for (bk, bn, w) in
               ((128, 128, 8), (128, 256, 8), (64, 128, 4), (128, 64, 4))]
   else:
-    shapes = [(bm, bn, bk, w) for (bm, bn, w) in
-              ((128, 256, 8), (128, 128, 4), (128, 128, 8), (64, 128, 4),
-               (64, 256, 8), (32, 128, 4), (16, 128, 4))
-              for bk in (32, 64)]
+    tiles = ((128, 256, 8), (64, 256, 8), (128, 128, 8), (128, 128, 4), (64, 128, 4),
+             (32, 128, 4), (16, 128, 4))
+    # Every tile shape once (block_k 64, 4 stages) before the block_k / stage
+    # variants: a tune cut short by its budget (or taking only the first few
+    # Triton candidates) still sees 64-row tiles, which halve the padding of a
+    # group's last tile.
+    shapes = [(bm, bn, 64, w) for (bm, bn, w) in tiles]
+    shapes += [(bm, bn, 32, w) for (bm, bn, w) in tiles]
   for bm, bn, bk, w in shapes:
-    for stages in (3, 4):
+    for stages in ((4, 3) if op != "tgmm" else (3, 4)):
       c = TritonConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w,
                        num_stages=stages)
       if c not in out and c.smem_bytes(dtype, op=op) <= smem_limit:
