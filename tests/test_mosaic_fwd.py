@@ -412,8 +412,8 @@ def test_two_warpgroups_without_the_skip():
   sweep = mosaic_fwd.gpu_sweep_configs(32768, 2048, 1536, 128, False)
   base = sweep[0]
   assert not base.skip_empty_halves  # measured 2-3% faster on gate_up (2026-11-29)
-  assert sweep[1].split_n and sweep[1].block_m == 64 and sweep[2].split_n
-  assert sweep[3:6] == [
+  assert sum(c.split_n and c.block_m == 64 for c in sweep) == 2
+  assert sweep[1:4] == [
       dataclasses.replace(base, skip_empty_halves=True),
       dataclasses.replace(base, delay_release=0, pipeline_across_tiles=True),
       dataclasses.replace(base, delay_release=0)]
