@@ -128,17 +128,20 @@ def test_triton_real_sizes(shape):
 
 
 @pytest.mark.parametrize("variant", ["1wg", "2wg", "2wg_chained", "2wg_split_n",
-                                     "2wg_split_n_ntail"])
+                                     "2wg_split_n_ntail", "2wg_cluster_n"])
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
 def test_mosaic_fwd_both_bodies_real_size(variant, transpose_rhs):
   """Both kernel bodies (1 and 2 compute warpgroups; the latter skipping the
   wgmmas of empty 64-row halves, per tile or with one pipeline through each
   CTA's tiles, or with 64-row tiles split by columns, also with a last n tile
-  whose second half lies past n) on group-aligned tiles, with a shard."""
+  whose second half lies past n, or in clusters of 2 CTAs sharing the lhs
+  blocks by multicast) on group-aligned tiles, with a shard."""
   from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
   wgs = 1 if variant == "1wg" else 2
   chained, split_n = variant == "2wg_chained", variant.startswith("2wg_split_n")
-  m, k, n, g = 4096, 1024, 640 if variant.endswith("ntail") else 768, 64
+  cluster_n = variant == "2wg_cluster_n"
+  n = 640 if variant.endswith("ntail") else 1024 if cluster_n else 768  # 1024: 4 n tiles
+  m, k, g = 4096, 1024, 64
   sizes = _sizes(m, g, "routed")
   cfg = mosaic_fwd.MosaicFwdConfig(block_m=64 if split_n else 64 * wgs, block_n=256,
                                    block_k=64, num_stages=4, grid_tile_width=4,
@@ -146,7 +149,7 @@ def test_mosaic_fwd_both_bodies_real_size(variant, transpose_rhs):
                                    delay_release=0 if chained else 1,
                                    pipeline_across_tiles=chained,
                                    skip_empty_halves=wgs == 2 and not split_n,
-                                   split_n=split_n)
+                                   split_n=split_n, cluster_n=cluster_n)
   local, offset = 24, 20
   wshape = (local, n, k) if transpose_rhs else (local, k, n)
   x, w = oracle.random_inputs(jax.random.key(wgs + 2 * split_n), [(m, k), wshape], jnp.bfloat16)
