@@ -163,6 +163,28 @@ def test_mosaic_fwd_both_bodies_real_size(variant, transpose_rhs):
   oracle.assert_zero_rows(out, sizes, offset, local)
 
 
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
+def test_mosaic_fwd_cluster_n_end_of_m_real_size(transpose_rhs):
+  """Clusters of 2 CTAs split each multicast lhs block by rows: in the last row
+  tile (rows 4000..4039 of m = 4040) CTA 1's half of the 128-row box lies
+  wholly past m.  Every element written, the rows of the short last group right."""
+  from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
+  m, k, n = 4040, 1024, 1024
+  sizes = np.asarray([1000, 0, 3000, 40], np.int32)
+  cfg = mosaic_fwd.MosaicFwdConfig(block_m=128, block_n=256, block_k=64, num_stages=4,
+                                   grid_tile_width=4, num_compute_wgs=2, epilogue_split=2,
+                                   cluster_n=True)
+  g = len(sizes)
+  wshape = (g, n, k) if transpose_rhs else (g, k, n)
+  x, w = oracle.random_inputs(jax.random.key(11), [(m, k), wshape], jnp.bfloat16)
+  fn = jax.jit(lambda x, w, gs: mosaic_fwd.gmm(x, w, gs, None, transpose_rhs=transpose_rhs,
+                                               out_dtype=jnp.bfloat16, config=cfg))
+  _poison(4 * m * n)
+  out = fn(x, w, jnp.asarray(sizes))
+  oracle.assert_close(out, oracle.np_ragged_dot(x, w, sizes, transpose_rhs=transpose_rhs),
+                      jnp.bfloat16)
+
+
 @pytest.mark.parametrize("kernel", ["fwd", "dw"])
 def test_two_ctas_per_sm_real_size(kernel):
   """The ctas_per_sm=2 tune candidates write every element, on hardware."""

@@ -334,6 +334,8 @@ def test_config_validation():
     MosaicFwdConfig(64, delay_release=0, pipeline_across_tiles=True)
   two = dict(block_m=64, num_compute_wgs=2, epilogue_split=2, split_n=True)
   MosaicFwdConfig(**two)
+  with pytest.raises(ValueError, match="cluster_n"):
+    MosaicFwdConfig(**dict(two, cluster_n=True))
   for bad in (dict(two, block_m=128), dict(two, num_compute_wgs=1),
               dict(two, block_n=192), dict(two, epilogue_split=1),
               dict(two, skip_empty_halves=True)):

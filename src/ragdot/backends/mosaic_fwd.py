@@ -132,8 +132,8 @@ class MosaicFwdConfig:
           f"block_m must be {rows} (64 per compute warpgroup, 64 with split_n),"
           f" got {self.block_m}"
       )
-    if self.cluster_n and self.num_compute_wgs != 2:
-      raise ValueError("cluster_n needs num_compute_wgs=2")
+    if self.cluster_n and (self.num_compute_wgs != 2 or self.split_n):
+      raise ValueError("cluster_n needs num_compute_wgs=2 and split_n=False (untested)")
     if self.split_n and (self.num_compute_wgs != 2 or self.block_n % 128
                          or self.epilogue_split not in (2, 4) or self.skip_empty_halves):
       raise ValueError(
