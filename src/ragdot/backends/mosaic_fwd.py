@@ -100,6 +100,12 @@ class MosaicFwdConfig:
     is loaded once and multicast by TMA to both (L2 -> SMEM bytes per step 40
     instead of 48 KiB at 128 x 256 x 64).  Used when the n tiles pair up
     (cdiv(n, block_n) even); otherwise the kernel runs without clusters.
+  guard_last_stage: 2 warpgroups with delay_release=1 and per-tile pipelines:
+    the producer starts a tile's loads only after both consumers' last wgmma
+    of the previous tile is done.  The pipeline releases every stage but a
+    tile's last one, so without this the next tile's first loads could
+    overwrite that stage while the last wgmma still reads it (in practice
+    the metadata read and TMA latency come first).  False only for A/B runs.
   pipeline_across_tiles: 2 warpgroups only (needs delay_release=0): the
     producer runs one pipeline through all of its CTA's tiles, loading the
     next tile's first stages while the consumers finish a tile and run its
@@ -122,6 +128,7 @@ class MosaicFwdConfig:
   pipeline_across_tiles: bool = False
   split_n: bool = False
   cluster_n: bool = False
+  guard_last_stage: bool = True
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -616,6 +623,7 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
   chain = _chains_tiles(cfg, k)
   split = cfg.split_n
   acc_n = bn // 2 if split else bn  # accumulator columns per consumer
+  guard = cfg.guard_last_stage and dr > 0 and not chain
   num_tiles, lo, hi, za, zb, num_zero_work, total = _work_counts(scal_gmem, grid_n)
 
   def make_pipeline(body, compute_context, row0=0, ni=0, state=None):
@@ -637,9 +645,13 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
       pl.run_scoped,
       allocs=make_pipeline(ignore, ignore).get_allocations(lhs_gmem, rhs_gmem.at[0]),
       o_smem=plgpu.SMEM((2, hm, cn), out_dtype),
+      # Consumers -> producer: a tile's last wgmma is done (see guard_last_stage);
+      # cluster-wide when the lhs blocks are multicast into both CTAs.
+      tile_done=(plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=2)
+                 if clustered else plgpu.Barrier(num_arrivals=2)),
       collective_axes="wg",
   )
-  def _scope(allocs, o_smem):
+  def _scope(allocs, o_smem, tile_done):
     wg = lax.axis_index("wg")
     cta = lax.axis_index("cluster") if clustered else 0
     my_smem = o_smem.at[wg]
@@ -672,7 +684,9 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((hm, acc_n), jnp.float32))
         def _acc(acc_ref):
           eval_pipeline(acc_ref)
-          acc = acc_ref[...]
+          acc = acc_ref[...]  # waits for this consumer's last wgmma
+          if guard:
+            plgpu.barrier_arrive(tile_done)
           s, c = _overlap(row_start, row_end, hs, hs + hm)
           def chunk(ci, col):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # earlier stores read it
@@ -700,8 +714,15 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
             lhs_gmem, rhs_gmem.at[grp], allocations=allocs
         )
 
+      def after():
+        # The producer moves on (to the next tile's loads) only once both
+        # consumers' last wgmma of this tile is done with its stage.
+        if guard:
+          pl.when(wg == 2)(lambda: plgpu.barrier_wait(tile_done))
+
       if not cfg.skip_empty_halves:
         run(mma)
+        after()
         return
       # A consumer without rows in this tile walks the same pipeline (its
       # barrier arrivals are part of the protocol) with a body that issues no
@@ -710,6 +731,7 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
       empty = (wg < 2) & (hs >= row_end)
       pl.when(jnp.logical_not(empty))(lambda: run(mma))
       pl.when(empty)(lambda: run(idle))
+      after()
 
     @plgpu.nd_loop((total,), collective_axes="sm")
     def _loop(info: plgpu.NDLoopInfo):
