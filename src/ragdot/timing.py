@@ -51,14 +51,10 @@ def device_time_ms(fn: Callable[..., Any], *args: Any, iterations: int = 20,
   for _ in range(warmup - 1):
     out = jax.block_until_ready(fn(*args))
   ndev = _num_devices(out)
-  if jax.default_backend() == "gpu" and ndev == 1:
-    try:
-      from jax.experimental.mosaic.gpu import profiler  # pylint: disable=g-import-not-at-top
-
-      _, times = profiler.measure(fn, iterations=iterations)(*args)
-      return float(statistics.median(times)), "cupti"
-    except Exception:  # pylint: disable=broad-except
-      pass
+  if ndev == 1:
+    ms = _cupti_median_ms(fn, args, iterations)
+    if ms is not None:
+      return ms, "cupti"
   method = "host" if ndev == 1 else f"host: {ndev} devices"
   return host_time_ms(fn, *args, iterations=iterations), method
 
@@ -74,9 +70,14 @@ def kernel_time_sum_ms(fn: Callable[..., Any], *args: Any,
   they wait for their peers as busy, so this is an upper bound.  None also
   when the profiler cannot pair up the kernels of several devices.
   """
+  jax.block_until_ready(fn(*args))
+  return _cupti_median_ms(fn, args, iterations)
+
+
+def _cupti_median_ms(fn: Callable[..., Any], args: tuple, iterations: int) -> float | None:
+  """Median summed CUPTI kernel time per call (None off GPU or if CUPTI fails)."""
   if jax.default_backend() != "gpu":
     return None
-  jax.block_until_ready(fn(*args))
   try:
     from jax.experimental.mosaic.gpu import profiler  # pylint: disable=g-import-not-at-top
 

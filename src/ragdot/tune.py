@@ -31,8 +31,8 @@ import dataclasses
 import datetime
 import functools
 import json
-import re
 import os
+import re
 import statistics
 import sys
 import threading
@@ -417,12 +417,14 @@ def run(args: argparse.Namespace) -> int:
 
   print(f"tuning on {kind}: {len(tasks)} (op, shape) pairs -> {path}", flush=True)
 
-  def log(row: dict[str, Any]) -> None:
+  def append_log(row: dict[str, Any]) -> None:
     with open(args.log, "a") as f:
       f.write(json.dumps(row) + "\n")
 
-  watchdog = None if args.hang_s <= 0 else Watchdog(args.hang_s, on_hang=lambda label: log(
-      dict(label, error=f"hang: still running after {args.hang_s:.0f} s")) if args.log else None)
+  log = append_log if args.log else None
+  hang_row = lambda label: dict(label, error=f"hang: still running after {args.hang_s:.0f} s")
+  watchdog = None if args.hang_s <= 0 else Watchdog(
+      args.hang_s, on_hang=(lambda label: log(hang_row(label))) if log else None)
 
   by_shape: dict[str, list[Task]] = {}
   for task in tasks:
@@ -436,7 +438,7 @@ def run(args: argparse.Namespace) -> int:
         deadline = time.time() + args.budget_s
         entry = tune_task(task, dtype, deadline, iterations=args.iterations,
                           repeats=args.repeats, jobs=args.jobs, progress=progress,
-                          log=log if args.log else None, watchdog=watchdog)
+                          log=log, watchdog=watchdog)
         if entry is None:
           progress.console.print(
               f"[red]{task.op} {name}: no candidate timed within {args.budget_s:.0f} s"

@@ -181,10 +181,9 @@ def gpu_sweep_configs(
 ) -> list[MosaicDwConfig]:
   """A short list of candidates for a GPU sweep (default first; all fit in SMEM).
 
-  Five warp-specialized configs with one ring of stages across items (one of
-  them with the producer masking boundary blocks), two with two resident CTAs
-  per SM, five one-warpgroup configs and three warp-specialized ones with a
-  pipeline per item (``num_compute_wgs=2``: 256 x 128 or 128 x 256
+  Four warp-specialized configs with one ring of stages across items, two
+  with two resident CTAs per SM, four one-warpgroup configs and three
+  warp-specialized ones with a pipeline per item (``num_compute_wgs=2``: 256 x 128 or 128 x 256
   output tiles, or 128 x 128).  Stages drop until SMEM fits (f32 outputs need a
   bigger staging tile); configs that no longer fit, or whose k tile is too
   small for two 64-row halves, are left out.
@@ -296,16 +295,12 @@ def _straddles(row0, rows: int, start, end):
   return (row0 < start) | (row0 + rows > end)
 
 
-def _mask_chunks(lhs_t, rhs_t) -> list:
-  """The (ref, first column) 64-column chunks of an lhs and an rhs stage."""
-  return ([(lhs_t, c) for c in range(0, lhs_t.shape[1], 64)]
-          + [(rhs_t, c) for c in range(0, rhs_t.shape[1], 64)])
-
-
 def _consumers_mask(lhs_t, rhs_t, wg, row0, start, end, mask_barrier) -> None:
   """The two consumers split the masking of a shared stage by 64-column chunks,
   then both wait until all of it is masked before their wgmmas read it."""
-  for i, (ref, col) in enumerate(_mask_chunks(lhs_t, rhs_t)):
+  chunks = ([(lhs_t, c) for c in range(0, lhs_t.shape[1], 64)]
+            + [(rhs_t, c) for c in range(0, rhs_t.shape[1], 64)])
+  for i, (ref, col) in enumerate(chunks):
     pl.when(wg == i % 2)(functools.partial(
         _mask_rows, ref.at[:, pl.ds(col, 64)], row0, start, end))
   plgpu.commit_smem()

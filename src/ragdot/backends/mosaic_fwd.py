@@ -487,18 +487,11 @@ def _for_each_chunk(cfg: MosaicFwdConfig, n: int, ni, fn, wg=None) -> None:
   """
   cn = cfg.epilogue_n
   tail = n % cfg.block_n  # columns of the last n tile (0: a full tile)
-  if wg is not None:
-    half = cfg.epilogue_split // 2
-    for c in range(half):
-      col = ni * cfg.block_n + (wg * half + c) * cn
-      if tail == 0:
-        fn(c, col)
-      else:
-        pl.when(col < n)(functools.partial(fn, c, col))
-    return
-  for c in range(cfg.epilogue_split):
-    col = ni * cfg.block_n + c * cn
-    if tail == 0 or c * cn < tail:
+  count = cfg.epilogue_split if wg is None else cfg.epilogue_split // 2
+  first = 0 if wg is None else wg * count  # dynamic with wg: no static bound check
+  for c in range(count):
+    col = ni * cfg.block_n + (first + c) * cn
+    if tail == 0 or (wg is None and c * cn < tail):
       fn(c, col)  # in bounds in every n tile
     else:
       pl.when(col < n)(functools.partial(fn, c, col))
@@ -714,24 +707,20 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
             lhs_gmem, rhs_gmem.at[grp], allocations=allocs
         )
 
-      def after():
-        # The producer moves on (to the next tile's loads) only once both
-        # consumers' last wgmma of this tile is done with its stage.
-        if guard:
-          pl.when(wg == 2)(lambda: plgpu.barrier_wait(tile_done))
-
-      if not cfg.skip_empty_halves:
+      if cfg.skip_empty_halves:
+        # A consumer without rows in this tile walks the same pipeline (its
+        # barrier arrivals are part of the protocol) with a body that issues no
+        # wgmma.  The branch sits outside the k loop: a wgmma under a condition
+        # inside the loop measured slower than no skip at all.
+        empty = (wg < 2) & (hs >= row_end)
+        pl.when(jnp.logical_not(empty))(lambda: run(mma))
+        pl.when(empty)(lambda: run(idle))
+      else:
         run(mma)
-        after()
-        return
-      # A consumer without rows in this tile walks the same pipeline (its
-      # barrier arrivals are part of the protocol) with a body that issues no
-      # wgmma.  The branch sits outside the k loop: a wgmma under a condition
-      # inside the loop measured slower than no skip at all.
-      empty = (wg < 2) & (hs >= row_end)
-      pl.when(jnp.logical_not(empty))(lambda: run(mma))
-      pl.when(empty)(lambda: run(idle))
-      after()
+      # The producer moves on (to the next tile's loads) only once both
+      # consumers' last wgmma of this tile is done with its stage.
+      if guard:
+        pl.when(wg == 2)(lambda: plgpu.barrier_wait(tile_done))
 
     @plgpu.nd_loop((total,), collective_axes="sm")
     def _loop(info: plgpu.NDLoopInfo):

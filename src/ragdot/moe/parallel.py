@@ -9,8 +9,8 @@ every other row is exactly 0), and combines its rows into a partial
 ``[tokens, d]`` sum over k.  One ``psum`` of those f32 partials (``top_k / 2``
 times fewer bytes than the bf16 expert rows) makes the output; in the backward
 pass the transpose of making the tokens per-shard is one psum of the f32
-``[tokens, d]`` input cotangent (again ``top_k / 2`` times fewer bytes).  Only ``ep_axis`` is manual: other mesh axes
-stay under automatic sharding.
+``[tokens, d]`` input cotangent (again ``top_k / 2`` times fewer bytes).  Only
+``ep_axis`` is manual: other mesh axes stay under automatic sharding.
 
 ``manual="ep"`` (only the ep axis manual, the default via ``"auto"``) leaves the
 other axes to automatic sharding; ``manual="all"`` makes every mesh axis manual
