@@ -25,7 +25,6 @@ VARIANTS = {
     "2wg_bn128": "MosaicFwdConfig(128, 128, 64, 6, grid_tile_width=4, num_compute_wgs=2)",
     "2wg_chained": "MosaicFwdConfig(128, 256, 64, 4, grid_tile_width=4, num_compute_wgs=2, epilogue_split=2, delay_release=0, pipeline_across_tiles=True)",
     "2wg_split_n": "MosaicFwdConfig(64, 256, 64, 4, grid_tile_width=4, num_compute_wgs=2, epilogue_split=2, split_n=True)",
-    "2wg_cluster_n": "MosaicFwdConfig(128, 256, 64, 4, grid_tile_width=4, num_compute_wgs=2, epilogue_split=2, cluster_n=True)",
     "1wg_bn256": "MosaicFwdConfig(64, 256, 64, 4, grid_tile_width=4)",
 }
 

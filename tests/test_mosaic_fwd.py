@@ -239,36 +239,13 @@ def test_split_n_chained_across_tiles():
                  out_dtype=jnp.bfloat16)
 
 
-@pytest.mark.parametrize(
-    "m,k,n,sizes,offset,g_local,transpose_rhs,num_sms",
-    [
-        (160, 128, 256, [0, 70, 3, 0, 60, 11], 1, 4, False, 4),  # offset: zero tiles
-        (264, 64, 512, [5, 60, 129, 0, 61, 9], None, None, True, 4),  # dX, 4 n tiles
-        (200, 64, 384, [64, 64, 8, 64], None, None, False, 2),  # 3 n tiles: no clusters
-        (96, 64, 256, [10, 0, 50, 7], 1, 3, False, 6),  # more clusters than items
-    ],
-)
-def test_cluster_n(m, k, n, sizes, offset, g_local, transpose_rhs, num_sms):
-  cfg = dataclasses.replace(CFG2S, cluster_n=True, num_sms=num_sms)
-  _run_and_check(m, k, n, sizes, offset=offset, g_local=g_local,
-                 transpose_rhs=transpose_rhs, config=cfg, out_dtype=jnp.bfloat16)
-
-
-def test_cluster_n_chained_across_tiles():
-  cfg = dataclasses.replace(CFG2C, cluster_n=True, num_sms=4, block_n=64)
-  _run_and_check(160, 128, 128, [0, 70, 3, 0, 60, 11], offset=1, g_local=4, config=cfg,
-                 out_dtype=jnp.bfloat16)
-
-
 def test_default_config_in_interpret_mode():
   _run_and_check(64, 64, 64, [30, 30], config=None)
 
 
 @pytest.mark.parametrize(
-    "config", [CFG1, CFG2, CFG1S, CFG2S, CFG2C, CFG2N,
-               dataclasses.replace(CFG2, cluster_n=True)],  # 2 n tiles: one cluster
-    ids=["1wg", "2wg", "1wg_split", "2wg_split", "2wg_chained", "2wg_split_n",
-         "2wg_cluster_n"])
+    "config", [CFG1, CFG2, CFG1S, CFG2S, CFG2C, CFG2N],
+    ids=["1wg", "2wg", "1wg_split", "2wg_split", "2wg_chained", "2wg_split_n"])
 def test_no_races(config):
   lhs = jax.random.normal(jax.random.key(1), (96, 64), jnp.bfloat16)
   rhs = jax.random.normal(jax.random.key(2), (2, 64, 128), jnp.bfloat16)
@@ -334,8 +311,6 @@ def test_config_validation():
     MosaicFwdConfig(64, delay_release=0, pipeline_across_tiles=True)
   two = dict(block_m=64, num_compute_wgs=2, epilogue_split=2, split_n=True)
   MosaicFwdConfig(**two)
-  with pytest.raises(ValueError, match="cluster_n"):
-    MosaicFwdConfig(**dict(two, cluster_n=True))
   for bad in (dict(two, block_m=128), dict(two, num_compute_wgs=1),
               dict(two, block_n=192), dict(two, epilogue_split=1),
               dict(two, skip_empty_halves=True)):
@@ -438,8 +413,7 @@ def test_two_warpgroups_without_the_skip():
   base = sweep[0]
   assert not base.skip_empty_halves  # measured 2-3% faster on gate_up (2026-11-29)
   assert sum(c.split_n and c.block_m == 64 for c in sweep) == 2
-  assert sweep[1:5] == [
-      dataclasses.replace(base, cluster_n=True),
+  assert sweep[1:4] == [
       dataclasses.replace(base, skip_empty_halves=True),
       dataclasses.replace(base, delay_release=0, pipeline_across_tiles=True),
       dataclasses.replace(base, delay_release=0)]

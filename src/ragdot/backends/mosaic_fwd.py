@@ -95,11 +95,6 @@ class MosaicFwdConfig:
     1.12 computed rows per real row instead of 1.24), at the price of half the
     rows per rhs block loaded.  Needs block_n 128 or 256 and epilogue_split 2
     or 4 (each consumer stores its own chunks).
-  cluster_n: 2 warpgroups only: CTAs run in clusters of 2 that take the same
-    row tile and two neighbouring n tiles; the lhs block of each pipeline step
-    is loaded once and multicast by TMA to both (L2 -> SMEM bytes per step 40
-    instead of 48 KiB at 128 x 256 x 64).  Used when the n tiles pair up
-    (cdiv(n, block_n) even); otherwise the kernel runs without clusters.
   guard_last_stage: 2 warpgroups with delay_release=1 and per-tile pipelines:
     the producer starts a tile's loads only after both consumers' last wgmma
     of the previous tile is done.  The pipeline releases every stage but a
@@ -127,7 +122,6 @@ class MosaicFwdConfig:
   delay_release: int = 1
   pipeline_across_tiles: bool = False
   split_n: bool = False
-  cluster_n: bool = False
   guard_last_stage: bool = True
 
   def __post_init__(self):
@@ -139,8 +133,6 @@ class MosaicFwdConfig:
           f"block_m must be {rows} (64 per compute warpgroup, 64 with split_n),"
           f" got {self.block_m}"
       )
-    if self.cluster_n and (self.num_compute_wgs != 2 or self.split_n):
-      raise ValueError("cluster_n needs num_compute_wgs=2 and split_n=False (untested)")
     if self.split_n and (self.num_compute_wgs != 2 or self.block_n % 128
                          or self.epilogue_split not in (2, 4) or self.skip_empty_halves):
       raise ValueError(
@@ -286,12 +278,8 @@ def gpu_sweep_configs(
   base = default_config(m, k, n, g, dtype, transpose_rhs, out_dtype)
   out = [base]
   if base.num_compute_wgs == 2:
-    # Next to the default: clusters of 2 CTAs sharing each lhs block by
-    # multicast (the default runs the L2 at 81% on Qwen3-30B gate_up), skipping
-    # empty 64-row halves, one pipeline across tiles, and the per-step release
-    # that needs on its own.
-    if pl.cdiv(n, base.block_n) % 2 == 0:
-      out.append(dataclasses.replace(base, cluster_n=True))
+    # Next to the default: skipping empty 64-row halves, one pipeline across
+    # tiles, and the per-step release that needs on its own.
     out.append(dataclasses.replace(base, skip_empty_halves=True))
     per_step = dataclasses.replace(base, delay_release=0)
     if _chains_tiles(dataclasses.replace(per_step, pipeline_across_tiles=True), k):
@@ -414,12 +402,10 @@ def _work_item(tiles_gmem, w, num_tiles, max_tiles: int, grid_n: int,
           tiles_gmem[3 * max_tiles + ti])
 
 
-def _lhs_spec(cfg: MosaicFwdConfig, row0, delay_release: int = 1, multicast: bool = False):
-  """The (block_m, block_k) lhs window at row ``row0`` (any multiple of 8);
-  ``multicast``: loaded once per cluster and delivered to both of its CTAs."""
+def _lhs_spec(cfg: MosaicFwdConfig, row0, delay_release: int = 1):
+  """The (block_m, block_k) lhs window at row ``row0`` (any multiple of 8)."""
   return plgpu.BlockSpec((pl.Element(cfg.block_m), cfg.block_k),
-                         lambda ki: (row0, ki), delay_release=delay_release,
-                         collective_axes=("cluster",) if multicast else ())
+                         lambda ki: (row0, ki), delay_release=delay_release)
 
 
 def _rhs_spec(cfg: MosaicFwdConfig, ni, transpose_rhs: bool, delay_release: int = 1):
@@ -595,18 +581,12 @@ def _chains_tiles(cfg: MosaicFwdConfig, k: int) -> bool:
 
 def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
                     m: int, k: int, n: int, cfg: MosaicFwdConfig, transpose_rhs: bool,
-                    num_ctas: int, clustered: bool = False):
+                    num_ctas: int):
   """Two consumer warpgroups (64 rows each, or half the columns each with
-  ``split_n``) + one TMA producer warpgroup.
-
-  ``clustered``: the kernel runs in clusters of 2 CTAs (``num_ctas`` counts
-  clusters); a work item is a row tile and a pair of n tiles, CTA ``c`` of the
-  cluster taking n tile ``2 * pair + c``, and the lhs blocks are multicast.
-  """
+  ``split_n``) + one TMA producer warpgroup."""
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
   hm = _WG_ROWS
-  pair = 2 if clustered else 1
-  grid_n = pl.cdiv(n, bn) // pair  # work items per row tile (n tiles, or pairs)
+  grid_n = pl.cdiv(n, bn)
   k_steps = pl.cdiv(k, bk)
   max_tiles = tiles_gmem.shape[0] // 4
   max_rows = min(hm, m)
@@ -624,7 +604,7 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
         body,
         grid=(k_steps,),
         memory_registers=40,
-        in_specs=[_lhs_spec(cfg, row0, dr, clustered), _rhs_spec(cfg, ni, transpose_rhs, dr)],
+        in_specs=[_lhs_spec(cfg, row0, dr), _rhs_spec(cfg, ni, transpose_rhs, dr)],
         wg_axis="wg",
         num_compute_wgs=2,
         max_concurrent_steps=cfg.num_stages,
@@ -638,22 +618,18 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
       pl.run_scoped,
       allocs=make_pipeline(ignore, ignore).get_allocations(lhs_gmem, rhs_gmem.at[0]),
       o_smem=plgpu.SMEM((2, hm, cn), out_dtype),
-      # Consumers -> producer: a tile's last wgmma is done (see guard_last_stage);
-      # cluster-wide when the lhs blocks are multicast into both CTAs.
-      tile_done=(plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=2)
-                 if clustered else plgpu.Barrier(num_arrivals=2)),
+      # Consumers -> producer: a tile's last wgmma is done (see guard_last_stage).
+      tile_done=plgpu.Barrier(num_arrivals=2),
       collective_axes="wg",
   )
   def _scope(allocs, o_smem, tile_done):
     wg = lax.axis_index("wg")
-    cta = lax.axis_index("cluster") if clustered else 0
     my_smem = o_smem.at[wg]
     my_chunks = wg if split else None  # split_n: each consumer stores its own columns
     store = functools.partial(_store_rows, my_smem, out_gmem, max_rows=max_rows, width=cn)
 
     def zero_tile(w, first):
       blk, ni = _zero_item(w, grid_n, za, zb)
-      ni = ni * pair + cta
       # Each consumer zeroes its own 64-row half (split_n: its column half).
       hs = blk * bm + (0 if split else wg * hm)
       pieces = _outside_window(hs, jnp.minimum(hs + hm, m), lo, hi)
@@ -669,7 +645,6 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
     def compute_tile(w, state):
       ni, grp, row0, row_start, row_end = _work_item(
           tiles_gmem, w, num_tiles, max_tiles, grid_n, cfg)
-      ni = ni * pair + cta
       wg_rows = pl.ds(wg * hm, hm)
       hs = row0 + (0 if split else wg * hm)  # this consumer's first row
 
@@ -787,18 +762,11 @@ def gmm(
   tiles, scalars = _build_metadata(group_sizes, group_offset, m, g_local, config.block_m)
   tiles, scalars, lhs, rhs = match_varying(tiles, scalars, lhs, rhs)
   num_ctas = _num_sms(config, bool(interpret))
-  # Clusters of 2 CTAs when the n tiles pair up (and there are CTAs to pair).
-  clustered = (config.cluster_n and pl.cdiv(n, config.block_n) % 2 == 0
-               and num_ctas >= 2)
-  if clustered:
-    num_ctas //= 2  # the grid counts clusters
   if config.num_compute_wgs == 1:
     body, extra = _gmm_kernel_1wg, {}
   else:
-    body = functools.partial(_gmm_kernel_2wg, num_ctas=num_ctas, clustered=clustered)
+    body = functools.partial(_gmm_kernel_2wg, num_ctas=num_ctas)
     extra = dict(num_threads=3, thread_name="wg")
-    if clustered:
-      extra.update(cluster=(2,), cluster_names=("cluster",))
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
   kernel = plgpu.kernel(
