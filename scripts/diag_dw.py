@@ -1,0 +1,113 @@
+"""Where does the dW kernel's time go? (GPU machine; a diagnostic, not a bench)
+
+  python3 scripts/diag_dw.py OUT_DIR [--set FIELD=VALUE ...] [--cases ABC] [--rounds 3]
+
+For each training shape times the default Mosaic dW kernel (CUPTI, interleaved
+rounds) on
+  A  routed group sizes (the bench's),
+  B  the same inputs with the boundary-block row masking traced out (wrong
+     results: it only shows what the masking costs),
+  C  group sizes rounded to multiples of 64 (same m; no group straddles a row
+     block, so nothing is masked and no block is partly padding),
+  D  with ``--set``: routed sizes, the default config with those fields
+     replaced (an A/B; its output is compared with A's bitwise),
+and writes OUT_DIR/diag_dw.json.  B/A is the masking's share, C/A the share of
+masking plus boundary blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import json
+import os
+import statistics
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ragdot import bench, timing
+from ragdot.backends import mosaic_dw
+
+
+def aligned_sizes(sizes: np.ndarray, m: int, align: int = 64) -> np.ndarray:
+  """``sizes`` rounded to multiples of ``align``; the largest group takes the
+  rest so they still sum to ``m`` (m a multiple of ``align``)."""
+  out = (np.round(sizes / align) * align).astype(np.int32)
+  out[np.argmax(out)] += m - out.sum()
+  assert out.min() >= 0 and out.sum() == m and not np.any(out % align)
+  return out
+
+
+def main() -> None:
+  p = argparse.ArgumentParser()
+  p.add_argument("out_dir")
+  p.add_argument("--rounds", type=int, default=3)
+  p.add_argument("--iterations", type=int, default=10)
+  p.add_argument("--cases", default="ABC", help="which of A, B, C to run (A always runs)")
+  p.add_argument("--set", nargs="+", default=[], metavar="FIELD=VALUE",
+                 help="MosaicDwConfig fields of case D (Python literals)")
+  args = p.parse_args()
+  changes = {k: ast.literal_eval(v) for k, v in (kv.split("=", 1) for kv in args.set)}
+  rows = []
+  for s in bench.PRESETS["training"]:
+    sizes = bench.routed_group_sizes(s)
+    gs = jnp.asarray(sizes)
+    gs64 = jnp.asarray(aligned_sizes(sizes, s.m))
+    kx, ky = jax.random.split(jax.random.key(len(rows)))
+    x = jax.random.normal(kx, (s.m, s.k), jnp.bfloat16)
+    dy = jax.random.normal(ky, (s.m, s.n), jnp.bfloat16)
+
+    default = mosaic_dw.default_config(s.m, s.k, s.n, s.g, jnp.bfloat16, jnp.bfloat16)
+
+    def make(config=default):
+      return jax.jit(lambda x, dy, gs: mosaic_dw.tgmm(
+          x, dy, gs, None, num_groups=s.g, out_dtype=jnp.bfloat16, config=config))
+
+    fa = make()
+    jax.block_until_ready(fa(x, dy, gs))
+    cases = [("A", fa, gs)]
+    if "B" in args.cases:
+      fb = make()
+      real_mask = mosaic_dw._consumers_mask
+      mosaic_dw._consumers_mask = lambda *a, **k: None  # traced out of B only
+      try:
+        jax.block_until_ready(fb(x, dy, gs))
+      finally:
+        mosaic_dw._consumers_mask = real_mask
+      cases.append(("B", fb, gs))
+    if "C" in args.cases:
+      cases.append(("C", make(), gs64))
+    equal = None
+    if changes:
+      fd = make(dataclasses.replace(default, **changes))
+      out_a = np.asarray(fa(x, dy, gs).astype(jnp.float32))
+      equal = bool(np.array_equal(out_a, np.asarray(fd(x, dy, gs).astype(jnp.float32))))
+      cases.append(("D", fd, gs))
+    times = {name: [] for name, _, _ in cases}
+    for _ in range(args.rounds):
+      for name, f, g in cases:
+        times[name].append(timing.device_time_ms(f, x, dy, g, iterations=args.iterations)[0])
+    med = {name: statistics.median(t) for name, t in times.items()}
+    flops = 2 * s.m * s.k * s.n
+    row = dict(shape=s.name, ms=med, tflops={k: flops / v / 1e9 for k, v in med.items()},
+               b_over_a=med["B"] / med["A"] if "B" in med else None,
+               c_over_a=med["C"] / med["A"] if "C" in med else None,
+               blocks_routed=int(np.sum(np.ceil((sizes + 7) / 64))),
+               blocks_aligned=int(np.sum(np.ceil(np.asarray(gs64) / 64))))
+    line = "".join(f"  {name}/A {row[f'{name.lower()}_over_a']:.3f}" for name in "BC"
+                   if name in med)
+    if changes:
+      row.update(d_over_a=med["D"] / med["A"], d_equal_a=equal)
+      line += f"  D({' '.join(args.set)}) {row['d_over_a']:.3f} equal {equal}"
+    rows.append(row)
+    print(f"{s.name:20s} A {med['A']:.4f} ms {row['tflops']['A']:6.1f}"
+          f"  blocks {row['blocks_routed']} -> {row['blocks_aligned']}{line}", flush=True)
+  with open(os.path.join(args.out_dir, "diag_dw.json"), "w") as f:
+    json.dump(dict(device=jax.devices()[0].device_kind, set=changes, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
