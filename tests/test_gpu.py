@@ -188,14 +188,17 @@ def test_two_ctas_per_sm_real_size(kernel):
 
 
 @pytest.mark.parametrize(
-    "bm,bk,bn,stages,k,out_dtype",
-    [(64, 128, 256, 3, 1024, jnp.bfloat16),  # the default
-     (64, 256, 128, 3, 1024, jnp.bfloat16),
-     (64, 128, 256, 2, 1024, jnp.float32),  # the default for f32 output
-     (128, 128, 128, 3, 1024, jnp.bfloat16),
-     (64, 256, 128, 3, 320, jnp.bfloat16)],  # partial k tile; consumer 1's half past k
-    ids=["default", "256x128", "f32_2_stages", "bm128", "partial_k"])
-def test_mosaic_dw_ring_across_items_real_size(bm, bk, bn, stages, k, out_dtype):
+    "bm,bk,bn,stages,k,out_dtype,mask",
+    [(64, 128, 256, 3, 1024, jnp.bfloat16, "banded_mask"),  # the default
+     (64, 128, 256, 3, 1024, jnp.bfloat16, None),  # ... masking whole tiles
+     (64, 128, 256, 3, 1024, jnp.bfloat16, "producer_mask"),  # ... in the producer
+     (64, 256, 128, 3, 1024, jnp.bfloat16, None),
+     (64, 128, 256, 2, 1024, jnp.float32, "banded_mask"),  # the default for f32 output
+     (128, 128, 128, 3, 1024, jnp.bfloat16, "banded_mask"),
+     (64, 256, 128, 3, 320, jnp.bfloat16, None)],  # partial k tile; consumer 1's half past k
+    ids=["default", "whole_tile_mask", "producer_mask", "256x128", "f32_2_stages",
+         "bm128_banded", "partial_k"])
+def test_mosaic_dw_ring_across_items_real_size(bm, bk, bn, stages, k, out_dtype, mask):
   """The warp-specialized dW with one ring of stages across items, on hardware:
   every group's tile written (NaN-poisoned memory), empty groups zero, a shard,
   and a shard of 2 groups (fewer items than CTAs: idle CTAs)."""
@@ -206,7 +209,8 @@ def test_mosaic_dw_ring_across_items_real_size(bm, bk, bn, stages, k, out_dtype)
   sizes[5] = 0
   gs = jnp.asarray(sizes)
   cfg = mosaic_dw.MosaicDwConfig(block_m=bm, block_k=bk, block_n=bn, num_stages=stages,
-                                 num_compute_wgs=2, pipeline_across_items=True)
+                                 num_compute_wgs=2, pipeline_across_items=True,
+                                 **({mask: True} if mask else {}))
   x, dy = oracle.random_inputs(jax.random.key(5), [(m, k), (m, n)], jnp.bfloat16)
   for offset, local in [(None, g), (20, 24), (4, 2)]:
     go = None if offset is None else jnp.int32(offset)

@@ -47,6 +47,18 @@ _MIN_DIM = 64  # k, n granule: one 128-byte swizzle atom of 16-bit elements
 _ROW_ALIGN = 8  # TMA row granule of the tiled GMEM view: row blocks start here
 _SMEM_RESERVE = 2048  # barriers and alignment
 _PRODUCER_REGISTERS = 40  # per thread of the TMA warpgroup (warp-specialized bodies)
+# A CTA of 3 warpgroups launches with 168 registers per thread (65536 / 384,
+# rounded down to 8); setmaxnreg only moves registers within that allocation,
+# so the three warpgroups' counts may sum to at most 3 * 168.  (Asking for
+# more makes the increasing warpgroups wait forever: a hang, not an error.)
+_REGISTERS_3WG = 3 * (65536 // 384 // 8 * 8)
+
+
+def register_split(producer_mask: bool) -> tuple[int, int]:
+  """(producer, consumer) registers per thread of the ring body's warpgroups."""
+  producer = _PRODUCER_REGISTERS + (8 if producer_mask else 0)  # the band masks
+  consumer = min(256, (_REGISTERS_3WG - producer) // 2) // 8 * 8
+  return producer, consumer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +86,12 @@ class MosaicDwConfig:
       all of a CTA's items (the producer loads the next item's row blocks
       during the current item's last wgmmas and store) instead of a pipeline
       filled and drained per item.
+    banded_mask: a boundary row block (one holding rows of a neighbouring
+      group) is masked band by band, touching only the bands the group
+      boundary cuts or excludes, instead of reading and rewriting whole tiles.
+    producer_mask: with the ring across items (3+ stages), the producer
+      warpgroup masks boundary blocks (by bands) before the consumers see
+      them, instead of the consumers between their wgmmas.
   """
 
   block_m: int = 64
@@ -85,6 +103,8 @@ class MosaicDwConfig:
   num_compute_wgs: int = 1
   ctas_per_sm: int = 1
   pipeline_across_items: bool = False
+  banded_mask: bool = False
+  producer_mask: bool = False
 
   def __post_init__(self):
     if self.block_m <= 0 or self.block_m % 64:
@@ -121,6 +141,8 @@ class MosaicDwConfig:
     sm90.check_ctas_per_sm(self.ctas_per_sm, self.num_compute_wgs)
     if self.pipeline_across_items and self.num_compute_wgs != 2:
       raise ValueError("pipeline_across_items needs num_compute_wgs=2")
+    if self.producer_mask and not (self.pipeline_across_items and self.num_stages >= 3):
+      raise ValueError("producer_mask needs pipeline_across_items and num_stages >= 3")
 
   def smem_budget(self) -> int:
     """SMEM this config may use (per CTA, with ``ctas_per_sm`` CTAs on an SM)."""
@@ -160,16 +182,19 @@ def default_config(
   Two consumer warpgroups (64 output rows each) over 64-row steps, 3 stages,
   one ring of stages through all of a CTA's items: the best measured H200
   point on Qwen3-30B gate_up / down, Qwen3-235B gate_up and DeepSeek-V3 down
-  (1.27-1.59x the same tiles with a pipeline per item, 2026-11-29).  When k
-  cannot give each consumer 64 rows (k < 128), one warpgroup with a 128 x 128
-  tile and 4 stages.  Stages drop until SMEM fits ``out_dtype``'s staging
-  tile (None: any output dtype, i.e. f32).
+  (1.27-1.59x the same tiles with a pipeline per item, 2026-11-29), with
+  boundary blocks masked by row bands (0.95-0.98x the time on those four,
+  1.01x on Mixtral gate_up, 2026-11-30).  When k cannot give each consumer 64
+  rows (k < 128), one warpgroup with a 128 x 128 tile and 4 stages.  Stages
+  drop until SMEM fits ``out_dtype``'s staging tile (None: any output dtype,
+  i.e. f32).
   """
   del m, num_groups
   bk, bn = _fit(128, k), _fit(256, n)
   if bk >= 128:
     config = MosaicDwConfig(block_m=64, block_k=bk, block_n=bn, num_stages=3,
-                            num_compute_wgs=2, pipeline_across_items=True)
+                            num_compute_wgs=2, pipeline_across_items=True,
+                            banded_mask=True)
   else:
     config = MosaicDwConfig(block_m=64, block_k=bk, block_n=_fit(128, n), num_stages=4)
   return fit_config(config, dtype, jnp.float32 if out_dtype is None else out_dtype)
@@ -181,10 +206,11 @@ def gpu_sweep_configs(
 ) -> list[MosaicDwConfig]:
   """A short list of candidates for a GPU sweep (default first; all fit in SMEM).
 
-  Four warp-specialized configs with one ring of stages across items, two
-  with two resident CTAs per SM, four one-warpgroup configs and three
-  warp-specialized ones with a pipeline per item (``num_compute_wgs=2``: 256 x 128 or 128 x 256
-  output tiles, or 128 x 128).  Stages drop until SMEM fits (f32 outputs need a
+  The default, the default with the other consumer masking (``banded_mask``)
+  and with ``producer_mask``, four warp-specialized configs with one ring of
+  stages across items, two with two resident CTAs per SM, four one-warpgroup
+  configs and three warp-specialized ones with a pipeline per item
+  (``num_compute_wgs=2``: 256 x 128 or 128 x 256 output tiles, or 128 x 128).  Stages drop until SMEM fits (f32 outputs need a
   bigger staging tile); configs that no longer fit, or whose k tile is too
   small for two 64-row halves, are left out.
   """
@@ -192,6 +218,11 @@ def gpu_sweep_configs(
   out = [default_config(m=0, k=k, n=n, num_groups=num_groups, dtype=dtype,
                         out_dtype=out_dtype)]
   out = [c for c in out if c is not None]
+  # The default with the other consumer masking (whole tiles / row bands), and
+  # with the producer masking boundary blocks (when the ring has 3 stages).
+  out += [dataclasses.replace(c, banded_mask=not c.banded_mask) for c in out]
+  out += [dataclasses.replace(c, producer_mask=True) for c in out[:1]
+          if c.pipeline_across_items and c.num_stages >= 3]
   # (bm, bk, bn, stages, tile width, warpgroups, CTAs per SM, ring)
   for bm, bk, bn, stages, width, wgs, ctas, flat in (
       # One ring of stages through all of a CTA's items (first: the likely
@@ -295,17 +326,65 @@ def _straddles(row0, rows: int, start, end):
   return (row0 < start) | (row0 + rows > end)
 
 
-def _consumers_mask(lhs_t, rhs_t, wg, row0, start, end, mask_barrier) -> None:
-  """The two consumers split the masking of a shared stage by 64-column chunks,
-  then both wait until all of it is masked before their wgmmas read it."""
-  chunks = ([(lhs_t, c) for c in range(0, lhs_t.shape[1], 64)]
-            + [(rhs_t, c) for c in range(0, rhs_t.shape[1], 64)])
-  for i, (ref, col) in enumerate(chunks):
-    pl.when(wg == i % 2)(functools.partial(
-        _mask_rows, ref.at[:, pl.ds(col, 64)], row0, start, end))
+def _consumers_mask(lhs_t, rhs_t, wg, row0, start, end, mask_barrier,
+                    banded: bool = False) -> None:
+  """The two consumers split the masking of a shared stage (by 64-column chunks,
+  or ``banded`` by row bands), then both wait until all of it is masked before
+  their wgmmas read it."""
+  if banded:
+    _mask_bands((lhs_t, rhs_t), wg, 2, row0, start, end)
+  else:
+    chunks = ([(lhs_t, c) for c in range(0, lhs_t.shape[1], 64)]
+              + [(rhs_t, c) for c in range(0, rhs_t.shape[1], 64)])
+    for i, (ref, col) in enumerate(chunks):
+      pl.when(wg == i % 2)(functools.partial(
+          _mask_rows, ref.at[:, pl.ds(col, 64)], row0, start, end))
   plgpu.commit_smem()
   plgpu.barrier_arrive(mask_barrier)
   plgpu.barrier_wait(mask_barrier)
+
+
+def _band_rows(cols: int) -> int:
+  """Rows of a masking band of a tile ``cols`` (a multiple of 64) wide: four
+  8 x 64 swizzle tiles, the unit of one warpgroup's SMEM transfer layout."""
+  col_tiles = cols // 64
+  return 8 * (4 // col_tiles) if col_tiles in (1, 2, 4) else 32
+
+
+def _mask_bands(tiles, wg, num_wgs: int, row0, start, end) -> None:
+  """Zeroes the rows outside [start, end) of SMEM tiles (each [rows, cols],
+  swizzled, rows from ``row0``) band by band: a band wholly outside is
+  overwritten with zeros, one that straddles a boundary is read, masked and
+  written back, one wholly inside is left alone.  Bands go round-robin to the
+  ``num_wgs`` warpgroups (``wg`` is this one's index).
+
+  A group boundary cuts at most one band per tile, so on a typical boundary
+  block this moves a fraction of the bytes of masking the whole tiles.
+  """
+  i = 0
+  for tile in tiles:
+    rows, cols = tile.shape
+    band = min(_band_rows(cols), rows)
+    layout = plgpu.Layout.SMEM_GMEM_COPY((band, cols), tile.dtype, 128)
+    for b0 in range(0, rows, band):
+      ref = tile.at[pl.ds(b0, band)]
+      r0 = row0 + b0
+      outside = (r0 + band <= start) | (r0 >= end)
+      straddles = jnp.logical_not(outside) & ((r0 < start) | (r0 + band > end))
+
+      def zero(ref=ref):
+        ref[...] = plgpu.layout_cast(jnp.zeros(ref.shape, ref.dtype), layout)
+
+      def mask(ref=ref, r0=r0):
+        idx = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, ref.shape, 0), layout) + r0
+        keep = (idx >= start) & (idx < end)
+        val = plgpu.load(ref, layout=layout)
+        ref[...] = jnp.where(keep, val, jnp.zeros_like(val))
+
+      mine = wg == i % num_wgs
+      pl.when(mine & outside)(zero)
+      pl.when(mine & straddles)(mask)
+      i += 1
 
 
 def _store_consumer_half(acc, my_smem, out_gmem, j, row, col) -> None:
@@ -393,7 +472,8 @@ def _body_2wg(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gm
       def step(idx, lhs_smem, rhs_smem, acc_ref):
         row0 = first + idx[0] * bm
         pl.when(_straddles(row0, bm, start, end))(functools.partial(
-            _consumers_mask, lhs_smem, rhs_smem, wg, row0, start, end, mask_barrier))
+            _consumers_mask, lhs_smem, rhs_smem, wg, row0, start, end, mask_barrier,
+            config.banded_mask))
 
         plgpu.wgmma(acc_ref, lhs_smem.at[:, pl.ds(wg * hk, hk)].T, rhs_smem)
         # delay_release=1: this step's slot is released one step later, once
@@ -437,17 +517,24 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
   ``consumed[slot]`` (both consumers' wgmmas done with it) are the ring's
   barriers, and each thread tracks their phases by waiting once per use.  The
   two consumers split a boundary block's row masking between their wgmmas.
+
+  ``config.producer_mask``: the producer masks boundary blocks instead, off the
+  consumers' path.  After issuing step ``s``'s loads it waits for step
+  ``s - 1``'s to land, masks that block's bands if it is a boundary block and
+  arrives on ``ready[slot]``, which the consumers wait for instead of
+  ``produced``; so at most two steps' loads are in flight (needs 3 stages to
+  not deadlock: issuing step ``s`` waits for step ``s - 3`` to be consumed).
   """
   bm, bk, bn = config.block_m, config.block_k, config.block_n
   hk = bk // 2
   stages = config.num_stages
-  regs_consumer = min(256, (512 - _PRODUCER_REGISTERS) // 2) // 8 * 8
+  by_producer = config.producer_mask
+  regs_producer, regs_consumer = register_split(by_producer)
 
-  def items(body):
-    """Runs ``body(item, step) -> step`` over this CTA's items in order (the
-    step count starts at 0); the final step count."""
-    @plgpu.nd_loop((num_groups, grid_k * grid_n), collective_axes="sm",
-                   init_carry=jnp.int32(0))
+  def items(body, init):
+    """Runs ``body(item, carry) -> carry`` over this CTA's items in order; the
+    final carry."""
+    @plgpu.nd_loop((num_groups, grid_k * grid_n), collective_axes="sm", init_carry=init)
     def steps(info: plgpu.NDLoopInfo, carry):
       item = _work_item(info, grid_k, grid_n, config, starts_gmem, ends_gmem, first_gmem,
                         nblocks_gmem)
@@ -460,21 +547,39 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
       rhs_smem=plgpu.SMEM((stages, bm, bn), rhs_gmem.dtype, transforms=in_transforms_rhs),
       produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      ready=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
       o_smem=plgpu.SMEM((2, hk, bn), out_dtype, transforms=out_transforms),
       mask_barrier=plgpu.Barrier(num_arrivals=2),
       collective_axes="wg",
   )
-  def _scope(lhs_smem, rhs_smem, produced, consumed, o_smem, mask_barrier):
+  def _scope(lhs_smem, rhs_smem, produced, consumed, ready, o_smem, mask_barrier):
     wg = lax.axis_index("wg")
 
     @pl.when(wg == 2)
     def _producer():
-      plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+      plgpu.set_max_registers(regs_producer, action="decrease")
 
-      def item(it, step):
-        _, ki, ni, _, _, first, nblocks = it
+      def finish(prev):
+        """Step ``prev[0]`` (if >= 0) landed: mask it if needed, mark it ready."""
+        pstep, prow0, pstart, pend = prev
 
-        def load(i, step):
+        @pl.when(pstep >= 0)
+        def _():
+          slot = lax.rem(pstep, stages)
+          plgpu.barrier_wait(produced.at[slot])
+
+          @pl.when(_straddles(prow0, bm, pstart, pend))
+          def _():
+            _mask_bands((lhs_smem.at[slot], rhs_smem.at[slot]), 0, 1, prow0, pstart, pend)
+            plgpu.commit_smem()  # visible to the consumers' wgmmas
+
+          plgpu.barrier_arrive(ready.at[slot])
+
+      def item(it, carry):
+        _, ki, ni, start, end, first, nblocks = it
+
+        def load(i, carry):
+          step = carry[0]
           slot = lax.rem(step, stages)
           # The slot's previous use (step - stages) must be consumed first.
           pl.when(step >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
@@ -485,11 +590,19 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
                                   lhs_smem.at[slot], produced.at[slot])
           plgpu.copy_gmem_to_smem(rhs_gmem.at[rows, pl.ds(ni * bn, bn)],
                                   rhs_smem.at[slot], produced.at[slot])
-          return step + 1
+          if by_producer:
+            finish(carry[1:])
+            return (step + 1, step, row0, start, end)
+          return (step + 1,)
 
-        return lax.fori_loop(0, nblocks, load, step)
+        return lax.fori_loop(0, nblocks, load, carry)
 
-      total = items(item)
+      i32 = jnp.int32
+      init = (i32(0), i32(-1), i32(0), i32(0), i32(0)) if by_producer else (i32(0),)
+      final = items(item, init)
+      if by_producer:
+        finish(final[1:])
+      total = final[0]
 
       # Observe the consumption of the last stages too (every barrier phase is
       # waited for before the barriers go away).
@@ -507,11 +620,15 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
         def acc_scope(acc_ref):
           def mma(i, step):
             slot = lax.rem(step, stages)
-            plgpu.barrier_wait(produced.at[slot])
             lhs_t, rhs_t = lhs_smem.at[slot], rhs_smem.at[slot]
-            row0 = first + i * bm
-            pl.when(_straddles(row0, bm, start, end))(functools.partial(
-                _consumers_mask, lhs_t, rhs_t, wg, row0, start, end, mask_barrier))
+            if by_producer:
+              plgpu.barrier_wait(ready.at[slot])
+            else:
+              plgpu.barrier_wait(produced.at[slot])
+              row0 = first + i * bm
+              pl.when(_straddles(row0, bm, start, end))(functools.partial(
+                  _consumers_mask, lhs_t, rhs_t, wg, row0, start, end, mask_barrier,
+                  config.banded_mask))
 
             plgpu.wgmma(acc_ref, lhs_t.at[:, pl.ds(wg * hk, hk)].T, rhs_t)
             plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release it
@@ -529,7 +646,7 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
         _store_consumer_half(acc, o_smem.at[wg], out_gmem, j, ki * bk + wg * hk, ni * bn)
         return step
 
-      items(item)
+      items(item, jnp.int32(0))
       plgpu.wait_smem_to_gmem(0)
 
 
@@ -606,8 +723,11 @@ def tgmm(
 
           @pl.when(_straddles(row0, bm, start, end))
           def _():
-            _mask_rows(lhs_smem, row0, start, end)
-            _mask_rows(rhs_smem, row0, start, end)
+            if config.banded_mask:
+              _mask_bands((lhs_smem, rhs_smem), 0, 1, row0, start, end)
+            else:
+              _mask_rows(lhs_smem, row0, start, end)
+              _mask_rows(rhs_smem, row0, start, end)
             plgpu.commit_smem()
 
           plgpu.wgmma(acc_ref, lhs_smem.T, rhs_smem)
