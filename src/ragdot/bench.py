@@ -316,6 +316,8 @@ def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
         ms, method, peak = results["ragdot"]
         results[name] = (ms, f"{method}; the automatic choice's kernels", peak)
         continue
+      # Progress on stderr: a run cut by a time limit shows where it stopped.
+      print(f"# {shape.name} {op} {name}", file=sys.stderr, flush=True)
       try:
         compiled = jax.jit(fn).lower(x, w, dy, gs).compile()
         peak = peak_bytes(compiled)
