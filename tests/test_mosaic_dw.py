@@ -194,12 +194,22 @@ def test_group_offset_two_warpgroups(offset, num_groups, two_wg):
   check(out, ref, jnp.bfloat16)
 
 
-@pytest.mark.parametrize("config, k, n", [(SMALL, 64, 64), (TWO_WG, 128, 256),
-                                         (FLAT, 128, 256), (FLAT3, 128, 256)])
-def test_rows_outside_the_shard_never_contribute(config, k, n):
+def _fail(*args, **kwargs):
+  raise AssertionError("whole-tile masking traced for a banded config")
+
+
+@pytest.mark.parametrize("config, k, n", [
+    (SMALL, 64, 64), (TWO_WG, 128, 256), (FLAT, 128, 256), (FLAT3, 128, 256),
+    (dataclasses.replace(SMALL, banded_mask=True), 64, 64),
+    (dataclasses.replace(TWO_WG, banded_mask=True), 128, 256),
+    (FLAT3_BANDED, 128, 256), (FLAT3_PRODUCER, 128, 256)])
+def test_rows_outside_the_shard_never_contribute(config, k, n, monkeypatch):
   # NaN in every row no local group owns (neighbour groups and the tail past
   # sum(sizes)): the boundary blocks must mask both operands, not scale them.
-  # With two warpgroups each masks half of the 64-column chunks.
+  # With two warpgroups each masks half of the 64-column chunks (or bands).
+  if config.banded_mask or config.producer_mask:
+    # The band masking must be what runs: whole-tile masking is not traced.
+    monkeypatch.setattr(mosaic_dw, "_mask_rows", _fail)
   sizes, offset, num_groups = [10, 20, 7, 25, 15], 1, 2   # local rows [10, 37)
   lhs, rhs = inputs(96, k, n, jnp.bfloat16, 21)
   rows = np.arange(96)[:, None]
@@ -362,6 +372,17 @@ def test_lowers_for_sm90(out_dtype, shape):
   for cfg in configs:
     lower_for_sm90(m, k, n, g, cfg, out_dtype=out_dtype)
   lower_for_sm90(1000, 192, 320, 16, None, dtype=jnp.float16, out_dtype=out_dtype)
+
+
+def test_fit_config_drops_producer_mask_below_3_stages():
+  # f32 output needs a bigger staging tile: 3 stages no longer fit, and the
+  # producer's masking needs 3, so the consumers' banded masking takes over.
+  cfg = MosaicDwConfig(block_m=64, block_k=128, block_n=256, num_stages=3,
+                       num_compute_wgs=2, pipeline_across_items=True, producer_mask=True)
+  fitted = mosaic_dw.fit_config(cfg, jnp.bfloat16, jnp.float32)
+  assert fitted == dataclasses.replace(cfg, num_stages=2, producer_mask=False,
+                                       banded_mask=True)
+  assert mosaic_dw.fit_config(cfg, jnp.bfloat16, jnp.bfloat16) == cfg
 
 
 def test_default_is_the_ring_across_items():

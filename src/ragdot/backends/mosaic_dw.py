@@ -90,8 +90,9 @@ class MosaicDwConfig:
       group) is masked band by band, touching only the bands the group
       boundary cuts or excludes, instead of reading and rewriting whole tiles.
     producer_mask: with the ring across items (3+ stages), the producer
-      warpgroup masks boundary blocks (by bands) before the consumers see
-      them, instead of the consumers between their wgmmas.
+      warpgroup masks boundary blocks (always by bands, whatever
+      ``banded_mask`` says) before the consumers see them, instead of the
+      consumers between their wgmmas.
   """
 
   block_m: int = 64
@@ -166,11 +167,15 @@ def _fit(block: int, dim: int) -> int:
 
 def fit_config(config: MosaicDwConfig, dtype, out_dtype) -> MosaicDwConfig | None:
   """``config`` with pipeline stages dropped (down to 2) until it fits SMEM; None
-  when even 2 do not fit."""
+  when even 2 do not fit.  Below 3 stages ``producer_mask`` gives way to the
+  consumers' banded masking (it needs 3)."""
   while smem_bytes(config, dtype, out_dtype) > config.smem_budget():
     if config.num_stages <= 2:
       return None
-    config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+    stages = config.num_stages - 1
+    if config.producer_mask and stages < 3:
+      config = dataclasses.replace(config, producer_mask=False, banded_mask=True)
+    config = dataclasses.replace(config, num_stages=stages)
   return config
 
 
@@ -345,8 +350,9 @@ def _consumers_mask(lhs_t, rhs_t, wg, row0, start, end, mask_barrier,
 
 
 def _band_rows(cols: int) -> int:
-  """Rows of a masking band of a tile ``cols`` (a multiple of 64) wide: four
-  8 x 64 swizzle tiles, the unit of one warpgroup's SMEM transfer layout."""
+  """Rows of a masking band of a tile ``cols`` (a multiple of 64) wide: a whole
+  number of 8 x 64 swizzle tiles that one warpgroup's SMEM transfer layout
+  covers (it needs 4 of them, or 4 rows of tiles when the column count is 3)."""
   col_tiles = cols // 64
   return 8 * (4 // col_tiles) if col_tiles in (1, 2, 4) else 32
 
@@ -358,8 +364,9 @@ def _mask_bands(tiles, wg, num_wgs: int, row0, start, end) -> None:
   written back, one wholly inside is left alone.  Bands go round-robin to the
   ``num_wgs`` warpgroups (``wg`` is this one's index).
 
-  A group boundary cuts at most one band per tile, so on a typical boundary
-  block this moves a fraction of the bytes of masking the whole tiles.
+  Each group boundary in a block cuts at most one band per tile, so on a
+  typical boundary block this moves a fraction of the bytes of masking the
+  whole tiles.
   """
   i = 0
   for tile in tiles:
