@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ragdot import cli
-from ragdot.tune import Watchdog
+from ragdot.watchdog import Watchdog
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -76,13 +76,40 @@ def test_python_dash_m():
   assert "versions" in res.stdout
 
 
+def test_bench_watchdog_keeps_the_rows_before_a_hung_candidate(tmp_path):
+  """A candidate that never returns ends ``ragdot bench`` with status 3, naming it,
+  and the rows of the shapes finished before it are in --json."""
+  out = tmp_path / "rows.json"
+  code = f"""
+import time
+from ragdot import bench
+real, calls = bench.device_time_ms, []
+def timed(*args, **kwargs):
+  calls.append(1)
+  if bench.jax.default_backend() == "cpu" and len(calls) > 1:
+    time.sleep(120)  # the second candidate "hangs"
+  return real(*args, **kwargs)
+bench.device_time_ms = timed
+bench.main(["--shape", "256,64,64,4", "--shape", "256,64,128,4", "--ops", "fwd",
+            "--iterations", "1", "--no-baselines", "--hang-s", "10",
+            "--json", {str(out)!r}])
+"""
+  p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=SRC))
+  assert p.returncode == 3, p.stderr[-2000:]
+  assert "256,64,128,4 fwd ragdot ran for more than 10 s" in p.stderr
+  rows = json.loads(out.read_text())
+  assert rows and {r["shape"] for r in rows} == {"256,64,64,4"}
+  assert all(r["ms"] > 0 for r in rows)
+
+
 def test_tune_watchdog_ends_a_hung_candidate(tmp_path):
   """A stretch armed longer than the limit ends the process with status 3 after
   the hook runs; a disarmed one does not."""
   mark = tmp_path / "hung.txt"
   code = f"""
 import time
-from ragdot.tune import Watchdog
+from ragdot.watchdog import Watchdog
 w = Watchdog(0.4, on_hang=lambda label: open({str(mark)!r}, "w").write(label))
 w.arm("quick"); time.sleep(0.1); w.disarm(); time.sleep(1.0)
 print("survived", flush=True)

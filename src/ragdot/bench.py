@@ -28,6 +28,7 @@ from jax import lax
 
 import ragdot
 from ragdot.timing import device_time_ms
+from ragdot.watchdog import Watchdog
 
 DN_DX = lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), [0], [0])
 DN_DW = lax.RaggedDotDimensionNumbers((([0], [0]), ([], [])), [0], [])
@@ -277,7 +278,8 @@ def _ep_candidates(shape: Shape, impl: str, sizes: np.ndarray) -> dict[str, Call
 
 def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
                 seed: int = 0, impls: list[str] | None = None,
-                baselines: bool = True) -> list[dict[str, Any]]:
+                baselines: bool = True, watchdog: Watchdog | None = None
+                ) -> list[dict[str, Any]]:
   sizes = routed_group_sizes(shape, seed)
   keys = jax.random.split(jax.random.key(seed), 3)
   dtype = jnp.bfloat16
@@ -318,6 +320,8 @@ def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
         continue
       # Progress on stderr: a run cut by a time limit shows where it stopped.
       print(f"# {shape.name} {op} {name}", file=sys.stderr, flush=True)
+      if watchdog is not None:
+        watchdog.arm(f"{shape.name} {op} {name}")
       try:
         compiled = jax.jit(fn).lower(x, w, dy, gs).compile()
         peak = peak_bytes(compiled)
@@ -325,6 +329,9 @@ def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
         results[name] = (ms, method, peak)
       except Exception as e:  # pylint: disable=broad-except
         results[name] = (float("nan"), f"error: {type(e).__name__}: {str(e)[:160]}", None)
+      finally:
+        if watchdog is not None:
+          watchdog.disarm()
     base = results.get("dense", (float("nan"),))[0]
     tok = results.get("tokamax", results.get("tokamax-masked", (float("nan"),)))[0]
     for name, (ms, method, peak) in results.items():
@@ -457,6 +464,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--json", default=None, help="write rows to this file")
   parser.add_argument("--plot", default=None, help="write a PNG bar chart here")
   parser.add_argument("--from-json", default=None, help="re-plot/print saved rows")
+  parser.add_argument("--hang-s", type=float, default=180.0,
+                      help="a candidate still compiling or running after this many seconds"
+                           " (a hung kernel) ends the run with exit status 3, after writing"
+                           " the rows so far to --json; 0: no watchdog")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -479,17 +490,23 @@ def run(args: argparse.Namespace) -> int:
     copy_tbps = copy_bandwidth_tbps(args.iterations)
     print(f"copy bandwidth (1 GiB f32 a + 1, read + write): {copy_tbps:.2f} TB/s", flush=True)
   rows = []
+
+  def save(_label=None):
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(rows, f, indent=1)
+
+  watchdog = Watchdog(args.hang_s, "ragdot bench", on_hang=save) if args.hang_s > 0 else None
   for shape in shapes:
     shape_rows = bench_shape(shape, args.ops, args.implementation, args.iterations,
-                             impls=impls, baselines=not args.no_baselines)
+                             impls=impls, baselines=not args.no_baselines,
+                             watchdog=watchdog)
     if copy_tbps:
       add_copy_ratio(shape_rows, copy_tbps)
     for r in shape_rows:
       print(json.dumps(r), flush=True)
     rows.extend(shape_rows)
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(rows, f, indent=1)
+    save()  # after every shape: a run cut short keeps what it measured
   if args.plot:
     plot(rows, args.plot)
   print_table(rows)

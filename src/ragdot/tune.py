@@ -31,16 +31,15 @@ import dataclasses
 import datetime
 import functools
 import json
-import os
 import re
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from ragdot import tables
+from ragdot.watchdog import Watchdog
 from ragdot.dispatch import backend_call
 
 OPS = ("fwd", "dx", "dw")
@@ -174,44 +173,6 @@ def _done(table: tables.Table, task: Task, dtype_name: str) -> bool:
   entry = table.entries.get(tables.key(task.table_op, table.canonical_dtype(dtype_name),
                                        task.m, task.k, task.n, task.g))
   return bool(entry and entry.get("measured") and entry.get("complete", True))
-
-
-class Watchdog:
-  """Ends the process (exit status ``HANG_EXIT``) when one armed stretch runs
-  longer than ``limit_s``: a GPU kernel that never finishes cannot be
-  interrupted from Python, and waiting on it would spend the whole run."""
-
-  HANG_EXIT = 3
-
-  def __init__(self, limit_s: float, on_hang=None):
-    if not limit_s > 0:
-      raise ValueError(f"limit_s must be > 0, got {limit_s}")
-    self.limit_s, self.on_hang = limit_s, on_hang
-    self._label, self._since = None, 0.0
-    self._lock = threading.Lock()
-    threading.Thread(target=self._watch, daemon=True).start()
-
-  def arm(self, label: Any) -> None:
-    with self._lock:
-      self._label, self._since = label, time.monotonic()
-
-  def disarm(self) -> None:
-    with self._lock:
-      self._label = None
-
-  def _watch(self) -> None:
-    while True:
-      time.sleep(min(1.0, self.limit_s / 4))
-      with self._lock:
-        label, since = self._label, self._since
-      if label is not None and time.monotonic() - since > self.limit_s:
-        try:
-          print(f"ragdot tune: {label} ran for more than {self.limit_s:.0f} s (hung?);"
-                " stopping (entries so far are saved)", file=sys.stderr, flush=True)
-          if self.on_hang is not None:
-            self.on_hang(label)
-        finally:
-          os._exit(self.HANG_EXIT)
 
 
 def tune_task(task: Task, dtype, deadline: float, *, iterations: int, repeats: int,
@@ -424,7 +385,7 @@ def run(args: argparse.Namespace) -> int:
   log = append_log if args.log else None
   hang_row = lambda label: dict(label, error=f"hang: still running after {args.hang_s:.0f} s")
   watchdog = None if args.hang_s <= 0 else Watchdog(
-      args.hang_s, on_hang=(lambda label: log(hang_row(label))) if log else None)
+      args.hang_s, "ragdot tune", on_hang=(lambda label: log(hang_row(label))) if log else None)
 
   by_shape: dict[str, list[Task]] = {}
   for task in tasks:
