@@ -10,6 +10,11 @@ rounds) on
   C  group sizes rounded to multiples of 64 (same m; no group straddles a row
      block, so nothing is masked and no block is partly padding; groups under
      32 rows become empty, which also changes the mix of items a little),
+  E  (only when --cases has E) routed sizes with the masking code compiled in but
+     never run: its condition is false at run time, which the compiler cannot
+     know (wrong results; E/A near B/A means the masking work is the cost, E/A
+     near 1 that the code's mere presence is, e.g. waits the compiler puts
+     around the wgmmas),
   D  with ``--set``: routed sizes, the default config with those fields
      replaced (an A/B; its output is compared with A's bitwise),
 and writes OUT_DIR/diag_dw.json.  B/A is the masking's share, C/A the share of
@@ -56,7 +61,7 @@ def main() -> None:
   p.add_argument("out_dir")
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--iterations", type=int, default=10)
-  p.add_argument("--cases", default="ABC", help="which of A, B, C to run (A always runs)")
+  p.add_argument("--cases", default="ABC", help="which of A, B, C, E to run (A always runs)")
   p.add_argument("--set", nargs="+", default=[], metavar="FIELD=VALUE",
                  help="MosaicDwConfig fields of case D (Python literals)")
   args = p.parse_args()
@@ -92,6 +97,16 @@ def main() -> None:
       cases.append(("B", fb, gs))
     if "C" in args.cases:
       cases.append(("C", make(), gs64))
+    if "E" in args.cases:
+      fe = make()
+      real_straddles = mosaic_dw._straddles
+      # Row blocks start at row >= 0, so this never holds; it is traced all the same.
+      mosaic_dw._straddles = lambda row0, rows, start, end: row0 < -1
+      try:
+        jax.block_until_ready(fe(x, dy, gs))
+      finally:
+        mosaic_dw._straddles = real_straddles
+      cases.append(("E", fe, gs))
     equal = None
     if changes:
       fd = make(dataclasses.replace(default, **changes))
@@ -107,9 +122,10 @@ def main() -> None:
     row = dict(shape=s.name, ms=med, tflops={k: flops / v / 1e9 for k, v in med.items()},
                b_over_a=med["B"] / med["A"] if "B" in med else None,
                c_over_a=med["C"] / med["A"] if "C" in med else None,
+               e_over_a=med["E"] / med["A"] if "E" in med else None,
                blocks_routed=row_blocks(sizes),
                blocks_aligned=row_blocks(np.asarray(gs64)))
-    line = "".join(f"  {name}/A {row[f'{name.lower()}_over_a']:.3f}" for name in "BC"
+    line = "".join(f"  {name}/A {row[f'{name.lower()}_over_a']:.3f}" for name in "BCE"
                    if name in med)
     if changes:
       row.update(d_over_a=med["D"] / med["A"], d_equal_a=equal)
