@@ -15,7 +15,6 @@ import ast
 import dataclasses
 import json
 import os
-import statistics
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +23,11 @@ import numpy as np
 from ragdot import bench, timing
 from ragdot.backends import mosaic_fwd
 from ragdot.dispatch import backend_call
+
+
+def parse_fields(items: list[str]) -> dict:
+  """``["FIELD=VALUE", ...]`` (Python literals) as a dict of config fields."""
+  return {k: ast.literal_eval(v) for k, v in (kv.split("=", 1) for kv in items)}
 
 
 def main() -> None:
@@ -35,7 +39,7 @@ def main() -> None:
   p.add_argument("--iterations", type=int, default=10)
   p.add_argument("--ops", nargs="+", default=["fwd", "dx"], choices=["fwd", "dx"])
   args = p.parse_args()
-  changes = {k: ast.literal_eval(v) for k, v in (kv.split("=", 1) for kv in args.set)}
+  changes = parse_fields(args.set)
   label = " ".join(args.set)
   rows = []
   for s in bench.PRESETS["training"]:
@@ -61,11 +65,9 @@ def main() -> None:
       fns = [jax.jit(lambda x, w, gs, c=c: mosaic_fwd.gmm(
           x, w, gs, None, transpose_rhs=tr, out_dtype=jnp.bfloat16, config=c)) for c in (a, b)]
       outs = [np.asarray(jax.block_until_ready(f(x, w, gs)).astype(jnp.float32)) for f in fns]
-      times = ([], [])
-      for _ in range(args.rounds):
-        for i, f in enumerate(fns):
-          times[i].append(timing.device_time_ms(f, x, w, gs, iterations=args.iterations)[0])
-      ma, mb = (statistics.median(t) for t in times)
+      med = timing.interleaved_median_ms({"A": (fns[0], (x, w, gs)), "B": (fns[1], (x, w, gs))},
+                                         rounds=args.rounds, iterations=args.iterations)
+      ma, mb = med["A"], med["B"]
       flops = 2 * s.m * call.k * call.n
       row = dict(shape=s.name, op=op, a_ms=ma, b_ms=mb, a_tflops=flops / ma / 1e9,
                  b_tflops=flops / mb / 1e9, b_over_a=mb / ma,

@@ -24,11 +24,9 @@ masking plus boundary blocks.
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import json
 import os
-import statistics
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +34,8 @@ import numpy as np
 
 from ragdot import bench, timing
 from ragdot.backends import mosaic_dw
+
+from ab_fwd import parse_fields  # this folder (the script's sys.path[0])
 
 
 def aligned_sizes(sizes: np.ndarray, m: int, align: int = 64) -> np.ndarray:
@@ -65,7 +65,7 @@ def main() -> None:
   p.add_argument("--set", nargs="+", default=[], metavar="FIELD=VALUE",
                  help="MosaicDwConfig fields of case D (Python literals)")
   args = p.parse_args()
-  changes = {k: ast.literal_eval(v) for k, v in (kv.split("=", 1) for kv in args.set)}
+  changes = parse_fields(args.set)
   rows = []
   for s in bench.PRESETS["training"]:
     sizes = bench.routed_group_sizes(s)
@@ -113,11 +113,8 @@ def main() -> None:
       out_a = np.asarray(fa(x, dy, gs).astype(jnp.float32))
       equal = bool(np.array_equal(out_a, np.asarray(fd(x, dy, gs).astype(jnp.float32))))
       cases.append(("D", fd, gs))
-    times = {name: [] for name, _, _ in cases}
-    for _ in range(args.rounds):
-      for name, f, g in cases:
-        times[name].append(timing.device_time_ms(f, x, dy, g, iterations=args.iterations)[0])
-    med = {name: statistics.median(t) for name, t in times.items()}
+    med = timing.interleaved_median_ms({name: (f, (x, dy, g)) for name, f, g in cases},
+                                       rounds=args.rounds, iterations=args.iterations)
     flops = 2 * s.m * s.k * s.n
     row = dict(shape=s.name, ms=med, tflops={k: flops / v / 1e9 for k, v in med.items()},
                b_over_a=med["B"] / med["A"] if "B" in med else None,

@@ -59,6 +59,18 @@ def device_time_ms(fn: Callable[..., Any], *args: Any, iterations: int = 20,
   return host_time_ms(fn, *args, iterations=iterations), method
 
 
+def interleaved_median_ms(cases: dict[str, tuple[Callable[..., Any], tuple]], *,
+                          rounds: int = 3, iterations: int = 10) -> dict[str, float]:
+  """Median ``device_time_ms`` of each ``name: (fn, args)`` over ``rounds``
+  rounds that time every case in turn (an A/B: drift between the cases' runs
+  lands in all of them alike)."""
+  times: dict[str, list[float]] = {name: [] for name in cases}
+  for _ in range(rounds):
+    for name, (fn, args) in cases.items():
+      times[name].append(device_time_ms(fn, *args, iterations=iterations)[0])
+  return {name: float(statistics.median(t)) for name, t in times.items()}
+
+
 def kernel_time_sum_ms(fn: Callable[..., Any], *args: Any,
                        iterations: int = 10) -> float | None:
   """Median over iterations of the summed CUPTI kernel time of one call on

@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from ragdot import tables
-from ragdot.watchdog import Watchdog
 from ragdot.dispatch import backend_call
+from ragdot.watchdog import Watchdog
 
 OPS = ("fwd", "dx", "dw")
 REL_TOL = 2e-2

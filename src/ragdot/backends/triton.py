@@ -179,10 +179,10 @@ def gpu_sweep_configs(op: str, m: int, k: int, n: int, g: int,
   else:
     tiles = ((128, 256, 8), (64, 256, 8), (128, 128, 8), (128, 128, 4), (64, 128, 4),
              (32, 128, 4), (16, 128, 4))
-    # Every tile shape once (block_k 64, 4 stages) before the block_k / stage
-    # variants: a tune cut short by its budget (or taking only the first few
-    # Triton candidates) still sees 64-row tiles, which halve the padding of a
-    # group's last tile.
+    # Every tile shape at block_k 64 (4, then 3 stages) before any at block_k
+    # 32: a tune cut short by its budget (or taking only the first few Triton
+    # candidates) still sees 64-row tiles, which halve the padding of a group's
+    # last tile.
     shapes = [(bm, bn, 64, w) for (bm, bn, w) in tiles]
     shapes += [(bm, bn, 32, w) for (bm, bn, w) in tiles]
   for bm, bn, bk, w in shapes:
