@@ -17,7 +17,8 @@ rounds) on
      around the wgmmas),
   D  with ``--set``: routed sizes, the default config with those fields
      replaced (an A/B; its output is compared with A's bitwise),
-and writes OUT_DIR/diag_dw.json.  B/A is the masking's share, C/A the share of
+and writes OUT_DIR/diag_dw.json.  With MOSAIC_GPU_DUMP_PTXAS=1 the ptxas report
+of each case follows its ``# compile CASE SHAPE`` line.  B/A is the masking's share, C/A the share of
 masking plus boundary blocks.
 """
 
@@ -83,33 +84,41 @@ def main() -> None:
       return jax.jit(lambda x, dy, gs: mosaic_dw.tgmm(
           x, dy, gs, None, num_groups=s.g, out_dtype=jnp.bfloat16, config=config))
 
+    def compile_(name, f, g=gs):
+      # A marker for the ptxas report that MOSAIC_GPU_DUMP_PTXAS=1 prints next.
+      print(f"# compile {name} {s.name}", flush=True)
+      jax.block_until_ready(f(x, dy, g))
+
     fa = make()
-    jax.block_until_ready(fa(x, dy, gs))
+    compile_("A", fa)
     cases = [("A", fa, gs)]
     if "B" in args.cases:
       fb = make()
       real_mask = mosaic_dw._consumers_mask
       mosaic_dw._consumers_mask = lambda *a, **k: None  # traced out of B only
       try:
-        jax.block_until_ready(fb(x, dy, gs))
+        compile_("B", fb)
       finally:
         mosaic_dw._consumers_mask = real_mask
       cases.append(("B", fb, gs))
     if "C" in args.cases:
-      cases.append(("C", make(), gs64))
+      fc = make()
+      compile_("C", fc, gs64)
+      cases.append(("C", fc, gs64))
     if "E" in args.cases:
       fe = make()
       real_straddles = mosaic_dw._straddles
       # Row blocks start at row >= 0, so this never holds; it is traced all the same.
       mosaic_dw._straddles = lambda row0, rows, start, end: row0 < -1
       try:
-        jax.block_until_ready(fe(x, dy, gs))
+        compile_("E", fe)
       finally:
         mosaic_dw._straddles = real_straddles
       cases.append(("E", fe, gs))
     equal = None
     if changes:
       fd = make(dataclasses.replace(default, **changes))
+      compile_("D", fd)
       out_a = np.asarray(fa(x, dy, gs).astype(jnp.float32))
       equal = bool(np.array_equal(out_a, np.asarray(fd(x, dy, gs).astype(jnp.float32))))
       cases.append(("D", fd, gs))

@@ -161,9 +161,10 @@ def test_mosaic_fwd_both_bodies_real_size(variant, transpose_rhs):
   oracle.assert_zero_rows(out, sizes, offset, local)
 
 
-@pytest.mark.parametrize("kernel", ["fwd", "dw"])
+@pytest.mark.parametrize("kernel", ["fwd", "dw", "dw_banded"])
 def test_two_ctas_per_sm_real_size(kernel):
-  """The ctas_per_sm=2 tune candidates write every element, on hardware."""
+  """The ctas_per_sm=2 tune candidates write every element, on hardware (dW with
+  whole-tile and with banded masking in the one-warpgroup body)."""
   from ragdot.backends import mosaic_dw, mosaic_fwd  # pylint: disable=g-import-not-at-top
   m, k, n, g = 4096, 1024, 768, 64
   sizes = _sizes(m, g, "routed")
@@ -178,7 +179,7 @@ def test_two_ctas_per_sm_real_size(kernel):
     oracle.assert_close(out, oracle.np_ragged_dot(x, w, sizes), jnp.bfloat16)
   else:
     cfg = mosaic_dw.MosaicDwConfig(block_m=64, block_k=128, block_n=128, num_stages=2,
-                                   ctas_per_sm=2)
+                                   ctas_per_sm=2, banded_mask=kernel == "dw_banded")
     x, dy = oracle.random_inputs(jax.random.key(4), [(m, k), (m, n)], jnp.bfloat16)
     _poison(4 * g * k * n)
     out = jax.jit(lambda x, d: mosaic_dw.tgmm(x, d, gs, None, num_groups=g,
@@ -195,9 +196,12 @@ def test_two_ctas_per_sm_real_size(kernel):
      (64, 256, 128, 3, 1024, jnp.bfloat16, None),
      (64, 128, 256, 2, 1024, jnp.float32, "banded_mask"),  # the default for f32 output
      (128, 128, 128, 3, 1024, jnp.bfloat16, "banded_mask"),
-     (64, 256, 128, 3, 320, jnp.bfloat16, None)],  # partial k tile; consumer 1's half past k
+     (64, 256, 128, 3, 320, jnp.bfloat16, None),  # partial k tile; consumer 1's half past k
+     (64, 128, 64, 4, 1024, jnp.bfloat16, "banded_mask"),  # rhs in 32-row bands
+     (64, 128, 192, 3, 1024, jnp.bfloat16, "banded_mask"),  # 32 x 192 bands
+     (64, 128, 192, 3, 1024, jnp.bfloat16, "producer_mask")],  # ... masked by the producer
     ids=["default", "whole_tile_mask", "producer_mask", "256x128", "f32_2_stages",
-         "bm128_banded", "partial_k"])
+         "bm128_banded", "partial_k", "bn64_banded", "bn192_banded", "bn192_producer"])
 def test_mosaic_dw_ring_across_items_real_size(bm, bk, bn, stages, k, out_dtype, mask):
   """The warp-specialized dW with one ring of stages across items, on hardware:
   every group's tile written (NaN-poisoned memory), empty groups zero, a shard,
