@@ -31,11 +31,9 @@ FLAT = dataclasses.replace(TWO_WG, pipeline_across_items=True)
 FLAT3 = dataclasses.replace(FLAT, num_stages=3)
 # ... masking boundary blocks band by band.
 FLAT3_BANDED = dataclasses.replace(FLAT3, banded_mask=True)
-# ... with the producer masking them.
-FLAT3_PRODUCER = dataclasses.replace(FLAT3, producer_mask=True)
 TWO_WG_BODIES = pytest.mark.parametrize(
-    "two_wg", [TWO_WG, FLAT, FLAT3, FLAT3_BANDED, FLAT3_PRODUCER],
-    ids=["per_item", "flat", "flat_3_stages", "flat_3_banded", "flat_3_producer_mask"])
+    "two_wg", [TWO_WG, FLAT, FLAT3, FLAT3_BANDED],
+    ids=["per_item", "flat", "flat_3_stages", "flat_3_banded"])
 
 
 @pytest.fixture(autouse=True)
@@ -116,13 +114,10 @@ def test_groups(sizes, dtype, out_dtype, banded):
     # 8-row rhs bands (256 columns), 16-row lhs bands (128 columns).
     MosaicDwConfig(block_m=64, block_k=128, block_n=256, num_stages=3, num_sms=2,
                    num_compute_wgs=2, pipeline_across_items=True, banded_mask=True),
-    # ... masked by the producer warpgroup.
-    MosaicDwConfig(block_m=64, block_k=128, block_n=256, num_stages=3, num_sms=2,
-                   num_compute_wgs=2, pipeline_across_items=True, producer_mask=True),
     # 128-row blocks, 32-row bands (64 and 192 columns), one warpgroup.
     MosaicDwConfig(block_m=128, block_k=64, block_n=192, num_stages=2, num_sms=2,
                    banded_mask=True),
-], ids=["ring_128x256", "ring_producer_mask", "one_wg_bm128"])
+], ids=["ring_128x256", "one_wg_bm128"])
 def test_banded_mask_every_boundary_offset(config):
   # Boundaries at every offset of a band: 1..7 rows into an 8-row tile, on
   # band edges, a group inside one band, groups ending past m.
@@ -202,12 +197,12 @@ def _fail(*args, **kwargs):
     (SMALL, 64, 64), (TWO_WG, 128, 256), (FLAT, 128, 256), (FLAT3, 128, 256),
     (dataclasses.replace(SMALL, banded_mask=True), 64, 64),
     (dataclasses.replace(TWO_WG, banded_mask=True), 128, 256),
-    (FLAT3_BANDED, 128, 256), (FLAT3_PRODUCER, 128, 256)])
+    (FLAT3_BANDED, 128, 256)])
 def test_rows_outside_the_shard_never_contribute(config, k, n, monkeypatch):
   # NaN in every row no local group owns (neighbour groups and the tail past
   # sum(sizes)): the boundary blocks must mask both operands, not scale them.
   # With two warpgroups each masks half of the 64-column chunks (or bands).
-  if config.banded_mask or config.producer_mask:
+  if config.banded_mask:
     # The band masking must be what runs: whole-tile masking is not traced.
     monkeypatch.setattr(mosaic_dw, "_mask_rows", _fail)
   sizes, offset, num_groups = [10, 20, 7, 25, 15], 1, 2   # local rows [10, 37)
@@ -257,10 +252,8 @@ def test_no_races():
 
 @pytest.mark.parametrize(
     "flat,stages,mask", [(False, 2, None), (True, 2, None), (True, 3, None),
-                         (True, 3, "banded_mask"), (True, 3, "producer_mask"),
-                         (True, 4, "producer_mask")],
-    ids=["per_item", "flat", "flat_3_stages", "flat_3_banded", "flat_3_producer_mask",
-         "flat_4_producer_mask"])
+                         (True, 3, "banded_mask"), (True, 4, "banded_mask")],
+    ids=["per_item", "flat", "flat_3_stages", "flat_3_banded", "flat_4_banded"])
 def test_no_races_two_warpgroups(flat, stages, mask):
   # Single-block groups (a one-step pipeline per item), empty items between
   # busy ones, and multi-block groups; the interpreter also checks that no
@@ -303,12 +296,11 @@ def test_mixed_dtypes_raise():
                    out_dtype=jnp.float32, precision=None, interpret=True)
 
 
-@pytest.mark.parametrize("producer_mask", [False, True])
-def test_register_split_fits_the_launch_allocation(producer_mask):
+def test_register_split_fits_the_launch_allocation():
   # setmaxnreg cannot grow a CTA's registers past its launch allocation (168 per
   # thread for 3 warpgroups); asking for more hangs the increasing warpgroups
   # (seen on the H200 with 48 + 2 x 232).  Interpret mode does not model it.
-  producer, consumer = mosaic_dw.register_split(producer_mask)
+  producer, consumer = mosaic_dw.register_split()
   assert producer % 8 == 0 and consumer % 8 == 0
   assert producer + 2 * consumer <= 3 * 168
   assert consumer >= 224  # the 64 x 256 f32 accumulator needs 128 of them
@@ -321,10 +313,7 @@ def test_config_validation():
               dict(num_compute_wgs=2, block_k=64),
               dict(num_compute_wgs=2, block_k=256, block_n=256),
               dict(num_compute_wgs=2, num_stages=1), dict(ctas_per_sm=3),
-              dict(num_compute_wgs=2, ctas_per_sm=2), dict(pipeline_across_items=True),
-              dict(producer_mask=True),
-              dict(num_compute_wgs=2, pipeline_across_items=True, num_stages=2,
-                   producer_mask=True)):
+              dict(num_compute_wgs=2, ctas_per_sm=2), dict(pipeline_across_items=True)):
     with pytest.raises(ValueError):
       MosaicDwConfig(**bad)
   too_big = MosaicDwConfig(block_m=256, block_k=128, block_n=256, num_stages=4)
@@ -374,15 +363,15 @@ def test_lowers_for_sm90(out_dtype, shape):
   lower_for_sm90(1000, 192, 320, 16, None, dtype=jnp.float16, out_dtype=out_dtype)
 
 
-def test_fit_config_drops_producer_mask_below_3_stages():
-  # f32 output needs a bigger staging tile: 3 stages no longer fit, and the
-  # producer's masking needs 3, so the consumers' banded masking takes over.
+def test_fit_config_drops_stages_for_a_bigger_staging_tile():
+  # f32 output needs a bigger staging tile: 3 stages no longer fit.
   cfg = MosaicDwConfig(block_m=64, block_k=128, block_n=256, num_stages=3,
-                       num_compute_wgs=2, pipeline_across_items=True, producer_mask=True)
-  fitted = mosaic_dw.fit_config(cfg, jnp.bfloat16, jnp.float32)
-  assert fitted == dataclasses.replace(cfg, num_stages=2, producer_mask=False,
-                                       banded_mask=True)
+                       num_compute_wgs=2, pipeline_across_items=True, banded_mask=True)
+  assert mosaic_dw.fit_config(cfg, jnp.bfloat16, jnp.float32) == dataclasses.replace(
+      cfg, num_stages=2)
   assert mosaic_dw.fit_config(cfg, jnp.bfloat16, jnp.bfloat16) == cfg
+  assert mosaic_dw.fit_config(dataclasses.replace(cfg, block_m=256), jnp.bfloat16,
+                              jnp.float32) is None
 
 
 def test_default_is_the_ring_across_items():

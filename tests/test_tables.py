@@ -52,6 +52,8 @@ def test_every_entry_names_a_config_the_kernel_accepts(table):
   for text, entry in table.entries.items():
     op = tables.parse_key(text)[0]
     cls = dispatch.config_class(entry["backend"], op)
+    if entry["config"] is None:  # the backend's default for each call shape
+      continue
     config = dispatch.make_config(entry["backend"], op, entry["config"])
     assert isinstance(config, cls), text
     if entry["backend"] == "mosaic":  # fits SMEM for 16-bit in and out
@@ -85,6 +87,61 @@ def test_import_sweep_round_trips(tmp_path):
   assert fwd["config"]["grid_tile_width"] == 4 and fwd["tflops"] > 400  # the sweep's best row
   path = t.save(tmp_path / "x.json")
   assert tables.load_file(path).entries == t.entries
+
+
+def test_parse_choice():
+  assert tune.parse_choice("mosaic [default config] (why [x])") == ("mosaic", None)
+  assert tune.parse_choice(
+      "triton [block_m=128 block_n=256 num_warps=8] (nearest bucket)") == (
+          "triton", {"block_m": 128, "block_n": 256, "num_warps": 8})
+  assert tune.parse_choice("mosaic [block_m=64 banded_mask=True] (x)")[1]["banded_mask"] is True
+  with pytest.raises(ValueError):
+    tune.parse_choice("no choice here")
+
+
+def _bench_rows(shape, auto_ms, mosaic_ms, triton_ms, auto="triton"):
+  base = dict(shape=shape, op="fwd", m=4096, k=1024, n=2048, g=16)
+  cfg = {"triton": "[block_m=128 block_n=256 block_k=64 num_warps=8 num_stages=3]",
+         "mosaic": "[default config]"}
+  return [dict(base, impl="ragdot", ms=auto_ms, choice=f"{auto} {cfg[auto]} (auto)"),
+          dict(base, impl="ragdot:mosaic", ms=mosaic_ms, choice=f"mosaic {cfg['mosaic']} (x)"),
+          dict(base, impl="ragdot:triton", ms=triton_ms, choice=f"triton {cfg['triton']} (y)"),
+          dict(base, impl="dense", ms=0.01)]
+
+
+def test_import_bench_keeps_the_faster_forced_backend(tmp_path):
+  path = tmp_path / "bench.json"
+  rows = (_bench_rows("a", 0.066, 0.063, 0.066)            # mosaic 5% faster: imported
+          + [dict(r, m=16384) for r in _bench_rows("b", 0.050, 0.0495, 0.050)])  # 1%: not
+  path.write_text(json.dumps(rows))
+  t = tune._new_table("NVIDIA H200")
+  assert tune.import_bench(str(path), t, "NVIDIA H200") == [
+      "gmm/bfloat16/m4096,k1024,n2048,g16"]
+  entry = t.entries["gmm/bfloat16/m4096,k1024,n2048,g16"]
+  assert entry["backend"] == "mosaic" and entry["config"] is None and entry["measured"]
+  assert entry["ms"] == 0.063
+  hit = t.lookup("gmm", "bfloat16", 4096, 1024, 2048, 16)
+  assert (hit.backend, hit.config, hit.distance) == ("mosaic", None, 0.0)
+
+
+def test_import_bench_recomputes_a_missing_forced_choice(tmp_path):
+  # Older bench files record the choice of the automatic row only: the forced
+  # rows' configs come from the dispatcher with the shipped table.
+  rows = [{k: v for k, v in r.items() if k != "choice" or r["impl"] == "ragdot"}
+          for r in _bench_rows("a", 0.070, 0.075, 0.060, auto="mosaic")]
+  for r in rows:  # the training gate_up shape: the shipped table has mosaic there
+    r.update(m=32768, k=2048, n=1536, g=128)
+  path = tmp_path / "bench.json"
+  path.write_text(json.dumps({"rows": rows}))
+  t = tune._new_table("NVIDIA H200")
+  assert tune.import_bench(str(path), t, "NVIDIA H200") == [
+      "gmm/bfloat16/m32768,k2048,n1536,g128"]
+  entry = t.entries["gmm/bfloat16/m32768,k2048,n1536,g128"]
+  shipped, _ = tables.table_for("NVIDIA H200")
+  want = shipped.lookup("gmm", "bfloat16", 32768, 2048, 1536, 128)
+  assert entry["backend"] == "triton"
+  # The shipped entry names mosaic, so the forced triton row ran triton's default.
+  assert want.backend == "mosaic" and entry["config"] is None
 
 
 def test_nearest_bucket_and_far_shapes():

@@ -207,6 +207,12 @@ def auto_choice(op: str, shape: Shape, dtype: Any = jnp.bfloat16, device=None) -
   return describe_choice(dispatch_choice(op, shape, None, dtype, device))
 
 
+def forced_choice(op: str, shape: Shape, impl: str, dtype: Any = jnp.bfloat16,
+                   device=None) -> str:
+  """What runs for ``op`` of ``shape`` when ``impl`` is forced (config, why)."""
+  return describe_choice(dispatch_choice(op, shape, impl, dtype, device))
+
+
 def resolved_kernels(op: str, shape: Shape, impl: str | None, dtype: Any = jnp.bfloat16,
                      device=None) -> tuple:
   """The (backend, config) of each kernel call ``op`` makes with ``impl`` (None:
@@ -345,6 +351,10 @@ def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
           method=method)
       if name == "ragdot" and choice is not None:
         row["choice"] = choice
+      elif name.startswith("ragdot:") and op != "fwdbwd" and shape.ep == 1:
+        # What a forced backend ran with (its table config or its default), so
+        # `ragdot tune --import-bench` can keep the faster one.
+        row["choice"] = forced_choice(op, shape, name.split(":", 1)[1])
       rows.append(row)
   return rows
 

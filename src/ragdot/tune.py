@@ -26,6 +26,7 @@ Without a GPU only ``--dry-run`` (list candidates and table keys) works.
 from __future__ import annotations
 
 import argparse
+import ast
 import concurrent.futures
 import dataclasses
 import datetime
@@ -302,6 +303,78 @@ def import_sweep(path: str, table: tables.Table, shapes=None, dtype: str = "bflo
   return len(best)
 
 
+# --- import of a bench run's backend comparison -------------------------------------------
+
+_CHOICE = re.compile(r"(\w+) \[(.*?)\]")
+
+
+def parse_choice(text: str) -> tuple[str, dict[str, Any] | None]:
+  """'triton [block_m=128 num_warps=8] (why)' -> ("triton", fields); a
+  '[default config]' gives None (the backend's default for each call shape)."""
+  m = _CHOICE.match(text)
+  if not m:
+    raise ValueError(f"not a bench choice: {text!r}")
+  if m.group(2) == "default config":
+    return m.group(1), None
+  fields = {}
+  for part in m.group(2).split():
+    name, value = part.split("=", 1)
+    fields[name] = ast.literal_eval(value)
+  return m.group(1), fields
+
+
+def import_bench(path: str, table: tables.Table, device_kind: str, margin: float = 0.03,
+                 dtype: str = "bfloat16") -> list[str]:
+  """Merges a ``ragdot bench --json`` run's backend comparison into ``table``.
+
+  For each (shape, op) with rows for two or more forced backends
+  (``ragdot:mosaic``, ``ragdot:triton``, each recording in ``choice`` the
+  config it ran with), the fastest becomes a measured entry for that exact
+  shape, when it beat the automatic choice of that run by more than
+  ``margin``.  This is one run's timing of the configs the table and defaults
+  already name, not a tune: it fixes shapes that inherited a nearby bucket's
+  backend.  Rows from before the bench recorded ``choice`` for forced backends
+  get it from the dispatcher for ``device_kind`` with the shipped tables, so
+  import such a file before the table it ran with has changed.  Returns the
+  keys written.
+  """
+  from ragdot import bench, dispatch  # pylint: disable=g-import-not-at-top
+
+  device = dispatch.Device("gpu", device_kind)
+  rows = json.loads(Path(path).read_text())
+  rows = rows["rows"] if isinstance(rows, dict) else rows
+  by_case: dict[tuple, dict[str, dict[str, Any]]] = {}
+  for row in rows:
+    if row.get("op") in OPS and row["impl"].startswith("ragdot") and row["ms"] == row["ms"]:
+      by_case.setdefault((row["shape"], row["op"]), {})[row["impl"]] = row
+  written = []
+  for (name, op), impls in by_case.items():
+    auto = impls.get("ragdot")
+    forced = [r for i, r in impls.items() if i.startswith("ragdot:")]
+    for r in forced:
+      if "choice" not in r:
+        shape = bench.Shape(name, r["m"], r["k"], r["n"], r["g"])
+        r["choice"] = bench.forced_choice(op, shape, r["impl"].split(":", 1)[1],
+                                          device=device)
+    if auto is None or len(forced) < 2:
+      continue
+    best = min(forced, key=lambda r: r["ms"])
+    if best["ms"] * (1 + margin) >= auto["ms"]:
+      continue
+    backend, config = parse_choice(best["choice"])
+    call = backend_call(op, best["k"], best["n"])
+    shape = (best["m"], call.k, call.n, best["g"])
+    flops = 2 * best["m"] * best["k"] * best["n"]
+    table.put(call.table_op, dtype, *shape, {
+        "backend": backend, "config": config, "measured": True, "shape": list(shape),
+        "ms": round(best["ms"], 5), "tflops": round(flops / best["ms"] / 1e9, 1),
+        "method": best.get("method"),
+        "source": (f"{Path(path).name}: {best['impl']} {best['ms']:.4f} ms vs the automatic"
+                   f" choice {auto['ms']:.4f} ms in one bench run ({name} {op})")})
+    written.append(tables.key(call.table_op, dtype, *shape))
+  return written
+
+
 # --- command line --------------------------------------------------------------------
 
 
@@ -328,8 +401,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="append every timed candidate to this JSONL file")
   parser.add_argument("--import-sweep", default=None,
                       help="merge the best rows of a config-sweep JSONL file and exit")
+  parser.add_argument("--import-bench", default=None,
+                      help="merge the faster forced backend of each case of a `ragdot bench"
+                           " --json` file, where it beat the automatic choice, and exit")
   parser.add_argument("--device-kind", default=None,
-                      help="device kind for --dry-run / --import-sweep (default: this device)")
+                      help="device kind for --dry-run / --import-* (default: this device)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -347,6 +423,14 @@ def run(args: argparse.Namespace) -> int:
     table.save(path)
     _clear_caches()
     print(f"merged {count} entries from {args.import_sweep} into {path}")
+    return 0
+  if args.import_bench:
+    keys = import_bench(args.import_bench, table, kind, dtype=args.dtype)
+    table.save(path)
+    _clear_caches()
+    print(f"merged {len(keys)} entries from {args.import_bench} into {path}")
+    for k in keys:
+      print(f"  {k}: {table.entries[k]['backend']} {table.entries[k]['source']}")
     return 0
 
   shapes = [s for p in args.preset for s in bench.PRESETS[p]] + list(args.shape)

@@ -54,9 +54,9 @@ _PRODUCER_REGISTERS = 40  # per thread of the TMA warpgroup (warp-specialized bo
 _REGISTERS_3WG = 3 * (65536 // 384 // 8 * 8)
 
 
-def register_split(producer_mask: bool) -> tuple[int, int]:
+def register_split() -> tuple[int, int]:
   """(producer, consumer) registers per thread of the ring body's warpgroups."""
-  producer = _PRODUCER_REGISTERS + (8 if producer_mask else 0)  # the band masks
+  producer = _PRODUCER_REGISTERS
   consumer = min(256, (_REGISTERS_3WG - producer) // 2) // 8 * 8
   return producer, consumer
 
@@ -89,10 +89,6 @@ class MosaicDwConfig:
     banded_mask: a boundary row block (one holding rows of a neighbouring
       group) is masked band by band, touching only the bands the group
       boundary cuts or excludes, instead of reading and rewriting whole tiles.
-    producer_mask: with the ring across items (3+ stages), the producer
-      warpgroup masks boundary blocks (always by bands, whatever
-      ``banded_mask`` says) before the consumers see them, instead of the
-      consumers between their wgmmas.
   """
 
   block_m: int = 64
@@ -105,7 +101,6 @@ class MosaicDwConfig:
   ctas_per_sm: int = 1
   pipeline_across_items: bool = False
   banded_mask: bool = False
-  producer_mask: bool = False
 
   def __post_init__(self):
     if self.block_m <= 0 or self.block_m % 64:
@@ -142,8 +137,6 @@ class MosaicDwConfig:
     sm90.check_ctas_per_sm(self.ctas_per_sm, self.num_compute_wgs)
     if self.pipeline_across_items and self.num_compute_wgs != 2:
       raise ValueError("pipeline_across_items needs num_compute_wgs=2")
-    if self.producer_mask and not (self.pipeline_across_items and self.num_stages >= 3):
-      raise ValueError("producer_mask needs pipeline_across_items and num_stages >= 3")
 
   def smem_budget(self) -> int:
     """SMEM this config may use (per CTA, with ``ctas_per_sm`` CTAs on an SM)."""
@@ -167,15 +160,11 @@ def _fit(block: int, dim: int) -> int:
 
 def fit_config(config: MosaicDwConfig, dtype, out_dtype) -> MosaicDwConfig | None:
   """``config`` with pipeline stages dropped (down to 2) until it fits SMEM; None
-  when even 2 do not fit.  Below 3 stages ``producer_mask`` gives way to the
-  consumers' banded masking (it needs 3)."""
+  when even 2 do not fit."""
   while smem_bytes(config, dtype, out_dtype) > config.smem_budget():
     if config.num_stages <= 2:
       return None
-    stages = config.num_stages - 1
-    if config.producer_mask and stages < 3:
-      config = dataclasses.replace(config, producer_mask=False, banded_mask=True)
-    config = dataclasses.replace(config, num_stages=stages)
+    config = dataclasses.replace(config, num_stages=config.num_stages - 1)
   return config
 
 
@@ -211,23 +200,20 @@ def gpu_sweep_configs(
 ) -> list[MosaicDwConfig]:
   """A short list of candidates for a GPU sweep (default first; all fit in SMEM).
 
-  The default, the default with the other consumer masking (``banded_mask``)
-  and with ``producer_mask``, four warp-specialized configs with one ring of
-  stages across items, two with two resident CTAs per SM, four one-warpgroup
-  configs and three warp-specialized ones with a pipeline per item
-  (``num_compute_wgs=2``: 256 x 128 or 128 x 256 output tiles, or 128 x 128).  Stages drop until SMEM fits (f32 outputs need a
-  bigger staging tile); configs that no longer fit, or whose k tile is too
-  small for two 64-row halves, are left out.
+  The default, the default with the other masking (``banded_mask``), four
+  warp-specialized configs with one ring of stages across items, two with two
+  resident CTAs per SM, four one-warpgroup configs and three warp-specialized
+  ones with a pipeline per item (``num_compute_wgs=2``: 256 x 128 or
+  128 x 256 output tiles, or 128 x 128).  Stages drop until SMEM fits (f32
+  outputs need a bigger staging tile); configs that no longer fit, or whose k
+  tile is too small for two 64-row halves, are left out.
   """
   del m
   out = [default_config(m=0, k=k, n=n, num_groups=num_groups, dtype=dtype,
                         out_dtype=out_dtype)]
   out = [c for c in out if c is not None]
-  # The default with the other consumer masking (whole tiles / row bands), and
-  # with the producer masking boundary blocks (when the ring has 3 stages).
+  # The default with the other masking (whole tiles / row bands).
   out += [dataclasses.replace(c, banded_mask=not c.banded_mask) for c in out]
-  out += [dataclasses.replace(c, producer_mask=True) for c in out[:1]
-          if c.pipeline_across_items and c.num_stages >= 3]
   # (bm, bk, bn, stages, tile width, warpgroups, CTAs per SM, ring)
   for bm, bk, bn, stages, width, wgs, ctas, flat in (
       # One ring of stages through all of a CTA's items (first: the likely
@@ -524,19 +510,11 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
   ``consumed[slot]`` (both consumers' wgmmas done with it) are the ring's
   barriers, and each thread tracks their phases by waiting once per use.  The
   two consumers split a boundary block's row masking between their wgmmas.
-
-  ``config.producer_mask``: the producer masks boundary blocks instead, off the
-  consumers' path.  After issuing step ``s``'s loads it waits for step
-  ``s - 1``'s to land, masks that block's bands if it is a boundary block and
-  arrives on ``ready[slot]``, which the consumers wait for instead of
-  ``produced``; so at most two steps' loads are in flight (needs 3 stages to
-  not deadlock: issuing step ``s`` waits for step ``s - 3`` to be consumed).
   """
   bm, bk, bn = config.block_m, config.block_k, config.block_n
   hk = bk // 2
   stages = config.num_stages
-  by_producer = config.producer_mask
-  regs_producer, regs_consumer = register_split(by_producer)
+  regs_producer, regs_consumer = register_split()
 
   def items(body, init):
     """Runs ``body(item, carry) -> carry`` over this CTA's items in order; the
@@ -554,39 +532,21 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
       rhs_smem=plgpu.SMEM((stages, bm, bn), rhs_gmem.dtype, transforms=in_transforms_rhs),
       produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      ready=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
       o_smem=plgpu.SMEM((2, hk, bn), out_dtype, transforms=out_transforms),
       mask_barrier=plgpu.Barrier(num_arrivals=2),
       collective_axes="wg",
   )
-  def _scope(lhs_smem, rhs_smem, produced, consumed, ready, o_smem, mask_barrier):
+  def _scope(lhs_smem, rhs_smem, produced, consumed, o_smem, mask_barrier):
     wg = lax.axis_index("wg")
 
     @pl.when(wg == 2)
     def _producer():
       plgpu.set_max_registers(regs_producer, action="decrease")
 
-      def finish(prev):
-        """Step ``prev[0]`` (if >= 0) landed: mask it if needed, mark it ready."""
-        pstep, prow0, pstart, pend = prev
+      def item(it, step):
+        _, ki, ni, _, _, first, nblocks = it
 
-        @pl.when(pstep >= 0)
-        def _():
-          slot = lax.rem(pstep, stages)
-          plgpu.barrier_wait(produced.at[slot])
-
-          @pl.when(_straddles(prow0, bm, pstart, pend))
-          def _():
-            _mask_bands((lhs_smem.at[slot], rhs_smem.at[slot]), 0, 1, prow0, pstart, pend)
-            plgpu.commit_smem()  # visible to the consumers' wgmmas
-
-          plgpu.barrier_arrive(ready.at[slot])
-
-      def item(it, carry):
-        _, ki, ni, start, end, first, nblocks = it
-
-        def load(i, carry):
-          step = carry[0]
+        def load(i, step):
           slot = lax.rem(step, stages)
           # The slot's previous use (step - stages) must be consumed first.
           pl.when(step >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
@@ -597,19 +557,11 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
                                   lhs_smem.at[slot], produced.at[slot])
           plgpu.copy_gmem_to_smem(rhs_gmem.at[rows, pl.ds(ni * bn, bn)],
                                   rhs_smem.at[slot], produced.at[slot])
-          if by_producer:
-            finish(carry[1:])
-            return (step + 1, step, row0, start, end)
-          return (step + 1,)
+          return step + 1
 
-        return lax.fori_loop(0, nblocks, load, carry)
+        return lax.fori_loop(0, nblocks, load, step)
 
-      i32 = jnp.int32
-      init = (i32(0), i32(-1), i32(0), i32(0), i32(0)) if by_producer else (i32(0),)
-      final = items(item, init)
-      if by_producer:
-        finish(final[1:])
-      total = final[0]
+      total = items(item, jnp.int32(0))
 
       # Observe the consumption of the last stages too (every barrier phase is
       # waited for before the barriers go away).
@@ -628,14 +580,11 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
           def mma(i, step):
             slot = lax.rem(step, stages)
             lhs_t, rhs_t = lhs_smem.at[slot], rhs_smem.at[slot]
-            if by_producer:
-              plgpu.barrier_wait(ready.at[slot])
-            else:
-              plgpu.barrier_wait(produced.at[slot])
-              row0 = first + i * bm
-              pl.when(_straddles(row0, bm, start, end))(functools.partial(
-                  _consumers_mask, lhs_t, rhs_t, wg, row0, start, end, mask_barrier,
-                  config.banded_mask))
+            plgpu.barrier_wait(produced.at[slot])
+            row0 = first + i * bm
+            pl.when(_straddles(row0, bm, start, end))(functools.partial(
+                _consumers_mask, lhs_t, rhs_t, wg, row0, start, end, mask_barrier,
+                config.banded_mask))
 
             plgpu.wgmma(acc_ref, lhs_t.at[:, pl.ds(wg * hk, hk)].T, rhs_t)
             plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release it
