@@ -1,0 +1,97 @@
+"""Where does the EP-shard forward's time go? (GPU machine; a diagnostic, not a bench)
+
+  python3 scripts/diag_ep.py OUT_DIR [--rounds 3]
+
+On the bench's EP preset (Qwen3-30B gate_up, shard 0 of 8: 16 local experts,
+full-m output with zeros outside the shard's rows) times, interleaved (CUPTI,
+all kernels of one call):
+  A     the automatic choice (group_offset);
+  B     A's Mosaic config with ``guard_last_stage=False``;
+  T     the Triton backend (group_offset);
+  Z     A with the local groups emptied (their rows moved to the next group):
+        only the zero rows are written, so Z is the price of the full-m output;
+  L     the plain call over the local rows only (the issue's 1.25x yardstick);
+and writes OUT_DIR/diag_ep.json.  Outputs of A, B and T are compared bitwise;
+the per-kernel CUPTI times of A, Z and L are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import ragdot
+from ragdot import bench, timing
+from ragdot.backends import mosaic_fwd
+
+
+def main() -> None:
+  p = argparse.ArgumentParser()
+  p.add_argument("out_dir")
+  p.add_argument("--rounds", type=int, default=3)
+  p.add_argument("--iterations", type=int, default=10)
+  args = p.parse_args()
+  s = bench.PRESETS["ep"][0]
+  local = s.g // s.ep
+  sizes = bench.routed_group_sizes(s)
+  rows = int(sizes[:local].sum())
+  empty = sizes.copy()
+  empty[local] += empty[:local].sum()
+  empty[:local] = 0
+  kx, kw = jax.random.split(jax.random.key(0))
+  x = jax.random.normal(kx, (s.m, s.k), jnp.bfloat16)
+  w = (jax.random.normal(kw, (local, s.k, s.n), jnp.float32) / 32).astype(jnp.bfloat16)
+  gs, gs_empty = jnp.asarray(sizes), jnp.asarray(empty)
+  auto = bench.dispatch_choice("fwd", s)
+  print(f"rows {rows} of {s.m}; auto: {bench.describe_choice(auto)}", flush=True)
+  off = jnp.int32(0)
+
+  def mosaic(config):
+    return jax.jit(lambda x, w, gs: mosaic_fwd.gmm(x, w, gs, off, transpose_rhs=False,
+                                                   out_dtype=jnp.bfloat16, config=config))
+
+  cfg = auto.config if auto.implementation == "mosaic" else mosaic_fwd.default_config(
+      s.m, s.k, s.n, s.g, jnp.bfloat16, False, jnp.bfloat16)
+  rows8 = -(-rows // 8) * 8
+  cases = {
+      "A": (jax.jit(lambda x, w, gs: ragdot.ragged_dot(x, w, gs, group_offset=off)),
+            (x, w, gs)),
+      "B": (mosaic(dataclasses.replace(cfg, guard_last_stage=False)), (x, w, gs)),
+      "T": (jax.jit(lambda x, w, gs: ragdot.ragged_dot(x, w, gs, group_offset=off,
+                                                       implementation="triton")), (x, w, gs)),
+      "Z": (jax.jit(lambda x, w, gs: ragdot.ragged_dot(x, w, gs, group_offset=off)),
+            (x, w, gs_empty)),
+      "L": (jax.jit(lambda x, w, gs: ragdot.ragged_dot(x, w, gs)),
+            (x[:rows8], w, jnp.asarray(sizes[:local]))),
+  }
+  outs = {}
+  for name, (f, a) in cases.items():
+    print(f"# compile {name}", flush=True)
+    outs[name] = np.asarray(jax.block_until_ready(f(*a)).astype(jnp.float32))
+  equal = {n: bool(np.array_equal(outs["A"], outs[n])) for n in "BT"}
+  med = timing.interleaved_median_ms(cases, rounds=args.rounds, iterations=args.iterations)
+  for name, ms in med.items():
+    print(f"{name} {ms:.4f} ms  x L {ms / med['L']:.2f}", flush=True)
+  print(f"bitwise equal to A: {equal}", flush=True)
+  # Per-kernel CUPTI times of one call (which kernels A and Z spend it in).
+  from jax.experimental.mosaic.gpu import profiler  # pylint: disable=g-import-not-at-top
+  kernels = {}
+  for name in "AZL":
+    f, a = cases[name]
+    _, per_kernel = profiler.measure(f, aggregate=False, iterations=3)(*a)
+    kernels[name] = per_kernel
+    print(f"{name} kernels: {per_kernel}", flush=True)
+  with open(os.path.join(args.out_dir, "diag_ep.json"), "w") as f:
+    json.dump(dict(device=jax.devices()[0].device_kind, rows=rows, m=s.m, ms=med,
+                   equal=equal, auto=bench.describe_choice(auto), kernels=kernels),
+              f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+  main()
