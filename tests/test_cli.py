@@ -42,6 +42,9 @@ def test_bench_tiny_shape(tmp_path, capsys):
   # kernels, so it carries the automatic row's timing instead of a second sample.
   explicit = next(r for r in rows if r["impl"] == "ragdot:xla")
   assert explicit["ms"] == auto["ms"] and "automatic choice's kernels" in explicit["method"]
+  # Forced rows record what they ran, for `ragdot tune --import-bench`.
+  assert explicit["choice"].startswith("xla [")
+  assert all("choice" in r for r in rows if r["impl"].startswith("ragdot"))
   out = capsys.readouterr().out
   assert "auto-choice check" in out
 
