@@ -56,7 +56,7 @@ def main() -> None:
     return jax.jit(lambda x, w, gs: mosaic_fwd.gmm(x, w, gs, off, transpose_rhs=False,
                                                    out_dtype=jnp.bfloat16, config=config))
 
-  cfg = auto.config if auto.implementation == "mosaic" else mosaic_fwd.default_config(
+  cfg = (auto.implementation == "mosaic" and auto.config) or mosaic_fwd.default_config(
       s.m, s.k, s.n, s.g, jnp.bfloat16, False, jnp.bfloat16)
   rows8 = -(-rows // 8) * 8
   cases = {

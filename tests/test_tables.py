@@ -124,6 +124,32 @@ def test_import_bench_keeps_the_faster_forced_backend(tmp_path):
   assert (hit.backend, hit.config, hit.distance) == ("mosaic", None, 0.0)
 
 
+def test_import_bench_dx_margin_failures_and_skewed_rows(tmp_path):
+  def rows(shape, op, auto_ms, mosaic_ms, triton_ms, **extra):
+    out = []
+    for r in _bench_rows(shape, auto_ms, mosaic_ms, triton_ms):
+      out.append(dict(r, op=op, **extra))
+    return out
+  data = (rows("dx", "dx", 0.066, 0.063, 0.066)           # dX: k and n swapped in the key
+          + [dict(r, m=8192) for r in rows("edge", "fwd", 0.0305, 0.03, 0.05)]  # 1.7%: no
+          + [dict(r, m=2048) for r in rows("auto failed", "fwd", float("nan"), 0.05, 0.04)]
+          + [dict(r, m=1024) for r in rows("x skewed", "fwd", 0.066, 0.01, 0.066,
+                                            routing="skewed")])
+  path = tmp_path / "bench.json"
+  path.write_text(json.dumps(data))
+  t = tune._new_table("NVIDIA H200")
+  keys = tune.import_bench(str(path), t, "NVIDIA H200")
+  assert keys == ["gmm_t/bfloat16/m4096,k2048,n1024,g16", "gmm/bfloat16/m2048,k1024,n2048,g16"]
+  assert t.entries[keys[1]]["backend"] == "triton"  # the faster forced row when auto failed
+  assert t.entries[keys[1]]["config"]["num_warps"] == 8
+  assert "failed" in t.entries[keys[1]]["source"]
+  # Two cases that map to one table key are refused, not silently merged.
+  path.write_text(json.dumps(rows("a", "fwd", 0.066, 0.063, 0.066)
+                             + rows("b", "fwd", 0.066, 0.060, 0.066)))
+  with pytest.raises(ValueError, match="two cases"):
+    tune.import_bench(str(path), tune._new_table("NVIDIA H200"), "NVIDIA H200")
+
+
 def test_import_bench_recomputes_a_missing_forced_choice(tmp_path):
   # Older bench files record the choice of the automatic row only: the forced
   # rows' configs come from the dispatcher with the shipped table.

@@ -259,7 +259,6 @@ def _ep_candidates(shape: Shape, impl: str, sizes: np.ndarray) -> dict[str, Call
   # pad rows belong to no group, so their outputs are zero), as a fixed-capacity
   # EP buffer would.
   rows8 = -(-rows // 8) * 8
-  gs_local = jnp.asarray(sizes[:local])
   mask = (jnp.arange(shape.m) < rows)[:, None]
 
   def masked(x, w, dy, gs):  # what callers do without group_offset
@@ -270,8 +269,10 @@ def _ep_candidates(shape: Shape, impl: str, sizes: np.ndarray) -> dict[str, Call
       "ragdot": lambda x, w, dy, gs: ragdot.ragged_dot(
           x, w[:local], gs, group_offset=jnp.int32(0), implementation=impl),
       "masked": masked,
+      # (group sizes sliced on device, as a caller would: a constant would let
+      # XLA fold the call's metadata away)
       "local-rows": lambda x, w, dy, gs: ragdot.ragged_dot(
-          x[:rows8], w[:local], gs_local, implementation=impl),
+          x[:rows8], w[:local], gs[:local], implementation=impl),
   }
   tk = _tokamax()
   if tk:
@@ -348,7 +349,7 @@ def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
           vs_dense=base / ms if ms == ms else float("nan"),
           vs_tokamax=tok / ms if ms == ms else float("nan"),
           peak_mib=None if peak is None else peak / 2**20,
-          method=method)
+          method=method, routing="skewed" if shape.skewed else "routed")
       if name == "ragdot" and choice is not None:
         row["choice"] = choice
       elif name.startswith("ragdot:") and op != "fwdbwd" and shape.ep == 1:

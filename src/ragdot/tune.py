@@ -327,13 +327,15 @@ def import_bench(path: str, table: tables.Table, device_kind: str, margin: float
                  dtype: str = "bfloat16") -> list[str]:
   """Merges a ``ragdot bench --json`` run's backend comparison into ``table``.
 
-  For each (shape, op) with rows for two or more forced backends
-  (``ragdot:mosaic``, ``ragdot:triton``, each recording in ``choice`` the
-  config it ran with), the fastest becomes a measured entry for that exact
-  shape, when it beat the automatic choice of that run by more than
-  ``margin``.  This is one run's timing of the configs the table and defaults
-  already name, not a tune: it fixes shapes that inherited a nearby bucket's
-  backend.  Rows from before the bench recorded ``choice`` for forced backends
+  For each (shape, op) with rows for forced backends (``ragdot:mosaic``,
+  ``ragdot:triton``, each recording in ``choice`` the config it ran with), the
+  fastest becomes a measured entry for that exact shape when it beat the
+  automatic choice of that run by more than ``margin`` (or the automatic
+  choice failed).  This is one run's timing of the configs the table and
+  defaults already name, not a tune: it fixes shapes that inherited a nearby
+  bucket's backend.  Rows of skewed routings are skipped (they share their
+  shape's table key but not its group sizes; files from before the bench
+  recorded ``routing`` are told by the shape's name).  Rows from before the bench recorded ``choice`` for forced backends
   get it from the dispatcher for ``device_kind`` with the shipped tables, so
   import such a file before the table it ran with has changed.  Returns the
   keys written.
@@ -345,33 +347,38 @@ def import_bench(path: str, table: tables.Table, device_kind: str, margin: float
   rows = rows["rows"] if isinstance(rows, dict) else rows
   by_case: dict[tuple, dict[str, dict[str, Any]]] = {}
   for row in rows:
-    if row.get("op") in OPS and row["impl"].startswith("ragdot") and row["ms"] == row["ms"]:
+    if (row.get("op") in OPS and row["impl"].startswith("ragdot") and row["ms"] == row["ms"]
+        and row.get("routing", "routed") == "routed" and "skewed" not in row["shape"]):
       by_case.setdefault((row["shape"], row["op"]), {})[row["impl"]] = row
   written = []
   for (name, op), impls in by_case.items():
-    auto = impls.get("ragdot")
+    auto_ms = impls["ragdot"]["ms"] if "ragdot" in impls else float("inf")  # inf: it failed
     forced = [r for i, r in impls.items() if i.startswith("ragdot:")]
     for r in forced:
       if "choice" not in r:
         shape = bench.Shape(name, r["m"], r["k"], r["n"], r["g"])
         r["choice"] = bench.forced_choice(op, shape, r["impl"].split(":", 1)[1],
                                           device=device)
-    if auto is None or len(forced) < 2:
+    if not forced:
       continue
     best = min(forced, key=lambda r: r["ms"])
-    if best["ms"] * (1 + margin) >= auto["ms"]:
+    if best["ms"] * (1 + margin) >= auto_ms:
       continue
     backend, config = parse_choice(best["choice"])
     call = backend_call(op, best["k"], best["n"])
     shape = (best["m"], call.k, call.n, best["g"])
+    key = tables.key(call.table_op, dtype, *shape)
+    if key in written:
+      raise ValueError(f"{path}: two cases map to table key {key} ({name} {op})")
     flops = 2 * best["m"] * best["k"] * best["n"]
+    auto_txt = f"{auto_ms:.4f} ms" if auto_ms < float("inf") else "failed"
     table.put(call.table_op, dtype, *shape, {
         "backend": backend, "config": config, "measured": True, "shape": list(shape),
         "ms": round(best["ms"], 5), "tflops": round(flops / best["ms"] / 1e9, 1),
         "method": best.get("method"),
         "source": (f"{Path(path).name}: {best['impl']} {best['ms']:.4f} ms vs the automatic"
-                   f" choice {auto['ms']:.4f} ms in one bench run ({name} {op})")})
-    written.append(tables.key(call.table_op, dtype, *shape))
+                   f" choice {auto_txt} in one bench run ({name} {op})")})
+    written.append(key)
   return written
 
 
