@@ -43,7 +43,8 @@ def test_bench_tiny_shape(tmp_path, capsys):
   explicit = next(r for r in rows if r["impl"] == "ragdot:xla")
   assert explicit["ms"] == auto["ms"] and "automatic choice's kernels" in explicit["method"]
   # Forced rows record what they ran, for `ragdot tune --import-bench`.
-  assert explicit["choice"].startswith("xla [")
+  assert explicit["choice"].startswith("xla [") and explicit["backend"] == "xla"
+  assert "config" in explicit
   assert all("choice" in r for r in rows if r["impl"].startswith("ragdot"))
   out = capsys.readouterr().out
   assert "auto-choice check" in out

@@ -89,23 +89,15 @@ def test_import_sweep_round_trips(tmp_path):
   assert tables.load_file(path).entries == t.entries
 
 
-def test_parse_choice():
-  assert tune.parse_choice("mosaic [default config] (why [x])") == ("mosaic", None)
-  assert tune.parse_choice(
-      "triton [block_m=128 block_n=256 num_warps=8] (nearest bucket)") == (
-          "triton", {"block_m": 128, "block_n": 256, "num_warps": 8})
-  assert tune.parse_choice("mosaic [block_m=64 banded_mask=True] (x)")[1]["banded_mask"] is True
-  with pytest.raises(ValueError):
-    tune.parse_choice("no choice here")
-
-
 def _bench_rows(shape, auto_ms, mosaic_ms, triton_ms, auto="triton"):
   base = dict(shape=shape, op="fwd", m=4096, k=1024, n=2048, g=16)
-  cfg = {"triton": "[block_m=128 block_n=256 block_k=64 num_warps=8 num_stages=3]",
-         "mosaic": "[default config]"}
-  return [dict(base, impl="ragdot", ms=auto_ms, choice=f"{auto} {cfg[auto]} (auto)"),
-          dict(base, impl="ragdot:mosaic", ms=mosaic_ms, choice=f"mosaic {cfg['mosaic']} (x)"),
-          dict(base, impl="ragdot:triton", ms=triton_ms, choice=f"triton {cfg['triton']} (y)"),
+  cfg = {"triton": dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3),
+         "mosaic": None}
+  return [dict(base, impl="ragdot", ms=auto_ms, choice=f"{auto} [...] (auto)"),
+          dict(base, impl="ragdot:mosaic", ms=mosaic_ms, backend="mosaic",
+               config=cfg["mosaic"]),
+          dict(base, impl="ragdot:triton", ms=triton_ms, backend="triton",
+               config=cfg["triton"]),
           dict(base, impl="dense", ms=0.01)]
 
 
@@ -152,8 +144,8 @@ def test_import_bench_dx_margin_failures_and_skewed_rows(tmp_path):
 
 def test_import_bench_recomputes_a_missing_forced_choice(tmp_path):
   # Older bench files record the choice of the automatic row only: the forced
-  # rows' configs come from the dispatcher with the shipped table.
-  rows = [{k: v for k, v in r.items() if k != "choice" or r["impl"] == "ragdot"}
+  # rows' backends and configs come from the dispatcher with the shipped table.
+  rows = [{k: v for k, v in r.items() if k not in ("backend", "config")}
           for r in _bench_rows("a", 0.070, 0.075, 0.060, auto="mosaic")]
   for r in rows:  # the training gate_up shape: the shipped table has mosaic there
     r.update(m=32768, k=2048, n=1536, g=128)

@@ -207,10 +207,14 @@ def auto_choice(op: str, shape: Shape, dtype: Any = jnp.bfloat16, device=None) -
   return describe_choice(dispatch_choice(op, shape, None, dtype, device))
 
 
-def forced_choice(op: str, shape: Shape, impl: str, dtype: Any = jnp.bfloat16,
-                   device=None) -> str:
-  """What runs for ``op`` of ``shape`` when ``impl`` is forced (config, why)."""
-  return describe_choice(dispatch_choice(op, shape, impl, dtype, device))
+def choice_fields(c) -> dict[str, Any]:
+  """A dispatcher Choice as bench-row fields: ``choice`` (text, for people),
+  ``backend`` and ``config`` (table fields; None: the backend's default), for
+  ``ragdot tune --import-bench``."""
+  from ragdot.tune import config_fields  # pylint: disable=g-import-not-at-top
+
+  return dict(choice=describe_choice(c), backend=c.implementation,
+              config=None if c.config is None else config_fields(c.config))
 
 
 def resolved_kernels(op: str, shape: Shape, impl: str | None, dtype: Any = jnp.bfloat16,
@@ -355,7 +359,7 @@ def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
       elif name.startswith("ragdot:") and op != "fwdbwd" and shape.ep == 1:
         # What a forced backend ran with (its table config or its default), so
         # `ragdot tune --import-bench` can keep the faster one.
-        row["choice"] = forced_choice(op, shape, name.split(":", 1)[1])
+        row.update(choice_fields(dispatch_choice(op, shape, name.split(":", 1)[1])))
       rows.append(row)
   return rows
 

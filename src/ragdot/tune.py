@@ -26,7 +26,6 @@ Without a GPU only ``--dry-run`` (list candidates and table keys) works.
 from __future__ import annotations
 
 import argparse
-import ast
 import concurrent.futures
 import dataclasses
 import datetime
@@ -305,40 +304,22 @@ def import_sweep(path: str, table: tables.Table, shapes=None, dtype: str = "bflo
 
 # --- import of a bench run's backend comparison -------------------------------------------
 
-_CHOICE = re.compile(r"(\w+) \[(.*?)\]")
-
-
-def parse_choice(text: str) -> tuple[str, dict[str, Any] | None]:
-  """'triton [block_m=128 num_warps=8] (why)' -> ("triton", fields); a
-  '[default config]' gives None (the backend's default for each call shape)."""
-  m = _CHOICE.match(text)
-  if not m:
-    raise ValueError(f"not a bench choice: {text!r}")
-  if m.group(2) == "default config":
-    return m.group(1), None
-  fields = {}
-  for part in m.group(2).split():
-    name, value = part.split("=", 1)
-    fields[name] = ast.literal_eval(value)
-  return m.group(1), fields
-
-
 def import_bench(path: str, table: tables.Table, device_kind: str, margin: float = 0.03,
                  dtype: str = "bfloat16") -> list[str]:
   """Merges a ``ragdot bench --json`` run's backend comparison into ``table``.
 
   For each (shape, op) with rows for forced backends (``ragdot:mosaic``,
-  ``ragdot:triton``, each recording in ``choice`` the config it ran with), the
+  ``ragdot:triton``, each recording the ``backend`` and ``config`` it ran), the
   fastest becomes a measured entry for that exact shape when it beat the
   automatic choice of that run by more than ``margin`` (or the automatic
   choice failed).  This is one run's timing of the configs the table and
   defaults already name, not a tune: it fixes shapes that inherited a nearby
   bucket's backend.  Rows of skewed routings are skipped (they share their
   shape's table key but not its group sizes; files from before the bench
-  recorded ``routing`` are told by the shape's name).  Rows from before the bench recorded ``choice`` for forced backends
-  get it from the dispatcher for ``device_kind`` with the shipped tables, so
-  import such a file before the table it ran with has changed.  Returns the
-  keys written.
+  recorded ``routing`` are told by the shape's name).  Forced rows from before
+  the bench recorded their ``backend`` get it and its config from the
+  dispatcher for ``device_kind`` with the shipped tables, so import such a
+  file before the table it ran with has changed.  Returns the keys written.
   """
   from ragdot import bench, dispatch  # pylint: disable=g-import-not-at-top
 
@@ -355,16 +336,16 @@ def import_bench(path: str, table: tables.Table, device_kind: str, margin: float
     auto_ms = impls["ragdot"]["ms"] if "ragdot" in impls else float("inf")  # inf: it failed
     forced = [r for i, r in impls.items() if i.startswith("ragdot:")]
     for r in forced:
-      if "choice" not in r:
+      if "backend" not in r:
         shape = bench.Shape(name, r["m"], r["k"], r["n"], r["g"])
-        r["choice"] = bench.forced_choice(op, shape, r["impl"].split(":", 1)[1],
-                                          device=device)
+        r.update(bench.choice_fields(bench.dispatch_choice(
+            op, shape, r["impl"].split(":", 1)[1], device=device)))
     if not forced:
       continue
     best = min(forced, key=lambda r: r["ms"])
     if best["ms"] * (1 + margin) >= auto_ms:
       continue
-    backend, config = parse_choice(best["choice"])
+    backend, config = best["backend"], best["config"]
     call = backend_call(op, best["k"], best["n"])
     shape = (best["m"], call.k, call.n, best["g"])
     key = tables.key(call.table_op, dtype, *shape)
