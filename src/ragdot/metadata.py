@@ -164,9 +164,10 @@ def tile_schedule(
     return TileSchedule(z, z, z, z, jnp.int32(0))
   align = math.gcd(align, block_m)
   # Optimization barriers make XLA compute the bounds and the prefix counts once
-  # each (small kernels).  Without them it fused the whole chain into the T x G
-  # compare below, redoing the group cumsums per element: 73 us of a 163 us EP
-  # shard call on the H200 (2026-11-30), more than the zero rows it writes.
+  # each (small kernels).  Without them one fused XLA kernel (reduce_window +
+  # select, apparently the group prefix sums fused into the T x G compare
+  # below) took 73 us of a 163 us EP shard call on the H200 (2026-11-30), more
+  # than the zero rows the call writes.
   starts, ends = lax.optimization_barrier((starts, ends))
   nonempty = ends > starts
   base = (starts // align) * align

@@ -341,19 +341,27 @@ def _straddles(row0, rows: int, start, end):
   return (row0 < start) | (row0 + rows > end)
 
 
+def _mask_stage(tiles, wg, num_wgs: int, row0, start, end, banded: bool) -> None:
+  """Zeroes the rows outside [start, end) of a stage's SMEM tiles, split among
+  ``num_wgs`` warpgroups (``wg`` is this one): by row bands (``banded``), else
+  whole tiles for one warpgroup or 64-column chunks for several."""
+  if banded:
+    _mask_bands(tiles, wg, num_wgs, row0, start, end)
+  elif num_wgs == 1:
+    for tile in tiles:
+      _mask_rows(tile, row0, start, end)
+  else:
+    chunks = [(t, c) for t in tiles for c in range(0, t.shape[1], 64)]
+    for i, (ref, col) in enumerate(chunks):
+      pl.when(wg == i % num_wgs)(functools.partial(
+          _mask_rows, ref.at[:, pl.ds(col, 64)], row0, start, end))
+
+
 def _consumers_mask(lhs_t, rhs_t, wg, row0, start, end, mask_barrier,
                     banded: bool = False) -> None:
-  """The two consumers split the masking of a shared stage (by 64-column chunks,
-  or ``banded`` by row bands), then both wait until all of it is masked before
-  their wgmmas read it."""
-  if banded:
-    _mask_bands((lhs_t, rhs_t), wg, 2, row0, start, end)
-  else:
-    chunks = ([(lhs_t, c) for c in range(0, lhs_t.shape[1], 64)]
-              + [(rhs_t, c) for c in range(0, rhs_t.shape[1], 64)])
-    for i, (ref, col) in enumerate(chunks):
-      pl.when(wg == i % 2)(functools.partial(
-          _mask_rows, ref.at[:, pl.ds(col, 64)], row0, start, end))
+  """The two consumers split the masking of a shared stage, then both wait
+  until all of it is masked before their wgmmas read it."""
+  _mask_stage((lhs_t, rhs_t), wg, 2, row0, start, end, banded)
   plgpu.commit_smem()
   plgpu.barrier_arrive(mask_barrier)
   plgpu.barrier_wait(mask_barrier)
@@ -737,11 +745,7 @@ def tgmm(
 
           @pl.when(_straddles(row0, bm, start, end))
           def _():
-            if config.banded_mask:
-              _mask_bands((lhs_smem, rhs_smem), 0, 1, row0, start, end)
-            else:
-              _mask_rows(lhs_smem, row0, start, end)
-              _mask_rows(rhs_smem, row0, start, end)
+            _mask_stage((lhs_smem, rhs_smem), 0, 1, row0, start, end, config.banded_mask)
             plgpu.commit_smem()
 
           plgpu.wgmma(acc_ref, lhs_smem.T, rhs_smem)
