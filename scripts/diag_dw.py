@@ -65,7 +65,10 @@ def main() -> None:
   p.add_argument("--cases", default="ABC", help="which of A, B, C, E to run (A always runs)")
   p.add_argument("--set", nargs="+", default=[], metavar="FIELD=VALUE",
                  help="MosaicDwConfig fields of case D (Python literals)")
+  p.add_argument("--out-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                 help="dW's dtype (float32 gets the default's 2-stage f32 config)")
   args = p.parse_args()
+  out_dtype = jnp.dtype(args.out_dtype)
   changes = parse_fields(args.set)
   rows = []
   for s in bench.PRESETS["training"]:
@@ -76,13 +79,13 @@ def main() -> None:
     x = jax.random.normal(kx, (s.m, s.k), jnp.bfloat16)
     dy = jax.random.normal(ky, (s.m, s.n), jnp.bfloat16)
 
-    default = mosaic_dw.default_config(s.m, s.k, s.n, s.g, jnp.bfloat16, jnp.bfloat16)
+    default = mosaic_dw.default_config(s.m, s.k, s.n, s.g, jnp.bfloat16, out_dtype)
     # B patches the two-warpgroup bodies' masking; the one-warpgroup body masks inline.
     assert default.num_compute_wgs == 2, default
 
     def make(config=default):
       return jax.jit(lambda x, dy, gs: mosaic_dw.tgmm(
-          x, dy, gs, None, num_groups=s.g, out_dtype=jnp.bfloat16, config=config))
+          x, dy, gs, None, num_groups=s.g, out_dtype=out_dtype, config=config))
 
     def compile_(name, f, g=gs):
       # A marker for the ptxas report that MOSAIC_GPU_DUMP_PTXAS=1 prints next.
@@ -139,8 +142,10 @@ def main() -> None:
     rows.append(row)
     print(f"{s.name:20s} A {med['A']:.4f} ms {row['tflops']['A']:6.1f}"
           f"  blocks {row['blocks_routed']} -> {row['blocks_aligned']}{line}", flush=True)
-  with open(os.path.join(args.out_dir, "diag_dw.json"), "w") as f:
-    json.dump(dict(device=jax.devices()[0].device_kind, set=changes, rows=rows), f, indent=1)
+  name = "diag_dw.json" if out_dtype == jnp.bfloat16 else f"diag_dw_{out_dtype.name}.json"
+  with open(os.path.join(args.out_dir, name), "w") as f:
+    json.dump(dict(device=jax.devices()[0].device_kind, set=changes, out_dtype=out_dtype.name,
+                   rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -31,11 +31,9 @@ FLAT = dataclasses.replace(TWO_WG, pipeline_across_items=True)
 FLAT3 = dataclasses.replace(FLAT, num_stages=3)
 # ... masking boundary blocks band by band.
 FLAT3_BANDED = dataclasses.replace(FLAT3, banded_mask=True)
-# ... masking each next item's first block under the current item's last wgmma.
-FLAT3_PREMASK = dataclasses.replace(FLAT3_BANDED, premask_next=True)
 TWO_WG_BODIES = pytest.mark.parametrize(
-    "two_wg", [TWO_WG, FLAT, FLAT3, FLAT3_BANDED, FLAT3_PREMASK],
-    ids=["per_item", "flat", "flat_3_stages", "flat_3_banded", "flat_3_premask"])
+    "two_wg", [TWO_WG, FLAT, FLAT3, FLAT3_BANDED],
+    ids=["per_item", "flat", "flat_3_stages", "flat_3_banded"])
 
 
 @pytest.fixture(autouse=True)
@@ -199,7 +197,7 @@ def _fail(*args, **kwargs):
     (SMALL, 64, 64), (TWO_WG, 128, 256), (FLAT, 128, 256), (FLAT3, 128, 256),
     (dataclasses.replace(SMALL, banded_mask=True), 64, 64),
     (dataclasses.replace(TWO_WG, banded_mask=True), 128, 256),
-    (FLAT3_BANDED, 128, 256), (FLAT3_PREMASK, 128, 256)])
+    (FLAT3_BANDED, 128, 256)])
 def test_rows_outside_the_shard_never_contribute(config, k, n, monkeypatch):
   # NaN in every row no local group owns (neighbour groups and the tail past
   # sum(sizes)): the boundary blocks must mask both operands, not scale them.
@@ -254,10 +252,8 @@ def test_no_races():
 
 @pytest.mark.parametrize(
     "flat,stages,mask", [(False, 2, None), (True, 2, None), (True, 3, None),
-                         (True, 3, "banded_mask"), (True, 4, "banded_mask"),
-                         (True, 2, "premask_next"), (True, 3, "premask_next")],
-    ids=["per_item", "flat", "flat_3_stages", "flat_3_banded", "flat_4_banded",
-         "flat_2_premask", "flat_3_premask"])
+                         (True, 3, "banded_mask"), (True, 4, "banded_mask")],
+    ids=["per_item", "flat", "flat_3_stages", "flat_3_banded", "flat_4_banded"])
 def test_no_races_two_warpgroups(flat, stages, mask):
   # Single-block groups (a one-step pipeline per item), empty items between
   # busy ones, and multi-block groups; the interpreter also checks that no
@@ -317,9 +313,7 @@ def test_config_validation():
               dict(num_compute_wgs=2, block_k=64),
               dict(num_compute_wgs=2, block_k=256, block_n=256),
               dict(num_compute_wgs=2, num_stages=1), dict(ctas_per_sm=3),
-              dict(num_compute_wgs=2, ctas_per_sm=2), dict(pipeline_across_items=True),
-              dict(premask_next=True),
-              dict(num_compute_wgs=2, num_stages=2, premask_next=True)):
+              dict(num_compute_wgs=2, ctas_per_sm=2), dict(pipeline_across_items=True)):
     with pytest.raises(ValueError):
       MosaicDwConfig(**bad)
   too_big = MosaicDwConfig(block_m=256, block_k=128, block_n=256, num_stages=4)
@@ -340,8 +334,6 @@ def test_default_and_sweep_configs_fit():
       configs = mosaic_dw.gpu_sweep_configs(m, k, n, g, out_dtype=out_dtype)
       assert 3 <= len(configs) <= 16
       assert configs[1] == dataclasses.replace(default, banded_mask=not default.banded_mask)
-      if default.pipeline_across_items:
-        assert configs[2] == dataclasses.replace(default, premask_next=True)
       assert configs[0] == default
       for cfg in [default, *configs]:
         assert mosaic_dw.smem_bytes(cfg, jnp.bfloat16, out_dtype) <= cfg.smem_budget()

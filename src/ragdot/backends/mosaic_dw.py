@@ -89,10 +89,6 @@ class MosaicDwConfig:
     banded_mask: a boundary row block (one holding rows of a neighbouring
       group) is masked band by band, touching only the bands the group
       boundary cuts or excludes, instead of reading and rewriting whole tiles.
-    premask_next: with the ring across items, the consumers mask the next
-      item's first row block (when it is a boundary block) while the current
-      item's last wgmma runs, instead of at the start of the next item, where
-      nothing overlaps it.
   """
 
   block_m: int = 64
@@ -105,7 +101,6 @@ class MosaicDwConfig:
   ctas_per_sm: int = 1
   pipeline_across_items: bool = False
   banded_mask: bool = False
-  premask_next: bool = False
 
   def __post_init__(self):
     if self.block_m <= 0 or self.block_m % 64:
@@ -142,8 +137,6 @@ class MosaicDwConfig:
     sm90.check_ctas_per_sm(self.ctas_per_sm, self.num_compute_wgs)
     if self.pipeline_across_items and self.num_compute_wgs != 2:
       raise ValueError("pipeline_across_items needs num_compute_wgs=2")
-    if self.premask_next and not self.pipeline_across_items:
-      raise ValueError("premask_next needs pipeline_across_items")
 
   def smem_budget(self) -> int:
     """SMEM this config may use (per CTA, with ``ctas_per_sm`` CTAs on an SM)."""
@@ -207,8 +200,7 @@ def gpu_sweep_configs(
 ) -> list[MosaicDwConfig]:
   """A short list of candidates for a GPU sweep (default first; all fit in SMEM).
 
-  The default, the default with the other masking (``banded_mask``) and with
-  ``premask_next`` (when it runs the ring across items), four
+  The default, the default with the other masking (``banded_mask``), four
   warp-specialized configs with one ring of stages across items, two with two
   resident CTAs per SM, four one-warpgroup configs and three warp-specialized
   ones with a pipeline per item (``num_compute_wgs=2``: 256 x 128 or
@@ -220,11 +212,8 @@ def gpu_sweep_configs(
   out = [default_config(m=0, k=k, n=n, num_groups=num_groups, dtype=dtype,
                         out_dtype=out_dtype)]
   out = [c for c in out if c is not None]
-  # The default with the other masking (whole tiles / row bands), and with the
-  # next item's first block masked ahead.
+  # The default with the other masking (whole tiles / row bands).
   out += [dataclasses.replace(c, banded_mask=not c.banded_mask) for c in out]
-  out += [dataclasses.replace(c, premask_next=True) for c in out[:1]
-          if c.pipeline_across_items]
   # (bm, bk, bn, stages, tile width, warpgroups, CTAs per SM, ring)
   for bm, bk, bn, stages, width, wgs, ctas, flat in (
       # One ring of stages through all of a CTA's items (first: the likely
@@ -302,19 +291,6 @@ def _work_item(info, grid_k: int, grid_n: int, config: MosaicDwConfig,
   ki, ni = plgpu.planar_snake(info.index[1], (grid_k, grid_n), 1, config.grid_tile_width)
   first = pl.multiple_of(first_gmem[j], _ROW_ALIGN)
   return (j, ki, ni, starts_gmem[j], ends_gmem[j], first, nblocks_gmem[j])
-
-
-def _next_item_rows(info, num_groups: int, grid_k: int, grid_n: int,
-                    starts_gmem, ends_gmem, first_gmem, nblocks_gmem):
-  """(exists, row start, row end, first block's row, block count) of the item
-  this CTA runs after ``info``'s: ``nd_loop`` hands a CTA every
-  ``axis_size("sm")``-th index of the flattened (group, tile) space."""
-  per_group = grid_k * grid_n
-  nxt = info.index[0] * per_group + info.index[1] + lax.axis_size("sm")
-  j = jnp.minimum(nxt // per_group, num_groups - 1)
-  first = pl.multiple_of(first_gmem[j], _ROW_ALIGN)
-  return (nxt < num_groups * per_group, starts_gmem[j], ends_gmem[j], first,
-          nblocks_gmem[j])
 
 
 def _row_spec(rows: int, cols: int, first, col_block, transforms, delay_release: int):
@@ -542,28 +518,20 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
   ``consumed[slot]`` (both consumers' wgmmas done with it) are the ring's
   barriers, and each thread tracks their phases by waiting once per use.  The
   two consumers split a boundary block's row masking between their wgmmas.
-
-  ``config.premask_next``: a group's first row block starts an item, right
-  after the previous item's epilogue, so masking it there overlaps nothing.
-  Instead, after issuing an item's last wgmma the consumers work out the
-  CTA's next item from the loop index, wait for its first block (step
-  ``s``, whose slot was freed at step ``s - stages``) and mask it while that
-  wgmma runs; the next item then skips block 0's wait and masking (the
-  ``premasked`` carry).
   """
   bm, bk, bn = config.block_m, config.block_k, config.block_n
   hk = bk // 2
   stages = config.num_stages
   regs_producer, regs_consumer = register_split()
 
-  gmem_rows = (starts_gmem, ends_gmem, first_gmem, nblocks_gmem)
-
   def items(body, init):
-    """Runs ``body(item, info, carry) -> carry`` over this CTA's items in order;
-    the final carry."""
+    """Runs ``body(item, carry) -> carry`` over this CTA's items in order; the
+    final carry."""
     @plgpu.nd_loop((num_groups, grid_k * grid_n), collective_axes="sm", init_carry=init)
     def steps(info: plgpu.NDLoopInfo, carry):
-      return body(_work_item(info, grid_k, grid_n, config, *gmem_rows), info, carry)
+      item = _work_item(info, grid_k, grid_n, config, starts_gmem, ends_gmem, first_gmem,
+                        nblocks_gmem)
+      return body(item, carry)
     return steps
 
   @functools.partial(
@@ -583,8 +551,7 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
     def _producer():
       plgpu.set_max_registers(regs_producer, action="decrease")
 
-      def item(it, info, step):
-        del info
+      def item(it, step):
         _, ki, ni, _, _, first, nblocks = it
 
         def load(i, step):
@@ -614,27 +581,18 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
     def _consumers():
       plgpu.set_max_registers(regs_consumer, action="increase")
 
-      def mask(slot, row0, start, end):
-        _consumers_mask(lhs_smem.at[slot], rhs_smem.at[slot], wg, row0, start, end,
-                        mask_barrier, config.banded_mask)
-
-      def item(it, info, carry):
+      def item(it, step0):
         j, ki, ni, start, end, first, nblocks = it
-        step0, premasked = carry  # premasked != 0: block 0 already landed and masked
 
         def acc_scope(acc_ref):
           def mma(i, step):
             slot = lax.rem(step, stages)
             lhs_t, rhs_t = lhs_smem.at[slot], rhs_smem.at[slot]
+            plgpu.barrier_wait(produced.at[slot])
             row0 = first + i * bm
-            needs_mask = _straddles(row0, bm, start, end)
-            if config.premask_next:  # block 0 may be waited for and masked already
-              todo = (i > 0) | (premasked == 0)
-              pl.when(todo)(lambda: plgpu.barrier_wait(produced.at[slot]))
-              needs_mask = todo & needs_mask
-            else:
-              plgpu.barrier_wait(produced.at[slot])
-            pl.when(needs_mask)(functools.partial(mask, slot, row0, start, end))
+            pl.when(_straddles(row0, bm, start, end))(functools.partial(
+                _consumers_mask, lhs_t, rhs_t, wg, row0, start, end, mask_barrier,
+                config.banded_mask))
 
             plgpu.wgmma(acc_ref, lhs_t.at[:, pl.ds(wg * hk, hk)].T, rhs_t)
             plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release it
@@ -643,32 +601,16 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
             return step + 1
 
           step = lax.fori_loop(0, nblocks, mma, step0)
-          premask = premasked  # stays 0 without premask_next
-          if config.premask_next:
-            # The next item's first block is step ``step``: mask it now, under
-            # this item's last wgmma (its slot's previous use, step - stages,
-            # is released already, so the producer can have loaded it).
-            exists, nstart, nend, nfirst, nblocks_next = _next_item_rows(
-                info, num_groups, grid_k, grid_n, *gmem_rows)
-            ahead = exists & (nblocks_next > 0) & _straddles(nfirst, bm, nstart, nend)
-            premask = ahead.astype(jnp.int32)
-
-            @pl.when(ahead)
-            def _():
-              slot = lax.rem(step, stages)
-              plgpu.barrier_wait(produced.at[slot])
-              mask(slot, nfirst, nstart, nend)
-
           acc = acc_ref[...]  # waits for the last wgmma
           pl.when(nblocks > 0)(lambda: plgpu.barrier_arrive(
               consumed.at[lax.rem(step + stages - 1, stages)]))
-          return acc, step, premask
+          return acc, step
 
-        acc, step, premask = pl.run_scoped(acc_scope, plgpu.ACC((hk, bn), jnp.float32))
+        acc, step = pl.run_scoped(acc_scope, plgpu.ACC((hk, bn), jnp.float32))
         _store_consumer_half(acc, o_smem.at[wg], out_gmem, j, ki * bk + wg * hk, ni * bn)
-        return step, premask
+        return step
 
-      items(item, (jnp.int32(0), jnp.int32(0)))
+      items(item, jnp.int32(0))
       plgpu.wait_smem_to_gmem(0)
 
 
