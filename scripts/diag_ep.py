@@ -1,6 +1,6 @@
 """Where does the EP-shard forward's time go? (GPU machine; a diagnostic, not a bench)
 
-  python3 scripts/diag_ep.py OUT_DIR [--rounds 3]
+  python3 scripts/diag_ep.py OUT_DIR [--rounds 3] [--variant "FIELD=VALUE ..." ...]
 
 On the bench's EP preset (Qwen3-30B gate_up, shard 0 of 8: 16 local experts,
 full-m output with zeros outside the shard's rows) times, interleaved (CUPTI,
@@ -11,8 +11,11 @@ all kernels of one call):
   Z     A with the local groups emptied (their rows moved to the next group):
         only the zero rows are written, so Z is the price of the full-m output;
   L     the plain call over the local rows only (the issue's 1.25x yardstick);
-and writes OUT_DIR/diag_ep.json.  Outputs of A, B and T are compared bitwise;
-the per-kernel CUPTI times of A, Z and L are printed.
+  D1..  with ``--variant``: A's Mosaic config with those fields replaced (e.g.
+        ``"zeros_by_producer=True epilogue_split=4"``), one case per variant;
+and writes OUT_DIR/diag_ep.json.  Outputs of A, B, T and the variants are
+compared bitwise; the per-kernel CUPTI times of A, Z, L and the variants are
+printed.
 """
 
 from __future__ import annotations
@@ -30,12 +33,16 @@ import ragdot
 from ragdot import bench, timing
 from ragdot.backends import mosaic_fwd
 
+from ab_fwd import parse_fields  # this folder (the script's sys.path[0])
+
 
 def main() -> None:
   p = argparse.ArgumentParser()
   p.add_argument("out_dir")
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--iterations", type=int, default=10)
+  p.add_argument("--variant", action="append", default=[], metavar='"FIELD=VALUE ..."',
+                 help="MosaicFwdConfig fields replaced in A's config (one case each)")
   args = p.parse_args()
   s = bench.PRESETS["ep"][0]
   local = s.g // s.ep
@@ -70,26 +77,33 @@ def main() -> None:
       "L": (jax.jit(lambda x, w, gs: ragdot.ragged_dot(x, w, gs)),
             (x[:rows8], w, jnp.asarray(sizes[:local]))),
   }
+  variants = {}
+  for i, text in enumerate(args.variant, 1):
+    variants[f"D{i}"] = text
+    cases[f"D{i}"] = (mosaic(dataclasses.replace(cfg, **parse_fields(text.split()))),
+                      (x, w, gs))
   outs = {}
   for name, (f, a) in cases.items():
     print(f"# compile {name}", flush=True)
     outs[name] = np.asarray(jax.block_until_ready(f(*a)).astype(jnp.float32))
-  equal = {n: bool(np.array_equal(outs["A"], outs[n])) for n in "BT"}
+  equal = {n: bool(np.array_equal(outs["A"], outs[n])) for n in ["B", "T", *variants]}
   med = timing.interleaved_median_ms(cases, rounds=args.rounds, iterations=args.iterations)
   for name, ms in med.items():
-    print(f"{name} {ms:.4f} ms  x L {ms / med['L']:.2f}", flush=True)
+    print(f"{name} {ms:.4f} ms  x L {ms / med['L']:.2f}  x A {ms / med['A']:.3f}"
+          f"  {variants.get(name, '')}", flush=True)
   print(f"bitwise equal to A: {equal}", flush=True)
   # Per-kernel CUPTI times of one call (which kernels A and Z spend it in).
   from jax.experimental.mosaic.gpu import profiler  # pylint: disable=g-import-not-at-top
   kernels = {}
-  for name in "AZL":
+  for name in ["A", "Z", "L", *variants]:
     f, a = cases[name]
     _, per_kernel = profiler.measure(f, aggregate=False, iterations=3)(*a)
     kernels[name] = per_kernel
     print(f"{name} kernels: {per_kernel}", flush=True)
   with open(os.path.join(args.out_dir, "diag_ep.json"), "w") as f:
     json.dump(dict(device=jax.devices()[0].device_kind, rows=rows, m=s.m, ms=med,
-                   equal=equal, auto=bench.describe_choice(auto), kernels=kernels),
+                   equal=equal, variants=variants, config=str(cfg),
+                   auto=bench.describe_choice(auto), kernels=kernels),
               f, indent=1, default=str)
 
 

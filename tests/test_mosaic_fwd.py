@@ -243,9 +243,42 @@ def test_default_config_in_interpret_mode():
   _run_and_check(64, 64, 64, [30, 30], config=None)
 
 
+@pytest.mark.parametrize("config", [CFG2, CFG2S, CFG2C, CFG2N],
+                         ids=["2wg", "2wg_split", "2wg_chained", "2wg_split_n"])
 @pytest.mark.parametrize(
-    "config", [CFG1, CFG2, CFG1S, CFG2S, CFG2C, CFG2N],
-    ids=["1wg", "2wg", "1wg_split", "2wg_split", "2wg_chained", "2wg_split_n"])
+    "m,k,n,sizes,offset,g_local,transpose_rhs",
+    [
+        (160, 128, 128, [0, 70, 3, 0, 60, 11], 1, 4, True),  # zero rows below and above
+        (144, 64, 192, [12, 0, 20, 9, 0, 25], 2, 3, False),  # a half n tile past n
+        (96, 64, 128, [40, 0, 56], 1, 1, False),  # an empty shard: zero tiles only
+        (104, 64, 128, [30, 30], 0, 2, True),  # only the rows past sum(sizes) are zero
+    ],
+)
+def test_zeros_by_producer(config, m, k, n, sizes, offset, g_local, transpose_rhs):
+  cfg = dataclasses.replace(config, zeros_by_producer=True)
+  _run_and_check(m, k, n, sizes, offset=offset, g_local=g_local,
+                 transpose_rhs=transpose_rhs, config=cfg, out_dtype=jnp.bfloat16)
+
+
+def test_zeros_by_producer_smem_and_validation():
+  ep = MosaicFwdConfig(128, 256, 64, 4, grid_tile_width=4, num_compute_wgs=2,
+                       epilogue_split=2)  # the Qwen3-30B gate_up EP shard's table config
+  zp = dataclasses.replace(ep, zeros_by_producer=True)
+  extra = zp.smem_bytes(jnp.bfloat16, jnp.bfloat16) - ep.smem_bytes(jnp.bfloat16, jnp.bfloat16)
+  assert extra == 64 * 128 * 2  # one more (64, epilogue_n) buffer
+  assert zp.smem_bytes(jnp.bfloat16, jnp.bfloat16) > zp.smem_budget()
+  for fits in (dataclasses.replace(zp, epilogue_split=4), dataclasses.replace(zp, num_stages=3)):
+    assert fits.smem_bytes(jnp.bfloat16, jnp.bfloat16) <= fits.smem_budget()
+  with pytest.raises(ValueError, match="zeros_by_producer"):
+    MosaicFwdConfig(zeros_by_producer=True)  # one warpgroup: no producer
+
+
+@pytest.mark.parametrize(
+    "config", [CFG1, CFG2, CFG1S, CFG2S, CFG2C, CFG2N,
+               dataclasses.replace(CFG2S, zeros_by_producer=True),
+               dataclasses.replace(CFG2C, zeros_by_producer=True)],
+    ids=["1wg", "2wg", "1wg_split", "2wg_split", "2wg_chained", "2wg_split_n",
+         "2wg_split_zeros_by_producer", "2wg_chained_zeros_by_producer"])
 def test_no_races(config):
   lhs = jax.random.normal(jax.random.key(1), (96, 64), jnp.bfloat16)
   rhs = jax.random.normal(jax.random.key(2), (2, 64, 128), jnp.bfloat16)
@@ -374,6 +407,17 @@ def test_sweep_lowers_for_sm90(k, n, transpose_rhs, out_dtype):
   m, g = 32768, 128
   for cfg in mosaic_fwd.gpu_sweep_configs(m, k, n, g, transpose_rhs, jnp.bfloat16, out_dtype):
     _lower_for_sm90(m, k, n, g, cfg, transpose_rhs, out_dtype)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_zeros_by_producer_lowers_for_sm90(transpose_rhs):
+  # The EP shard's config with the producer's zero buffer (4 stages with
+  # 64-column chunks, or 3 stages), and on the chained pipeline.
+  base = MosaicFwdConfig(128, 256, 64, 4, grid_tile_width=4, num_compute_wgs=2,
+                         epilogue_split=4, zeros_by_producer=True)
+  for cfg in (base, dataclasses.replace(base, num_stages=3, epilogue_split=2),
+              dataclasses.replace(base, delay_release=0, pipeline_across_tiles=True)):
+    _lower_for_sm90(32768, 2048, 1536, 16, cfg, transpose_rhs, jnp.bfloat16)
 
 
 @pytest.mark.parametrize("m,k,n", [(4088, 192, 320), (5, 64, 64), (4096, 2048, 1536)])

@@ -15,7 +15,8 @@ Design:
   row windows, so only a group's last tile is partial).  Both counts
   are device scalars, so the loop length is dynamic and nothing syncs to host.
   Zero tiles come first in every CTA's sequence: their async TMA stores
-  overlap the CTA's first compute tile, and the staging buffer is zeroed once.
+  overlap the CTA's first compute tile (up to its epilogue, which waits for
+  them; see ``zeros_by_producer``), and the staging buffer is zeroed once.
 * Compute tile: ``emit_pipeline`` streams (block_m, block_k) lhs and
   (block_k, block_n) rhs blocks through ``num_stages`` TMA buffers into wgmma
   with an f32 register accumulator.  The lhs window starts at the tile's
@@ -106,6 +107,13 @@ class MosaicFwdConfig:
     next tile's first stages while the consumers finish a tile and run its
     epilogue, instead of draining and refilling the pipeline per tile.  Used
     when the tile's k steps are a multiple of num_stages (otherwise per tile).
+  zeros_by_producer: 2 warpgroups only: the TMA producer warpgroup stores the
+    zero tiles (rows outside the shard) from its own zeroed (64, epilogue_n)
+    SMEM buffer, instead of the consumers from their staging buffers.  A
+    consumer's epilogue waits for all bulk stores its own thread issued, so
+    zero stores issued by the consumers hold up their first epilogue until
+    the zeros have left; issued by the producer, only the producer waits for
+    them.  Costs the buffer's SMEM.
   """
 
   block_m: int = 64
@@ -123,6 +131,7 @@ class MosaicFwdConfig:
   pipeline_across_tiles: bool = False
   split_n: bool = False
   guard_last_stage: bool = True
+  zeros_by_producer: bool = False
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -154,6 +163,8 @@ class MosaicFwdConfig:
     sm90.check_ctas_per_sm(self.ctas_per_sm, self.num_compute_wgs)
     if self.delay_release not in (0, 1):
       raise ValueError(f"delay_release must be 0 or 1, got {self.delay_release}")
+    if self.zeros_by_producer and self.num_compute_wgs != 2:
+      raise ValueError("zeros_by_producer needs num_compute_wgs=2")
     if self.pipeline_across_tiles and (self.num_compute_wgs != 2 or self.delay_release):
       raise ValueError("pipeline_across_tiles needs num_compute_wgs=2 and delay_release=0")
     if (self.epilogue_split not in (1, 2, 4) or self.block_n % self.epilogue_split
@@ -178,6 +189,8 @@ class MosaicFwdConfig:
     per_stage = (self.block_m + self.block_n) * self.block_k * isz
     # One (64, epilogue_n) staging buffer per compute warpgroup.
     staging = self.num_compute_wgs * _WG_ROWS * self.epilogue_n * osz
+    if self.zeros_by_producer:  # the producer's zero buffer
+      staging += _WG_ROWS * self.epilogue_n * osz
     return self.num_stages * per_stage + staging
 
 
@@ -614,10 +627,13 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
 
   ignore = lambda *_, **__: None
 
+  # zeros_by_producer: the producer's zero buffer (one staging slot more).
+  zero_wg = 2 if cfg.zeros_by_producer else None
+
   @functools.partial(
       pl.run_scoped,
       allocs=make_pipeline(ignore, ignore).get_allocations(lhs_gmem, rhs_gmem.at[0]),
-      o_smem=plgpu.SMEM((2, hm, cn), out_dtype),
+      o_smem=plgpu.SMEM((3 if zero_wg else 2, hm, cn), out_dtype),
       # Consumers -> producer: a tile's last wgmma is done (see guard_last_stage).
       tile_done=plgpu.Barrier(num_arrivals=2),
       collective_axes="wg",
@@ -641,6 +657,23 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
           store(0, start, count, col)
 
       _for_each_chunk(cfg, n, ni, chunk, my_chunks)
+
+    def producer_zero_tile(w, first):
+      # The whole tile: each 64-row half from the producer's own buffer.
+      blk, ni = _zero_item(w, grid_n, za, zb)
+      zero_smem = o_smem.at[zero_wg]
+      _zero_fill_once(zero_smem, first)
+      for half in range(bm // hm):
+        hs = blk * bm + half * hm
+        pieces = _outside_window(hs, jnp.minimum(hs + hm, m), lo, hi)
+
+        def chunk(c, col, pieces=pieces):
+          del c
+          for start, count in pieces:
+            _store_rows(zero_smem, out_gmem, 0, start, count, col, max_rows=max_rows,
+                        width=cn)
+
+        _for_each_chunk(cfg, n, ni, chunk)
 
     def compute_tile(w, state):
       ni, grp, row0, row_start, row_end = _work_item(
@@ -701,15 +734,21 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
     def _loop(info: plgpu.NDLoopInfo):
       (w,) = info.index
       is_zero = w < num_zero_work
-      # The producer warpgroup has nothing to do for zero tiles.
-      pl.when(is_zero & (wg < 2))(lambda: zero_tile(w, info.local_index == 0))
+      if zero_wg is None:  # the consumers store the zero tiles, the producer idles
+        pl.when(is_zero & (wg < 2))(lambda: zero_tile(w, info.local_index == 0))
+      else:  # the producer stores them, the consumers go on to their compute tiles
+        pl.when(is_zero & (wg == zero_wg))(
+            lambda: producer_zero_tile(w, info.local_index == 0))
       # Chained: this CTA's first compute tile fills the pipeline and its last
       # drains it (items of a CTA are w, w + num_ctas, ...).
       state = _PipelinePhase(w - num_ctas < num_zero_work,
                              w + num_ctas >= total) if chain else None
       pl.when(jnp.logical_not(is_zero))(lambda: compute_tile(w - num_zero_work, state))
 
-    pl.when(wg < 2)(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
+    if zero_wg is None:
+      pl.when(wg < 2)(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
+    else:  # all three warpgroups issued stores
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def gmm(
