@@ -128,26 +128,31 @@ def test_triton_real_sizes(shape):
 
 
 @pytest.mark.parametrize("variant", ["1wg", "2wg", "2wg_chained", "2wg_split_n",
-                                     "2wg_split_n_ntail"])
+                                     "2wg_split_n_ntail", "2wg_zeros_by_producer",
+                                     "2wg_chained_zeros_by_producer"])
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
 def test_mosaic_fwd_both_bodies_real_size(variant, transpose_rhs):
   """Both kernel bodies (1 and 2 compute warpgroups; the latter skipping the
   wgmmas of empty 64-row halves, per tile or with one pipeline through each
   CTA's tiles, or with 64-row tiles split by columns, also with a last n tile
-  whose second half lies past n) on group-aligned tiles, with a shard."""
+  whose second half lies past n; the shard's zero rows stored by the consumers
+  or by the producer) on group-aligned tiles, with a shard."""
   from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
   wgs = 1 if variant == "1wg" else 2
-  chained, split_n = variant == "2wg_chained", variant.startswith("2wg_split_n")
+  chained, split_n = variant.startswith("2wg_chained"), variant.startswith("2wg_split_n")
+  zeros_by_producer = variant.endswith("zeros_by_producer")
   n = 640 if variant.endswith("ntail") else 768
   m, k, g = 4096, 1024, 64
   sizes = _sizes(m, g, "routed")
   cfg = mosaic_fwd.MosaicFwdConfig(block_m=64 if split_n else 64 * wgs, block_n=256,
                                    block_k=64, num_stages=4, grid_tile_width=4,
-                                   num_compute_wgs=wgs, epilogue_split=2 if wgs == 2 else 1,
+                                   num_compute_wgs=wgs,
+                                   # the producer's zero buffer fits beside 64-column chunks
+                                   epilogue_split=(4 if zeros_by_producer else 2) if wgs == 2 else 1,
                                    delay_release=0 if chained else 1,
                                    pipeline_across_tiles=chained,
                                    skip_empty_halves=wgs == 2 and not split_n,
-                                   split_n=split_n)
+                                   split_n=split_n, zeros_by_producer=zeros_by_producer)
   local, offset = 24, 20
   wshape = (local, n, k) if transpose_rhs else (local, k, n)
   x, w = oracle.random_inputs(jax.random.key(wgs + 2 * split_n), [(m, k), wshape], jnp.bfloat16)
@@ -188,6 +193,11 @@ def test_two_ctas_per_sm_real_size(kernel):
     assert np.all(np.isfinite(np.asarray(out, np.float32)))
 
 
+def _fields(words):
+  """``["flag", "name=3"]`` -> ``{"flag": True, "name": 3}``."""
+  return {w.split("=")[0]: int(w.split("=")[1]) if "=" in w else True for w in words}
+
+
 @pytest.mark.parametrize(
     "bm,bk,bn,stages,k,out_dtype,mask",
     [(64, 128, 256, 3, 1024, jnp.bfloat16, "banded_mask"),  # the default
@@ -197,9 +207,11 @@ def test_two_ctas_per_sm_real_size(kernel):
      (128, 128, 128, 3, 1024, jnp.bfloat16, "banded_mask"),
      (64, 256, 128, 3, 320, jnp.bfloat16, None),  # partial k tile; consumer 1's half past k
      (64, 128, 64, 4, 1024, jnp.bfloat16, "banded_mask"),  # rhs in 32-row bands
-     (64, 128, 192, 3, 1024, jnp.bfloat16, "banded_mask")],  # 32 x 192 bands
+     (64, 128, 192, 3, 1024, jnp.bfloat16, "banded_mask"),  # 32 x 192 bands
+     # f32 output staged in two 128-column chunks: room for a third stage
+     (64, 128, 256, 3, 1024, jnp.float32, "banded_mask epilogue_split=2")],
     ids=["default", "whole_tile_mask", "256x128", "f32_2_stages",
-         "bm128_banded", "partial_k", "bn64_banded", "bn192_banded"])
+         "bm128_banded", "partial_k", "bn64_banded", "bn192_banded", "f32_split_3_stages"])
 def test_mosaic_dw_ring_across_items_real_size(bm, bk, bn, stages, k, out_dtype, mask):
   """The warp-specialized dW with one ring of stages across items, on hardware:
   every group's tile written (NaN-poisoned memory), empty groups zero, a shard,
@@ -212,7 +224,7 @@ def test_mosaic_dw_ring_across_items_real_size(bm, bk, bn, stages, k, out_dtype,
   gs = jnp.asarray(sizes)
   cfg = mosaic_dw.MosaicDwConfig(block_m=bm, block_k=bk, block_n=bn, num_stages=stages,
                                  num_compute_wgs=2, pipeline_across_items=True,
-                                 **{field: True for field in (mask or "").split()})
+                                 **_fields((mask or "").split()))
   x, dy = oracle.random_inputs(jax.random.key(5), [(m, k), (m, n)], jnp.bfloat16)
   for offset, local in [(None, g), (20, 24), (4, 2)]:
     go = None if offset is None else jnp.int32(offset)

@@ -162,6 +162,18 @@ def test_two_warpgroups_big_tiles_partial_k(flat):
   check(out, ref, jnp.float32)
 
 
+@pytest.mark.parametrize("flat", [False, True], ids=["per_item", "flat"])
+@pytest.mark.parametrize("split,out_dtype", [(2, jnp.float32), (4, jnp.float32),
+                                             (2, jnp.bfloat16)])
+def test_two_warpgroups_epilogue_split(flat, split, out_dtype):
+  # 128 x 256 output tiles stored in 128- or 64-column chunks; n = 320: the
+  # last n tile holds 64 columns, so its later chunks lie wholly past n.
+  cfg = MosaicDwConfig(block_m=64, block_k=128, block_n=256, num_stages=3, num_sms=3,
+                       num_compute_wgs=2, pipeline_across_items=flat, epilogue_split=split)
+  out, ref = run(200, 128, 320, [37, 0, 90, 8, 41], config=cfg, out_dtype=out_dtype, seed=5)
+  check(out, ref, out_dtype)
+
+
 def test_all_zero_sizes_give_exact_zeros():
   out, ref = run(96, 64, 64, [0, 0, 0], out_dtype=jnp.bfloat16)
   assert not ref.any() and not out.any()
@@ -252,8 +264,10 @@ def test_no_races():
 
 @pytest.mark.parametrize(
     "flat,stages,mask", [(False, 2, None), (True, 2, None), (True, 3, None),
-                         (True, 3, "banded_mask"), (True, 4, "banded_mask")],
-    ids=["per_item", "flat", "flat_3_stages", "flat_3_banded", "flat_4_banded"])
+                         (True, 3, "banded_mask"), (True, 4, "banded_mask"),
+                         (False, 2, "epilogue_split"), (True, 3, "epilogue_split")],
+    ids=["per_item", "flat", "flat_3_stages", "flat_3_banded", "flat_4_banded",
+         "per_item_split", "flat_3_split"])
 def test_no_races_two_warpgroups(flat, stages, mask):
   # Single-block groups (a one-step pipeline per item), empty items between
   # busy ones, and multi-block groups; the interpreter also checks that no
@@ -262,7 +276,7 @@ def test_no_races_two_warpgroups(flat, stages, mask):
   params = plgpu.InterpretGPUParams(detect_races=True)
   cfg = MosaicDwConfig(block_m=64, block_k=128, block_n=128, num_stages=stages, num_sms=2,
                        num_compute_wgs=2, pipeline_across_items=flat,
-                       **({mask: True} if mask else {}))
+                       **({mask: 2 if mask == "epilogue_split" else True} if mask else {}))
   out, ref = run(256, 128, 256, [10, 70, 0, 0, 40, 100], config=cfg, interpret=params,
                  out_dtype=jnp.bfloat16)
   check(out, ref, jnp.bfloat16)
@@ -313,7 +327,11 @@ def test_config_validation():
               dict(num_compute_wgs=2, block_k=64),
               dict(num_compute_wgs=2, block_k=256, block_n=256),
               dict(num_compute_wgs=2, num_stages=1), dict(ctas_per_sm=3),
-              dict(num_compute_wgs=2, ctas_per_sm=2), dict(pipeline_across_items=True)):
+              dict(num_compute_wgs=2, ctas_per_sm=2), dict(pipeline_across_items=True),
+              dict(epilogue_split=2),  # one warpgroup: its body stores whole tiles
+              dict(num_compute_wgs=2, block_n=64, epilogue_split=2),  # 32-column chunks
+              dict(num_compute_wgs=2, block_n=192, epilogue_split=2),
+              dict(num_compute_wgs=2, epilogue_split=3)):
     with pytest.raises(ValueError):
       MosaicDwConfig(**bad)
   too_big = MosaicDwConfig(block_m=256, block_k=128, block_n=256, num_stages=4)
@@ -372,6 +390,20 @@ def test_fit_config_drops_stages_for_a_bigger_staging_tile():
   assert mosaic_dw.fit_config(cfg, jnp.bfloat16, jnp.bfloat16) == cfg
   assert mosaic_dw.fit_config(dataclasses.replace(cfg, block_m=256), jnp.bfloat16,
                               jnp.float32) is None
+
+
+def test_sweep_offers_a_split_epilogue_for_f32_output():
+  # The f32 default is cut to 2 stages by its (2, 64, 256) f32 staging tile;
+  # the sweep's split-epilogue candidate gets a third stage back.
+  m, k, n, g = 32768, 2048, 1536, 128
+  default = mosaic_dw.default_config(m, k, n, g, jnp.bfloat16, jnp.float32)
+  assert default.num_stages == 2 and default.epilogue_split == 1
+  sweep = mosaic_dw.gpu_sweep_configs(m, k, n, g, out_dtype=jnp.float32)
+  assert dataclasses.replace(default, num_stages=3, epilogue_split=2) in sweep
+  bf16 = mosaic_dw.gpu_sweep_configs(m, k, n, g, out_dtype=jnp.bfloat16)
+  assert all(c.epilogue_split == 1 for c in bf16)  # bf16: 3 stages already fit
+  split = dataclasses.replace(default, num_stages=3, epilogue_split=2)
+  assert mosaic_dw.smem_bytes(split, jnp.bfloat16, jnp.float32) == 3 * 48 * 1024 + 64 * 1024
 
 
 def test_default_is_the_ring_across_items():

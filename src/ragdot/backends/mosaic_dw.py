@@ -89,6 +89,11 @@ class MosaicDwConfig:
     banded_mask: a boundary row block (one holding rows of a neighbouring
       group) is masked band by band, touching only the bands the group
       boundary cuts or excludes, instead of reading and rewriting whole tiles.
+    epilogue_split: with 2 warpgroups, each consumer stages its (block_k / 2,
+      block_n) result through SMEM in this many column chunks (of a multiple
+      of 64 columns), each waiting until the previous chunk's store has read
+      the buffer: a smaller staging buffer, which leaves SMEM for more stages
+      with an f32 output.
   """
 
   block_m: int = 64
@@ -101,6 +106,7 @@ class MosaicDwConfig:
   ctas_per_sm: int = 1
   pipeline_across_items: bool = False
   banded_mask: bool = False
+  epilogue_split: int = 1
 
   def __post_init__(self):
     if self.block_m <= 0 or self.block_m % 64:
@@ -137,6 +143,17 @@ class MosaicDwConfig:
     sm90.check_ctas_per_sm(self.ctas_per_sm, self.num_compute_wgs)
     if self.pipeline_across_items and self.num_compute_wgs != 2:
       raise ValueError("pipeline_across_items needs num_compute_wgs=2")
+    if (self.epilogue_split not in (1, 2, 4) or self.block_n % (64 * self.epilogue_split)
+        or (self.epilogue_split > 1 and self.num_compute_wgs != 2)):
+      raise ValueError(
+          "epilogue_split must be 1, 2 or 4, leave chunks of a multiple of 64 columns and"
+          f" (when > 1) have num_compute_wgs=2, got {self.epilogue_split}"
+          f" (block_n={self.block_n}, num_compute_wgs={self.num_compute_wgs})")
+
+  @property
+  def epilogue_n(self) -> int:
+    """Columns of one epilogue chunk (the staging buffer's width)."""
+    return self.block_n // self.epilogue_split
 
   def smem_budget(self) -> int:
     """SMEM this config may use (per CTA, with ``ctas_per_sm`` CTAs on an SM)."""
@@ -147,7 +164,7 @@ def smem_bytes(config: MosaicDwConfig, dtype, out_dtype) -> int:
   """SMEM the kernel allocates: pipeline buffers plus the output tile."""
   itemsize = jnp.dtype(dtype).itemsize
   per_stage = config.block_m * (config.block_k + config.block_n) * itemsize
-  out_tile = config.block_k * config.block_n * jnp.dtype(out_dtype).itemsize
+  out_tile = config.block_k * config.epilogue_n * jnp.dtype(out_dtype).itemsize
   return config.num_stages * per_stage + out_tile
 
 
@@ -214,6 +231,14 @@ def gpu_sweep_configs(
   out = [c for c in out if c is not None]
   # The default with the other masking (whole tiles / row bands).
   out += [dataclasses.replace(c, banded_mask=not c.banded_mask) for c in out]
+  # A default cut to 2 stages by its staging tile (f32 output): the epilogue
+  # split in two, which leaves SMEM for a third stage.
+  for c in out[:1]:
+    if c.num_compute_wgs == 2 and c.num_stages < 3 and c.block_n % 128 == 0:
+      split = fit_config(dataclasses.replace(c, epilogue_split=2, num_stages=3), dtype,
+                         out_dtype)
+      if split is not None and split.num_stages == 3:
+        out.append(split)
   # (bm, bk, bn, stages, tile width, warpgroups, CTAs per SM, ring)
   for bm, bk, bn, stages, width, wgs, ctas, flat in (
       # One ring of stages through all of a CTA's items (first: the likely
@@ -392,20 +417,25 @@ def _store_consumer_half(acc, my_smem, out_gmem, j, row, col) -> None:
   """A consumer's epilogue: its f32 accumulator through its own SMEM buffer to
   output tile j at (row, col)."""
   # This consumer's previous store must be done reading its buffer.
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  my_smem[...] = acc.astype(my_smem.dtype)
-  plgpu.commit_smem()
-  _store_half(my_smem, out_gmem, j, row, col)
+  cn = my_smem.shape[1]
+  for c in range(acc.shape[1] // cn):  # epilogue_split chunks
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    my_smem[...] = (acc if cn == acc.shape[1] else acc[:, c * cn:(c + 1) * cn]).astype(
+        my_smem.dtype)
+    plgpu.commit_smem()
+    _store_half(my_smem, out_gmem, j, row, col + c * cn)
 
 
 def _store_half(src_smem, out_gmem, j, row, col) -> None:
-  """One consumer's (block_k / 2, block_n) part of output tile j at (row, col).
+  """One consumer's (block_k / 2, chunk) part of output tile j at (row, col).
 
-  Skipped when it lies wholly past k (a k tile wider than k's remainder): a
-  TMA box entirely out of bounds is not left to the hardware to drop.
+  Skipped when it lies wholly past k (a k tile wider than k's remainder) or n
+  (an epilogue chunk of the last n tile): a TMA box entirely out of bounds is
+  not left to the hardware to drop.
   """
   hk, bn = src_smem.shape
-  pl.when(row < out_gmem.shape[1])(lambda: plgpu.copy_smem_to_gmem(
+  inside = (row < out_gmem.shape[1]) & (col < out_gmem.shape[2])
+  pl.when(inside)(lambda: plgpu.copy_smem_to_gmem(
       src_smem, out_gmem.at[j, pl.ds(row, hk), pl.ds(col, bn)]))
 
 
@@ -456,7 +486,7 @@ def _body_2wg(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gm
   @functools.partial(
       pl.run_scoped,
       allocs=allocs,
-      o_smem=plgpu.SMEM((2, hk, bn), out_dtype, transforms=out_transforms),
+      o_smem=plgpu.SMEM((2, hk, config.epilogue_n), out_dtype, transforms=out_transforms),
       mask_barrier=plgpu.Barrier(num_arrivals=2),
       done_barrier=plgpu.Barrier(num_arrivals=2),
       collective_axes="wg",
@@ -540,7 +570,7 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
       rhs_smem=plgpu.SMEM((stages, bm, bn), rhs_gmem.dtype, transforms=in_transforms_rhs),
       produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      o_smem=plgpu.SMEM((2, hk, bn), out_dtype, transforms=out_transforms),
+      o_smem=plgpu.SMEM((2, hk, config.epilogue_n), out_dtype, transforms=out_transforms),
       mask_barrier=plgpu.Barrier(num_arrivals=2),
       collective_axes="wg",
   )
@@ -671,7 +701,7 @@ def tgmm(
   delay_release = 1 if num_stages > 1 else 0
   in_transforms_lhs = _swizzled(bk, lhs.dtype)
   in_transforms_rhs = _swizzled(bn, rhs.dtype)
-  out_transforms = _swizzled(bn, out_dtype)
+  out_transforms = _swizzled(config.epilogue_n, out_dtype)
 
   def body(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gmem,
            out_gmem, out_smem):
