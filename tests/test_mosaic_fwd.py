@@ -248,7 +248,7 @@ def test_default_config_in_interpret_mode():
 @pytest.mark.parametrize(
     "m,k,n,sizes,offset,g_local,transpose_rhs",
     [
-        (160, 128, 128, [0, 70, 3, 0, 60, 11], 1, 4, True),  # zero rows below and above
+        (160, 128, 128, [0, 70, 3, 0, 60, 11], 2, 3, True),  # zero rows below and above
         (144, 64, 192, [12, 0, 20, 9, 0, 25], 2, 3, False),  # a half n tile past n
         (96, 64, 128, [40, 0, 56], 1, 1, False),  # an empty shard: zero tiles only
         (104, 64, 128, [30, 30], 0, 2, True),  # only the rows past sum(sizes) are zero

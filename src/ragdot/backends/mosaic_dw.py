@@ -161,7 +161,8 @@ class MosaicDwConfig:
 
 
 def smem_bytes(config: MosaicDwConfig, dtype, out_dtype) -> int:
-  """SMEM the kernel allocates: pipeline buffers plus the output tile."""
+  """SMEM the kernel allocates: pipeline buffers plus the output staging
+  (the whole tile, or one epilogue chunk per consumer)."""
   itemsize = jnp.dtype(dtype).itemsize
   per_stage = config.block_m * (config.block_k + config.block_n) * itemsize
   out_tile = config.block_k * config.epilogue_n * jnp.dtype(out_dtype).itemsize
@@ -217,8 +218,9 @@ def gpu_sweep_configs(
 ) -> list[MosaicDwConfig]:
   """A short list of candidates for a GPU sweep (default first; all fit in SMEM).
 
-  The default, the default with the other masking (``banded_mask``), four
-  warp-specialized configs with one ring of stages across items, two with two
+  The default, the default with the other masking (``banded_mask``), the
+  default with a split epilogue and 3 stages when its staging tile left it 2
+  (f32 output), four warp-specialized configs with one ring of stages across items, two with two
   resident CTAs per SM, four one-warpgroup configs and three warp-specialized
   ones with a pipeline per item (``num_compute_wgs=2``: 256 x 128 or
   128 x 256 output tiles, or 128 x 128).  Stages drop until SMEM fits (f32
