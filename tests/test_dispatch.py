@@ -82,8 +82,11 @@ def test_h200_rules_before_the_table():
   assert thin.implementation == "triton"
   cpu = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=dispatch.Device("cpu"), **GATE_UP)
   assert cpu.implementation == "xla" and "platform cpu" in cpu.reason
+  a100 = dispatch.choose("gmm", None, dtype=jnp.bfloat16,
+                         device=dispatch.Device("gpu", "NVIDIA A100", "8.0"), **GATE_UP)
+  assert a100.implementation == "triton" and a100.config is None and not a100.measured
   unknown = dispatch.choose("gmm", None, dtype=jnp.bfloat16,
-                            device=dispatch.Device("gpu", "NVIDIA A100", "8.0"), **GATE_UP)
+                            device=dispatch.Device("gpu", "NVIDIA L4", "8.9"), **GATE_UP)
   assert unknown.implementation == "xla"
 
 

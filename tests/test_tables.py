@@ -181,8 +181,12 @@ def test_dtypes_and_devices():
   assert h100.backend == "mosaic" and "reuses the H200" in h100.reason
   sm90 = tables.table_for("NVIDIA H123", "9.0")[0]
   assert sm90.name == "nvidia_h200.json"
-  unknown = tables.lookup("NVIDIA A100-SXM4-80GB", "gmm", "bfloat16", 32768, 2048, 1536, 128,
-                          "8.0")
+  for kind in ("NVIDIA A100-SXM4-80GB", "NVIDIA A100-SXM4-40GB", "NVIDIA A100 80GB PCIe"):
+    a100 = tables.lookup(kind, "tgmm", "bfloat16", 32768, 2048, 1536, 128, "8.0")
+    assert a100.backend == "triton" and a100.config is None and not a100.measured
+    assert "not measured" in a100.reason
+  unknown = tables.lookup("NVIDIA GeForce RTX 4090", "gmm", "bfloat16", 32768, 2048, 1536, 128,
+                          "8.9")
   assert unknown.backend == "xla" and "unknown GPU" in unknown.reason
 
 

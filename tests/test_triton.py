@@ -185,6 +185,16 @@ def test_config_validation(fields):
     tr.TritonConfig(**fields)
 
 
+def test_sm80_gets_the_a100_paper_config(monkeypatch):
+  # With no config given the backend uses the A100 config on an sm80 GPU
+  # (what the A100 table's Triton defaults rely on), the H200 one elsewhere.
+  args = ("tgmm", 32768, 2048, 1536, 128, jnp.bfloat16)
+  assert tr.device_default_config(*args) == tr.default_config(*args)  # CPU
+  monkeypatch.setattr(tr, "_on_sm80", lambda: True)
+  assert tr.device_default_config(*args) == tr.a100_config(*args)
+  assert tr.a100_config(*args) != tr.default_config(*args)
+
+
 def test_configs_fit_smem():
   for op in ("gmm", "gmm_t", "tgmm"):
     for dtype in (jnp.bfloat16, jnp.float32):

@@ -156,7 +156,8 @@ class Table:
            f"{limit:g}" if best is not None else "no entries") + f" for {op}/{dt}"
     return Hit(backend=default["backend"], config=default.get("config"),
                measured=False, table=self.name, key=None, distance=None,
-               reason=f"{far}: table default{via}")
+               reason=f"{far}: table default{via}"
+               + (f" ({default['note']})" if default.get("note") else ""))
 
   def _hit(self, entry, text, d, reason) -> Hit:
     return Hit(backend=entry["backend"], config=entry.get("config"),

@@ -167,6 +167,24 @@ def a100_config(op: str, m: int, k: int, n: int, g: int,
   return TritonConfig(block_m=128, block_n=256, block_k=32, num_warps=8, num_stages=4)
 
 
+@functools.cache
+def _on_sm80() -> bool:
+  """Whether the default device is an Ampere-class GPU (compute capability 8.x)."""
+  dev = jax.devices()[0]
+  cc = str(getattr(dev, "compute_capability", "") or "")
+  return dev.platform == "gpu" and cc.startswith("8.")
+
+
+def device_default_config(op: str, m: int, k: int, n: int, g: int,
+                          dtype: Any = jnp.bfloat16) -> TritonConfig:
+  """The config used when none is given: ``a100_config`` (chosen on paper, not
+  measured) on an sm80 GPU, else ``default_config`` (H200-tuned; also the
+  interpret-mode default)."""
+  if _on_sm80():
+    return a100_config(op, m, k, n, g, dtype)
+  return default_config(op, m, k, n, g, dtype)
+
+
 def gpu_sweep_configs(op: str, m: int, k: int, n: int, g: int,
                       dtype: Any = jnp.bfloat16,
                       smem_limit: int = H200_SMEM_BYTES) -> list[TritonConfig]:
@@ -349,7 +367,7 @@ def gmm(
   if m == 0 or n == 0 or k == 0 or num_local == 0:
     return jnp.zeros((m, n), out_dtype)
   op = "gmm_t" if transpose_rhs else "gmm"
-  config = config or default_config(op, m, k, n, num_local, lhs.dtype)
+  config = config or device_default_config(op, m, k, n, num_local, lhs.dtype)
   if not isinstance(config, TritonConfig):
     raise TypeError(f"config must be a TritonConfig, got {type(config).__name__}")
   bm, bn, bk = _fit(config.block_m, m), _fit(config.block_n, n), _fit(config.block_k, k)
@@ -429,7 +447,7 @@ def tgmm(
   prec = _dot_precision(precision)
   if m == 0 or k == 0 or n == 0 or num_groups == 0:
     return jnp.zeros((num_groups, k, n), out_dtype)
-  config = config or default_config("tgmm", m, k, n, num_groups, lhs.dtype)
+  config = config or device_default_config("tgmm", m, k, n, num_groups, lhs.dtype)
   if not isinstance(config, TritonConfig):
     raise TypeError(f"config must be a TritonConfig, got {type(config).__name__}")
   bm, bn, bk = _fit(config.block_m, m), _fit(config.block_n, n), _fit(config.block_k, k)
