@@ -422,8 +422,7 @@ def _store_consumer_half(acc, my_smem, out_gmem, j, row, col) -> None:
   cn = my_smem.shape[1]
   for c in range(acc.shape[1] // cn):  # epilogue_split chunks
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    my_smem[...] = (acc if cn == acc.shape[1] else acc[:, c * cn:(c + 1) * cn]).astype(
-        my_smem.dtype)
+    my_smem[...] = sm90.column_chunk(acc, c, cn).astype(my_smem.dtype)
     plgpu.commit_smem()
     _store_half(my_smem, out_gmem, j, row, col + c * cn)
 

@@ -496,8 +496,22 @@ def _for_each_chunk(cfg: MosaicFwdConfig, n: int, ni, fn, wg=None) -> None:
       pl.when(col < n)(functools.partial(fn, c, col))
 
 
-def _chunk(acc, c: int, cn: int):
-  return acc if c == 0 and acc.shape[1] == cn else acc[:, c * cn:(c + 1) * cn]
+def _store_zero_rows(zero_smem, out_gmem, cfg: MosaicFwdConfig, n: int, m: int, ni,
+                     row_starts, rows: int, lo, hi, chunks_wg=None) -> None:
+  """Stores zeros from ``zero_smem`` (zeroed, ``rows`` rows) over the rows
+  outside the shard's window [lo, hi) of each ``rows``-row block starting at
+  ``row_starts``, in every epilogue chunk of n tile ``ni`` (``chunks_wg``: only
+  that consumer's chunks, with split_n)."""
+  for rs in row_starts:
+    pieces = _outside_window(rs, jnp.minimum(rs + rows, m), lo, hi)
+
+    def chunk(c, col, pieces=pieces):
+      del c
+      for start, count in pieces:
+        _store_rows(zero_smem, out_gmem, 0, start, count, col, max_rows=min(rows, m),
+                    width=cfg.epilogue_n)
+
+    _for_each_chunk(cfg, n, ni, chunk, chunks_wg)
 
 
 def _gmm_kernel_1wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
@@ -516,17 +530,8 @@ def _gmm_kernel_1wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
 
     def zero_tile(w, first):
       blk, ni = _zero_item(w, grid_n, za, zb)
-      bs = blk * bm
-      pieces = _outside_window(bs, jnp.minimum(bs + bm, m), lo, hi)
       _zero_fill_once(o_smem, first)
-      store = functools.partial(_store_rows, o_smem, out_gmem, max_rows=max_rows, width=cn)
-
-      def chunk(c, col):
-        del c
-        for start, count in pieces:
-          store(0, start, count, col)
-
-      _for_each_chunk(cfg, n, ni, chunk)
+      _store_zero_rows(o_smem, out_gmem, cfg, n, m, ni, [blk * bm], bm, lo, hi)
 
     def compute_tile(w):
       ni, grp, row0, row_start, row_end = _work_item(
@@ -545,7 +550,7 @@ def _gmm_kernel_1wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
 
       def chunk(c, col):
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # earlier stores read o_smem
-        o_smem[...] = _chunk(acc, c, cn).astype(out_dtype)
+        o_smem[...] = sm90.column_chunk(acc, c, cn).astype(out_dtype)
         plgpu.commit_smem()
         _store_rows(o_smem, out_gmem, row_start - row0, row_start,
                     row_end - row_start, col, max_rows=max_rows, width=cn)
@@ -644,36 +649,11 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
     my_chunks = wg if split else None  # split_n: each consumer stores its own columns
     store = functools.partial(_store_rows, my_smem, out_gmem, max_rows=max_rows, width=cn)
 
-    def zero_tile(w, first):
+    def zero_tile(w, first, smem, half_offsets, chunks_wg):
       blk, ni = _zero_item(w, grid_n, za, zb)
-      # Each consumer zeroes its own 64-row half (split_n: its column half).
-      hs = blk * bm + (0 if split else wg * hm)
-      pieces = _outside_window(hs, jnp.minimum(hs + hm, m), lo, hi)
-      _zero_fill_once(my_smem, first)
-
-      def chunk(c, col):
-        del c
-        for start, count in pieces:
-          store(0, start, count, col)
-
-      _for_each_chunk(cfg, n, ni, chunk, my_chunks)
-
-    def producer_zero_tile(w, first):
-      # The whole tile: each 64-row half from the producer's own buffer.
-      blk, ni = _zero_item(w, grid_n, za, zb)
-      zero_smem = o_smem.at[zero_wg]
-      _zero_fill_once(zero_smem, first)
-      for half in range(bm // hm):
-        hs = blk * bm + half * hm
-        pieces = _outside_window(hs, jnp.minimum(hs + hm, m), lo, hi)
-
-        def chunk(c, col, pieces=pieces):
-          del c
-          for start, count in pieces:
-            _store_rows(zero_smem, out_gmem, 0, start, count, col, max_rows=max_rows,
-                        width=cn)
-
-        _for_each_chunk(cfg, n, ni, chunk)
+      _zero_fill_once(smem, first)
+      _store_zero_rows(smem, out_gmem, cfg, n, m, ni, [blk * bm + o for o in half_offsets],
+                       hm, lo, hi, chunks_wg)
 
     def compute_tile(w, state):
       ni, grp, row0, row_start, row_end = _work_item(
@@ -691,7 +671,7 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
           s, c = _overlap(row_start, row_end, hs, hs + hm)
           def chunk(ci, col):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # earlier stores read it
-            my_smem[...] = _chunk(acc, ci, cn).astype(out_dtype)
+            my_smem[...] = sm90.column_chunk(acc, ci, cn).astype(out_dtype)
             plgpu.commit_smem()
             store(s - hs, s, c, col)
 
@@ -734,11 +714,17 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
     def _loop(info: plgpu.NDLoopInfo):
       (w,) = info.index
       is_zero = w < num_zero_work
-      if zero_wg is None:  # the consumers store the zero tiles, the producer idles
-        pl.when(is_zero & (wg < 2))(lambda: zero_tile(w, info.local_index == 0))
-      else:  # the producer stores them, the consumers go on to their compute tiles
-        pl.when(is_zero & (wg == zero_wg))(
-            lambda: producer_zero_tile(w, info.local_index == 0))
+      first = info.local_index == 0
+      if zero_wg is None:
+        # Each consumer zeroes its own 64-row half (split_n: its column half);
+        # the producer idles.
+        pl.when(is_zero & (wg < 2))(lambda: zero_tile(
+            w, first, my_smem, [0 if split else wg * hm], my_chunks))
+      else:
+        # The producer zeroes both halves from its own buffer; the consumers go
+        # on to their compute tiles.
+        pl.when(is_zero & (wg == zero_wg))(lambda: zero_tile(
+            w, first, o_smem.at[zero_wg], range(0, bm, hm), None))
       # Chained: this CTA's first compute tile fills the pipeline and its last
       # drains it (items of a CTA are w, w + num_ctas, ...).
       state = _PipelinePhase(w - num_ctas < num_zero_work,

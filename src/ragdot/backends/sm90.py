@@ -27,6 +27,12 @@ def check_ctas_per_sm(ctas_per_sm: int, num_compute_wgs: int) -> None:
         f" {ctas_per_sm} with num_compute_wgs={num_compute_wgs}")
 
 
+def column_chunk(acc, c: int, cols: int):
+  """Columns [c * cols, (c + 1) * cols) of a register tile (the tile itself when
+  it is one chunk wide): one epilogue chunk."""
+  return acc if c == 0 and acc.shape[1] == cols else acc[:, c * cols:(c + 1) * cols]
+
+
 def device_sm_count() -> int:
   """SM count of the first GPU (H200's 132 when no GPU is visible)."""
   try:

@@ -167,12 +167,12 @@ def a100_config(op: str, m: int, k: int, n: int, g: int,
   return TritonConfig(block_m=128, block_n=256, block_k=32, num_warps=8, num_stages=4)
 
 
-@functools.cache
 def _on_sm80() -> bool:
   """Whether the default device is an Ampere-class GPU (compute capability 8.x)."""
-  dev = jax.devices()[0]
-  cc = str(getattr(dev, "compute_capability", "") or "")
-  return dev.platform == "gpu" and cc.startswith("8.")
+  from ragdot import dispatch  # pylint: disable=g-import-not-at-top  (the layer above)
+
+  dev = dispatch.current_device()
+  return dev.platform == "gpu" and (dev.compute_capability or "").startswith("8.")
 
 
 def device_default_config(op: str, m: int, k: int, n: int, g: int,
