@@ -203,12 +203,13 @@ def _fields(words):
     [(64, 128, 256, 3, 1024, jnp.bfloat16, "banded_mask"),  # the default
      (64, 128, 256, 3, 1024, jnp.bfloat16, None),  # ... masking whole tiles
      (64, 256, 128, 3, 1024, jnp.bfloat16, None),
-     (64, 128, 256, 2, 1024, jnp.float32, "banded_mask"),  # the default for f32 output
+     (64, 128, 256, 2, 1024, jnp.float32, "banded_mask"),  # f32 output, whole staging tile
      (128, 128, 128, 3, 1024, jnp.bfloat16, "banded_mask"),
      (64, 256, 128, 3, 320, jnp.bfloat16, None),  # partial k tile; consumer 1's half past k
      (64, 128, 64, 4, 1024, jnp.bfloat16, "banded_mask"),  # rhs in 32-row bands
      (64, 128, 192, 3, 1024, jnp.bfloat16, "banded_mask"),  # 32 x 192 bands
-     # f32 output staged in two 128-column chunks: room for a third stage
+     # f32 output staged in two 128-column chunks, room for a third stage: the
+     # default for f32 output
      (64, 128, 256, 3, 1024, jnp.float32, "banded_mask epilogue_split=2")],
     ids=["default", "whole_tile_mask", "256x128", "f32_2_stages",
          "bm128_banded", "partial_k", "bn64_banded", "bn192_banded", "f32_split_3_stages"])
