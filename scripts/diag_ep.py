@@ -12,7 +12,7 @@ all kernels of one call):
         only the zero rows are written, so Z is the price of the full-m output;
   L     the plain call over the local rows only (the issue's 1.25x yardstick);
   D1..  with ``--variant``: A's Mosaic config with those fields replaced (e.g.
-        ``"stagger_zeros=True epilogue_split=4"``), one case per variant;
+        ``"epilogue_split=4 num_stages=3"``), one case per variant;
 and writes OUT_DIR/diag_ep.json.  Outputs of A, B, T and the variants are
 compared bitwise; the per-kernel CUPTI times of A, Z, L and the variants are
 printed.

@@ -254,32 +254,14 @@ def test_default_config_in_interpret_mode():
         (104, 64, 128, [30, 30], 0, 2, True),  # only the rows past sum(sizes) are zero
     ],
 )
-def test_stagger_zeros(config, m, k, n, sizes, offset, g_local, transpose_rhs):
-  cfg = dataclasses.replace(config, stagger_zeros=True)
+def test_zero_rows_around_the_shard(config, m, k, n, sizes, offset, g_local, transpose_rhs):
   _run_and_check(m, k, n, sizes, offset=offset, g_local=g_local,
-                 transpose_rhs=transpose_rhs, config=cfg, out_dtype=jnp.bfloat16)
-
-
-@pytest.mark.parametrize("num_zero_work,total,num_ctas",
-                         [(0, 7, 3), (7, 7, 3), (5, 12, 4), (13, 40, 6), (2, 3, 8), (0, 0, 4)])
-def test_staggered_item_rotates_each_ctas_items(num_zero_work, total, num_ctas):
-  for sm in range(num_ctas):
-    mine = list(range(sm, total, num_ctas))
-    got = [int(mosaic_fwd._staggered_item(jnp.int32(sm), jnp.int32(i), jnp.int32(num_zero_work),
-                                           jnp.int32(total), num_ctas))
-           for i in range(len(mine))]
-    zero = [w for w in mine if w < num_zero_work]
-    compute = [w for w in mine if w >= num_zero_work]
-    assert got == compute + zero  # compute items first, each kind in increasing order
+                 transpose_rhs=transpose_rhs, config=config, out_dtype=jnp.bfloat16)
 
 
 @pytest.mark.parametrize(
-    "config", [CFG1, CFG2, CFG1S, CFG2S, CFG2C, CFG2N,
-               dataclasses.replace(CFG1, stagger_zeros=True),
-               dataclasses.replace(CFG2S, stagger_zeros=True),
-               dataclasses.replace(CFG2C, stagger_zeros=True)],
-    ids=["1wg", "2wg", "1wg_split", "2wg_split", "2wg_chained", "2wg_split_n",
-         "1wg_stagger", "2wg_split_stagger", "2wg_chained_stagger"])
+    "config", [CFG1, CFG2, CFG1S, CFG2S, CFG2C, CFG2N],
+    ids=["1wg", "2wg", "1wg_split", "2wg_split", "2wg_chained", "2wg_split_n"])
 def test_no_races(config):
   lhs = jax.random.normal(jax.random.key(1), (96, 64), jnp.bfloat16)
   rhs = jax.random.normal(jax.random.key(2), (2, 64, 128), jnp.bfloat16)
@@ -408,16 +390,6 @@ def test_sweep_lowers_for_sm90(k, n, transpose_rhs, out_dtype):
   m, g = 32768, 128
   for cfg in mosaic_fwd.gpu_sweep_configs(m, k, n, g, transpose_rhs, jnp.bfloat16, out_dtype):
     _lower_for_sm90(m, k, n, g, cfg, transpose_rhs, out_dtype)
-
-
-@pytest.mark.parametrize("transpose_rhs", [False, True])
-def test_stagger_zeros_lowers_for_sm90(transpose_rhs):
-  # The EP shard's config, the chained pipeline and one warpgroup, staggered.
-  base = MosaicFwdConfig(128, 256, 64, 4, grid_tile_width=4, num_compute_wgs=2,
-                         epilogue_split=2, stagger_zeros=True)
-  for cfg in (base, dataclasses.replace(base, delay_release=0, pipeline_across_tiles=True),
-              MosaicFwdConfig(64, 256, 64, 4, stagger_zeros=True)):
-    _lower_for_sm90(32768, 2048, 1536, 16, cfg, transpose_rhs, jnp.bfloat16)
 
 
 @pytest.mark.parametrize("m,k,n", [(4088, 192, 320), (5, 64, 64), (4096, 2048, 1536)])

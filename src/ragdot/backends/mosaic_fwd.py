@@ -14,9 +14,13 @@ Design:
   *compute tiles* (``metadata.tile_schedule`` entries x n tiles: group-aligned
   row windows, so only a group's last tile is partial).  Both counts
   are device scalars, so the loop length is dynamic and nothing syncs to host.
-  A CTA takes its zero tiles before its compute tiles (``stagger_zeros``:
-  odd CTAs after them), one after the other, so its staging buffer is zeroed
-  once.
+  Zero tiles come first in every CTA's sequence, so its staging buffer is
+  zeroed once.  Their async TMA stores are not hidden under the compute: on
+  the EP=8 shard the kernel takes the local compute's time plus the zero
+  rows' time (51 + 26 us, H200, 2026-11-30), also with the zeros issued by
+  the producer warpgroup, and 1.23x that with half of the CTAs taking their
+  compute tiles first (zero stores beside the compute slow it down more than
+  they save).
 * Compute tile: ``emit_pipeline`` streams (block_m, block_k) lhs and
   (block_k, block_n) rhs blocks through ``num_stages`` TMA buffers into wgmma
   with an f32 register accumulator.  The lhs window starts at the tile's
@@ -107,13 +111,6 @@ class MosaicFwdConfig:
     next tile's first stages while the consumers finish a tile and run its
     epilogue, instead of draining and refilling the pipeline per tile.  Used
     when the tile's k steps are a multiple of num_stages (otherwise per tile).
-  stagger_zeros: odd CTAs take their compute tiles before their zero tiles
-    (even CTAs: zero tiles first), so about half of the SMs store zero rows
-    while the others compute.  Without it every SM stores its zero rows
-    first, all at once, and the compute waits for them: on the EP=8 shard the
-    kernel took the local compute's time plus the zero rows' time (51 + 26
-    us, H200, 2026-11-30), also with the zeros issued by the producer
-    warpgroup instead of the consumers.
   """
 
   block_m: int = 64
@@ -131,7 +128,6 @@ class MosaicFwdConfig:
   pipeline_across_tiles: bool = False
   split_n: bool = False
   guard_last_stage: bool = True
-  stagger_zeros: bool = False
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -461,29 +457,6 @@ def _zero_item(w, grid_n: int, za, zb):
   return jnp.where(zi < za, zi, zi - za + zb), ni
 
 
-def _staggered_item(sm, i, num_zero_work, total, num_ctas: int):
-  """Item of CTA ``sm``'s step ``i`` when it takes its compute items first.
-
-  The CTA's items are ``sm, sm + num_ctas, ...`` (those below
-  ``num_zero_work`` are zero items): the sequence rotated by its zero count.
-  """
-  # Counts of this CTA's zero items and of all its items (numerators >= 1 - num_ctas).
-  nz = lax.div(num_zero_work - sm + num_ctas - 1, num_ctas)
-  nc = lax.div(total - sm + num_ctas - 1, num_ctas) - nz
-  return sm + jnp.where(i < nc, i + nz, i - nc) * num_ctas
-
-
-def _cta_item(info: plgpu.NDLoopInfo, num_zero_work, total, num_ctas: int, stagger: bool):
-  """The work item of this CTA's loop step: zero items first, except on odd
-  CTAs with ``stagger`` (compute items first)."""
-  (w,) = info.index
-  if not stagger:
-    return w
-  sm = lax.axis_index("sm")
-  rotated = _staggered_item(sm, info.local_index, num_zero_work, total, num_ctas)
-  return jnp.where(sm % 2 == 1, rotated, w)
-
-
 def _overlap(lo, hi, a, b):
   """Start and length of [max(lo, a), min(hi, b)) (length 0 when empty)."""
   start = jnp.maximum(lo, a)
@@ -534,8 +507,7 @@ def _store_zero_rows(zero_smem, out_gmem, cfg: MosaicFwdConfig, n: int, m: int, 
 
 
 def _gmm_kernel_1wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
-                    m: int, k: int, n: int, cfg: MosaicFwdConfig, transpose_rhs: bool,
-                    num_ctas: int):
+                    m: int, k: int, n: int, cfg: MosaicFwdConfig, transpose_rhs: bool):
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
   grid_n = pl.cdiv(n, bn)
   k_steps = pl.cdiv(k, bk)
@@ -548,9 +520,9 @@ def _gmm_kernel_1wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
   @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, cn), out_dtype))
   def _scope(o_smem):
 
-    def zero_tile(w):
+    def zero_tile(w, first):
       blk, ni = _zero_item(w, grid_n, za, zb)
-      _zero_fill_once(o_smem, w, num_ctas)
+      _zero_fill_once(o_smem, first)
       _store_zero_rows(o_smem, out_gmem, cfg, n, m, ni, [blk * bm], bm, lo, hi)
 
     def compute_tile(w):
@@ -579,26 +551,24 @@ def _gmm_kernel_1wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
 
     @plgpu.nd_loop((total,), collective_axes="sm")
     def _loop(info: plgpu.NDLoopInfo):
-      w = _cta_item(info, num_zero_work, total, num_ctas, cfg.stagger_zeros)
+      (w,) = info.index
       is_zero = w < num_zero_work
-      pl.when(is_zero)(lambda: zero_tile(w))
+      pl.when(is_zero)(lambda: zero_tile(w, info.local_index == 0))
       pl.when(jnp.logical_not(is_zero))(lambda: compute_tile(w - num_zero_work))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _zero_fill_once(smem, w, num_ctas: int) -> None:
-  """Zeroes the staging buffer before this CTA's first zero item ``w``.
+def _zero_fill_once(smem, first) -> None:
+  """Zeroes the staging buffer on this CTA's first work item.
 
-  A CTA takes its zero items one after the other, in increasing order, so the
-  first is ``w < num_ctas`` and the others find the buffer still zeroed: no
-  refill, and no wait for their in-flight stores, which only read it.  (With
-  ``stagger_zeros`` the first may follow compute tiles, whose epilogue stores
-  must have read the buffer before it is zeroed.)
+  Zero tiles precede compute tiles in every CTA's (increasing) work sequence,
+  so a zero tile that is not the first item follows another zero tile and the
+  buffer still holds zeros: no refill, and no wait for in-flight stores, which
+  only read it.
   """
-  @pl.when(w < num_ctas)
+  @pl.when(first)
   def _():
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     smem[...] = jnp.zeros(smem.shape, smem.dtype)
     plgpu.commit_smem()
 
@@ -668,10 +638,10 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
     my_chunks = wg if split else None  # split_n: each consumer stores its own columns
     store = functools.partial(_store_rows, my_smem, out_gmem, max_rows=max_rows, width=cn)
 
-    def zero_tile(w):
+    def zero_tile(w, first):
       # Each consumer zeroes its own 64-row half (split_n: its column half).
       blk, ni = _zero_item(w, grid_n, za, zb)
-      _zero_fill_once(my_smem, w, num_ctas)
+      _zero_fill_once(my_smem, first)
       _store_zero_rows(my_smem, out_gmem, cfg, n, m, ni, [blk * bm + (0 if split else wg * hm)],
                        hm, lo, hi, my_chunks)
 
@@ -732,11 +702,11 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
 
     @plgpu.nd_loop((total,), collective_axes="sm")
     def _loop(info: plgpu.NDLoopInfo):
-      w = _cta_item(info, num_zero_work, total, num_ctas, cfg.stagger_zeros)
+      (w,) = info.index
       is_zero = w < num_zero_work
-      pl.when(is_zero & (wg < 2))(lambda: zero_tile(w))  # the producer idles
+      pl.when(is_zero & (wg < 2))(lambda: zero_tile(w, info.local_index == 0))  # producer idles
       # Chained: this CTA's first compute tile fills the pipeline and its last
-      # drains it (a CTA's compute items are consecutive: w, w + num_ctas, ...).
+      # drains it (items of a CTA are w, w + num_ctas, ...).
       state = _PipelinePhase(w - num_ctas < num_zero_work,
                              w + num_ctas >= total) if chain else None
       pl.when(jnp.logical_not(is_zero))(lambda: compute_tile(w - num_zero_work, state))
@@ -795,7 +765,7 @@ def gmm(
   tiles, scalars, lhs, rhs = match_varying(tiles, scalars, lhs, rhs)
   num_ctas = _num_sms(config, bool(interpret))
   if config.num_compute_wgs == 1:
-    body, extra = functools.partial(_gmm_kernel_1wg, num_ctas=num_ctas), {}
+    body, extra = _gmm_kernel_1wg, {}
   else:
     body = functools.partial(_gmm_kernel_2wg, num_ctas=num_ctas)
     extra = dict(num_threads=3, thread_name="wg")
