@@ -8,6 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from ragdot import cli
@@ -126,3 +129,45 @@ print("not reached", flush=True)
   assert "candidate-x" in p.stderr and mark.read_text() == "candidate-x"
   with pytest.raises(ValueError, match="limit_s"):
     Watchdog(0)
+
+
+@pytest.mark.parametrize("op", ["fwd", "dw", "fwdbwd"])
+def test_ep_bench_strategies_agree(op):
+  """The EP rows' three strategies compute the same shard: group_offset, the
+  masked workaround and the plain call over the local rows."""
+  from ragdot import bench  # pylint: disable=g-import-not-at-top
+  s = bench.Shape("t ep", 256, 64, 32, 8, top_k=2, ep=4)
+  sizes = bench.routed_group_sizes(s)
+  rows = int(sizes[:2].sum())
+  ks = jax.random.split(jax.random.key(3), 3)
+  x = jax.random.normal(ks[0], (s.m, s.k), jnp.float32)
+  w = jax.random.normal(ks[1], (s.g, s.k, s.n), jnp.float32)
+  dy = jax.random.normal(ks[2], (s.m, s.n), jnp.float32)
+  gs = jnp.asarray(sizes)
+  out = {name: fn(x, w, dy, gs) for name, fn in bench._ep_candidates(op, s, "xla", sizes).items()}
+  assert set(out) >= {"ragdot", "masked", "local-rows"}
+  close = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)
+  if op == "fwd":
+    close(out["ragdot"], out["masked"])
+    close(out["ragdot"][:rows], out["local-rows"][:rows])
+    assert not np.any(np.asarray(out["ragdot"][rows:]))
+  elif op == "dw":
+    assert out["ragdot"].shape == (2, s.k, s.n)
+    close(out["ragdot"], out["masked"])
+    close(out["ragdot"], out["local-rows"])
+  else:
+    (v, (gx, gw)), (vm, (gxm, gwm)), (vl, (gxl, gwl)) = (
+        out[n] for n in ("ragdot", "masked", "local-rows"))
+    assert gw.shape == (2, s.k, s.n)
+    close(v, vm), close(v, vl), close(gw, gwm), close(gw, gwl), close(gx, gxm)
+    close(gx[:rows], gxl[:rows])
+    assert not np.any(np.asarray(gx[rows:]))
+
+
+def test_bench_ep_shape_rows_cover_the_ep_ops(tmp_path):
+  from ragdot import bench  # pylint: disable=g-import-not-at-top
+  s = bench.Shape("t ep", 256, 64, 32, 8, top_k=2, ep=4)
+  rows = bench.bench_shape(s, ["fwd", "dx", "dw", "fwdbwd"], None, iterations=1)
+  assert {r["op"] for r in rows} == {"fwd", "dw", "fwdbwd"}  # no dX row for a shard
+  for r in rows:
+    assert r["ms"] > 0, r

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
 
 from ragdot import dispatch
-from ragdot.backends import mosaic_fwd
+from ragdot.backends import mosaic_dw, mosaic_fwd
 
 
 def test_explicit_implementation_is_honoured_in_interpret_mode_without_gpu():
@@ -141,3 +143,18 @@ def test_backend_call_maps_user_ops():
   assert dispatch.backend_call("dw", 2048, 1536).table_op == "tgmm"
   with pytest.raises(ValueError, match="user_op"):
     dispatch.backend_call("bwd", 1, 1)
+
+
+def test_f32_weight_gradient_keeps_three_stages_with_a_split_epilogue():
+  # The table's dW configs are measured with bf16 output; an f32 gradient's
+  # staging tile does not fit beside 3 stages, so the epilogue is split
+  # (measured faster than dropping to 2 stages, H200 2026-11-30).
+  bf16 = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, device=H200, **GATE_UP)
+  f32 = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, out_dtype=jnp.float32, device=H200,
+                        **GATE_UP)
+  assert f32.implementation == "mosaic"
+  cfg = f32.config if f32.config is not None else mosaic_dw.default_config(
+      GATE_UP["m"], GATE_UP["k"], GATE_UP["n"], GATE_UP["g"], jnp.bfloat16, jnp.float32)
+  assert cfg.num_compute_wgs == 2 and cfg.epilogue_split == 2 and cfg.num_stages == 3
+  if bf16.config is not None:
+    assert cfg == dataclasses.replace(bf16.config, epilogue_split=2)

@@ -255,8 +255,18 @@ def peak_bytes(compiled: Any) -> int | None:
   return int(peak)
 
 
-def _ep_candidates(shape: Shape, impl: str, sizes: np.ndarray) -> dict[str, Callable]:
-  """Shard 0 of an EP split: group_offset vs the masked workaround vs local rows."""
+EP_OPS = ("fwd", "dw", "fwdbwd")  # what the EP shard rows measure
+
+
+def _ep_candidates(op: str, shape: Shape, impl: str | None,
+                   sizes: np.ndarray) -> dict[str, Callable]:
+  """Shard 0 of an EP split, for ``op`` in ``EP_OPS``: group_offset vs the
+  masked workaround vs the plain call over the local rows only.
+
+  fwd: the shard's output rows (zeros outside the shard's rows).  dw: the
+  local experts' weight gradients.  fwdbwd: value_and_grad of a loss through
+  the forward, w.r.t. the tokens and the local experts' weights.
+  """
   local = shape.g // shape.ep
   rows = int(sizes[:local].sum())
   # The plain call gets the local rows in a buffer padded to a multiple of 8 (the
@@ -264,26 +274,59 @@ def _ep_candidates(shape: Shape, impl: str, sizes: np.ndarray) -> dict[str, Call
   # EP buffer would.
   rows8 = -(-rows // 8) * 8
   mask = (jnp.arange(shape.m) < rows)[:, None]
+  off = jnp.int32(0)
 
-  def masked(x, w, dy, gs):  # what callers do without group_offset
-    full = jnp.zeros((shape.g,) + w.shape[1:], w.dtype).at[:local].set(w[:local])
-    return jnp.where(mask, ragdot.ragged_dot(x, full, gs, implementation=impl), 0)
+  def padded(w):  # the local experts' weights in a full-size weight array
+    return jnp.zeros((shape.g,) + w.shape[1:], w.dtype).at[:local].set(w)
 
-  fns = {
-      "ragdot": lambda x, w, dy, gs: ragdot.ragged_dot(
-          x, w[:local], gs, group_offset=jnp.int32(0), implementation=impl),
-      "masked": masked,
-      # (group sizes sliced on device, as a caller would: a constant would let
-      # XLA fold the call's metadata away)
-      "local-rows": lambda x, w, dy, gs: ragdot.ragged_dot(
-          x[:rows8], w[:local], gs[:local], implementation=impl),
-  }
+  # Forward of each strategy: fn(x, w_local, gs) -> rows.  The local-rows one
+  # gets x[:rows8]; its loss uses dy[:rows8].
+  # (group sizes sliced on device, as a caller would: a constant would let XLA
+  # fold the call's metadata away)
+  def offset_fwd(x, w, gs):
+    return ragdot.ragged_dot(x, w, gs, group_offset=off, implementation=impl)
+
+  def masked_fwd(x, w, gs):  # what callers do without group_offset
+    return jnp.where(mask, ragdot.ragged_dot(x, padded(w), gs, implementation=impl), 0)
+
+  def local_fwd(x, w, gs):
+    return ragdot.ragged_dot(x, w, gs[:local], implementation=impl)
+
+  def loss(f, n_rows=None):
+    def value_and_grads(x, w, dy, gs):
+      if n_rows is not None:
+        x, dy = x[:n_rows], dy[:n_rows]
+      return jax.value_and_grad(
+          lambda x, w: jnp.sum(f(x, w, gs).astype(jnp.float32) * dy), (0, 1))(x, w[:local])
+    return value_and_grads
+
   tk = _tokamax()
-  if tk:
-    def tk_masked(x, w, dy, gs):
-      full = jnp.zeros((shape.g,) + w.shape[1:], w.dtype).at[:local].set(w[:local])
-      return jnp.where(mask, tk.ragged_dot(x, full, gs), 0)
-    fns["tokamax-masked"] = tk_masked
+  if op == "fwd":
+    fns = {"ragdot": lambda x, w, dy, gs: offset_fwd(x, w[:local], gs),
+           "masked": lambda x, w, dy, gs: masked_fwd(x, w[:local], gs),
+           "local-rows": lambda x, w, dy, gs: local_fwd(x[:rows8], w[:local], gs)}
+    if tk:
+      fns["tokamax-masked"] = lambda x, w, dy, gs: jnp.where(
+          mask, tk.ragged_dot(x, padded(w[:local]), gs), 0)
+  elif op == "dw":
+    fns = {"ragdot": lambda x, w, dy, gs: ragdot.trans_ragged_dot(
+               x, dy, gs, group_offset=off, num_groups=local, implementation=impl),
+           # every expert's gradient from the masked rows, then the local ones
+           "masked": lambda x, w, dy, gs: ragdot.trans_ragged_dot(
+               x, jnp.where(mask, dy, 0), gs, implementation=impl)[:local],
+           "local-rows": lambda x, w, dy, gs: ragdot.trans_ragged_dot(
+               x[:rows8], dy[:rows8], gs[:local], implementation=impl)}
+    if tk:
+      fns["tokamax-masked"] = lambda x, w, dy, gs: tk.ragged_dot_general(
+          x, jnp.where(mask, dy, 0), gs, DN_DW)[:local]
+  elif op == "fwdbwd":
+    fns = {"ragdot": loss(offset_fwd), "masked": loss(masked_fwd),
+           "local-rows": loss(local_fwd, rows8)}
+    if tk:
+      fns["tokamax-masked"] = loss(
+          lambda x, w, gs: jnp.where(mask, tk.ragged_dot(x, padded(w), gs), 0))
+  else:
+    raise ValueError(f"op must be one of {EP_OPS} for an EP shape, got {op!r}")
   return fns
 
 
@@ -299,14 +342,13 @@ def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
   dy = jax.random.normal(keys[2], (shape.m, shape.n), dtype)
   gs = jnp.asarray(sizes)
   rows = []
-  for op in (["fwd"] if shape.ep > 1 else ops):
+  for op in ([o for o in ops if o in EP_OPS] if shape.ep > 1 else ops):
     if shape.ep > 1:
-      fns = _ep_candidates(shape, impl, sizes)
+      fns = _ep_candidates(op, shape, impl, sizes)
     else:
       fns = _candidates(op, shape, impl, impls, baselines)
-    flops = 2 * shape.m * shape.k * shape.n * (3 if op == "fwdbwd" else 1)
-    if shape.ep > 1:
-      flops = 2 * int(sizes[: shape.g // shape.ep].sum()) * shape.k * shape.n
+    rows_done = int(sizes[: shape.g // shape.ep].sum()) if shape.ep > 1 else shape.m
+    flops = 2 * rows_done * shape.k * shape.n * (3 if op == "fwdbwd" else 1)
     nonempty = int(np.count_nonzero(sizes))
     w_bytes = nonempty * shape.k * shape.n * 2
     min_bytes = {"fwd": shape.m * shape.k * 2 + w_bytes + shape.m * shape.n * 2,
