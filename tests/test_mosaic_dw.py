@@ -31,9 +31,11 @@ FLAT = dataclasses.replace(TWO_WG, pipeline_across_items=True)
 FLAT3 = dataclasses.replace(FLAT, num_stages=3)
 # ... masking boundary blocks band by band.
 FLAT3_BANDED = dataclasses.replace(FLAT3, banded_mask=True)
+# ... the consumers taking alternate items whole (a 128 x 128 tile each).
+PINGPONG = dataclasses.replace(FLAT3_BANDED, pingpong=True)
 TWO_WG_BODIES = pytest.mark.parametrize(
-    "two_wg", [TWO_WG, FLAT, FLAT3, FLAT3_BANDED],
-    ids=["per_item", "flat", "flat_3_stages", "flat_3_banded"])
+    "two_wg", [TWO_WG, FLAT, FLAT3, FLAT3_BANDED, PINGPONG],
+    ids=["per_item", "flat", "flat_3_stages", "flat_3_banded", "pingpong"])
 
 
 @pytest.fixture(autouse=True)
@@ -209,7 +211,8 @@ def _fail(*args, **kwargs):
     (SMALL, 64, 64), (TWO_WG, 128, 256), (FLAT, 128, 256), (FLAT3, 128, 256),
     (dataclasses.replace(SMALL, banded_mask=True), 64, 64),
     (dataclasses.replace(TWO_WG, banded_mask=True), 128, 256),
-    (FLAT3_BANDED, 128, 256)])
+    (FLAT3_BANDED, 128, 256), (PINGPONG, 128, 256),
+    (dataclasses.replace(PINGPONG, banded_mask=False), 128, 256)])
 def test_rows_outside_the_shard_never_contribute(config, k, n, monkeypatch):
   # NaN in every row no local group owns (neighbour groups and the tail past
   # sum(sizes)): the boundary blocks must mask both operands, not scale them.
@@ -229,7 +232,8 @@ def test_rows_outside_the_shard_never_contribute(config, k, n, monkeypatch):
   check(np.asarray(out), reference(lhs, rhs, sizes, offset, num_groups), jnp.float32)
 
 
-@pytest.mark.parametrize("config, k", [(SMALL, 64), (TWO_WG, 128), (FLAT, 128)])
+@pytest.mark.parametrize("config, k", [(SMALL, 64), (TWO_WG, 128), (FLAT, 128),
+                                       (PINGPONG, 128)])
 def test_empty_shard_is_zero(config, k):
   out, _ = run(96, k, 128, SHARD_SIZES, offset=2, num_groups=2, config=config)
   assert not out.any()
@@ -265,9 +269,12 @@ def test_no_races():
 @pytest.mark.parametrize(
     "flat,stages,mask", [(False, 2, None), (True, 2, None), (True, 3, None),
                          (True, 3, "banded_mask"), (True, 4, "banded_mask"),
-                         (False, 2, "epilogue_split"), (True, 3, "epilogue_split")],
+                         (False, 2, "epilogue_split"), (True, 3, "epilogue_split"),
+                         (True, 2, "pingpong"), (True, 3, "pingpong banded_mask"),
+                         (True, 3, "pingpong epilogue_split")],
     ids=["per_item", "flat", "flat_3_stages", "flat_3_banded", "flat_4_banded",
-         "per_item_split", "flat_3_split"])
+         "per_item_split", "flat_3_split", "pingpong_2_stages", "pingpong_3_banded",
+         "pingpong_3_split"])
 def test_no_races_two_warpgroups(flat, stages, mask):
   # Single-block groups (a one-step pipeline per item), empty items between
   # busy ones, and multi-block groups; the interpreter also checks that no
@@ -276,7 +283,7 @@ def test_no_races_two_warpgroups(flat, stages, mask):
   params = plgpu.InterpretGPUParams(detect_races=True)
   cfg = MosaicDwConfig(block_m=64, block_k=128, block_n=128, num_stages=stages, num_sms=2,
                        num_compute_wgs=2, pipeline_across_items=flat,
-                       **({mask: 2 if mask == "epilogue_split" else True} if mask else {}))
+                       **{f: 2 if f == "epilogue_split" else True for f in (mask or "").split()})
   out, ref = run(256, 128, 256, [10, 70, 0, 0, 40, 100], config=cfg, interpret=params,
                  out_dtype=jnp.bfloat16)
   check(out, ref, jnp.bfloat16)
@@ -331,7 +338,11 @@ def test_config_validation():
               dict(epilogue_split=2),  # one warpgroup: its body stores whole tiles
               dict(num_compute_wgs=2, block_n=64, epilogue_split=2),  # 32-column chunks
               dict(num_compute_wgs=2, block_n=192, epilogue_split=2),
-              dict(num_compute_wgs=2, epilogue_split=3)):
+              dict(num_compute_wgs=2, epilogue_split=3),
+              dict(pingpong=True),  # one warpgroup
+              dict(num_compute_wgs=2, pingpong=True),  # no ring across items
+              # a 128 x 256 f32 accumulator per consumer
+              dict(num_compute_wgs=2, pipeline_across_items=True, pingpong=True, block_n=256)):
     with pytest.raises(ValueError):
       MosaicDwConfig(**bad)
   too_big = MosaicDwConfig(block_m=256, block_k=128, block_n=256, num_stages=4)
@@ -373,7 +384,11 @@ def lower_for_sm90(m, k, n, g, config, dtype=jnp.bfloat16, out_dtype=jnp.bfloat1
 def test_lowers_for_sm90(out_dtype, shape):
   m, k, n, g = shape
   configs = [mosaic_dw.default_config(m, k, n, g), SMALL, TWO_WG, FLAT, FLAT3,
-             MosaicDwConfig(block_m=128, block_k=128, block_n=64, num_stages=1)]
+             MosaicDwConfig(block_m=128, block_k=128, block_n=64, num_stages=1),
+             dataclasses.replace(PINGPONG, num_sms=None, num_stages=5, epilogue_split=2),
+             MosaicDwConfig(block_m=64, block_k=64, block_n=256, num_stages=4, num_compute_wgs=2,
+                            pipeline_across_items=True, pingpong=True, banded_mask=True,
+                            epilogue_split=2)]
   configs += mosaic_dw.gpu_sweep_configs(m, k, n, g, out_dtype=out_dtype)
   assert any(c.num_compute_wgs == 2 for c in configs)
   for cfg in configs:
@@ -406,7 +421,7 @@ def test_f32_default_splits_its_epilogue_and_the_sweep_offers_the_whole_tile():
   sweep = mosaic_dw.gpu_sweep_configs(m, k, n, g, out_dtype=jnp.float32)
   assert dataclasses.replace(default, num_stages=2, epilogue_split=1) in sweep
   bf16 = mosaic_dw.gpu_sweep_configs(m, k, n, g, out_dtype=jnp.bfloat16)
-  assert all(c.epilogue_split == 1 for c in bf16)  # bf16: 3 stages already fit
+  assert all(c.epilogue_split == 1 for c in bf16 if not c.pingpong)  # bf16: 3 stages fit
 
 
 def test_default_is_the_ring_across_items():
