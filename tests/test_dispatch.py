@@ -156,5 +156,7 @@ def test_f32_weight_gradient_keeps_three_stages_with_a_split_epilogue():
   cfg = f32.config if f32.config is not None else mosaic_dw.default_config(
       GATE_UP["m"], GATE_UP["k"], GATE_UP["n"], GATE_UP["g"], jnp.bfloat16, jnp.float32)
   assert cfg.num_compute_wgs == 2 and cfg.epilogue_split == 2 and cfg.num_stages == 3
-  if bf16.config is not None:
-    assert cfg == dataclasses.replace(bf16.config, epilogue_split=2)
+  # The table's bf16 config (the pingpong ring) does not fit an f32 staging
+  # tile without losing stages: the f32 default (shared ring) runs instead.
+  assert bf16.config is not None and bf16.config.pingpong and not cfg.pingpong
+  assert "default used" in f32.reason

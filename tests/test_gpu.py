@@ -208,7 +208,7 @@ def _fields(words):
      # default for f32 output
      (64, 128, 256, 3, 1024, jnp.float32, "banded_mask epilogue_split=2"),
      # consumers taking alternate items whole: 128 x 128, and 64 x 256 (f32)
-     (64, 128, 128, 5, 1024, jnp.bfloat16, "banded_mask pingpong epilogue_split=2"),
+     (64, 128, 128, 6, 1024, jnp.bfloat16, "banded_mask pingpong epilogue_split=2"),
      (64, 64, 256, 3, 1024, jnp.float32, "banded_mask pingpong epilogue_split=2")],
     ids=["default", "whole_tile_mask", "256x128", "f32_2_stages",
          "bm128_banded", "partial_k", "bn64_banded", "bn192_banded", "f32_split_3_stages",

@@ -403,6 +403,11 @@ def test_fit_config_drops_stages_for_a_bigger_staging_tile():
                        num_compute_wgs=2, pipeline_across_items=True, banded_mask=True)
   assert mosaic_dw.fit_config(cfg, jnp.bfloat16, jnp.float32) == dataclasses.replace(
       cfg, epilogue_split=2)
+  # A pingpong ring is not cut to fewer stages (it measured slower than the
+  # shared ring with fewer).
+  ping = dataclasses.replace(PINGPONG, num_sms=None, num_stages=6, epilogue_split=2)
+  assert mosaic_dw.fit_config(ping, jnp.bfloat16, jnp.bfloat16) == ping
+  assert mosaic_dw.fit_config(ping, jnp.bfloat16, jnp.float32) is None
   one = MosaicDwConfig(block_m=64, block_k=128, block_n=256, num_stages=4)
   fitted = mosaic_dw.fit_config(one, jnp.bfloat16, jnp.float32)
   assert fitted.epilogue_split == 1 and 2 <= fitted.num_stages < 4

@@ -195,7 +195,8 @@ def _fit(block: int, dim: int) -> int:
 
 
 def fit_config(config: MosaicDwConfig, dtype, out_dtype) -> MosaicDwConfig | None:
-  """``config`` made to fit SMEM; None when even 2 stages do not fit.
+  """``config`` made to fit SMEM; None when even 2 stages do not fit (a
+  ``pingpong`` config: when it does not fit as it is).
 
   A 2-warpgroup config whose whole staging tile does not fit (f32 output)
   first splits its epilogue in two column chunks at the same stage count;
@@ -209,6 +210,11 @@ def fit_config(config: MosaicDwConfig, dtype, out_dtype) -> MosaicDwConfig | Non
     split = dataclasses.replace(config, epilogue_split=2)
     if smem_bytes(split, dtype, out_dtype) <= split.smem_budget():
       return split
+  if config.pingpong and smem_bytes(config, dtype, out_dtype) > config.smem_budget():
+    # Not with fewer stages: on the Qwen shapes the 128 x 128 pingpong ring
+    # took 0.92-0.94x the shared ring's time with 6 stages, 0.96-0.98x with 5
+    # and 1.09-1.16x with 4 (H200, 2026-11-30).
+    return None
   while smem_bytes(config, dtype, out_dtype) > config.smem_budget():
     if config.num_stages <= 2:
       return None
@@ -274,7 +280,7 @@ def gpu_sweep_configs(
       if smem_bytes(whole, dtype, out_dtype) <= whole.smem_budget():
         out.append(whole)
   # The consumers taking alternate items whole (128 x 128 or 64 x 256 tiles).
-  for bk, bn, stages in ((128, 128, 5), (64, 256, 4)):
+  for bk, bn, stages in ((128, 128, 6), (64, 256, 4)):
     bk, bn = min(bk, _fit(256, k)), min(bn, _fit(256, n))
     if bn % 128 == 0 and bk * bn <= 128 * 128:
       config = fit_config(MosaicDwConfig(
@@ -593,10 +599,12 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
   two consumers split a boundary block's row masking between their wgmmas.
 
   ``pingpong``: consumer ``q % 2`` owns the CTA's item q whole (a (bk, bn)
-  accumulator, its own staging buffer, its own masking).  Both consumers
-  still wait for every step's ``produced`` and arrive on its ``consumed`` (the
-  other's steps without touching them), so every thread sees every phase of
-  both barriers and the producer can never lap a consumer.
+  accumulator, its own staging buffer, its own masking) and alone releases
+  its steps (``consumed`` takes one arrival).  Each consumer has its own
+  ``produced`` barriers (the producer signals the owner's), so a consumer
+  waits only for its own steps, once each, and can start its next item while
+  the other still works on its own.  A slot is reloaded only after its
+  previous use was released, so no barrier runs a phase ahead of its waiter.
   """
   bm, bk, bn = config.block_m, config.block_k, config.block_n
   pingpong = config.pingpong
@@ -618,8 +626,9 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
       pl.run_scoped,
       lhs_smem=plgpu.SMEM((stages, bm, bk), lhs_gmem.dtype, transforms=in_transforms_lhs),
       rhs_smem=plgpu.SMEM((stages, bm, bn), rhs_gmem.dtype, transforms=in_transforms_rhs),
-      produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      # Two TMA arrivals (lhs, rhs) per step; pingpong: one set per consumer.
+      produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages * (2 if pingpong else 1)),
+      consumed=plgpu.Barrier(num_arrivals=1 if pingpong else 2, num_barriers=stages),
       o_smem=plgpu.SMEM((2, hk, config.epilogue_n), out_dtype, transforms=out_transforms),
       mask_barrier=plgpu.Barrier(num_arrivals=2),
       collective_axes="wg",
@@ -631,8 +640,10 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
     def _producer():
       plgpu.set_max_registers(regs_producer, action="decrease")
 
-      def item(it, step):
+      def item(it, carry):
+        step0, q = carry
         _, ki, ni, _, _, first, nblocks = it
+        owner = lax.rem(q, 2) * stages if pingpong else 0  # its produced barriers
 
         def load(i, step):
           slot = lax.rem(step, stages)
@@ -642,14 +653,14 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
 
           rows = pl.ds(row0, bm)
           plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, pl.ds(ki * bk, bk)],
-                                  lhs_smem.at[slot], produced.at[slot])
+                                  lhs_smem.at[slot], produced.at[owner + slot])
           plgpu.copy_gmem_to_smem(rhs_gmem.at[rows, pl.ds(ni * bn, bn)],
-                                  rhs_smem.at[slot], produced.at[slot])
+                                  rhs_smem.at[slot], produced.at[owner + slot])
           return step + 1
 
-        return lax.fori_loop(0, nblocks, load, step)
+        return lax.fori_loop(0, nblocks, load, step0), q + 1
 
-      total = items(item, jnp.int32(0))
+      total, _ = items(item, (jnp.int32(0), jnp.int32(0)))
 
       # Observe the consumption of the last stages too (every barrier phase is
       # waited for before the barriers go away).
@@ -678,7 +689,7 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
           def mma(i, step):
             slot = lax.rem(step, stages)
             lhs_t, rhs_t = lhs_smem.at[slot], rhs_smem.at[slot]
-            plgpu.barrier_wait(produced.at[slot])
+            plgpu.barrier_wait(produced.at[(wg * stages if pingpong else 0) + slot])
             row0 = first + i * bm
             pl.when(_straddles(row0, bm, start, end))(
                 functools.partial(mask, lhs_t, rhs_t, row0))
@@ -700,24 +711,13 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
         row = ki * bk if pingpong else ki * bk + wg * hk
         _store_consumer_half(acc, o_smem.at[wg], out_gmem, j, row, ni * bn)
 
-      def skip(nblocks, step0):
-        """Passes over the other consumer's item: observes and releases its steps."""
-        @pl.loop(step0, step0 + nblocks)
-        def _(step):
-          slot = lax.rem(step, stages)
-          plgpu.barrier_wait(produced.at[slot])
-          plgpu.barrier_arrive(consumed.at[slot])
-
       def item(it, carry):
         step0, q = carry
-        nblocks = it[-1]
-        if pingpong:
-          mine = lax.rem(q, 2) == wg
-          pl.when(mine)(lambda: compute(it, step0))
-          pl.when(jnp.logical_not(mine))(lambda: skip(nblocks, step0))
+        if pingpong:  # the other consumer's items: only their steps are counted
+          pl.when(lax.rem(q, 2) == wg)(lambda: compute(it, step0))
         else:
           compute(it, step0)
-        return step0 + nblocks, q + 1
+        return step0 + it[-1], q + 1
 
       items(item, (jnp.int32(0), jnp.int32(0)))
       plgpu.wait_smem_to_gmem(0)
