@@ -171,3 +171,17 @@ def test_bench_ep_shape_rows_cover_the_ep_ops(tmp_path):
   assert {r["op"] for r in rows} == {"fwd", "dw", "fwdbwd"}  # no dX row for a shard
   for r in rows:
     assert r["ms"] > 0, r
+
+
+def test_minimal_bytes_of_an_ep_shard_count_only_its_rows_and_experts():
+  from ragdot import bench  # pylint: disable=g-import-not-at-top
+  full = bench.Shape("t", 256, 64, 32, 8, top_k=2)
+  shard = bench.Shape("t ep", 256, 64, 32, 8, top_k=2, ep=4)
+  sizes = bench.routed_group_sizes(full)
+  rows, experts = int(sizes[:2].sum()), int(np.count_nonzero(sizes[:2]))
+  w = experts * 64 * 32 * 2
+  assert bench.minimal_bytes("fwd", shard, sizes) == rows * 64 * 2 + w + 256 * 32 * 2
+  assert bench.minimal_bytes("dw", shard, sizes) == rows * (64 + 32) * 2 + w
+  assert bench.minimal_bytes("dw", shard, sizes) < bench.minimal_bytes("dw", full, sizes)
+  assert bench.minimal_bytes("fwdbwd", full, sizes) == 3 * (
+      256 * 96 * 2 + int(np.count_nonzero(sizes)) * 64 * 32 * 2)

@@ -153,6 +153,18 @@ def test_two_warpgroups_all_zero_sizes(two_wg):
   assert not ref.any() and not out.any()
 
 
+@pytest.mark.parametrize("block_k,block_n,k,n", [(128, 128, 192, 256), (64, 256, 128, 320)],
+                         ids=["128x128_partial_k", "64x256_partial_n"])
+def test_pingpong_partial_tiles(block_k, block_n, k, n):
+  # The consumers' whole tiles over a k (or n) that leaves the last tile half
+  # out of bounds; groups of several blocks, an empty one, 3 SMs.
+  cfg = MosaicDwConfig(block_m=64, block_k=block_k, block_n=block_n, num_stages=3, num_sms=3,
+                       num_compute_wgs=2, pipeline_across_items=True, banded_mask=True,
+                       pingpong=True, epilogue_split=2)
+  out, ref = run(296, k, n, [17, 0, 160, 10, 90], config=cfg, out_dtype=jnp.bfloat16, seed=9)
+  check(out, ref, jnp.bfloat16)
+
+
 @pytest.mark.parametrize("flat", [False, True], ids=["per_item", "flat"])
 def test_two_warpgroups_big_tiles_partial_k(flat):
   # 256-row output tile (128 rows per consumer), 128-row steps, k = 192: the
@@ -408,6 +420,14 @@ def test_fit_config_drops_stages_for_a_bigger_staging_tile():
   ping = dataclasses.replace(PINGPONG, num_sms=None, num_stages=6, epilogue_split=2)
   assert mosaic_dw.fit_config(ping, jnp.bfloat16, jnp.bfloat16) == ping
   assert mosaic_dw.fit_config(ping, jnp.bfloat16, jnp.float32) is None
+  # The split is tried at every stage count: 4 stages whole or split and 3
+  # whole do not fit an f32 staging tile, 3 split do.
+  four = dataclasses.replace(cfg, num_stages=4)
+  assert mosaic_dw.fit_config(four, jnp.bfloat16, jnp.float32) == dataclasses.replace(
+      cfg, num_stages=3, epilogue_split=2)
+  # A pingpong ring with a whole staging tile is split rather than cut.
+  whole = dataclasses.replace(ping, epilogue_split=1)
+  assert mosaic_dw.fit_config(whole, jnp.bfloat16, jnp.bfloat16) == ping
   one = MosaicDwConfig(block_m=64, block_k=128, block_n=256, num_stages=4)
   fitted = mosaic_dw.fit_config(one, jnp.bfloat16, jnp.float32)
   assert fitted.epilogue_split == 1 and 2 <= fitted.num_stages < 4
@@ -427,6 +447,11 @@ def test_f32_default_splits_its_epilogue_and_the_sweep_offers_the_whole_tile():
   assert dataclasses.replace(default, num_stages=2, epilogue_split=1) in sweep
   bf16 = mosaic_dw.gpu_sweep_configs(m, k, n, g, out_dtype=jnp.bfloat16)
   assert all(c.epilogue_split == 1 for c in bf16 if not c.pingpong)  # bf16: 3 stages fit
+  # The pingpong candidates: both tiles for bf16; for f32 the 6-stage 128 x 128
+  # ring does not fit and is left out rather than cut.
+  assert {(c.block_k, c.block_n, c.num_stages) for c in bf16 if c.pingpong} == {
+      (128, 128, 6), (64, 256, 4)}
+  assert {(c.block_k, c.block_n) for c in sweep if c.pingpong} == {(64, 256)}
 
 
 def test_default_is_the_ring_across_items():

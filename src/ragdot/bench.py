@@ -330,6 +330,26 @@ def _ep_candidates(op: str, shape: Shape, impl: str | None,
   return fns
 
 
+def minimal_bytes(op: str, shape: Shape, sizes: np.ndarray) -> int:
+  """Bytes ``op`` must move at least (bf16): the rows it reads, each non-empty
+  expert's weights once, and its output.
+
+  An EP shape (shard 0) reads only the shard's rows and experts; its forward
+  and dX still write all m output rows (zeros outside the shard), its dW only
+  the local experts' gradients.
+  """
+  m, k, n = shape.m, shape.k, shape.n
+  local = shape.g // shape.ep if shape.ep > 1 else shape.g
+  rows = int(sizes[:local].sum()) if shape.ep > 1 else m
+  w = int(np.count_nonzero(sizes[:local])) * k * n * 2
+  fwd = rows * k * 2 + w + m * n * 2
+  dx = rows * n * 2 + w + m * k * 2
+  dw = rows * (k + n) * 2 + w
+  if shape.ep > 1:
+    return {"fwd": fwd, "dx": dx, "dw": dw, "fwdbwd": fwd + dx + dw}[op]
+  return {"fwd": fwd, "dx": dx, "dw": dw, "fwdbwd": 3 * (m * (k + n) * 2 + w)}[op]
+
+
 def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
                 seed: int = 0, impls: list[str] | None = None,
                 baselines: bool = True, watchdog: Watchdog | None = None
@@ -349,12 +369,7 @@ def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
       fns = _candidates(op, shape, impl, impls, baselines)
     rows_done = int(sizes[: shape.g // shape.ep].sum()) if shape.ep > 1 else shape.m
     flops = 2 * rows_done * shape.k * shape.n * (3 if op == "fwdbwd" else 1)
-    nonempty = int(np.count_nonzero(sizes))
-    w_bytes = nonempty * shape.k * shape.n * 2
-    min_bytes = {"fwd": shape.m * shape.k * 2 + w_bytes + shape.m * shape.n * 2,
-                 "dx": shape.m * shape.n * 2 + w_bytes + shape.m * shape.k * 2,
-                 "dw": shape.m * (shape.k + shape.n) * 2 + w_bytes,
-                 "fwdbwd": 3 * (shape.m * (shape.k + shape.n) * 2 + w_bytes)}[op]
+    min_bytes = minimal_bytes(op, shape, sizes)
     choice = auto_choice(op, shape) if impl is None and shape.ep == 1 else None
     # A "ragdot:<impl>" row that resolves to the automatic choice's kernels is
     # that row's timing, not a second sample of the same kernel (which would

@@ -23,7 +23,8 @@ consumer warpgroups each accumulate half of the item's k-tile rows, reading the
 same lhs/rhs stage; each stores its half of the output tile asynchronously.
 This allows 256 x 128 / 128 x 256 output tiles per item (twice the work per
 pipeline fill and epilogue) and lets the producer load the next item while the
-consumers run their epilogue.
+consumers run their epilogue.  With ``pingpong`` the two consumers instead take
+alternate items whole, so one's epilogue runs under the other's wgmmas.
 """
 
 from __future__ import annotations
@@ -196,30 +197,30 @@ def _fit(block: int, dim: int) -> int:
 
 def fit_config(config: MosaicDwConfig, dtype, out_dtype) -> MosaicDwConfig | None:
   """``config`` made to fit SMEM; None when even 2 stages do not fit (a
-  ``pingpong`` config: when it does not fit as it is).
+  ``pingpong`` config: when it does not fit with its own stage count).
 
-  A 2-warpgroup config whose whole staging tile does not fit (f32 output)
-  first splits its epilogue in two column chunks at the same stage count;
-  then stages drop (down to 2).  The split measured faster than one stage
-  fewer: 0.62-0.91x the 2-stage time on the five training shapes with f32
-  output (3 stages split vs 2 whole, H200, 2026-11-30).
+  At each stage count, from the config's own down to 2, the whole staging tile
+  is tried first, then (2 warpgroups, whole tile, block_n a multiple of 128)
+  the epilogue split in two column chunks.  The split measured faster than one
+  stage fewer: 0.62-0.91x the 2-stage time on the five training shapes with an
+  f32 output (3 stages split vs 2 whole, H200, 2026-11-30).  A pingpong ring
+  keeps its stages: on the Qwen shapes it took 0.92-0.96x the shared ring's
+  time with 6 stages, and in its first version 0.96-0.98x with 5 and
+  1.09-1.16x with 4 (H200, 2026-11-30).
   """
-  if (smem_bytes(config, dtype, out_dtype) > config.smem_budget()
-      and config.num_compute_wgs == 2 and config.epilogue_split == 1
-      and config.block_n % 128 == 0):
-    split = dataclasses.replace(config, epilogue_split=2)
-    if smem_bytes(split, dtype, out_dtype) <= split.smem_budget():
+  def fits(c):
+    return smem_bytes(c, dtype, out_dtype) <= c.smem_budget()
+
+  can_split = (config.num_compute_wgs == 2 and config.epilogue_split == 1
+               and config.block_n % 128 == 0)
+  lowest = config.num_stages if config.pingpong else min(2, config.num_stages)
+  for stages in range(config.num_stages, lowest - 1, -1):
+    candidate = dataclasses.replace(config, num_stages=stages)
+    if fits(candidate):
+      return candidate
+    if can_split and fits(split := dataclasses.replace(candidate, epilogue_split=2)):
       return split
-  if config.pingpong and smem_bytes(config, dtype, out_dtype) > config.smem_budget():
-    # Not with fewer stages: on the Qwen shapes the 128 x 128 pingpong ring
-    # took 0.92-0.94x the shared ring's time with 6 stages, 0.96-0.98x with 5
-    # and 1.09-1.16x with 4 (H200, 2026-11-30).
-    return None
-  while smem_bytes(config, dtype, out_dtype) > config.smem_budget():
-    if config.num_stages <= 2:
-      return None
-    config = dataclasses.replace(config, num_stages=config.num_stages - 1)
-  return config
+  return None
 
 
 def default_config(
@@ -258,8 +259,8 @@ def gpu_sweep_configs(
   default with its whole staging tile when it splits the epilogue (f32
   output: 2 stages instead of 3), two ``pingpong`` rings (128 x 128 and 64 x
   256 tiles), four warp-specialized configs with one ring of stages across
-  items, two with two resident CTAs per SM, four one-warpgroup configs and three warp-specialized
-  ones with a pipeline per item (``num_compute_wgs=2``: 256 x 128 or
+  items, two with two resident CTAs per SM, four one-warpgroup configs and
+  three warp-specialized ones with a pipeline per item (``num_compute_wgs=2``: 256 x 128 or
   128 x 256 output tiles, or 128 x 128).  Stages drop until SMEM fits (f32
   outputs need a bigger staging tile); configs that no longer fit, or whose k
   tile is too small for two 64-row halves, are left out.
