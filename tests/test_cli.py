@@ -171,6 +171,8 @@ def test_bench_ep_shape_rows_cover_the_ep_ops(tmp_path):
   assert {r["op"] for r in rows} == {"fwd", "dw", "fwdbwd"}  # no dX row for a shard
   for r in rows:
     assert r["ms"] > 0, r
+  lines = bench.ep_summary(rows)
+  assert len(lines) == 3 and all("the local rows' call" in line for line in lines)
 
 
 def test_minimal_bytes_of_an_ep_shard_count_only_its_rows_and_experts():

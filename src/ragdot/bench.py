@@ -474,6 +474,22 @@ def print_auto_check(checks: list[dict[str, Any]], tolerance: float = 0.05) -> b
   return failed == 0
 
 
+def ep_summary(rows: list[dict[str, Any]]) -> list[str]:
+  """One line per EP (shape, op): the group_offset call's time against the
+  plain call over the local rows and against the masked workaround."""
+  times: dict[tuple[str, str], dict[str, float]] = {}
+  for r in rows:
+    times.setdefault((r["shape"], r["op"]), {})[r["impl"]] = r["ms"]
+  out = []
+  for (shape, op), t in times.items():
+    if not {"ragdot", "masked", "local-rows"} <= set(t):
+      continue
+    out.append(f"  {shape} {op}: group_offset {t['ragdot']:.4f} ms = "
+               f"{t['ragdot'] / t['local-rows']:.2f}x the local rows' call, "
+               f"{t['masked'] / t['ragdot']:.1f}x faster than the masked workaround")
+  return out
+
+
 def print_table(rows: list[dict[str, Any]], title: str = "ragdot bench") -> None:
   try:
     from rich.console import Console  # pylint: disable=g-import-not-at-top
@@ -547,6 +563,8 @@ def run(args: argparse.Namespace) -> int:
     with open(args.from_json) as f:
       rows = json.load(f)
     print_table(rows)
+    if lines := ep_summary(rows):
+      print("expert-parallel shard (shard 0):", *lines, sep="\n")
     print_auto_check(auto_check(rows))
     if args.plot:
       plot(rows, args.plot)
@@ -582,6 +600,8 @@ def run(args: argparse.Namespace) -> int:
   if args.plot:
     plot(rows, args.plot)
   print_table(rows)
+  if lines := ep_summary(rows):
+    print("expert-parallel shard (shard 0):", *lines, sep="\n")
   if args.implementation is None:
     print_auto_check(auto_check(rows))
   return 0
