@@ -236,8 +236,17 @@ def describe_choice(c) -> str:
 
 
 def _short_config(config: Any) -> str:
-  fields = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
-  return " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
+  """A config as ``field=value`` words: the block sizes and stages always, the
+  other fields only where they differ from the config class's defaults."""
+  if not dataclasses.is_dataclass(config):
+    return " ".join(f"{k}={v}" for k, v in dict(config).items() if v is not None)
+  words = []
+  for f in dataclasses.fields(config):
+    v = getattr(config, f.name)
+    always = f.name.startswith("block_") or f.name == "num_stages"
+    if v is not None and (always or v != f.default):
+      words.append(f"{f.name}={v}")
+  return " ".join(words)
 
 
 def peak_bytes(compiled: Any) -> int | None:
