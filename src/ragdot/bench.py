@@ -130,6 +130,13 @@ def _tokamax():
     return None
 
 
+def _value_and_grads(fwd: Callable) -> Callable:
+  """fn(x, w, dy, gs): value_and_grad of ``sum(fwd(x, w, gs) * dy)`` (f32)
+  w.r.t. x and w, the fwd+bwd op's step."""
+  return jax.value_and_grad(
+      lambda x, w, dy, gs: jnp.sum(fwd(x, w, gs).astype(jnp.float32) * dy), (0, 1))
+
+
 def _ragdot_fns(op: str, impl: str | None) -> Callable:
   """fn(x, w, dy, gs) calling ragdot for ``op`` with ``impl`` (None: automatic)."""
   rd = functools.partial(ragdot.ragged_dot, implementation=impl)
@@ -140,8 +147,7 @@ def _ragdot_fns(op: str, impl: str | None) -> Callable:
   if op == "dw":
     return lambda x, w, dy, gs: ragdot.trans_ragged_dot(x, dy, gs, implementation=impl)
   if op == "fwdbwd":
-    return jax.value_and_grad(
-        lambda x, w, dy, gs: jnp.sum(rd(x, w, gs).astype(jnp.float32) * dy), (0, 1))
+    return _value_and_grads(rd)
   raise ValueError(f"unknown op {op!r}")
 
 
@@ -178,12 +184,9 @@ def _candidates(op: str, shape: Shape, impl: str | None,
     if tk:
       fns["tokamax"] = lambda x, w, dy, gs: tk.ragged_dot_general(x, dy, gs, DN_DW)
   elif op == "fwdbwd":
-    def loss(f):
-      return jax.value_and_grad(
-          lambda x, w, dy, gs: jnp.sum(f(x, w, gs).astype(jnp.float32) * dy), (0, 1))
-    fns["dense"] = loss(lambda x, w, gs: jnp.dot(x, w[0]))
+    fns["dense"] = _value_and_grads(lambda x, w, gs: jnp.dot(x, w[0]))
     if tk:
-      fns["tokamax"] = loss(lambda x, w, gs: tk.ragged_dot(x, w, gs))
+      fns["tokamax"] = _value_and_grads(lambda x, w, gs: tk.ragged_dot(x, w, gs))
   return fns
 
 
@@ -301,13 +304,9 @@ def _ep_candidates(op: str, shape: Shape, impl: str | None,
   def local_fwd(x, w, gs):
     return ragdot.ragged_dot(x, w, gs[:local], implementation=impl)
 
-  def loss(f, n_rows=None):
-    def value_and_grads(x, w, dy, gs):
-      if n_rows is not None:
-        x, dy = x[:n_rows], dy[:n_rows]
-      return jax.value_and_grad(
-          lambda x, w: jnp.sum(f(x, w, gs).astype(jnp.float32) * dy), (0, 1))(x, w[:local])
-    return value_and_grads
+  def loss(f, n_rows=None):  # w.r.t. the local experts' weights (and x[:n_rows])
+    step = _value_and_grads(f)
+    return lambda x, w, dy, gs: step(x[:n_rows], w[:local], dy[:n_rows], gs)
 
   tk = _tokamax()
   if op == "fwd":

@@ -195,13 +195,14 @@ def _fit(block: int, dim: int) -> int:
   return block
 
 
-def fit_config(config: MosaicDwConfig, dtype, out_dtype) -> MosaicDwConfig | None:
+def fit_config(config: MosaicDwConfig, dtype, out_dtype,
+               split: bool = True) -> MosaicDwConfig | None:
   """``config`` made to fit SMEM; None when even 2 stages do not fit (a
   ``pingpong`` config: when it does not fit with its own stage count).
 
   At each stage count, from the config's own down to 2, the whole staging tile
-  is tried first, then (2 warpgroups, whole tile, block_n a multiple of 128)
-  the epilogue split in two column chunks.  The split measured faster than one
+  is tried first, then (``split``, 2 warpgroups, whole tile, block_n a
+  multiple of 128) the epilogue split in two column chunks.  The split measured faster than one
   stage fewer: 0.62-0.91x the 2-stage time on the five training shapes with an
   f32 output (3 stages split vs 2 whole, H200, 2026-11-30).  A pingpong ring
   keeps its stages: on the Qwen shapes it took 0.92-0.96x the shared ring's
@@ -211,15 +212,15 @@ def fit_config(config: MosaicDwConfig, dtype, out_dtype) -> MosaicDwConfig | Non
   def fits(c):
     return smem_bytes(c, dtype, out_dtype) <= c.smem_budget()
 
-  can_split = (config.num_compute_wgs == 2 and config.epilogue_split == 1
+  can_split = (split and config.num_compute_wgs == 2 and config.epilogue_split == 1
                and config.block_n % 128 == 0)
   lowest = config.num_stages if config.pingpong else min(2, config.num_stages)
   for stages in range(config.num_stages, lowest - 1, -1):
     candidate = dataclasses.replace(config, num_stages=stages)
     if fits(candidate):
       return candidate
-    if can_split and fits(split := dataclasses.replace(candidate, epilogue_split=2)):
-      return split
+    if can_split and fits(chunked := dataclasses.replace(candidate, epilogue_split=2)):
+      return chunked
   return None
 
 
@@ -260,8 +261,8 @@ def gpu_sweep_configs(
   output: 2 stages instead of 3), two ``pingpong`` rings (128 x 128 and 64 x
   256 tiles), four warp-specialized configs with one ring of stages across
   items, two with two resident CTAs per SM, four one-warpgroup configs and
-  three warp-specialized ones with a pipeline per item (``num_compute_wgs=2``: 256 x 128 or
-  128 x 256 output tiles, or 128 x 128).  Stages drop until SMEM fits (f32
+  three warp-specialized ones with a pipeline per item (``num_compute_wgs=2``:
+  256 x 128 or 128 x 256 output tiles, or 128 x 128).  Stages drop until SMEM fits (f32
   outputs need a bigger staging tile); configs that no longer fit, or whose k
   tile is too small for two 64-row halves, are left out.
   """
@@ -275,10 +276,9 @@ def gpu_sweep_configs(
   # with the stages that leaves room for.
   for c in out[:1]:
     if c.epilogue_split > 1:
-      whole = dataclasses.replace(c, epilogue_split=1)
-      while whole.num_stages > 2 and smem_bytes(whole, dtype, out_dtype) > whole.smem_budget():
-        whole = dataclasses.replace(whole, num_stages=whole.num_stages - 1)
-      if smem_bytes(whole, dtype, out_dtype) <= whole.smem_budget():
+      whole = fit_config(dataclasses.replace(c, epilogue_split=1), dtype, out_dtype,
+                         split=False)
+      if whole is not None:
         out.append(whole)
   # The consumers taking alternate items whole (128 x 128 or 64 x 256 tiles).
   for bk, bn, stages in ((128, 128, 6), (64, 256, 4)):
@@ -477,7 +477,8 @@ def _store_consumer_half(acc, my_smem, out_gmem, j, row, col) -> None:
 
 
 def _store_half(src_smem, out_gmem, j, row, col) -> None:
-  """One consumer's (block_k / 2, chunk) part of output tile j at (row, col).
+  """One consumer's (block_k / 2, chunk) part of output tile j at (row, col)
+  (with ``pingpong``, a (block_k, chunk) part: the consumer owns the tile).
 
   Skipped when it lies wholly past k (a k tile wider than k's remainder) or n
   (an epilogue chunk of the last n tile): a TMA box entirely out of bounds is

@@ -489,21 +489,20 @@ def _for_each_chunk(cfg: MosaicFwdConfig, n: int, ni, fn, wg=None) -> None:
 
 
 def _store_zero_rows(zero_smem, out_gmem, cfg: MosaicFwdConfig, n: int, m: int, ni,
-                     row_starts, rows: int, lo, hi, chunks_wg=None) -> None:
+                     row_start, rows: int, lo, hi, chunks_wg=None) -> None:
   """Stores zeros from ``zero_smem`` (zeroed, ``rows`` rows) over the rows
-  outside the shard's window [lo, hi) of each ``rows``-row block starting at
-  ``row_starts``, in every epilogue chunk of n tile ``ni`` (``chunks_wg``: only
+  outside the shard's window [lo, hi) of the ``rows``-row block starting at
+  ``row_start``, in every epilogue chunk of n tile ``ni`` (``chunks_wg``: only
   that consumer's chunks, with split_n)."""
-  for rs in row_starts:
-    pieces = _outside_window(rs, jnp.minimum(rs + rows, m), lo, hi)
+  pieces = _outside_window(row_start, jnp.minimum(row_start + rows, m), lo, hi)
 
-    def chunk(c, col, pieces=pieces):
-      del c
-      for start, count in pieces:
-        _store_rows(zero_smem, out_gmem, 0, start, count, col, max_rows=min(rows, m),
-                    width=cfg.epilogue_n)
+  def chunk(c, col):
+    del c
+    for start, count in pieces:
+      _store_rows(zero_smem, out_gmem, 0, start, count, col, max_rows=min(rows, m),
+                  width=cfg.epilogue_n)
 
-    _for_each_chunk(cfg, n, ni, chunk, chunks_wg)
+  _for_each_chunk(cfg, n, ni, chunk, chunks_wg)
 
 
 def _gmm_kernel_1wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
@@ -523,7 +522,7 @@ def _gmm_kernel_1wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
     def zero_tile(w, first):
       blk, ni = _zero_item(w, grid_n, za, zb)
       _zero_fill_once(o_smem, first)
-      _store_zero_rows(o_smem, out_gmem, cfg, n, m, ni, [blk * bm], bm, lo, hi)
+      _store_zero_rows(o_smem, out_gmem, cfg, n, m, ni, blk * bm, bm, lo, hi)
 
     def compute_tile(w):
       ni, grp, row0, row_start, row_end = _work_item(
@@ -642,7 +641,7 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
       # Each consumer zeroes its own 64-row half (split_n: its column half).
       blk, ni = _zero_item(w, grid_n, za, zb)
       _zero_fill_once(my_smem, first)
-      _store_zero_rows(my_smem, out_gmem, cfg, n, m, ni, [blk * bm + (0 if split else wg * hm)],
+      _store_zero_rows(my_smem, out_gmem, cfg, n, m, ni, blk * bm + (0 if split else wg * hm),
                        hm, lo, hi, my_chunks)
 
     def compute_tile(w, state):
