@@ -235,3 +235,52 @@ def test_mosaic_dw_ring_across_items_real_size(bm, bk, bn, stages, k, out_dtype,
     want = oracle.np_trans_ragged_dot(x, dy, sizes, offset, local)
     oracle.assert_close(out, want, out_dtype)
     assert np.all(np.isfinite(np.asarray(out, np.float32)))
+
+
+@pytest.mark.parametrize("m,g,g_local,offset,layout", [
+    (32768, 128, 128, None, "routed"),
+    (32768, 128, 16, 0, "routed"),
+    (32768, 128, 16, 112, "skewed"),
+    (512, 128, 128, None, "routed"),        # decode
+    (4000, 256, 32, 240, "under"),          # shard partly past G, rows past the sum
+    (2048, 16, 16, None, "all_zero"),
+    (4096, 64, 24, -5, "negative"),         # shard starting before group 0, negative sizes
+    (4096, 64, 64, None, "over"),           # sizes summing past m
+    (65536, 2000, 600, 1500, "routed"),     # one tile per program, a 2-step prefix loop
+])
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_schedule_kernel_equals_xla_builders_real_sizes(m, g, g_local, offset, layout, block_m):
+  """The compiled Triton schedule kernels (not their interpreter) against metadata's XLA ops."""
+  from ragdot import metadata as md
+  from ragdot.backends import triton_schedule as ts
+
+  if layout in ("negative", "over"):
+    rng = np.random.default_rng(1)
+    raw = rng.multinomial(m + (m // 3 if layout == "over" else 0), np.ones(g) / g)
+    if layout == "negative":
+      raw[rng.integers(g, size=5)] = -7
+    sizes = jnp.asarray(raw.astype(np.int32))
+  else:
+    sizes = jnp.asarray(_sizes(m, g, layout))
+  go = None if offset is None else jnp.int32(offset)
+  tiles, scalars = jax.jit(lambda s, o: ts.build(s, o, m=m, num_local=g_local, block_m=block_m))(
+      sizes, go)
+  starts, ends = md.group_bounds(sizes, m, go, g_local)
+  sched = md.tile_schedule(starts, ends, m, block_m)
+  lo, hi = md.local_row_window(sizes, m, go, g_local)
+  t = sched.group.shape[0]
+  tiles = np.asarray(tiles).reshape(4, -1)
+  for r, want in enumerate([sched.group, sched.row0, sched.row_start, sched.row_end]):
+    np.testing.assert_array_equal(tiles[r, :t], np.asarray(want))
+  nb = -(-m // block_m)
+  za = (lo + block_m - 1) // block_m
+  zb = jnp.minimum(jnp.maximum(hi // block_m, za), nb)
+  np.testing.assert_array_equal(np.asarray(scalars)[:6], [
+      sched.num_tiles, lo, hi, za, zb, za + jnp.where(hi < m, nb - zb, 0)])
+  # The dW kernel's bounds: group_bounds, the 8-row-aligned first block, block counts.
+  got = jax.jit(lambda s, o: ts.build_bounds(s, o, m=m, num_local=g_local, block_m=block_m))(
+      sizes, go)
+  first = (starts // 8) * 8
+  nblocks = jnp.where(ends > starts, -(-(ends - first) // block_m), 0)
+  for g_arr, want in zip(got, (starts, ends, first, nblocks)):
+    np.testing.assert_array_equal(np.asarray(g_arr)[:g_local], np.asarray(want))

@@ -25,6 +25,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+import jax
+
 IMPLEMENTATIONS = ("xla", "mosaic", "triton")
 
 _MODULES = {
@@ -41,3 +43,20 @@ def get_backend(name: str) -> ModuleType:
         f"implementation must be one of {IMPLEMENTATIONS} or None, got {name!r}"
     )
   return importlib.import_module(_MODULES[name])
+
+
+def schedule_kernels(interpret) -> ModuleType | None:
+  """``ragdot.backends.triton_schedule`` where its kernels can serve this call,
+  else None (the caller builds the schedule with ``ragdot.metadata``'s XLA ops).
+
+  Only compiled on a GPU backend: the Pallas interpreter cannot run them under
+  ``shard_map`` (varying refs), Pallas-Triton lowering needs a local GPU's
+  compute capability (lowering for CUDA on a machine without one must keep
+  working), and a JAX without Pallas-Triton must not break the Mosaic kernels.
+  """
+  if interpret or jax.default_backend() != "gpu":
+    return None
+  try:
+    return importlib.import_module("ragdot.backends.triton_schedule")
+  except ImportError:
+    return None

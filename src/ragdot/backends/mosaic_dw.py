@@ -40,6 +40,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ragdot.manual_axes import make_varying, match_varying, out_struct, varying_axes
 from ragdot import metadata
+from ragdot import backends
 from ragdot.backends import sm90
 
 _IN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -102,6 +103,9 @@ class MosaicDwConfig:
       kernel measured 52% tensor-busy with L2 at 56% and DRAM at 43% on
       Qwen3-30B gate_up, H200 2026-11-30: latency-bound.)  Each consumer has
       its own staging buffer.
+    schedule_kernel: build the groups' row blocks with one Pallas-Triton
+      kernel (``triton_schedule.build_bounds``) where it applies, instead of
+      several small XLA kernels; the same values either way.
   """
 
   block_m: int = 64
@@ -116,6 +120,7 @@ class MosaicDwConfig:
   banded_mask: bool = False
   epilogue_split: int = 1
   pingpong: bool = False
+  schedule_kernel: bool = True
 
   def __post_init__(self):
     if self.block_m <= 0 or self.block_m % 64:
@@ -773,9 +778,14 @@ def tgmm(
     return jnp.zeros((num_groups, k, n), out_dtype)
 
   bm, bk, bn = config.block_m, config.block_k, config.block_n
-  starts, ends = metadata.group_bounds(group_sizes, m, group_offset, num_groups)
-  first_row = (starts // _ROW_ALIGN) * _ROW_ALIGN
-  num_blocks = jnp.where(ends > starts, pl.cdiv(ends - first_row, bm), 0)
+  kernels = backends.schedule_kernels(interpret) if config.schedule_kernel else None
+  if kernels is not None and kernels.supported(m, group_sizes.shape[0], num_groups):
+    starts, ends, first_row, num_blocks = kernels.build_bounds(
+        group_sizes, group_offset, m=m, num_local=num_groups, block_m=bm, align=_ROW_ALIGN)
+  else:
+    starts, ends = metadata.group_bounds(group_sizes, m, group_offset, num_groups)
+    first_row = (starts // _ROW_ALIGN) * _ROW_ALIGN
+    num_blocks = jnp.where(ends > starts, pl.cdiv(ends - first_row, bm), 0)
 
   grid_k, grid_n = pl.cdiv(k, bk), pl.cdiv(n, bn)
   num_stages = config.num_stages

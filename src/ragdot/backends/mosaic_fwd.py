@@ -12,7 +12,8 @@ Design:
   ``plgpu.nd_loop``: first the *zero tiles* (row blocks, or parts of them,
   outside the local row window, stored from a zeroed SMEM buffer), then the
   *compute tiles* (``metadata.tile_schedule`` entries x n tiles: group-aligned
-  row windows, so only a group's last tile is partial).  Both counts
+  row windows, so only a group's last tile is partial; on a GPU the schedule
+  comes from one ``triton_schedule`` kernel).  Both counts
   are device scalars, so the loop length is dynamic and nothing syncs to host.
   Zero tiles come first in every CTA's sequence, so its staging buffer is
   zeroed once.  Their async TMA stores are not hidden under the compute: on
@@ -57,6 +58,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ragdot.manual_axes import make_varying, match_varying, out_struct, varying_axes
 from ragdot import metadata
+from ragdot import backends
 from ragdot.backends import sm90
 
 _IN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -106,6 +108,9 @@ class MosaicFwdConfig:
     tile's last one, so without this the next tile's first loads could
     overwrite that stage while the last wgmma still reads it (in practice
     the metadata read and TMA latency come first).  False only for A/B runs.
+  schedule_kernel: build the tile schedule with one Pallas-Triton kernel
+    (``triton_schedule``) where it applies, instead of the five to seven small
+    XLA kernels of ``metadata``; the same entries either way.
   pipeline_across_tiles: 2 warpgroups only (needs delay_release=0): the
     producer runs one pipeline through all of its CTA's tiles, loading the
     next tile's first stages while the consumers finish a tile and run its
@@ -128,6 +133,7 @@ class MosaicFwdConfig:
   pipeline_across_tiles: bool = False
   split_n: bool = False
   guard_last_stage: bool = True
+  schedule_kernel: bool = True
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -358,9 +364,15 @@ def _num_sms(config: MosaicFwdConfig, interpret: bool) -> int:
   return config.ctas_per_sm * sm90.device_sm_count()
 
 
-def _build_metadata(group_sizes, group_offset, m: int, g_local: int, block_m: int):
+def _build_metadata(group_sizes, group_offset, m: int, g_local: int, block_m: int,
+                    use_kernel: bool = False, interpret: bool = False):
   """Per-tile schedule int32[4 * T] (group, row0, row_start, row_end) and
-  scalars int32[6] (built by XLA)."""
+  scalars int32[>= 6] (num_tiles, lo, hi, za, zb, zero row blocks), built by
+  one Triton kernel with ``use_kernel`` where ``backends.schedule_kernels``
+  allows, else by XLA."""
+  kernels = backends.schedule_kernels(interpret) if use_kernel else None
+  if kernels is not None and kernels.supported(m, group_sizes.shape[0], g_local):
+    return kernels.build(group_sizes, group_offset, m=m, num_local=g_local, block_m=block_m)
   starts, ends = metadata.group_bounds(group_sizes, m, group_offset, g_local)
   sched = metadata.tile_schedule(starts, ends, m, block_m)
   lo, hi = metadata.local_row_window(group_sizes, m, group_offset, g_local)
@@ -760,7 +772,8 @@ def gmm(
         f"config {config} needs {config.smem_bytes(lhs.dtype, out_dtype)} bytes of SMEM"
     )
 
-  tiles, scalars = _build_metadata(group_sizes, group_offset, m, g_local, config.block_m)
+  tiles, scalars = _build_metadata(group_sizes, group_offset, m, g_local, config.block_m,
+                                   config.schedule_kernel, bool(interpret))
   tiles, scalars, lhs, rhs = match_varying(tiles, scalars, lhs, rhs)
   num_ctas = _num_sms(config, bool(interpret))
   if config.num_compute_wgs == 1:

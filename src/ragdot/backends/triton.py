@@ -4,8 +4,9 @@
 (forward, and the dX mode with ``transpose_rhs``) and
 ``tgmm(lhs[m, k], rhs[m, n], ...) -> out[g_local, k, n]`` (dW).
 
-All Triton lowering of ragdot lives in this one module: JAX 0.11 deprecates the
-Pallas-Triton lowering, and a replacement should only have to touch this file.
+All Triton lowering of ragdot lives in this module and in ``triton_schedule`` (the
+tile schedule kernel, which has a pure-JAX fallback): JAX 0.11 deprecates the
+Pallas-Triton lowering, and a replacement should only have to touch these two files.
 
 Design (see CONTEXT.md §5):
 * gmm: a static 1-D grid of ``max_tiles * n_tiles + num_row_blocks`` programs.
@@ -43,6 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ragdot import metadata as md
+from ragdot import backends
 from ragdot.backends import sm90
 from ragdot.manual_axes import match_varying, out_struct
 
@@ -72,6 +74,8 @@ class TritonConfig:
   and ``block_m`` rows are contracted per step.  Blocks are powers of two in
   [16, 512]; they are shrunk to the problem (never below 16) at call time.
   ``num_warps`` and ``num_stages`` (software pipelining depth) go to Triton.
+  ``schedule_kernel`` (gmm / dX): build the tile schedule with one kernel
+  (``triton_schedule``) where it applies instead of several XLA kernels.
   """
 
   block_m: int = 128
@@ -79,6 +83,7 @@ class TritonConfig:
   block_k: int = 64
   num_warps: int = 4
   num_stages: int = 3
+  schedule_kernel: bool = True
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "block_k"):
@@ -372,11 +377,17 @@ def gmm(
     raise TypeError(f"config must be a TritonConfig, got {type(config).__name__}")
   bm, bn, bk = _fit(config.block_m, m), _fit(config.block_n, n), _fit(config.block_k, k)
 
-  starts, ends = md.group_bounds(group_sizes, m, group_offset, num_local)
-  sched = md.tile_schedule(starts, ends, m, bm)
-  lo, hi = md.local_row_window(group_sizes, m, group_offset, num_local)
-  tiles = jnp.stack([sched.group, sched.row0, sched.row_start, sched.row_end])
-  info = jnp.stack([sched.num_tiles, lo, hi]).astype(jnp.int32)
+  kernels = backends.schedule_kernels(interpret) if config.schedule_kernel else None
+  if kernels is not None and kernels.supported(m, group_sizes.shape[0], num_local):
+    tiles, info = kernels.build(group_sizes, group_offset, m=m, num_local=num_local,
+                                block_m=bm)
+    tiles = tiles.reshape(4, -1)
+  else:
+    starts, ends = md.group_bounds(group_sizes, m, group_offset, num_local)
+    sched = md.tile_schedule(starts, ends, m, bm)
+    lo, hi = md.local_row_window(group_sizes, m, group_offset, num_local)
+    tiles = jnp.stack([sched.group, sched.row0, sched.row_start, sched.row_end])
+    info = jnp.stack([sched.num_tiles, lo, hi]).astype(jnp.int32)
 
   max_t = md.max_tiles(m, bm, num_local)
   n_tiles = pl.cdiv(n, bn)

@@ -1,0 +1,176 @@
+"""The one-kernel schedule builder equals the XLA builders of ``metadata``
+entry for entry (Pallas-Triton interpret mode on CPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import strategies as rst
+from ragdot import metadata as md
+from ragdot.backends import triton_schedule as ts
+
+
+def _xla(sizes, offset, m, num_local, block_m):
+  starts, ends = md.group_bounds(sizes, m, offset, num_local)
+  sched = md.tile_schedule(starts, ends, m, block_m)
+  lo, hi = md.local_row_window(sizes, m, offset, num_local)
+  num_blocks = -(-m // block_m)
+  za = (lo + block_m - 1) // block_m
+  zb = jnp.minimum(jnp.maximum(hi // block_m, za), num_blocks)
+  num_zero = za + jnp.where(hi < m, num_blocks - zb, 0)
+  rows = [sched.group, sched.row0, sched.row_start, sched.row_end]
+  return [np.asarray(r) for r in rows], np.array([sched.num_tiles, lo, hi, za, zb, num_zero])
+
+
+def _check(sizes, offset, m, num_local, block_m):
+  sizes = jnp.asarray(sizes, jnp.int32)
+  go = None if offset is None else jnp.int32(offset)
+  tiles, scalars = ts.build(sizes, go, m=m, num_local=num_local, block_m=block_m,
+                            interpret=True)
+  rows, want_scalars = _xla(sizes, go, m, num_local, block_m)
+  length = ts.padded_tiles(m, block_m, num_local)
+  assert tiles.shape == (4 * length,) and scalars.shape == (ts.NUM_SCALARS,)
+  tiles = np.asarray(tiles).reshape(4, length)
+  t = rows[0].shape[0]
+  for r in range(4):
+    np.testing.assert_array_equal(tiles[r, :t], rows[r])
+  # Entries past metadata's static length are padding: no rows, a valid group.
+  np.testing.assert_array_equal(tiles[1:, t:], 0)
+  assert np.all((tiles[0, t:] >= 0) & (tiles[0, t:] < num_local))
+  np.testing.assert_array_equal(np.asarray(scalars)[:6], want_scalars)
+
+
+@st.composite
+def layouts(draw):
+  m = draw(st.integers(1, 300))
+  g = draw(st.integers(1, 40))
+  sizes = draw(rst.group_sizes(m, g))
+  offset, num_local = draw(rst.shard(g))
+  if draw(st.booleans()):  # any offset, also before group 0 or past the last group
+    num_local = draw(st.integers(1, g + 3))
+    offset = draw(st.integers(-num_local - 2, g + 2))
+  block_m = draw(st.sampled_from([16, 24, 64, 128]))
+  return sizes, offset, m, num_local, block_m
+
+
+@settings(max_examples=25, deadline=None)
+@given(layouts())
+def test_equals_xla_builders(layout):
+  _check(*layout)
+
+
+@pytest.mark.parametrize("offset", [-3, 5, 14])
+def test_offset_outside_groups(offset):
+  # Shards that begin before group 0 or run past the last group.
+  _check(np.array([5, 0, 9, 3, 7, 2, 4, 1], np.int32), offset, 40, 6, 16)
+
+
+def test_many_local_groups_and_sums_past_m():
+  # 300 local groups (several programs of few tiles each) whose sizes
+  # add up to more than m (rows past m belong to no group).
+  rng = np.random.default_rng(0)
+  sizes = rng.integers(0, 9, 300).astype(np.int32)
+  _check(sizes, None, 1000, 300, 64)
+  _check(sizes, 17, 1000, 200, 64)
+
+
+def test_only_compiled_gpu_calls_use_the_kernels():
+  # Interpret mode (CPU tests, also under shard_map) and lowering for CUDA on a
+  # machine without a GPU keep metadata's XLA ops.
+  from ragdot import backends  # pylint: disable=g-import-not-at-top
+  assert backends.schedule_kernels(True) is None
+  assert (backends.schedule_kernels(False) is None) == (jax.default_backend() != "gpu")
+
+
+def _interpreted_kernels(calls):
+  def counted(fn):
+    def call(*args, **kwargs):
+      calls.append(fn.__name__)
+      return fn(*args, interpret=True, **kwargs)
+    return call
+  return types.SimpleNamespace(supported=ts.supported, build=counted(ts.build),
+                               build_bounds=counted(ts.build_bounds))
+
+
+@pytest.mark.parametrize("kernel", ["mosaic_fwd", "mosaic_dx", "triton_fwd", "mosaic_dw"])
+def test_kernels_with_the_schedule_kernel_equal_xla_schedule(kernel, monkeypatch):
+  """The consumers read the kernel-built schedule (its padded length, its
+  scalars) exactly as the XLA-built one: bitwise-equal outputs."""
+  from ragdot import backends  # pylint: disable=g-import-not-at-top
+  from ragdot.backends import mosaic_dw, mosaic_fwd, triton  # pylint: disable=g-import-not-at-top
+  sizes = jnp.asarray([30, 0, 41, 9, 25, 17], jnp.int32)
+  offset = jnp.int32(1)  # local groups 1..4: rows outside are zeros
+  m, k, n, g_local = 136, 64, 128, 4
+  kx, kw = jax.random.split(jax.random.key(0))
+  x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+  if kernel == "mosaic_dw":
+    cfg = mosaic_dw.MosaicDwConfig(block_m=64, block_k=64, block_n=64, num_stages=2, num_sms=3)
+    d = jax.random.normal(kw, (m, n), jnp.float32).astype(jnp.bfloat16)
+    run = lambda c: mosaic_dw.tgmm(x, d, sizes, offset, num_groups=g_local,
+                                   out_dtype=jnp.float32, interpret=True, config=c)
+  else:
+    tr = kernel == "mosaic_dx"
+    w = jax.random.normal(kw, (g_local, n, k) if tr else (g_local, k, n),
+                          jnp.float32).astype(jnp.bfloat16)
+    if kernel == "triton_fwd":
+      cfg = triton.TritonConfig(block_m=16, block_n=32, block_k=16, num_warps=4, num_stages=2)
+      run = lambda c: triton.gmm(x, w, sizes, offset, transpose_rhs=False,
+                                 out_dtype=jnp.float32, precision=None, interpret=True, config=c)
+    else:
+      cfg = mosaic_fwd.MosaicFwdConfig(block_m=128, block_n=64, block_k=32, num_stages=2,
+                                       num_sms=2, num_compute_wgs=2)
+      run = lambda c: mosaic_fwd.gmm(x, w, sizes, offset, transpose_rhs=tr,
+                                     out_dtype=jnp.float32, interpret=True, config=c)
+  calls = []
+  monkeypatch.setattr(backends, "schedule_kernels", lambda interpret: _interpreted_kernels(calls))
+  with_kernel = np.asarray(run(cfg))
+  assert calls == ["build_bounds" if kernel == "mosaic_dw" else "build"]
+  without = np.asarray(run(dataclasses.replace(cfg, schedule_kernel=False)))
+  np.testing.assert_array_equal(with_kernel, without)
+  assert np.all(np.isfinite(without)) and np.any(without != 0)
+
+
+def test_unsupported_is_refused():
+  assert not ts.supported(2**20, 4096, 4096)  # too many local groups
+  assert not ts.supported(2**22, 1024, 8)  # prefix sums could overflow int32
+  assert ts.supported(32768, 256, 32)
+  with pytest.raises(ValueError, match="num_local"):
+    ts.build(jnp.zeros((4096,), jnp.int32), None, m=8, num_local=4096, block_m=64)
+  with pytest.raises(ValueError, match="power of two"):
+    ts.tile_block(128, elements=3000)
+
+
+def test_traced_offset_under_jit():
+  sizes = jnp.asarray([3, 0, 8, 5], jnp.int32)
+  build = jax.jit(lambda s, o: ts.build(s, o, m=16, num_local=2, block_m=16, interpret=True))
+  for o in range(-1, 5):
+    tiles, scalars = build(sizes, jnp.int32(o))
+    rows, want = _xla(sizes, jnp.int32(o), 16, 2, 16)
+    np.testing.assert_array_equal(np.asarray(tiles).reshape(4, -1)[:, :rows[0].shape[0]],
+                                  np.stack(rows))
+    np.testing.assert_array_equal(np.asarray(scalars)[:6], want)
+
+
+@settings(max_examples=20, deadline=None)
+@given(layouts())
+def test_bounds_equal_xla_builders(layout):
+  sizes, offset, m, num_local, block_m = layout
+  sizes = jnp.asarray(sizes, jnp.int32)
+  go = None if offset is None else jnp.int32(offset)
+  got = [np.asarray(v) for v in ts.build_bounds(sizes, go, m=m, num_local=num_local,
+                                                 block_m=block_m, interpret=True)]
+  starts, ends = md.group_bounds(sizes, m, go, num_local)
+  first = (starts // 8) * 8
+  nblocks = jnp.where(ends > starts, -(-(ends - first) // block_m), 0)
+  for g, want in zip(got, (starts, ends, first, nblocks)):
+    assert g.shape[0] >= num_local
+    np.testing.assert_array_equal(g[:num_local], np.asarray(want))
+    np.testing.assert_array_equal(g[num_local:], 0)
