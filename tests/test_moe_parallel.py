@@ -7,6 +7,7 @@ reference and 1e-2 vs ep=1 in bf16.
 """
 
 import functools
+import json
 import re
 
 import jax
@@ -120,6 +121,20 @@ def test_ep_bench_smoke_times_each_strategy_and_the_psum():
   got = {(r["ep"], r["strategy"]) for r in rows}
   assert got == {(2, "psum only"), (2, "group_offset"), (2, "masked")}
   assert all(r["ms"] > 0 and r["method"] == "host: 2 devices" for r in rows)
+
+
+def test_ep_bench_from_json_summarizes_and_plots(tmp_path, capsys):
+  from ragdot.moe import ep_bench  # pylint: disable=g-import-not-at-top
+  rows = [dict(ep=2, strategy="psum only", ms=0.3), dict(ep=2, strategy="group_offset", ms=2.0),
+          dict(ep=2, strategy="masked", ms=5.0), dict(ep=1, strategy="group_offset", ms=2.5),
+          dict(ep=1, strategy="masked", ms=2.5)]
+  path = tmp_path / "ep.json"
+  path.write_text(json.dumps(rows))
+  png = tmp_path / "ep.png"
+  assert ep_bench.main(["--from-json", str(path), "--plot", str(png)]) == rows
+  out = capsys.readouterr().out
+  assert "ep=2: group_offset is 2.50x faster" in out and "ep=1: group_offset is 1.00x" in out
+  assert png.stat().st_size > 1000
 
 
 def test_ep_bench_strategies_compute_the_same_block():

@@ -19,6 +19,7 @@ GPUs sat idle for part of the step.
 
   python -m ragdot.moe.ep_bench            # GPUs
   python -m ragdot.moe.ep_bench --small    # CPU smoke test (8 simulated devices)
+  python -m ragdot.moe.ep_bench --from-json ep.json --plot ep.png
 """
 
 from __future__ import annotations
@@ -95,14 +96,62 @@ def psum_ms(mesh, rows: int, hidden: int, dtype, iterations: int) -> tuple[float
   return device_time_ms(f, y, iterations=iterations)
 
 
+def plot(rows: list[dict], path: str, title: str = "MoE block fwd+bwd, expert parallelism") -> None:
+  """Step time per ep for each strategy (and the psums' share) as grouped bars."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  eps = sorted({r["ep"] for r in rows})
+  strategies = ["group_offset", "masked"]
+  by = {(r["ep"], r["strategy"]): r for r in rows}
+  fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(eps), 3.6))
+  width = 0.38
+  for i, strategy in enumerate(strategies):
+    xs = [e + (i - 0.5) * width for e in range(len(eps))]
+    ms = [by[(ep, strategy)]["ms"] if (ep, strategy) in by else float("nan") for ep in eps]
+    bars = ax.bar(xs, ms, width, label=strategy)
+    ax.bar_label(bars, fmt="%.2f", fontsize=7)
+  psum = [by[(ep, "psum only")]["ms"] if (ep, "psum only") in by else 0.0 for ep in eps]
+  if any(psum):
+    ax.bar([e - 0.5 * width for e in range(len(eps))], psum, width, color="none",
+           edgecolor="black", hatch="//", label="of which psums (both)")
+  ax.set_xticks(range(len(eps)))
+  ax.set_xticklabels([f"ep={ep}" for ep in eps])
+  ax.set_ylabel("step time (ms)")
+  ax.set_title(title, fontsize=9)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def summary(rows: list[dict]) -> list[str]:
+  """One line per ep: group_offset's speedup over the masked workaround."""
+  by = {(r["ep"], r["strategy"]): r["ms"] for r in rows}
+  return [f"  ep={ep}: group_offset is {by[(ep, 'masked')] / by[(ep, 'group_offset')]:.2f}x"
+          " faster than the masked workaround"
+          for ep in sorted({r["ep"] for r in rows})
+          if (ep, "masked") in by and (ep, "group_offset") in by]
+
+
 def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--small", action="store_true")
   parser.add_argument("--iterations", type=int, default=10)
   parser.add_argument("--json", default=None, help="rows so far are written after each ep")
+  parser.add_argument("--plot", default=None, help="bar chart of the step times (PNG)")
+  parser.add_argument("--from-json", default=None,
+                      help="no run: summary (and --plot) of a JSON written by --json")
   parser.add_argument("--ep", type=int, nargs="+", default=[1, 2, 4, 8],
                       help="expert-parallel sizes, run in this order (those that fit)")
   args = parser.parse_args(argv)
+  if args.from_json:
+    with open(args.from_json) as f:
+      results = json.load(f)
+    print("\n".join(summary(results)))
+    if args.plot:
+      plot(results, args.plot)
+    return results
   dims = SMALL if args.small else FULL
   cfg = MoEConfig(hidden=dims["hidden"], intermediate=dims["intermediate"],
                   num_experts=dims["experts"], top_k=dims["top_k"])
@@ -168,11 +217,9 @@ def main(argv=None) -> list[dict]:
       print(f"  ep={ep} {strategy:<12} step {ms:8.3f} ms ({method})  {row['tokens_per_s']:10.0f} tok/s"
             f"  expert FFN {ffn_ms:7.3f} ms ({100 * row['expert_share']:.0f}%){busy}", flush=True)
     save()
-  by = {(r["ep"], r["strategy"]): r["ms"] for r in results}
-  for ep in sorted({r["ep"] for r in results}):
-    if (ep, "masked") in by and (ep, "group_offset") in by:
-      print(f"  ep={ep}: group_offset is {by[(ep, 'masked')] / by[(ep, 'group_offset')]:.2f}x"
-            f" faster than the masked workaround")
+  print("\n".join(summary(results)))
+  if args.plot:
+    plot(results, args.plot)
   return results
 
 
