@@ -9,6 +9,7 @@
 #
 # stages (each with its own timeout, <NAME>_TIMEOUT seconds):
 #   tests  GPU-marked tests (kernels at real sizes, NaN-poisoned memory)    TESTS_ARGS
+#          (*_ARGS are split on spaces: a -k expression must have none, e.g. -k schedule)
 #   tune   ragdot tune into $OUT/nvidia_h200.json (copy of the shipped table) TUNE_ARGS
 #          (USE_TUNED=1: the stages after it use that table)
 #   bench  ragdot bench table + JSON + PNG                                 BENCH_ARGS
