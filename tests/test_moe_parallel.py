@@ -121,12 +121,15 @@ def test_ep_bench_smoke_times_each_strategy_and_the_psum():
   got = {(r["ep"], r["strategy"]) for r in rows}
   assert got == {(2, "psum only"), (2, "group_offset"), (2, "masked")}
   assert all(r["ms"] > 0 and r["method"] == "host: 2 devices" for r in rows)
+  assert all(r["wall_ms"] == r["ms"] for r in rows if r["strategy"] != "psum only")
 
 
 def test_ep_bench_from_json_summarizes_and_plots(tmp_path, capsys):
   from ragdot.moe import ep_bench  # pylint: disable=g-import-not-at-top
-  rows = [dict(ep=2, strategy="psum only", ms=0.3), dict(ep=2, strategy="group_offset", ms=2.0),
-          dict(ep=2, strategy="masked", ms=5.0), dict(ep=1, strategy="group_offset", ms=2.5),
+  rows = [dict(ep=2, strategy="psum only", ms=0.3),
+          dict(ep=2, strategy="group_offset", ms=2.0, wall_ms=2.0),
+          dict(ep=2, strategy="masked", ms=5.0), dict(ep=1, strategy="group_offset", ms=2.5,
+                                                       wall_ms=3.0),
           dict(ep=1, strategy="masked", ms=2.5)]
   path = tmp_path / "ep.json"
   path.write_text(json.dumps(rows))
@@ -134,6 +137,7 @@ def test_ep_bench_from_json_summarizes_and_plots(tmp_path, capsys):
   assert ep_bench.main(["--from-json", str(path), "--plot", str(png)]) == rows
   out = capsys.readouterr().out
   assert "ep=2: group_offset is 2.50x faster" in out and "ep=1: group_offset is 1.00x" in out
+  assert "1.50x ep=1's step (wall clock)" in out
   assert png.stat().st_size > 1000
 
 
