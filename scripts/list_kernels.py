@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 
 import jax
-import jax.numpy as jnp
 
 from ragdot import bench
 
@@ -27,12 +26,7 @@ def main() -> None:
   args = p.parse_args()
   from jax.experimental.mosaic.gpu import profiler  # pylint: disable=g-import-not-at-top
   for s in [s for name in args.presets for s in bench.PRESETS[name]]:
-    sizes = bench.routed_group_sizes(s)
-    keys = jax.random.split(jax.random.key(0), 3)
-    x = jax.random.normal(keys[0], (s.m, s.k), jnp.bfloat16)
-    w = (jax.random.normal(keys[1], (s.g, s.k, s.n), jnp.float32) / 32).astype(jnp.bfloat16)
-    dy = jax.random.normal(keys[2], (s.m, s.n), jnp.bfloat16)
-    gs = jnp.asarray(sizes)
+    sizes, (x, w, dy, gs) = bench.shape_inputs(s)
     for op in args.ops:
       fns = (bench._ep_candidates(op, s, None, sizes) if s.ep > 1  # pylint: disable=protected-access
              else bench._candidates(op, s, None))  # pylint: disable=protected-access

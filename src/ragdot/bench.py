@@ -363,17 +363,23 @@ def minimal_bytes(op: str, shape: Shape, sizes: np.ndarray) -> int:
   return {"fwd": fwd, "dx": dx, "dw": dw, "fwdbwd": 3 * (m * (k + n) * 2 + w)}[op]
 
 
-def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
-                seed: int = 0, impls: list[str] | None = None,
-                baselines: bool = True, watchdog: Watchdog | None = None
-                ) -> list[dict[str, Any]]:
+def shape_inputs(shape: Shape, seed: int = 0) -> tuple[np.ndarray, tuple[jax.Array, ...]]:
+  """(routed group sizes, (x[m, k], w[g, k, n], dy[m, n], group_sizes)): fresh
+  random bf16 inputs of every benchmarked function ``fn(x, w, dy, gs)``."""
   sizes = routed_group_sizes(shape, seed)
   keys = jax.random.split(jax.random.key(seed), 3)
   dtype = jnp.bfloat16
   x = jax.random.normal(keys[0], (shape.m, shape.k), dtype)
   w = (jax.random.normal(keys[1], (shape.g, shape.k, shape.n), jnp.float32) / 32).astype(dtype)
   dy = jax.random.normal(keys[2], (shape.m, shape.n), dtype)
-  gs = jnp.asarray(sizes)
+  return sizes, (x, w, dy, jnp.asarray(sizes))
+
+
+def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
+                seed: int = 0, impls: list[str] | None = None,
+                baselines: bool = True, watchdog: Watchdog | None = None
+                ) -> list[dict[str, Any]]:
+  sizes, (x, w, dy, gs) = shape_inputs(shape, seed)
   rows = []
   for op in ([o for o in ops if o in EP_OPS] if shape.ep > 1 else ops):
     if shape.ep > 1:
