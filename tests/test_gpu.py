@@ -265,22 +265,13 @@ def test_schedule_kernel_equals_xla_builders_real_sizes(m, g, g_local, offset, l
   go = None if offset is None else jnp.int32(offset)
   tiles, scalars = jax.jit(lambda s, o: ts.build(s, o, m=m, num_local=g_local, block_m=block_m))(
       sizes, go)
-  starts, ends = md.group_bounds(sizes, m, go, g_local)
-  sched = md.tile_schedule(starts, ends, m, block_m)
-  lo, hi = md.local_row_window(sizes, m, go, g_local)
-  t = sched.group.shape[0]
-  tiles = np.asarray(tiles).reshape(4, -1)
-  for r, want in enumerate([sched.group, sched.row0, sched.row_start, sched.row_end]):
-    np.testing.assert_array_equal(tiles[r, :t], np.asarray(want))
-  nb = -(-m // block_m)
-  za = (lo + block_m - 1) // block_m
-  zb = jnp.minimum(jnp.maximum(hi // block_m, za), nb)
-  np.testing.assert_array_equal(np.asarray(scalars)[:6], [
-      sched.num_tiles, lo, hi, za, zb, za + jnp.where(hi < m, nb - zb, 0)])
+  want_tiles, want_scalars = md.flat_schedule(sizes, go, m, g_local, block_m)
+  want_tiles = np.asarray(want_tiles).reshape(4, -1)
+  np.testing.assert_array_equal(np.asarray(tiles).reshape(4, -1)[:, :want_tiles.shape[1]],
+                                want_tiles)
+  np.testing.assert_array_equal(np.asarray(scalars)[:6], np.asarray(want_scalars))
   # The dW kernel's bounds: group_bounds, the 8-row-aligned first block, block counts.
   got = jax.jit(lambda s, o: ts.build_bounds(s, o, m=m, num_local=g_local, block_m=block_m))(
       sizes, go)
-  first = (starts // 8) * 8
-  nblocks = jnp.where(ends > starts, -(-(ends - first) // block_m), 0)
-  for g_arr, want in zip(got, (starts, ends, first, nblocks)):
+  for g_arr, want in zip(got, md.row_blocks(sizes, go, m, g_local, block_m)):
     np.testing.assert_array_equal(np.asarray(g_arr)[:g_local], np.asarray(want))

@@ -19,15 +19,8 @@ from ragdot.backends import triton_schedule as ts
 
 
 def _xla(sizes, offset, m, num_local, block_m):
-  starts, ends = md.group_bounds(sizes, m, offset, num_local)
-  sched = md.tile_schedule(starts, ends, m, block_m)
-  lo, hi = md.local_row_window(sizes, m, offset, num_local)
-  num_blocks = -(-m // block_m)
-  za = (lo + block_m - 1) // block_m
-  zb = jnp.minimum(jnp.maximum(hi // block_m, za), num_blocks)
-  num_zero = za + jnp.where(hi < m, num_blocks - zb, 0)
-  rows = [sched.group, sched.row0, sched.row_start, sched.row_end]
-  return [np.asarray(r) for r in rows], np.array([sched.num_tiles, lo, hi, za, zb, num_zero])
+  tiles, scalars = md.flat_schedule(sizes, offset, m, num_local, block_m)
+  return np.asarray(tiles).reshape(4, -1), np.asarray(scalars)
 
 
 def _check(sizes, offset, m, num_local, block_m):
@@ -39,9 +32,8 @@ def _check(sizes, offset, m, num_local, block_m):
   length = ts.padded_tiles(m, block_m, num_local)
   assert tiles.shape == (4 * length,) and scalars.shape == (ts.NUM_SCALARS,)
   tiles = np.asarray(tiles).reshape(4, length)
-  t = rows[0].shape[0]
-  for r in range(4):
-    np.testing.assert_array_equal(tiles[r, :t], rows[r])
+  t = rows.shape[1]
+  np.testing.assert_array_equal(tiles[:, :t], rows)
   # Entries past metadata's static length are padding: no rows, a valid group.
   np.testing.assert_array_equal(tiles[1:, t:], 0)
   assert np.all((tiles[0, t:] >= 0) & (tiles[0, t:] < num_local))
@@ -154,8 +146,7 @@ def test_traced_offset_under_jit():
   for o in range(-1, 5):
     tiles, scalars = build(sizes, jnp.int32(o))
     rows, want = _xla(sizes, jnp.int32(o), 16, 2, 16)
-    np.testing.assert_array_equal(np.asarray(tiles).reshape(4, -1)[:, :rows[0].shape[0]],
-                                  np.stack(rows))
+    np.testing.assert_array_equal(np.asarray(tiles).reshape(4, -1)[:, :rows.shape[1]], rows)
     np.testing.assert_array_equal(np.asarray(scalars)[:6], want)
 
 
@@ -167,10 +158,7 @@ def test_bounds_equal_xla_builders(layout):
   go = None if offset is None else jnp.int32(offset)
   got = [np.asarray(v) for v in ts.build_bounds(sizes, go, m=m, num_local=num_local,
                                                  block_m=block_m, interpret=True)]
-  starts, ends = md.group_bounds(sizes, m, go, num_local)
-  first = (starts // 8) * 8
-  nblocks = jnp.where(ends > starts, -(-(ends - first) // block_m), 0)
-  for g, want in zip(got, (starts, ends, first, nblocks)):
+  for g, want in zip(got, md.row_blocks(sizes, go, m, num_local, block_m)):
     assert g.shape[0] >= num_local
     np.testing.assert_array_equal(g[:num_local], np.asarray(want))
     np.testing.assert_array_equal(g[num_local:], 0)

@@ -187,3 +187,51 @@ def tile_schedule(
   row_start = jnp.where(real, jnp.maximum(starts[group], row0), 0)
   row_end = jnp.where(real, jnp.minimum(ends[group], row0 + block_m), 0)
   return TileSchedule(group, row0, row_start, row_end, num_tiles)
+
+
+def flat_schedule(
+    group_sizes: jax.Array,
+    group_offset: jax.Array | None,
+    m: int,
+    num_local: int,
+    block_m: int,
+) -> tuple[jax.Array, jax.Array]:
+  """The forward / dX kernels' schedule as two flat arrays.
+
+  Returns ``tiles``: int32[4 * T] (T = ``max_tiles``), the ``TileSchedule``
+  rows group, row0, row_start, row_end one after the other; and ``scalars``:
+  int32[6]: num_tiles, lo, hi (``local_row_window``), ``za = cdiv(lo,
+  block_m)``, ``zb = min(max(hi // block_m, za), cdiv(m, block_m))`` and the
+  number of row blocks holding rows outside ``[lo, hi)`` (blocks ``[0, za)``
+  and ``[zb, cdiv(m, block_m))``; a block holding both lo and hi is counted
+  once, in the first range).
+  """
+  starts, ends = group_bounds(group_sizes, m, group_offset, num_local)
+  sched = tile_schedule(starts, ends, m, block_m)
+  lo, hi = local_row_window(group_sizes, m, group_offset, num_local)
+  num_blocks = pl_cdiv(m, block_m)
+  za = (lo + block_m - 1) // block_m
+  zb = jnp.minimum(jnp.maximum(hi // block_m, za), num_blocks)
+  num_zero = za + jnp.where(hi < m, num_blocks - zb, 0)
+  tiles = jnp.concatenate([sched.group, sched.row0, sched.row_start, sched.row_end])
+  scalars = jnp.stack([sched.num_tiles, lo, hi, za, zb, num_zero]).astype(jnp.int32)
+  return tiles.astype(jnp.int32), scalars
+
+
+def row_blocks(
+    group_sizes: jax.Array,
+    group_offset: jax.Array | None,
+    m: int,
+    num_local: int,
+    block_m: int,
+    align: int = 8,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """The dW kernel's per-group row blocks, int32[num_local] each:
+  ``(starts, ends)`` of ``group_bounds``, the first block's start
+  ``floor(starts / a) * a`` (``a = gcd(align, block_m)``) and the number of ``block_m``-row blocks
+  from there to ``ends`` (0 for an empty group)."""
+  starts, ends = group_bounds(group_sizes, m, group_offset, num_local)
+  align = math.gcd(align, block_m)
+  first = (starts // align) * align
+  nblocks = jnp.where(ends > starts, (ends - first + block_m - 1) // block_m, 0)
+  return starts, ends, first, nblocks

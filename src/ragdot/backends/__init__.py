@@ -27,6 +27,8 @@ from types import ModuleType
 
 import jax
 
+from ragdot import metadata
+
 IMPLEMENTATIONS = ("xla", "mosaic", "triton")
 
 _MODULES = {
@@ -60,3 +62,32 @@ def schedule_kernels(interpret) -> ModuleType | None:
     return importlib.import_module("ragdot.backends.triton_schedule")
   except ImportError:
     return None
+
+
+def _kernels_for(use_kernel: bool, interpret, m: int, num_groups: int, num_local: int):
+  kernels = schedule_kernels(interpret) if use_kernel else None
+  if kernels is not None and kernels.supported(m, num_groups, num_local):
+    return kernels
+  return None
+
+
+def flat_schedule(group_sizes, group_offset, *, m: int, num_local: int, block_m: int,
+                  use_kernel: bool, interpret) -> tuple[jax.Array, jax.Array]:
+  """``metadata.flat_schedule``'s values (tiles int32[4 * T'], scalars
+  int32[>= 6]; the kernel pads T to whole programs), from one schedule kernel
+  where ``use_kernel`` and ``schedule_kernels`` allow, else from XLA ops."""
+  kernels = _kernels_for(use_kernel, interpret, m, group_sizes.shape[0], num_local)
+  if kernels is not None:
+    return kernels.build(group_sizes, group_offset, m=m, num_local=num_local, block_m=block_m)
+  return metadata.flat_schedule(group_sizes, group_offset, m, num_local, block_m)
+
+
+def row_blocks(group_sizes, group_offset, *, m: int, num_local: int, block_m: int, align: int,
+               use_kernel: bool, interpret) -> tuple[jax.Array, ...]:
+  """``metadata.row_blocks``'s values (the kernel pads each array to a power of
+  two with zeros), from one kernel where allowed, else from XLA ops."""
+  kernels = _kernels_for(use_kernel, interpret, m, group_sizes.shape[0], num_local)
+  if kernels is not None:
+    return kernels.build_bounds(group_sizes, group_offset, m=m, num_local=num_local,
+                                block_m=block_m, align=align)
+  return metadata.row_blocks(group_sizes, group_offset, m, num_local, block_m, align)

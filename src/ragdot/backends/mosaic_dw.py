@@ -39,7 +39,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ragdot.manual_axes import make_varying, match_varying, out_struct, varying_axes
-from ragdot import metadata
 from ragdot import backends
 from ragdot.backends import sm90
 
@@ -778,14 +777,9 @@ def tgmm(
     return jnp.zeros((num_groups, k, n), out_dtype)
 
   bm, bk, bn = config.block_m, config.block_k, config.block_n
-  kernels = backends.schedule_kernels(interpret) if config.schedule_kernel else None
-  if kernels is not None and kernels.supported(m, group_sizes.shape[0], num_groups):
-    starts, ends, first_row, num_blocks = kernels.build_bounds(
-        group_sizes, group_offset, m=m, num_local=num_groups, block_m=bm, align=_ROW_ALIGN)
-  else:
-    starts, ends = metadata.group_bounds(group_sizes, m, group_offset, num_groups)
-    first_row = (starts // _ROW_ALIGN) * _ROW_ALIGN
-    num_blocks = jnp.where(ends > starts, pl.cdiv(ends - first_row, bm), 0)
+  starts, ends, first_row, num_blocks = backends.row_blocks(
+      group_sizes, group_offset, m=m, num_local=num_groups, block_m=bm, align=_ROW_ALIGN,
+      use_kernel=config.schedule_kernel, interpret=interpret)
 
   grid_k, grid_n = pl.cdiv(k, bk), pl.cdiv(n, bn)
   num_stages = config.num_stages

@@ -57,7 +57,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ragdot.manual_axes import make_varying, match_varying, out_struct, varying_axes
-from ragdot import metadata
 from ragdot import backends
 from ragdot.backends import sm90
 
@@ -109,7 +108,7 @@ class MosaicFwdConfig:
     overwrite that stage while the last wgmma still reads it (in practice
     the metadata read and TMA latency come first).  False only for A/B runs.
   schedule_kernel: build the tile schedule with one Pallas-Triton kernel
-    (``triton_schedule``) where it applies, instead of the five to seven small
+    (``triton_schedule``) where it applies, instead of the five to nine small
     XLA kernels of ``metadata``; the same entries either way.
   pipeline_across_tiles: 2 warpgroups only (needs delay_release=0): the
     producer runs one pipeline through all of its CTA's tiles, loading the
@@ -362,30 +361,6 @@ def _num_sms(config: MosaicFwdConfig, interpret: bool) -> int:
   if interpret:
     return _INTERPRET_SMS  # each simulated CTA is a CPU thread
   return config.ctas_per_sm * sm90.device_sm_count()
-
-
-def _build_metadata(group_sizes, group_offset, m: int, g_local: int, block_m: int,
-                    use_kernel: bool = False, interpret: bool = False):
-  """Per-tile schedule int32[4 * T] (group, row0, row_start, row_end) and
-  scalars int32[>= 6] (num_tiles, lo, hi, za, zb, zero row blocks), built by
-  one Triton kernel with ``use_kernel`` where ``backends.schedule_kernels``
-  allows, else by XLA."""
-  kernels = backends.schedule_kernels(interpret) if use_kernel else None
-  if kernels is not None and kernels.supported(m, group_sizes.shape[0], g_local):
-    return kernels.build(group_sizes, group_offset, m=m, num_local=g_local, block_m=block_m)
-  starts, ends = metadata.group_bounds(group_sizes, m, group_offset, g_local)
-  sched = metadata.tile_schedule(starts, ends, m, block_m)
-  lo, hi = metadata.local_row_window(group_sizes, m, group_offset, g_local)
-  num_blocks = pl.cdiv(m, block_m)
-  # Zero tiles: row blocks [0, za) hold rows < lo; blocks [zb, num_blocks) hold
-  # rows >= hi.  A block holding both lo and hi is listed once (in the first
-  # range) and zeroes both of its pieces.
-  za = (lo + block_m - 1) // block_m
-  zb = jnp.minimum(jnp.maximum(hi // block_m, za), num_blocks)
-  num_zero = za + jnp.where(hi < m, num_blocks - zb, 0)
-  tiles = jnp.concatenate([sched.group, sched.row0, sched.row_start, sched.row_end])
-  scalars = jnp.stack([sched.num_tiles, lo, hi, za, zb, num_zero]).astype(jnp.int32)
-  return tiles.astype(jnp.int32), scalars
 
 
 def _store_rows(src_smem, out_gmem, src_row, dst_row, count, col, *, max_rows: int,
@@ -772,8 +747,9 @@ def gmm(
         f"config {config} needs {config.smem_bytes(lhs.dtype, out_dtype)} bytes of SMEM"
     )
 
-  tiles, scalars = _build_metadata(group_sizes, group_offset, m, g_local, config.block_m,
-                                   config.schedule_kernel, bool(interpret))
+  tiles, scalars = backends.flat_schedule(
+      group_sizes, group_offset, m=m, num_local=g_local, block_m=config.block_m,
+      use_kernel=config.schedule_kernel, interpret=bool(interpret))
   tiles, scalars, lhs, rhs = match_varying(tiles, scalars, lhs, rhs)
   num_ctas = _num_sms(config, bool(interpret))
   if config.num_compute_wgs == 1:

@@ -377,17 +377,10 @@ def gmm(
     raise TypeError(f"config must be a TritonConfig, got {type(config).__name__}")
   bm, bn, bk = _fit(config.block_m, m), _fit(config.block_n, n), _fit(config.block_k, k)
 
-  kernels = backends.schedule_kernels(interpret) if config.schedule_kernel else None
-  if kernels is not None and kernels.supported(m, group_sizes.shape[0], num_local):
-    tiles, info = kernels.build(group_sizes, group_offset, m=m, num_local=num_local,
-                                block_m=bm)
-    tiles = tiles.reshape(4, -1)
-  else:
-    starts, ends = md.group_bounds(group_sizes, m, group_offset, num_local)
-    sched = md.tile_schedule(starts, ends, m, bm)
-    lo, hi = md.local_row_window(group_sizes, m, group_offset, num_local)
-    tiles = jnp.stack([sched.group, sched.row0, sched.row_start, sched.row_end])
-    info = jnp.stack([sched.num_tiles, lo, hi]).astype(jnp.int32)
+  tiles, info = backends.flat_schedule(  # info: num_tiles, lo, hi, ...
+      group_sizes, group_offset, m=m, num_local=num_local, block_m=bm,
+      use_kernel=config.schedule_kernel, interpret=interpret)
+  tiles = tiles.reshape(4, -1)
 
   max_t = md.max_tiles(m, bm, num_local)
   n_tiles = pl.cdiv(n, bn)

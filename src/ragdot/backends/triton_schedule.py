@@ -1,8 +1,7 @@
 """The kernels' tile schedules built by one Pallas-Triton kernel each.
 
 ``build(group_sizes, group_offset, ...)`` computes what
-``metadata.group_bounds`` + ``metadata.local_row_window`` +
-``metadata.tile_schedule`` compute, in one kernel launch instead of the five
+``metadata.flat_schedule`` computes, in one kernel launch instead of the five
 to nine small XLA kernels those ops become on a GPU: on the H200 (2026-11-30)
 those took 5-17 us of device time per call and this kernel 2-5 us, which made
 Qwen3-30B forward / dX calls 2-6% faster, its decode calls 5-10% and an EP=8
@@ -18,9 +17,10 @@ registers) and ``num_groups * m < 2**31`` (int32 prefix sums cannot
 overflow, so clipping the sums at ``m`` equals the saturating scan of
 ``metadata``).
 
-Like ``triton.py``, this module holds Triton lowering only.  Callers get it
-through ``ragdot.backends.schedule_kernels`` (compiled GPU calls only) and
-fall back to the pure-JAX builders wherever that or ``supported`` says no.
+Like ``triton.py``, this module holds Triton lowering only.  The kernels reach
+it through ``ragdot.backends.flat_schedule`` / ``row_blocks`` (compiled GPU
+calls only; see ``schedule_kernels``), which fall back to ``metadata`` wherever
+that or ``supported`` says no.
 """
 
 from __future__ import annotations
@@ -189,13 +189,10 @@ def build(
       tiles a program fills).
 
   Returns:
-    ``tiles``: int32[4 * T] (T = ``padded_tiles``), the rows group, row0,
-    row_start, row_end of ``metadata.TileSchedule`` one after the other
-    (entries past ``num_tiles`` are padding as there).
-    ``scalars``: int32[8]: num_tiles, lo, hi (``metadata.local_row_window``),
-    then ``za = cdiv(lo, block_m)``, ``zb = min(max(hi // block_m, za),
-    cdiv(m, block_m))`` and the number of row blocks holding rows outside
-    ``[lo, hi)``: ``za + (cdiv(m, block_m) - zb if hi < m else 0)``.
+    The values of ``metadata.flat_schedule``: ``tiles``, int32[4 * T] with
+    each of its four rows padded to T = ``padded_tiles`` (entries past
+    ``num_tiles`` are padding as there), and ``scalars``, int32[8] whose first
+    six are ``metadata.flat_schedule``'s.
 
   Raises:
     ValueError: a problem ``supported`` refuses.
@@ -247,11 +244,9 @@ def build_bounds(
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """The dW kernel's per-group row blocks in one kernel launch.
 
-  Returns ``(starts, ends, first, nblocks)``, int32[P] each with P the power of
-  two >= num_local (entries past num_local are 0): ``metadata.group_bounds``,
-  the first row block's start ``floor(starts / align) * align`` and the
-  number of ``block_m``-row blocks from there to ``ends`` (0 for an empty
-  group).  Same arguments and limits as ``build``.
+  Returns ``metadata.row_blocks``'s ``(starts, ends, first, nblocks)``, each
+  padded with zeros to int32[P], P the power of two >= num_local.  Same
+  arguments and limits as ``build``.
   """
   sizes, offset, num_groups = _kernel_inputs("build_bounds", group_sizes, group_offset, m,
                                              num_local)
