@@ -128,19 +128,16 @@ def test_triton_real_sizes(shape):
 
 
 @pytest.mark.parametrize("variant", ["1wg", "2wg", "2wg_chained", "2wg_split_n",
-                                     "2wg_split_n_ntail", "2wg_half_tiles",
-                                     "2wg_half_tiles_ntail"])
+                                     "2wg_split_n_ntail"])
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
 def test_mosaic_fwd_both_bodies_real_size(variant, transpose_rhs):
   """Both kernel bodies (1 and 2 compute warpgroups; the latter skipping the
   wgmmas of empty 64-row halves, per tile or with one pipeline through each
   CTA's tiles, or with 64-row tiles split by columns, also with a last n tile
-  whose second half lies past n, or with only the short tiles split by columns)
-  on group-aligned tiles, with a shard."""
+  whose second half lies past n) on group-aligned tiles, with a shard."""
   from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
   wgs = 1 if variant == "1wg" else 2
   chained, split_n = variant.startswith("2wg_chained"), variant.startswith("2wg_split_n")
-  half = variant.startswith("2wg_half_tiles")
   n = 640 if variant.endswith("ntail") else 768
   m, k, g = 4096, 1024, 64
   sizes = _sizes(m, g, "routed")
@@ -150,11 +147,11 @@ def test_mosaic_fwd_both_bodies_real_size(variant, transpose_rhs):
                                    epilogue_split=2 if wgs == 2 else 1,
                                    delay_release=0 if chained else 1,
                                    pipeline_across_tiles=chained,
-                                   skip_empty_halves=wgs == 2 and not (split_n or half),
-                                   split_n=split_n, half_tiles=half)
+                                   skip_empty_halves=wgs == 2 and not split_n,
+                                   split_n=split_n)
   local, offset = 24, 20
   wshape = (local, n, k) if transpose_rhs else (local, k, n)
-  x, w = oracle.random_inputs(jax.random.key(wgs + 2 * split_n + 4 * half), [(m, k), wshape], jnp.bfloat16)
+  x, w = oracle.random_inputs(jax.random.key(wgs + 2 * split_n), [(m, k), wshape], jnp.bfloat16)
   go = jnp.int32(offset)
   fn = jax.jit(lambda x, w, gs: mosaic_fwd.gmm(x, w, gs, go, transpose_rhs=transpose_rhs,
                                                out_dtype=jnp.bfloat16, config=cfg))

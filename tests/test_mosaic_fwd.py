@@ -36,9 +36,6 @@ CFG2C = MosaicFwdConfig(block_m=128, block_n=64, block_k=32, num_stages=2, num_s
 # 64-row tiles, the two consumers splitting the columns.
 CFG2N = MosaicFwdConfig(block_m=64, block_n=128, block_k=32, num_stages=3, num_sms=2,
                         num_compute_wgs=2, epilogue_split=2, split_n=True)
-# 128-row tiles; a tile whose rows fit in its window's first 64 is split by columns.
-CFG2H = MosaicFwdConfig(block_m=128, block_n=128, block_k=32, num_stages=3, num_sms=2,
-                        num_compute_wgs=2, epilogue_split=2, half_tiles=True)
 
 
 @pytest.fixture(autouse=True)
@@ -236,30 +233,6 @@ def test_split_n(m, k, n, sizes, offset, g_local, transpose_rhs, bn, split, out_
                  transpose_rhs=transpose_rhs, config=cfg, out_dtype=out_dtype)
 
 
-@pytest.mark.parametrize(
-    "m,k,n,sizes,offset,g_local,transpose_rhs,bn,split,out_dtype",
-    [
-        # last tiles of 8 (130 = 128 + 2 from row 70: window at 64) and 20 rows: halves;
-        # 70 and 90 rows: whole tiles
-        (320, 64, 256, [70, 0, 130, 20, 90], None, None, False, 128, 2, jnp.bfloat16),
-        (320, 128, 256, [70, 0, 130, 20, 90], None, None, True, 256, 2, jnp.bfloat16),  # dX
-        # offset (zero tiles); n = 192: consumer 1's half of the last n tile is past n
-        (264, 64, 192, [5, 60, 129, 0, 61, 9], 1, 4, False, 128, 2, jnp.bfloat16),
-        (264, 64, 192, [5, 60, 129, 0, 61, 9], 1, 4, True, 128, 2, jnp.float32),  # dX, f32
-        # two 64-column chunks per consumer, the last one past n
-        (264, 64, 192, [5, 60, 129, 0, 61, 9], 2, 3, True, 256, 4, jnp.bfloat16),
-        # 64-row groups starting 4 rows past a multiple of 8 (68 rows from the window:
-        # whole tiles); 60 rows ending exactly 64 past the window (a half tile)
-        (272, 64, 128, [4, 64, 64, 8, 64, 60], None, None, False, 128, 2, jnp.bfloat16),
-        (104, 64, 128, [30, 30], None, None, False, 128, 2, jnp.float32),  # rows past the sizes
-    ],
-)
-def test_half_tiles(m, k, n, sizes, offset, g_local, transpose_rhs, bn, split, out_dtype):
-  cfg = dataclasses.replace(CFG2H, block_n=bn, epilogue_split=split)
-  _run_and_check(m, k, n, sizes, offset=offset, g_local=g_local,
-                 transpose_rhs=transpose_rhs, config=cfg, out_dtype=out_dtype)
-
-
 def test_split_n_chained_across_tiles():
   cfg = dataclasses.replace(CFG2N, num_stages=2, delay_release=0, pipeline_across_tiles=True)
   _run_and_check(264, 64, 128, [5, 60, 129, 0, 61, 9], offset=1, g_local=4, config=cfg,
@@ -270,9 +243,8 @@ def test_default_config_in_interpret_mode():
   _run_and_check(64, 64, 64, [30, 30], config=None)
 
 
-@pytest.mark.parametrize("config", [CFG1, CFG2, CFG2S, CFG2C, CFG2N, CFG2H],
-                         ids=["1wg", "2wg", "2wg_split", "2wg_chained", "2wg_split_n",
-                              "2wg_half_tiles"])
+@pytest.mark.parametrize("config", [CFG1, CFG2, CFG2S, CFG2C, CFG2N],
+                         ids=["1wg", "2wg", "2wg_split", "2wg_chained", "2wg_split_n"])
 @pytest.mark.parametrize(
     "m,k,n,sizes,offset,g_local,transpose_rhs",
     [
@@ -288,9 +260,8 @@ def test_zero_rows_around_the_shard(config, m, k, n, sizes, offset, g_local, tra
 
 
 @pytest.mark.parametrize(
-    "config", [CFG1, CFG2, CFG1S, CFG2S, CFG2C, CFG2N, CFG2H],
-    ids=["1wg", "2wg", "1wg_split", "2wg_split", "2wg_chained", "2wg_split_n",
-         "2wg_half_tiles"])
+    "config", [CFG1, CFG2, CFG1S, CFG2S, CFG2C, CFG2N],
+    ids=["1wg", "2wg", "1wg_split", "2wg_split", "2wg_chained", "2wg_split_n"])
 def test_no_races(config):
   lhs = jax.random.normal(jax.random.key(1), (96, 64), jnp.bfloat16)
   rhs = jax.random.normal(jax.random.key(2), (2, 64, 128), jnp.bfloat16)
@@ -360,14 +331,6 @@ def test_config_validation():
               dict(two, block_n=192), dict(two, epilogue_split=1),
               dict(two, skip_empty_halves=True)):
     with pytest.raises(ValueError, match="split_n|block_m"):
-      MosaicFwdConfig(**bad)
-  half = dict(block_m=128, num_compute_wgs=2, epilogue_split=2, half_tiles=True)
-  MosaicFwdConfig(**half)
-  for bad in (dict(half, block_m=64, num_compute_wgs=1), dict(half, block_n=192),
-              dict(half, epilogue_split=1), dict(half, skip_empty_halves=True),
-              dict(half, block_m=64, split_n=True),
-              dict(half, delay_release=0, pipeline_across_tiles=True)):
-    with pytest.raises(ValueError, match="half_tiles"):
       MosaicFwdConfig(**bad)
 
 
@@ -466,8 +429,7 @@ def test_two_warpgroups_without_the_skip():
   base = sweep[0]
   assert not base.skip_empty_halves  # measured 2-3% faster on gate_up (2026-11-29)
   assert sum(c.split_n and c.block_m == 64 for c in sweep) == 2
-  assert sweep[1:5] == [
-      dataclasses.replace(base, half_tiles=True),
+  assert sweep[1:4] == [
       dataclasses.replace(base, skip_empty_halves=True),
       dataclasses.replace(base, delay_release=0, pipeline_across_tiles=True),
       dataclasses.replace(base, delay_release=0)]

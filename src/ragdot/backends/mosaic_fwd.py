@@ -101,14 +101,6 @@ class MosaicFwdConfig:
     1.12 computed rows per real row instead of 1.24), at the price of half the
     rows per rhs block loaded.  Needs block_n 128 or 256 and epilogue_split 2
     or 4 (each consumer stores its own chunks).
-  half_tiles: 2 warpgroups with 128-row tiles: a tile whose rows all lie in
-    the first 64 rows of its window (a group's short last tile) is computed as
-    with ``split_n``: both consumers on those 64 rows, each on half of the
-    columns, instead of one consumer computing padding (or idling, with
-    ``skip_empty_halves``).  The other tiles are computed as usual.  The
-    branch is taken per tile, outside the k loop; the stage layout is the
-    same (the window's other 64 lhs rows are loaded and not read).  Needs
-    block_n 128 or 256 and epilogue_split 2 or 4.
   guard_last_stage: 2 warpgroups with delay_release=1 and per-tile pipelines:
     the producer starts a tile's loads only after both consumers' last wgmma
     of the previous tile is done.  The pipeline releases every stage but a
@@ -139,7 +131,6 @@ class MosaicFwdConfig:
   delay_release: int = 1
   pipeline_across_tiles: bool = False
   split_n: bool = False
-  half_tiles: bool = False
   guard_last_stage: bool = True
   schedule_kernel: bool = True
 
@@ -157,14 +148,6 @@ class MosaicFwdConfig:
       raise ValueError(
           "split_n needs num_compute_wgs=2, block_n 128 or 256, epilogue_split 2 or 4"
           f" and skip_empty_halves=False, got {self}"
-      )
-    if self.half_tiles and (self.num_compute_wgs != 2 or self.split_n or self.block_n % 128
-                            or self.epilogue_split not in (2, 4) or self.skip_empty_halves
-                            or self.pipeline_across_tiles):
-      raise ValueError(
-          "half_tiles needs num_compute_wgs=2 with 128-row tiles (not split_n), block_n 128"
-          " or 256, epilogue_split 2 or 4, and neither skip_empty_halves nor"
-          f" pipeline_across_tiles, got {self}"
       )
     if not (self.block_n % 64 == 0 and 64 <= self.block_n <= 256):
       raise ValueError(f"block_n must be a multiple of 64 in [64, 256], got {self.block_n}")
@@ -305,11 +288,8 @@ def gpu_sweep_configs(
   base = default_config(m, k, n, g, dtype, transpose_rhs, out_dtype)
   out = [base]
   if base.num_compute_wgs == 2:
-    # Next to the default: short tiles split by columns, skipping empty 64-row
-    # halves, one pipeline across tiles, and the per-step release that needs
-    # on its own.
-    if base.block_n % 128 == 0 and base.epilogue_split in (2, 4):
-      out.append(dataclasses.replace(base, half_tiles=True))
+    # Next to the default: skipping empty 64-row halves, one pipeline across
+    # tiles, and the per-step release that needs on its own.
     out.append(dataclasses.replace(base, skip_empty_halves=True))
     per_step = dataclasses.replace(base, delay_release=0)
     if _chains_tiles(dataclasses.replace(per_step, pipeline_across_tiles=True), k):
@@ -611,6 +591,7 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
   dr = cfg.delay_release
   chain = _chains_tiles(cfg, k)
   split = cfg.split_n
+  acc_n = bn // 2 if split else bn  # accumulator columns per consumer
   guard = cfg.guard_last_stage and dr > 0 and not chain
   num_tiles, lo, hi, za, zb, num_zero_work, total = _work_counts(scal_gmem, grid_n)
 
@@ -640,6 +621,7 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
   def _scope(allocs, o_smem, tile_done):
     wg = lax.axis_index("wg")
     my_smem = o_smem.at[wg]
+    my_chunks = wg if split else None  # split_n: each consumer stores its own columns
     store = functools.partial(_store_rows, my_smem, out_gmem, max_rows=max_rows, width=cn)
 
     def zero_tile(w, first):
@@ -647,73 +629,58 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
       blk, ni = _zero_item(w, grid_n, za, zb)
       _zero_fill_once(my_smem, first)
       _store_zero_rows(my_smem, out_gmem, cfg, n, m, ni, blk * bm + (0 if split else wg * hm),
-                       hm, lo, hi, wg if split else None)
+                       hm, lo, hi, my_chunks)
 
     def compute_tile(w, state):
       ni, grp, row0, row_start, row_end = _work_item(
           tiles_gmem, w, num_tiles, max_tiles, grid_n, cfg)
+      wg_rows = pl.ds(wg * hm, hm)
+      hs = row0 + (0 if split else wg * hm)  # this consumer's first row
 
-      def run_tile(split: bool):
-        """The tile's pipeline and epilogue; ``split``: both consumers on the
-        window's first 64 rows, each on half of the columns."""
-        acc_n = bn // 2 if split else bn  # accumulator columns per consumer
-        hs = row0 + (0 if split else wg * hm)  # this consumer's first row
-        chunks_wg = wg if split else None  # split: each consumer stores its own columns
+      def compute_context(eval_pipeline):
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((hm, acc_n), jnp.float32))
+        def _acc(acc_ref):
+          eval_pipeline(acc_ref)
+          acc = acc_ref[...]  # waits for this consumer's last wgmma
+          if guard:
+            plgpu.barrier_arrive(tile_done)
+          s, c = _overlap(row_start, row_end, hs, hs + hm)
+          def chunk(ci, col):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # earlier stores read it
+            my_smem[...] = sm90.column_chunk(acc, ci, cn).astype(out_dtype)
+            plgpu.commit_smem()
+            store(s - hs, s, c, col)
 
-        def compute_context(eval_pipeline):
-          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((hm, acc_n), jnp.float32))
-          def _acc(acc_ref):
-            eval_pipeline(acc_ref)
-            acc = acc_ref[...]  # waits for this consumer's last wgmma
-            if guard:
-              plgpu.barrier_arrive(tile_done)
-            s, c = _overlap(row_start, row_end, hs, hs + hm)
-            def chunk(ci, col):
-              plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # earlier stores read it
-              my_smem[...] = sm90.column_chunk(acc, ci, cn).astype(out_dtype)
-              plgpu.commit_smem()
-              store(s - hs, s, c, col)
+          pl.when(c > 0)(lambda: _for_each_chunk(cfg, n, ni, chunk, my_chunks))
 
-            pl.when(c > 0)(lambda: _for_each_chunk(cfg, n, ni, chunk, chunks_wg))
+      def mma(_, lhs_smem, rhs_smem, acc_ref):
+        if split:
+          # The column offset is a whole number of 64-column swizzle tiles.
+          cols = pl.ds(pl.multiple_of(wg * acc_n, acc_n), acc_n)
+          rhs_half = rhs_smem.at[cols] if transpose_rhs else rhs_smem.at[:, cols]
+          return _mma_step(acc_ref, lhs_smem, rhs_half, transpose_rhs, delay_release=dr)
+        return _mma_step(acc_ref, lhs_smem.at[wg_rows], rhs_smem, transpose_rhs,
+                         delay_release=dr)
 
-        def mma(_, lhs_smem, rhs_smem, acc_ref):
-          if split:
-            # The column offset is a whole number of 64-column swizzle tiles.
-            cols = pl.ds(pl.multiple_of(wg * acc_n, acc_n), acc_n)
-            rhs_half = rhs_smem.at[cols] if transpose_rhs else rhs_smem.at[:, cols]
-            lhs_rows = lhs_smem if bm == hm else lhs_smem.at[pl.ds(0, hm)]
-            return _mma_step(acc_ref, lhs_rows, rhs_half, transpose_rhs, delay_release=dr)
-          return _mma_step(acc_ref, lhs_smem.at[pl.ds(wg * hm, hm)], rhs_smem,
-                           transpose_rhs, delay_release=dr)
+      def idle(_, lhs_smem, rhs_smem, acc_ref):
+        del lhs_smem, rhs_smem  # the stage is released untouched
+        return acc_ref
 
-        def idle(_, lhs_smem, rhs_smem, acc_ref):
-          del lhs_smem, rhs_smem  # the stage is released untouched
-          return acc_ref
+      def run(body):
+        make_pipeline(body, compute_context, row0, ni, state)(
+            lhs_gmem, rhs_gmem.at[grp], allocations=allocs
+        )
 
-        def run(body):
-          make_pipeline(body, compute_context, row0, ni, state)(
-              lhs_gmem, rhs_gmem.at[grp], allocations=allocs
-          )
-
-        if cfg.skip_empty_halves:
-          # A consumer without rows in this tile walks the same pipeline (its
-          # barrier arrivals are part of the protocol) with a body that issues no
-          # wgmma.  The branch sits outside the k loop: a wgmma under a condition
-          # inside the loop measured slower than no skip at all.
-          empty = (wg < 2) & (hs >= row_end)
-          pl.when(jnp.logical_not(empty))(lambda: run(mma))
-          pl.when(empty)(lambda: run(idle))
-        else:
-          run(mma)
-
-      if cfg.half_tiles:
-        # Rows that fit in the window's first 64 (a group's short last tile):
-        # both consumers work on them, instead of one computing padding.
-        half = row_end - row0 <= hm
-        pl.when(half)(lambda: run_tile(True))
-        pl.when(jnp.logical_not(half))(lambda: run_tile(False))
+      if cfg.skip_empty_halves:
+        # A consumer without rows in this tile walks the same pipeline (its
+        # barrier arrivals are part of the protocol) with a body that issues no
+        # wgmma.  The branch sits outside the k loop: a wgmma under a condition
+        # inside the loop measured slower than no skip at all.
+        empty = (wg < 2) & (hs >= row_end)
+        pl.when(jnp.logical_not(empty))(lambda: run(mma))
+        pl.when(empty)(lambda: run(idle))
       else:
-        run_tile(split)
+        run(mma)
       # The producer moves on (to the next tile's loads) only once both
       # consumers' last wgmma of this tile is done with its stage.
       if guard:
