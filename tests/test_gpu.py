@@ -203,16 +203,19 @@ def _fields(words):
      (128, 128, 128, 3, 1024, jnp.bfloat16, "banded_mask"),
      (64, 256, 128, 3, 320, jnp.bfloat16, None),  # partial k tile; consumer 1's half past k
      (64, 128, 64, 4, 1024, jnp.bfloat16, "banded_mask"),  # rhs in 32-row bands
-     (64, 128, 192, 3, 1024, jnp.bfloat16, "banded_mask"),  # 32 x 192 bands
+     (64, 128, 192, 3, 1024, jnp.bfloat16, "banded_mask"),  # 192 columns in 64-column slices
      # f32 output staged in two 128-column chunks, room for a third stage: the
      # default for f32 output
      (64, 128, 256, 3, 1024, jnp.float32, "banded_mask epilogue_split=2"),
      # consumers taking alternate items whole: 128 x 128, and 64 x 256 (f32)
      (64, 128, 128, 6, 1024, jnp.bfloat16, "banded_mask pingpong epilogue_split=2"),
-     (64, 64, 256, 3, 1024, jnp.float32, "banded_mask pingpong epilogue_split=2")],
+     (64, 64, 256, 3, 1024, jnp.float32, "banded_mask pingpong epilogue_split=2"),
+     # ... 128 x 192 and 192 x 128 (192 accumulator registers per consumer thread)
+     (64, 128, 192, 4, 768, jnp.bfloat16, "banded_mask pingpong epilogue_split=3"),
+     (64, 192, 128, 4, 768, jnp.bfloat16, "banded_mask pingpong epilogue_split=2")],
     ids=["default", "whole_tile_mask", "256x128", "f32_2_stages",
          "bm128_banded", "partial_k", "bn64_banded", "bn192_banded", "f32_split_3_stages",
-         "pingpong", "pingpong_64x256_f32"])
+         "pingpong", "pingpong_64x256_f32", "pingpong_128x192", "pingpong_192x128"])
 def test_mosaic_dw_ring_across_items_real_size(bm, bk, bn, stages, k, out_dtype, mask):
   """The warp-specialized dW with one ring of stages across items, on hardware:
   every group's tile written (NaN-poisoned memory), empty groups zero, a shard,

@@ -165,6 +165,21 @@ def test_pingpong_partial_tiles(block_k, block_n, k, n):
   check(out, ref, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("block_k,block_n,k,n,split",
+                         [(128, 192, 128, 384, 3), (192, 128, 384, 128, 2),
+                          (128, 192, 256, 320, 3)],
+                         ids=["128x192", "192x128", "128x192_partial_n"])
+def test_pingpong_192_wide_tiles(block_k, block_n, k, n, split):
+  # 192-column tiles are masked as three 64-column slices; a 192-row
+  # accumulator takes three 64-row wgmma blocks; 64-column epilogue chunks.
+  cfg = MosaicDwConfig(block_m=64, block_k=block_k, block_n=block_n, num_stages=3, num_sms=3,
+                       num_compute_wgs=2, pipeline_across_items=True, banded_mask=True,
+                       pingpong=True, epilogue_split=split)
+  out, ref = run(296, k, n, [17, 0, 160, 10, 90, 3], config=cfg, out_dtype=jnp.bfloat16,
+                 seed=11)
+  check(out, ref, jnp.bfloat16)
+
+
 @pytest.mark.parametrize("flat", [False, True], ids=["per_item", "flat"])
 def test_two_warpgroups_big_tiles_partial_k(flat):
   # 256-row output tile (128 rows per consumer), 128-row steps, k = 192: the
@@ -447,11 +462,12 @@ def test_f32_default_splits_its_epilogue_and_the_sweep_offers_the_whole_tile():
   assert dataclasses.replace(default, num_stages=2, epilogue_split=1) in sweep
   bf16 = mosaic_dw.gpu_sweep_configs(m, k, n, g, out_dtype=jnp.bfloat16)
   assert all(c.epilogue_split == 1 for c in bf16 if not c.pingpong)  # bf16: 3 stages fit
-  # The pingpong candidates: both tiles for bf16; for f32 the 6-stage 128 x 128
-  # ring does not fit and is left out rather than cut.
+  # The pingpong candidates: all three tiles for bf16; for f32 the 6-stage
+  # 128 x 128 ring does not fit and is left out rather than cut.
   assert {(c.block_k, c.block_n, c.num_stages) for c in bf16 if c.pingpong} == {
-      (128, 128, 6), (64, 256, 4)}
-  assert {(c.block_k, c.block_n) for c in sweep if c.pingpong} == {(64, 256)}
+      (128, 128, 6), (64, 256, 4), (128, 192, 4)}  # 192 x 128: k % 192 != 0
+  # (128 x 192 in 4 stages of 40 KiB: 160 + 64 KiB of f32 staging fit.)
+  assert {(c.block_k, c.block_n) for c in sweep if c.pingpong} == {(64, 256), (128, 192)}
 
 
 def test_default_is_the_ring_across_items():

@@ -91,13 +91,13 @@ class MosaicDwConfig:
       group) is masked band by band, touching only the bands the group
       boundary cuts or excludes, instead of reading and rewriting whole tiles.
     epilogue_split: with 2 warpgroups, each consumer stages its (block_k / 2,
-      block_n) result through SMEM in this many column chunks (of a multiple
-      of 64 columns), each waiting until the previous chunk's store has read
+      block_n) result through SMEM in this many (1 to 4) column chunks (of a
+      multiple of 64 columns), each waiting until the previous chunk's store has read
       the buffer: a smaller staging buffer, which leaves SMEM for more stages
       with an f32 output.
     pingpong: with the ring across items, the two consumers take alternate
-      items, each accumulating the whole (block_k, block_n) tile, instead of
-      half of every item each: one consumer's epilogue and boundary masking
+      items, each accumulating the whole (block_k, block_n) tile (at most
+      128 x 192 f32 values), instead of half of every item each: one consumer's epilogue and boundary masking
       run while the other's wgmmas keep the tensor cores busy.  (The shared
       kernel measured 52% tensor-busy with L2 at 56% and DRAM at 43% on
       Qwen3-30B gate_up, H200 2026-11-30: latency-bound.)  Each consumer has
@@ -138,10 +138,10 @@ class MosaicDwConfig:
     if self.pingpong:
       if not (self.num_compute_wgs == 2 and self.pipeline_across_items):
         raise ValueError("pingpong needs num_compute_wgs=2 and pipeline_across_items=True")
-      if self.block_k * self.block_n > 128 * 128:
+      if self.block_k * self.block_n > 128 * 192:
         raise ValueError(
             f"pingpong: a ({self.block_k}, {self.block_n}) f32 accumulator per warpgroup"
-            " exceeds its registers (max 128 * 128 elements)")
+            " exceeds its registers (max 128 * 192 elements)")
       if self.num_stages < 2:
         raise ValueError("pingpong needs num_stages >= 2")
     elif self.num_compute_wgs == 2:
@@ -165,10 +165,10 @@ class MosaicDwConfig:
     sm90.check_ctas_per_sm(self.ctas_per_sm, self.num_compute_wgs)
     if self.pipeline_across_items and self.num_compute_wgs != 2:
       raise ValueError("pipeline_across_items needs num_compute_wgs=2")
-    if (self.epilogue_split not in (1, 2, 4) or self.block_n % (64 * self.epilogue_split)
+    if (self.epilogue_split not in (1, 2, 3, 4) or self.block_n % (64 * self.epilogue_split)
         or (self.epilogue_split > 1 and self.num_compute_wgs != 2)):
       raise ValueError(
-          "epilogue_split must be 1, 2 or 4, leave chunks of a multiple of 64 columns and"
+          "epilogue_split must be 1 to 4, leave chunks of a multiple of 64 columns and"
           f" (when > 1) have num_compute_wgs=2, got {self.epilogue_split}"
           f" (block_n={self.block_n}, num_compute_wgs={self.num_compute_wgs})")
 
@@ -258,15 +258,17 @@ def gpu_sweep_configs(
     m: int, k: int, n: int, num_groups: int, dtype=jnp.bfloat16,
     out_dtype=jnp.bfloat16,
 ) -> list[MosaicDwConfig]:
-  """A short list of candidates for a GPU sweep (default first; all fit in SMEM).
+  """A short list of candidates for a GPU sweep (default first; all fit in SMEM;
+  at most 16, the likelier winners first).
 
   The default, the default with the other masking (``banded_mask``), the
   default with its whole staging tile when it splits the epilogue (f32
-  output: 2 stages instead of 3), two ``pingpong`` rings (128 x 128 and 64 x
-  256 tiles), four warp-specialized configs with one ring of stages across
-  items, two with two resident CTAs per SM, four one-warpgroup configs and
-  three warp-specialized ones with a pipeline per item (``num_compute_wgs=2``:
-  256 x 128 or 128 x 256 output tiles, or 128 x 128).  Stages drop until SMEM fits (f32
+  output: 2 stages instead of 3), up to four ``pingpong`` rings (128 x 128,
+  64 x 256, and 128 x 192 / 192 x 128 where those divide k and n), four
+  warp-specialized configs with one ring of stages across items, two with two
+  resident CTAs per SM, four one-warpgroup configs and three warp-specialized
+  ones with a pipeline per item (``num_compute_wgs=2``: 256 x 128 or 128 x 256
+  output tiles, or 128 x 128).  Stages drop until SMEM fits (f32
   outputs need a bigger staging tile); configs that no longer fit, or whose k
   tile is too small for two 64-row halves, are left out.
   """
@@ -285,15 +287,23 @@ def gpu_sweep_configs(
       if whole is not None:
         out.append(whole)
   # The consumers taking alternate items whole (128 x 128 or 64 x 256 tiles).
+  pingpongs = []
   for bk, bn, stages in ((128, 128, 6), (64, 256, 4)):
     bk, bn = min(bk, _fit(256, k)), min(bn, _fit(256, n))
     if bn % 128 == 0 and bk * bn <= 128 * 128:
-      config = fit_config(MosaicDwConfig(
-          block_m=64, block_k=bk, block_n=bn, num_stages=stages, num_compute_wgs=2,
-          pipeline_across_items=True, banded_mask=True, pingpong=True, epilogue_split=2),
-          dtype, out_dtype)
-      if config is not None and config not in out:
-        out.append(config)
+      pingpongs.append((bk, bn, stages, 2))
+  # 128 x 192 / 192 x 128 tiles (where they divide k and n): 19% fewer L2 ->
+  # SMEM bytes per FLOP than 128 x 128, in 4 stages of 40 KiB.
+  for bk, bn in ((128, 192), (192, 128)):
+    if k % bk == 0 and n % bn == 0:
+      pingpongs.append((bk, bn, 4, bn // 64))
+  for bk, bn, stages, split in pingpongs:
+    config = fit_config(MosaicDwConfig(
+        block_m=64, block_k=bk, block_n=bn, num_stages=stages, num_compute_wgs=2,
+        pipeline_across_items=True, banded_mask=True, pingpong=True, epilogue_split=split),
+        dtype, out_dtype)
+    if config is not None and config not in out:
+      out.append(config)
   # (bm, bk, bn, stages, tile width, warpgroups, CTAs per SM, ring)
   for bm, bk, bn, stages, width, wgs, ctas, flat in (
       # One ring of stages through all of a CTA's items (first: the likely
@@ -325,7 +335,7 @@ def gpu_sweep_configs(
     config = fit_config(config, dtype, out_dtype)
     if config is not None and config not in out:
       out.append(config)
-  return out
+  return out[:16]
 
 
 def _swizzled(minor: int, dtype) -> tuple:
@@ -443,6 +453,11 @@ def _mask_bands(tiles, wg, num_wgs: int, row0, start, end) -> None:
   whole tiles.
   """
   i = 0
+  # A 192-column tile is masked as three 64-column slices: its own bands would
+  # be 32 x 192 (48 values per thread, beside a pingpong consumer's 192
+  # accumulator registers).
+  tiles = [t.at[:, pl.ds(c, 64)] if t.shape[1] == 192 else t
+           for t in tiles for c in (range(0, 192, 64) if t.shape[1] == 192 else (0,))]
   for tile in tiles:
     rows, cols = tile.shape
     band = min(_band_rows(cols), rows)
