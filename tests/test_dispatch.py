@@ -146,17 +146,24 @@ def test_backend_call_maps_user_ops():
 
 
 def test_f32_weight_gradient_keeps_three_stages_with_a_split_epilogue():
-  # The table's dW configs are measured with bf16 output; an f32 gradient's
-  # staging tile does not fit beside 3 stages, so the epilogue is split
+  # The table's dW configs are measured with bf16 output.  Qwen3-30B down's
+  # (the 128 x 128 pingpong ring, 6 stages) does not fit an f32 staging tile
+  # without losing stages, so the f32 default (shared ring) runs instead: its
+  # staging tile does not fit beside 3 stages either, so its epilogue is split
   # (measured faster than dropping to 2 stages, H200 2026-11-30).
-  bf16 = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, device=H200, **GATE_UP)
+  down = dict(GATE_UP, k=768, n=2048)
+  bf16 = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, device=H200, **down)
   f32 = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, out_dtype=jnp.float32, device=H200,
-                        **GATE_UP)
+                        **down)
   assert f32.implementation == "mosaic"
   cfg = f32.config if f32.config is not None else mosaic_dw.default_config(
-      GATE_UP["m"], GATE_UP["k"], GATE_UP["n"], GATE_UP["g"], jnp.bfloat16, jnp.float32)
+      down["m"], down["k"], down["n"], down["g"], jnp.bfloat16, jnp.float32)
   assert cfg.num_compute_wgs == 2 and cfg.epilogue_split == 2 and cfg.num_stages == 3
-  # The table's bf16 config (the pingpong ring) does not fit an f32 staging
-  # tile without losing stages: the f32 default (shared ring) runs instead.
   assert bf16.config is not None and bf16.config.pingpong and not cfg.pingpong
   assert "default used" in f32.reason
+  # Qwen3-30B gate_up's 128 x 192 ring (4 stages of 40 KiB) keeps its config
+  # with f32 staging (2 x 128 x 64 x 4 bytes).
+  f32 = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, out_dtype=jnp.float32, device=H200,
+                        **GATE_UP)
+  assert f32.config is not None and f32.config.pingpong and f32.config.block_n == 192
+  assert f32.config.num_stages == 4

@@ -180,6 +180,35 @@ def test_pingpong_192_wide_tiles(block_k, block_n, k, n, split):
   check(out, ref, jnp.bfloat16)
 
 
+@pytest.mark.parametrize(
+    "fields,k,n",
+    [(dict(block_k=128, block_n=192, pingpong=True, epilogue_split=3), 256, 384),
+     (dict(block_k=192, block_n=128, pingpong=True, epilogue_split=1), 192, 256),
+     (dict(block_k=256, block_n=128, epilogue_split=2), 256, 256),  # shared: 128-row halves
+     (dict(block_k=128, block_n=128, pingpong=True, epilogue_split=2), 192, 192)],  # k, n tails
+    ids=["pingpong_128x192", "pingpong_192x128", "shared_256x128", "pingpong_tails"])
+def test_epilogue_in_64_row_chunks(fields, k, n):
+  cfg = MosaicDwConfig(block_m=64, num_stages=3, num_sms=3, num_compute_wgs=2,
+                       pipeline_across_items=True, banded_mask=True, epilogue_rows=64, **fields)
+  assert cfg.epilogue_m == 64
+  out, ref = run(296, k, n, [17, 0, 160, 10, 90, 3], config=cfg, out_dtype=jnp.bfloat16,
+                 seed=12)
+  check(out, ref, jnp.bfloat16)
+
+
+def test_epilogue_rows_shrink_the_staging_to_fit_a_fifth_stage():
+  four = MosaicDwConfig(block_m=64, block_k=128, block_n=192, num_stages=4, num_compute_wgs=2,
+                        pipeline_across_items=True, banded_mask=True, pingpong=True,
+                        epilogue_split=3)
+  five = dataclasses.replace(four, num_stages=5)
+  five_rows = dataclasses.replace(five, epilogue_rows=64)
+  size = lambda c: mosaic_dw.smem_bytes(c, jnp.bfloat16, jnp.bfloat16)
+  assert size(four) == 4 * 40 * 1024 + 2 * 128 * 64 * 2
+  assert size(five) > five.smem_budget() >= size(five_rows) == 5 * 40 * 1024 + 2 * 64 * 64 * 2
+  sweep = mosaic_dw.gpu_sweep_configs(32768, 2048, 1536, 128)
+  assert four in sweep and five_rows in sweep
+
+
 @pytest.mark.parametrize("flat", [False, True], ids=["per_item", "flat"])
 def test_two_warpgroups_big_tiles_partial_k(flat):
   # 256-row output tile (128 rows per consumer), 128-row steps, k = 192: the
@@ -369,7 +398,12 @@ def test_config_validation():
               dict(pingpong=True),  # one warpgroup
               dict(num_compute_wgs=2, pingpong=True),  # no ring across items
               # a 128 x 256 f32 accumulator per consumer
-              dict(num_compute_wgs=2, pipeline_across_items=True, pingpong=True, block_n=256)):
+              dict(num_compute_wgs=2, pipeline_across_items=True, pingpong=True, block_n=256),
+              dict(epilogue_rows=64),  # one warpgroup
+              dict(num_compute_wgs=2, epilogue_rows=32),
+              dict(num_compute_wgs=2, epilogue_rows=128),  # consumers hold 64 rows each
+              dict(num_compute_wgs=2, pipeline_across_items=True, pingpong=True,
+                   block_k=192, epilogue_rows=128)):
     with pytest.raises(ValueError):
       MosaicDwConfig(**bad)
   too_big = MosaicDwConfig(block_m=256, block_k=128, block_n=256, num_stages=4)
@@ -465,7 +499,7 @@ def test_f32_default_splits_its_epilogue_and_the_sweep_offers_the_whole_tile():
   # The pingpong candidates: all three tiles for bf16; for f32 the 6-stage
   # 128 x 128 ring does not fit and is left out rather than cut.
   assert {(c.block_k, c.block_n, c.num_stages) for c in bf16 if c.pingpong} == {
-      (128, 128, 6), (64, 256, 4), (128, 192, 4)}  # 192 x 128: k % 192 != 0
+      (128, 128, 6), (64, 256, 4), (128, 192, 4), (128, 192, 5)}  # 192 x 128: k % 192 != 0
   # (128 x 192 in 4 stages of 40 KiB: 160 + 64 KiB of f32 staging fit.)
   assert {(c.block_k, c.block_n) for c in sweep if c.pingpong} == {(64, 256), (128, 192)}
 

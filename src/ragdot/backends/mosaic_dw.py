@@ -95,6 +95,12 @@ class MosaicDwConfig:
       multiple of 64 columns), each waiting until the previous chunk's store has read
       the buffer: a smaller staging buffer, which leaves SMEM for more stages
       with an f32 output.
+    epilogue_rows: with 2 warpgroups, rows per epilogue chunk (a multiple of
+      64 dividing the consumer's accumulator rows; None: all of them): the
+      staging buffer shrinks to epilogue_rows x epilogue_n, and the chunks
+      leave one after another, each waiting until the previous one's store
+      has read the buffer (e.g. a 128 x 192 pingpong ring in 64 x 64 chunks
+      has room for a fifth stage).
     pingpong: with the ring across items, the two consumers take alternate
       items, each accumulating the whole (block_k, block_n) tile (at most
       128 x 192 f32 values), instead of half of every item each: one consumer's epilogue and boundary masking
@@ -118,6 +124,7 @@ class MosaicDwConfig:
   pipeline_across_items: bool = False
   banded_mask: bool = False
   epilogue_split: int = 1
+  epilogue_rows: int | None = None
   pingpong: bool = False
   schedule_kernel: bool = True
 
@@ -172,10 +179,27 @@ class MosaicDwConfig:
           f" (when > 1) have num_compute_wgs=2, got {self.epilogue_split}"
           f" (block_n={self.block_n}, num_compute_wgs={self.num_compute_wgs})")
 
+    if self.epilogue_rows is not None and (
+        self.num_compute_wgs != 2 or self.epilogue_rows <= 0 or self.epilogue_rows % 64
+        or self.consumer_rows % self.epilogue_rows):
+      raise ValueError(
+          "epilogue_rows needs num_compute_wgs=2 and a multiple of 64 dividing the"
+          f" consumer's {self.consumer_rows} accumulator rows, got {self.epilogue_rows}")
+
   @property
   def epilogue_n(self) -> int:
     """Columns of one epilogue chunk (the staging buffer's width)."""
     return self.block_n // self.epilogue_split
+
+  @property
+  def consumer_rows(self) -> int:
+    """Output rows one compute warpgroup accumulates per item."""
+    return self.block_k // 2 if self.num_compute_wgs == 2 and not self.pingpong else self.block_k
+
+  @property
+  def epilogue_m(self) -> int:
+    """Rows of one epilogue chunk (the staging buffer's height)."""
+    return self.epilogue_rows or self.consumer_rows
 
   def smem_budget(self) -> int:
     """SMEM this config may use (per CTA, with ``ctas_per_sm`` CTAs on an SM)."""
@@ -188,8 +212,8 @@ def smem_bytes(config: MosaicDwConfig, dtype, out_dtype) -> int:
   tile, or with ``pingpong`` of the whole tile)."""
   itemsize = jnp.dtype(dtype).itemsize
   per_stage = config.block_m * (config.block_k + config.block_n) * itemsize
-  out_tile = config.block_k * config.epilogue_n * jnp.dtype(out_dtype).itemsize
-  return config.num_stages * per_stage + out_tile * (2 if config.pingpong else 1)
+  staging = config.epilogue_m * config.epilogue_n * jnp.dtype(out_dtype).itemsize
+  return config.num_stages * per_stage + staging * config.num_compute_wgs
 
 
 def _fit(block: int, dim: int) -> int:
@@ -291,17 +315,18 @@ def gpu_sweep_configs(
   for bk, bn, stages in ((128, 128, 6), (64, 256, 4)):
     bk, bn = min(bk, _fit(256, k)), min(bn, _fit(256, n))
     if bn % 128 == 0 and bk * bn <= 128 * 128:
-      pingpongs.append((bk, bn, stages, 2))
+      pingpongs.append((bk, bn, stages, 2, None))
   # 128 x 192 / 192 x 128 tiles (where they divide k and n): 19% fewer L2 ->
-  # SMEM bytes per FLOP than 128 x 128, in 4 stages of 40 KiB.
+  # SMEM bytes per FLOP than 128 x 128, in 4 stages of 40 KiB, or 5 with the
+  # epilogue in 64 x 64 chunks.
   for bk, bn in ((128, 192), (192, 128)):
     if k % bk == 0 and n % bn == 0:
-      pingpongs.append((bk, bn, 4, bn // 64))
-  for bk, bn, stages, split in pingpongs:
+      pingpongs += [(bk, bn, 4, bn // 64, None), (bk, bn, 5, bn // 64, 64)]
+  for bk, bn, stages, split, rows in pingpongs:
     config = fit_config(MosaicDwConfig(
         block_m=64, block_k=bk, block_n=bn, num_stages=stages, num_compute_wgs=2,
-        pipeline_across_items=True, banded_mask=True, pingpong=True, epilogue_split=split),
-        dtype, out_dtype)
+        pipeline_across_items=True, banded_mask=True, pingpong=True, epilogue_split=split,
+        epilogue_rows=rows), dtype, out_dtype)
     if config is not None and config not in out:
       out.append(config)
   # (bm, bk, bn, stages, tile width, warpgroups, CTAs per SM, ring)
@@ -486,13 +511,15 @@ def _mask_bands(tiles, wg, num_wgs: int, row0, start, end) -> None:
 def _store_consumer_half(acc, my_smem, out_gmem, j, row, col) -> None:
   """A consumer's epilogue: its f32 accumulator through its own SMEM buffer to
   output tile j at (row, col)."""
-  # This consumer's previous store must be done reading its buffer.
-  cn = my_smem.shape[1]
-  for c in range(acc.shape[1] // cn):  # epilogue_split chunks
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    my_smem[...] = sm90.column_chunk(acc, c, cn).astype(my_smem.dtype)
-    plgpu.commit_smem()
-    _store_half(my_smem, out_gmem, j, row, col + c * cn)
+  rm, cn = my_smem.shape
+  for r in range(0, acc.shape[0], rm):  # epilogue_rows chunks
+    rows = acc if rm == acc.shape[0] else acc[r:r + rm]
+    for c in range(acc.shape[1] // cn):  # epilogue_split chunks
+      # This consumer's previous store must be done reading its buffer.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      my_smem[...] = sm90.column_chunk(rows, c, cn).astype(my_smem.dtype)
+      plgpu.commit_smem()
+      _store_half(my_smem, out_gmem, j, row + r, col + c * cn)
 
 
 def _store_half(src_smem, out_gmem, j, row, col) -> None:
@@ -556,7 +583,8 @@ def _body_2wg(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gm
   @functools.partial(
       pl.run_scoped,
       allocs=allocs,
-      o_smem=plgpu.SMEM((2, hk, config.epilogue_n), out_dtype, transforms=out_transforms),
+      o_smem=plgpu.SMEM((2, config.epilogue_m, config.epilogue_n), out_dtype,
+                        transforms=out_transforms),
       mask_barrier=plgpu.Barrier(num_arrivals=2),
       done_barrier=plgpu.Barrier(num_arrivals=2),
       collective_axes="wg",
@@ -650,7 +678,8 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
       # Two TMA arrivals (lhs, rhs) per step; pingpong: one set per consumer.
       produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages * (2 if pingpong else 1)),
       consumed=plgpu.Barrier(num_arrivals=1 if pingpong else 2, num_barriers=stages),
-      o_smem=plgpu.SMEM((2, hk, config.epilogue_n), out_dtype, transforms=out_transforms),
+      o_smem=plgpu.SMEM((2, config.epilogue_m, config.epilogue_n), out_dtype,
+                        transforms=out_transforms),
       mask_barrier=plgpu.Barrier(num_arrivals=2),
       collective_axes="wg",
   )
