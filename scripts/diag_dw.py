@@ -1,9 +1,11 @@
 """Where does the dW kernel's time go? (GPU machine; a diagnostic, not a bench)
 
-  python3 scripts/diag_dw.py OUT_DIR [--set FIELD=VALUE ...] [--cases ABC] [--rounds 3]
+  python3 scripts/diag_dw.py OUT_DIR [--base FIELD=VALUE ...] [--set FIELD=VALUE ...]
+                             [--cases ABC] [--rounds 3]
 
-For each training shape times the default Mosaic dW kernel (CUPTI, interleaved
-rounds) on
+For each training shape times the default Mosaic dW kernel (with ``--base``:
+the default with those fields replaced, e.g. a pingpong ring; CUPTI,
+interleaved rounds) on
   A  routed group sizes (the bench's),
   B  the same inputs with the boundary-block row masking traced out (wrong
      results: it only shows what the masking costs),
@@ -65,6 +67,8 @@ def main() -> None:
   p.add_argument("--cases", default="ABC", help="which of A, B, C, E to run (A always runs)")
   p.add_argument("--set", nargs="+", default=[], metavar="FIELD=VALUE",
                  help="MosaicDwConfig fields of case D (Python literals)")
+  p.add_argument("--base", nargs="+", default=[], metavar="FIELD=VALUE",
+                 help="MosaicDwConfig fields replaced in the config of every case")
   p.add_argument("--out-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                  help="dW's dtype (float32 gets the default's 2-stage f32 config)")
   args = p.parse_args()
@@ -80,6 +84,7 @@ def main() -> None:
     dy = jax.random.normal(ky, (s.m, s.n), jnp.bfloat16)
 
     default = mosaic_dw.default_config(s.m, s.k, s.n, s.g, jnp.bfloat16, out_dtype)
+    default = dataclasses.replace(default, **parse_fields(args.base))
     # B patches the two-warpgroup bodies' masking; the one-warpgroup body masks inline.
     assert default.num_compute_wgs == 2, default
 
@@ -97,12 +102,14 @@ def main() -> None:
     cases = [("A", fa, gs)]
     if "B" in args.cases:
       fb = make()
-      real_mask = mosaic_dw._consumers_mask
-      mosaic_dw._consumers_mask = lambda *a, **k: None  # traced out of B only
+      # Traced out of B only: the shared ring's masking (with its barrier) and
+      # a pingpong consumer's masking of its own stage.
+      real = mosaic_dw._consumers_mask, mosaic_dw._mask_stage
+      mosaic_dw._consumers_mask = mosaic_dw._mask_stage = lambda *a, **k: None
       try:
         compile_("B", fb)
       finally:
-        mosaic_dw._consumers_mask = real_mask
+        mosaic_dw._consumers_mask, mosaic_dw._mask_stage = real
       cases.append(("B", fb, gs))
     if "C" in args.cases:
       fc = make()
@@ -144,7 +151,8 @@ def main() -> None:
           f"  blocks {row['blocks_routed']} -> {row['blocks_aligned']}{line}", flush=True)
   name = "diag_dw.json" if out_dtype == jnp.bfloat16 else f"diag_dw_{out_dtype.name}.json"
   with open(os.path.join(args.out_dir, name), "w") as f:
-    json.dump(dict(device=jax.devices()[0].device_kind, set=changes, out_dtype=out_dtype.name,
+    json.dump(dict(device=jax.devices()[0].device_kind, set=changes,
+                   base=parse_fields(args.base), out_dtype=out_dtype.name,
                    rows=rows), f, indent=1)
 
 
