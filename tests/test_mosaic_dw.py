@@ -209,6 +209,25 @@ def test_epilogue_rows_shrink_the_staging_to_fit_a_fifth_stage():
   assert four in sweep and five_rows in sweep
 
 
+@pytest.mark.parametrize(
+    "block_k,block_n,k,n,sizes",
+    [(128, 128, 256, 256, [17, 0, 160, 10, 90, 3]),
+     (128, 192, 128, 384, [64, 0, 7, 100, 1, 120]),  # 64 aligned rows: no masking
+     (128, 128, 192, 192, [0, 0, 0])],  # all empty: the masker has no steps
+    ids=["128x128", "128x192", "all_empty"])
+def test_mask_warpgroup(block_k, block_n, k, n, sizes):
+  # A fourth warpgroup masks the boundary stages and hands every step to its
+  # owner; with race detection (also checks the barrier phases).
+  cfg = MosaicDwConfig(block_m=64, block_k=block_k, block_n=block_n, num_stages=3, num_sms=2,
+                       num_compute_wgs=2, pipeline_across_items=True, banded_mask=True,
+                       pingpong=True, epilogue_split=block_n // 64, mask_warpgroup=True)
+  params = plgpu.InterpretGPUParams(detect_races=True)
+  out, ref = run(296, k, n, sizes, config=cfg, interpret=params, out_dtype=jnp.bfloat16,
+                 seed=13)
+  check(out, ref, jnp.bfloat16)
+  assert not interpret_pallas_call.get_races().races_found
+
+
 @pytest.mark.parametrize("flat", [False, True], ids=["per_item", "flat"])
 def test_two_warpgroups_big_tiles_partial_k(flat):
   # 256-row output tile (128 rows per consumer), 128-row steps, k = 192: the
@@ -377,10 +396,15 @@ def test_register_split_fits_the_launch_allocation():
   # setmaxnreg cannot grow a CTA's registers past its launch allocation (168 per
   # thread for 3 warpgroups); asking for more hangs the increasing warpgroups
   # (seen on the H200 with 48 + 2 x 232).  Interpret mode does not model it.
-  producer, consumer = mosaic_dw.register_split()
-  assert producer % 8 == 0 and consumer % 8 == 0
+  producer, consumer, masker = mosaic_dw.register_split()
+  assert producer % 8 == 0 and consumer % 8 == 0 and masker == 0
   assert producer + 2 * consumer <= 3 * 168
   assert consumer >= 224  # the 64 x 256 f32 accumulator needs 128 of them
+  # With the masking warpgroup: 4 x 128 per thread at launch.
+  producer, consumer, masker = mosaic_dw.register_split(mask_warpgroup=True)
+  assert producer % 8 == 0 and consumer % 8 == 0 and masker % 8 == 0
+  assert producer + 2 * consumer + masker <= 4 * 128
+  assert consumer >= 192  # a 128 x 128 accumulator (128) and its addressing
 
 
 def test_config_validation():
@@ -403,7 +427,8 @@ def test_config_validation():
               dict(num_compute_wgs=2, epilogue_rows=32),
               dict(num_compute_wgs=2, epilogue_rows=128),  # consumers hold 64 rows each
               dict(num_compute_wgs=2, pipeline_across_items=True, pingpong=True,
-                   block_k=192, epilogue_rows=128)):
+                   block_k=192, epilogue_rows=128),
+              dict(num_compute_wgs=2, pipeline_across_items=True, mask_warpgroup=True)):
     with pytest.raises(ValueError):
       MosaicDwConfig(**bad)
   too_big = MosaicDwConfig(block_m=256, block_k=128, block_n=256, num_stages=4)
@@ -450,6 +475,9 @@ def test_lowers_for_sm90(out_dtype, shape):
              MosaicDwConfig(block_m=64, block_k=64, block_n=256, num_stages=4, num_compute_wgs=2,
                             pipeline_across_items=True, pingpong=True, banded_mask=True,
                             epilogue_split=2)]
+  if out_dtype == jnp.bfloat16:  # 6 stages leave no room for f32 staging
+    configs.append(dataclasses.replace(PINGPONG, num_sms=None, num_stages=6,
+                                       epilogue_split=2, mask_warpgroup=True))
   configs += mosaic_dw.gpu_sweep_configs(m, k, n, g, out_dtype=out_dtype)
   assert any(c.num_compute_wgs == 2 for c in configs)
   for cfg in configs:

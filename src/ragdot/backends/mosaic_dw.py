@@ -53,13 +53,20 @@ _PRODUCER_REGISTERS = 40  # per thread of the TMA warpgroup (warp-specialized bo
 # so the three warpgroups' counts may sum to at most 3 * 168.  (Asking for
 # more makes the increasing warpgroups wait forever: a hang, not an error.)
 _REGISTERS_3WG = 3 * (65536 // 384 // 8 * 8)
+# With a fourth (masking) warpgroup: 128 per thread at launch.
+_REGISTERS_4WG = 4 * (65536 // 512 // 8 * 8)
+_MASKER_REGISTERS = 64  # one band of a stage tile and its row indices
 
 
-def register_split() -> tuple[int, int]:
-  """(producer, consumer) registers per thread of the ring body's warpgroups."""
+def register_split(mask_warpgroup: bool = False) -> tuple[int, int, int]:
+  """(producer, consumer, masker) registers per thread of the ring body's
+  warpgroups (masker 0 without the masking warpgroup)."""
   producer = _PRODUCER_REGISTERS
-  consumer = min(256, (_REGISTERS_3WG - producer) // 2) // 8 * 8
-  return producer, consumer
+  if mask_warpgroup:
+    masker = _MASKER_REGISTERS
+    consumer = min(256, (_REGISTERS_4WG - producer - masker) // 2) // 8 * 8
+    return producer, consumer, masker
+  return producer, min(256, (_REGISTERS_3WG - producer) // 2) // 8 * 8, 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +115,12 @@ class MosaicDwConfig:
       kernel measured 52% tensor-busy with L2 at 56% and DRAM at 43% on
       Qwen3-30B gate_up, H200 2026-11-30: latency-bound.)  Each consumer has
       its own staging buffer.
+    mask_warpgroup: with ``pingpong``, a fourth warpgroup masks the boundary
+      row blocks (in SMEM, as soon as their loads land) and then hands each
+      step to its consumer, so a consumer's wgmmas never wait behind its own
+      masking (which took 13-15% of the 128 x 192 ring's time on the Qwen
+      shapes, H200 2026-11-30).  The consumers get fewer registers (4
+      warpgroups share the CTA's allocation): 200 each.
     schedule_kernel: build the groups' row blocks with one Pallas-Triton
       kernel (``triton_schedule.build_bounds``) where it applies, instead of
       several small XLA kernels; the same values either way.
@@ -126,6 +139,7 @@ class MosaicDwConfig:
   epilogue_split: int = 1
   epilogue_rows: int | None = None
   pingpong: bool = False
+  mask_warpgroup: bool = False
   schedule_kernel: bool = True
 
   def __post_init__(self):
@@ -179,6 +193,8 @@ class MosaicDwConfig:
           f" (when > 1) have num_compute_wgs=2, got {self.epilogue_split}"
           f" (block_n={self.block_n}, num_compute_wgs={self.num_compute_wgs})")
 
+    if self.mask_warpgroup and not self.pingpong:
+      raise ValueError("mask_warpgroup needs pingpong")
     if self.epilogue_rows is not None and (
         self.num_compute_wgs != 2 or self.epilogue_rows <= 0 or self.epilogue_rows % 64
         or self.consumer_rows % self.epilogue_rows):
@@ -654,12 +670,18 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
   waits only for its own steps, once each, and can start its next item while
   the other still works on its own.  A slot is reloaded only after its
   previous use was released, so no barrier runs a phase ahead of its waiter.
+
+  ``mask_warpgroup`` (pingpong only): warpgroup 3 waits for every step's
+  ``produced`` barrier, masks the boundary blocks' stages, and arrives on the
+  owner's ``masked`` barrier, which the consumers wait for instead of
+  ``produced``: each barrier still has exactly one waiter per phase.
   """
   bm, bk, bn = config.block_m, config.block_k, config.block_n
   pingpong = config.pingpong
+  masker = config.mask_warpgroup
   hk = bk if pingpong else bk // 2  # rows of a consumer's accumulator
   stages = config.num_stages
-  regs_producer, regs_consumer = register_split()
+  regs_producer, regs_consumer, regs_masker = register_split(masker)
 
   def items(body, init):
     """Runs ``body(item, carry) -> carry`` over this CTA's items in order; the
@@ -678,13 +700,43 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
       # Two TMA arrivals (lhs, rhs) per step; pingpong: one set per consumer.
       produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages * (2 if pingpong else 1)),
       consumed=plgpu.Barrier(num_arrivals=1 if pingpong else 2, num_barriers=stages),
+      # mask_warpgroup: the masker -> the owner of a step (one set per consumer).
+      masked=plgpu.Barrier(num_arrivals=1, num_barriers=2 * stages if masker else 1),
       o_smem=plgpu.SMEM((2, config.epilogue_m, config.epilogue_n), out_dtype,
                         transforms=out_transforms),
       mask_barrier=plgpu.Barrier(num_arrivals=2),
       collective_axes="wg",
   )
-  def _scope(lhs_smem, rhs_smem, produced, consumed, o_smem, mask_barrier):
+  def _scope(lhs_smem, rhs_smem, produced, consumed, masked, o_smem, mask_barrier):
     wg = lax.axis_index("wg")
+
+    if masker:
+      @pl.when(wg == 3)
+      def _masker():
+        plgpu.set_max_registers(regs_masker, action="decrease")
+
+        def item(it, carry):
+          step0, q = carry
+          _, _, _, start, end, first, nblocks = it
+          owner = lax.rem(q, 2) * stages
+
+          def one(i, step):
+            slot = lax.rem(step, stages)
+            plgpu.barrier_wait(produced.at[owner + slot])
+            row0 = first + i * bm
+
+            @pl.when(_straddles(row0, bm, start, end))
+            def _():
+              _mask_stage((lhs_smem.at[slot], rhs_smem.at[slot]), 0, 1, row0, start, end,
+                          config.banded_mask)
+              plgpu.commit_smem()  # visible to the consumer's wgmma (async proxy)
+
+            plgpu.barrier_arrive(masked.at[owner + slot])
+            return step + 1
+
+          return lax.fori_loop(0, nblocks, one, step0), q + 1
+
+        items(item, (jnp.int32(0), jnp.int32(0)))
 
     @pl.when(wg == 2)
     def _producer():
@@ -739,10 +791,12 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
           def mma(i, step):
             slot = lax.rem(step, stages)
             lhs_t, rhs_t = lhs_smem.at[slot], rhs_smem.at[slot]
-            plgpu.barrier_wait(produced.at[(wg * stages if pingpong else 0) + slot])
+            ready = masked if masker else produced
+            plgpu.barrier_wait(ready.at[(wg * stages if pingpong else 0) + slot])
             row0 = first + i * bm
-            pl.when(_straddles(row0, bm, start, end))(
-                functools.partial(mask, lhs_t, rhs_t, row0))
+            if not masker:
+              pl.when(_straddles(row0, bm, start, end))(
+                  functools.partial(mask, lhs_t, rhs_t, row0))
 
             lhs_rows = lhs_t if pingpong else lhs_t.at[:, pl.ds(wg * hk, hk)]
             plgpu.wgmma(acc_ref, lhs_rows.T, rhs_t)
@@ -888,7 +942,7 @@ def tgmm(
         in_transforms_rhs=in_transforms_rhs, out_transforms=out_transforms,
     )
     scratch_types = []
-    extra = dict(num_threads=3, thread_name="wg")
+    extra = dict(num_threads=4 if config.mask_warpgroup else 3, thread_name="wg")
   else:
     scratch_types = [plgpu.SMEM((bk, bn), out_dtype, transforms=out_transforms)]
     extra = {}
