@@ -118,9 +118,11 @@ class MosaicDwConfig:
     mask_warpgroup: with ``pingpong``, a fourth warpgroup masks the boundary
       row blocks (in SMEM, as soon as their loads land) and then hands each
       step to its consumer, so a consumer's wgmmas never wait behind its own
-      masking (which took 13-15% of the 128 x 192 ring's time on the Qwen
-      shapes, H200 2026-11-30).  The consumers get fewer registers (4
-      warpgroups share the CTA's allocation): 200 each.
+      masking (traced out, the masking took 13-15% of the 128 x 192 ring's
+      time on the Qwen shapes).  The consumers get fewer registers (4
+      warpgroups share the CTA's allocation): 200 each.  Measured on the
+      H200 (2026-11-30): 0.96-0.97x the time of the 128 x 128 ring on the
+      Qwen shapes, 0.90x on Mixtral; with 128 x 192 tiles 3.7-4.9x (spills).
     schedule_kernel: build the groups' row blocks with one Pallas-Triton
       kernel (``triton_schedule.build_bounds``) where it applies, instead of
       several small XLA kernels; the same values either way.
@@ -345,6 +347,11 @@ def gpu_sweep_configs(
         epilogue_rows=rows), dtype, out_dtype)
     if config is not None and config not in out:
       out.append(config)
+      # A masking warpgroup beside 128 x 128 accumulators (0.96-0.97x the time
+      # on the Qwen shapes, H200 2026-11-30; with 192 accumulator columns the
+      # consumers' 200 registers spill: 3.7-4.9x).
+      if bk * bn <= 128 * 128:
+        out.append(dataclasses.replace(config, mask_warpgroup=True))
   # (bm, bk, bn, stages, tile width, warpgroups, CTAs per SM, ring)
   for bm, bk, bn, stages, width, wgs, ctas, flat in (
       # One ring of stages through all of a CTA's items (first: the likely
