@@ -84,7 +84,11 @@ def main() -> None:
     dy = jax.random.normal(ky, (s.m, s.n), jnp.bfloat16)
 
     default = mosaic_dw.default_config(s.m, s.k, s.n, s.g, jnp.bfloat16, out_dtype)
-    default = dataclasses.replace(default, **parse_fields(args.base))
+    if args.base:
+      default = mosaic_dw.fit_config(
+          dataclasses.replace(default, **parse_fields(args.base)), jnp.bfloat16, out_dtype)
+      if default is None:
+        raise SystemExit(f"--base {' '.join(args.base)} does not fit SMEM for {out_dtype}")
     # B patches the two-warpgroup bodies' masking; the one-warpgroup body masks inline.
     assert default.num_compute_wgs == 2, default
 

@@ -181,19 +181,29 @@ def test_pingpong_192_wide_tiles(block_k, block_n, k, n, split):
 
 
 @pytest.mark.parametrize(
-    "fields,k,n",
-    [(dict(block_k=128, block_n=192, pingpong=True, epilogue_split=3), 256, 384),
-     (dict(block_k=192, block_n=128, pingpong=True, epilogue_split=1), 192, 256),
-     (dict(block_k=256, block_n=128, epilogue_split=2), 256, 256),  # shared: 128-row halves
-     (dict(block_k=128, block_n=128, pingpong=True, epilogue_split=2), 192, 192)],  # k, n tails
-    ids=["pingpong_128x192", "pingpong_192x128", "shared_256x128", "pingpong_tails"])
-def test_epilogue_in_64_row_chunks(fields, k, n):
+    "fields,k,n,out_dtype",
+    [(dict(block_k=128, block_n=192, pingpong=True, epilogue_split=3), 256, 384, jnp.bfloat16),
+     (dict(block_k=192, block_n=128, pingpong=True, epilogue_split=1), 192, 256, jnp.bfloat16),
+     # shared ring: 128-row halves in two chunks each
+     (dict(block_k=256, block_n=128, epilogue_split=2), 256, 256, jnp.bfloat16),
+     # k, n tails; f32 staging
+     (dict(block_k=128, block_n=128, pingpong=True, epilogue_split=2), 192, 192, jnp.float32),
+     # a pipeline per item (_body_2wg)
+     (dict(block_k=256, block_n=128, pipeline_across_items=False), 256, 128, jnp.bfloat16)],
+    ids=["pingpong_128x192", "pingpong_192x128", "shared_256x128", "pingpong_tails_f32",
+         "per_item_256x128"])
+def test_epilogue_in_64_row_chunks(fields, k, n, out_dtype):
+  fields = dict(dict(pipeline_across_items=True), **fields)
   cfg = MosaicDwConfig(block_m=64, num_stages=3, num_sms=3, num_compute_wgs=2,
-                       pipeline_across_items=True, banded_mask=True, epilogue_rows=64, **fields)
-  assert cfg.epilogue_m == 64
-  out, ref = run(296, k, n, [17, 0, 160, 10, 90, 3], config=cfg, out_dtype=jnp.bfloat16,
+                       banded_mask=True, epilogue_rows=64, **fields)
+  whole = dataclasses.replace(cfg, epilogue_rows=None)
+  size = lambda c: mosaic_dw.smem_bytes(c, jnp.bfloat16, out_dtype)
+  # The staging shrinks to 64 rows per consumer.
+  assert size(whole) - size(cfg) == 2 * (whole.epilogue_m - 64) * cfg.epilogue_n * (
+      jnp.dtype(out_dtype).itemsize)
+  out, ref = run(296, k, n, [17, 0, 160, 10, 90, 3], config=cfg, out_dtype=out_dtype,
                  seed=12)
-  check(out, ref, jnp.bfloat16)
+  check(out, ref, out_dtype)
 
 
 def test_epilogue_rows_shrink_the_staging_to_fit_a_fifth_stage():
@@ -210,17 +220,19 @@ def test_epilogue_rows_shrink_the_staging_to_fit_a_fifth_stage():
 
 
 @pytest.mark.parametrize(
-    "block_k,block_n,k,n,sizes",
-    [(128, 128, 256, 256, [17, 0, 160, 10, 90, 3]),
-     (128, 192, 128, 384, [64, 0, 7, 100, 1, 120]),  # 64 aligned rows: no masking
-     (128, 128, 192, 192, [0, 0, 0])],  # all empty: the masker has no steps
-    ids=["128x128", "128x192", "all_empty"])
-def test_mask_warpgroup(block_k, block_n, k, n, sizes):
+    "block_m,block_k,block_n,stages,k,n,sizes",
+    [(64, 128, 128, 3, 256, 256, [17, 0, 160, 10, 90, 3]),
+     (64, 64, 256, 2, 128, 256, [64, 0, 7, 100, 1, 120]),  # the first group needs no masking
+     (128, 128, 128, 2, 128, 128, [17, 0, 160, 10, 90, 3]),  # 128-row steps
+     (64, 128, 128, 3, 192, 192, [0, 0, 0])],  # all empty: the masker has no steps
+    ids=["128x128", "64x256_2_stages", "bm128", "all_empty"])
+def test_mask_warpgroup(block_m, block_k, block_n, stages, k, n, sizes):
   # A fourth warpgroup masks the boundary stages and hands every step to its
   # owner; with race detection (also checks the barrier phases).
-  cfg = MosaicDwConfig(block_m=64, block_k=block_k, block_n=block_n, num_stages=3, num_sms=2,
-                       num_compute_wgs=2, pipeline_across_items=True, banded_mask=True,
-                       pingpong=True, epilogue_split=block_n // 64, mask_warpgroup=True)
+  cfg = MosaicDwConfig(block_m=block_m, block_k=block_k, block_n=block_n, num_stages=stages,
+                       num_sms=2, num_compute_wgs=2, pipeline_across_items=True,
+                       banded_mask=True, pingpong=True, epilogue_split=block_n // 128 or 1,
+                       mask_warpgroup=True)
   params = plgpu.InterpretGPUParams(detect_races=True)
   out, ref = run(296, k, n, sizes, config=cfg, interpret=params, out_dtype=jnp.bfloat16,
                  seed=13)
@@ -428,7 +440,15 @@ def test_config_validation():
               dict(num_compute_wgs=2, epilogue_rows=128),  # consumers hold 64 rows each
               dict(num_compute_wgs=2, pipeline_across_items=True, pingpong=True,
                    block_k=192, epilogue_rows=128),
-              dict(num_compute_wgs=2, pipeline_across_items=True, mask_warpgroup=True)):
+              dict(num_compute_wgs=2, pipeline_across_items=True, mask_warpgroup=True),
+              dict(num_compute_wgs=2, epilogue_rows=128, pipeline_across_items=True,
+                   pingpong=True),  # 128 rows in one 128-row chunk: None says that
+              dict(num_compute_wgs=2, block_n=128, epilogue_split=3),
+              dict(num_compute_wgs=2, block_n=256, epilogue_split=3),
+              dict(num_compute_wgs=2, pipeline_across_items=True, pingpong=True,
+                   mask_warpgroup=True),  # needs banded_mask (the masker's registers)
+              dict(num_compute_wgs=2, pipeline_across_items=True, pingpong=True,
+                   banded_mask=True, block_n=192, mask_warpgroup=True)):  # spills
     with pytest.raises(ValueError):
       MosaicDwConfig(**bad)
   too_big = MosaicDwConfig(block_m=256, block_k=128, block_n=256, num_stages=4)

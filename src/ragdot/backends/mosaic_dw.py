@@ -24,7 +24,8 @@ same lhs/rhs stage; each stores its half of the output tile asynchronously.
 This allows 256 x 128 / 128 x 256 output tiles per item (twice the work per
 pipeline fill and epilogue) and lets the producer load the next item while the
 consumers run their epilogue.  With ``pingpong`` the two consumers instead take
-alternate items whole, so one's epilogue runs under the other's wgmmas.
+alternate items whole, so one's epilogue runs under the other's wgmmas, and
+with ``mask_warpgroup`` a fourth warpgroup masks the boundary blocks' stages.
 """
 
 from __future__ import annotations
@@ -62,11 +63,9 @@ def register_split(mask_warpgroup: bool = False) -> tuple[int, int, int]:
   """(producer, consumer, masker) registers per thread of the ring body's
   warpgroups (masker 0 without the masking warpgroup)."""
   producer = _PRODUCER_REGISTERS
-  if mask_warpgroup:
-    masker = _MASKER_REGISTERS
-    consumer = min(256, (_REGISTERS_4WG - producer - masker) // 2) // 8 * 8
-    return producer, consumer, masker
-  return producer, min(256, (_REGISTERS_3WG - producer) // 2) // 8 * 8, 0
+  masker = _MASKER_REGISTERS if mask_warpgroup else 0
+  total = _REGISTERS_4WG if mask_warpgroup else _REGISTERS_3WG
+  return producer, min(256, (total - producer - masker) // 2) // 8 * 8, masker
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +88,8 @@ class MosaicDwConfig:
     num_compute_wgs: 1 (one warpgroup runs the TMA pipeline and the wgmma) or
       2 (warp-specialized: a producer warpgroup issues the TMA loads, two
       consumer warpgroups each own block_k / 2 rows of the output tile and
-      share the rhs block; each holds a (block_k / 2) x block_n accumulator).
+      share the rhs block; each holds a (block_k / 2) x block_n accumulator;
+      see ``pingpong`` and ``mask_warpgroup`` for the other splits of work).
     pipeline_across_items: with 2 warpgroups, one ring of stages runs through
       all of a CTA's items (the producer loads the next item's row blocks
       during the current item's last wgmmas and store) instead of a pipeline
@@ -97,9 +97,9 @@ class MosaicDwConfig:
     banded_mask: a boundary row block (one holding rows of a neighbouring
       group) is masked band by band, touching only the bands the group
       boundary cuts or excludes, instead of reading and rewriting whole tiles.
-    epilogue_split: with 2 warpgroups, each consumer stages its (block_k / 2,
-      block_n) result through SMEM in this many (1 to 4) column chunks (of a
-      multiple of 64 columns), each waiting until the previous chunk's store has read
+    epilogue_split: with 2 warpgroups, each consumer stages its result
+      ((block_k / 2, block_n), or (block_k, block_n) with ``pingpong``) through
+      SMEM in this many (1 to 4) column chunks (of a multiple of 64 columns), each waiting until the previous chunk's store has read
       the buffer: a smaller staging buffer, which leaves SMEM for more stages
       with an f32 output.
     epilogue_rows: with 2 warpgroups, rows per epilogue chunk (a multiple of
@@ -120,9 +120,10 @@ class MosaicDwConfig:
       step to its consumer, so a consumer's wgmmas never wait behind its own
       masking (traced out, the masking took 13-15% of the 128 x 192 ring's
       time on the Qwen shapes).  The consumers get fewer registers (4
-      warpgroups share the CTA's allocation): 200 each.  Measured on the
-      H200 (2026-11-30): 0.96-0.97x the time of the 128 x 128 ring on the
-      Qwen shapes, 0.90x on Mixtral; with 128 x 192 tiles 3.7-4.9x (spills).
+      warpgroups share the CTA's allocation): 200 each, so at most 128 x 128
+      accumulators (128 x 192 spilled: 3.7-4.9x the time), and the masker's 64
+      need ``banded_mask``.  Measured on the H200 (2026-11-30): 0.96-0.97x the
+      time of the 128 x 128 ring on the Qwen shapes, 0.90x on Mixtral.
     schedule_kernel: build the groups' row blocks with one Pallas-Triton
       kernel (``triton_schedule.build_bounds``) where it applies, instead of
       several small XLA kernels; the same values either way.
@@ -195,14 +196,19 @@ class MosaicDwConfig:
           f" (when > 1) have num_compute_wgs=2, got {self.epilogue_split}"
           f" (block_n={self.block_n}, num_compute_wgs={self.num_compute_wgs})")
 
-    if self.mask_warpgroup and not self.pingpong:
-      raise ValueError("mask_warpgroup needs pingpong")
+    if self.mask_warpgroup and (not self.pingpong or not self.banded_mask
+                                or self.block_k * self.block_n > 128 * 128):
+      raise ValueError(
+          "mask_warpgroup needs pingpong, banded_mask and at most a 128 x 128 accumulator"
+          f" (its consumers keep 200 registers), got {self}")
     if self.epilogue_rows is not None and (
         self.num_compute_wgs != 2 or self.epilogue_rows <= 0 or self.epilogue_rows % 64
-        or self.consumer_rows % self.epilogue_rows):
+        or self.consumer_rows % self.epilogue_rows
+        or self.epilogue_rows == self.consumer_rows):
       raise ValueError(
-          "epilogue_rows needs num_compute_wgs=2 and a multiple of 64 dividing the"
-          f" consumer's {self.consumer_rows} accumulator rows, got {self.epilogue_rows}")
+          "epilogue_rows needs num_compute_wgs=2 and a multiple of 64 dividing (and below)"
+          f" the consumer's {self.consumer_rows} accumulator rows (None: all),"
+          f" got {self.epilogue_rows}")
 
   @property
   def epilogue_n(self) -> int:
@@ -226,8 +232,8 @@ class MosaicDwConfig:
 
 def smem_bytes(config: MosaicDwConfig, dtype, out_dtype) -> int:
   """SMEM the kernel allocates: pipeline buffers plus the output staging
-  (the whole tile, or one epilogue chunk per consumer: of its half of the
-  tile, or with ``pingpong`` of the whole tile)."""
+  (the whole tile with one warpgroup; else one epilogue chunk of
+  ``epilogue_m x epilogue_n`` per consumer)."""
   itemsize = jnp.dtype(dtype).itemsize
   per_stage = config.block_m * (config.block_k + config.block_n) * itemsize
   staging = config.epilogue_m * config.epilogue_n * jnp.dtype(out_dtype).itemsize
@@ -303,16 +309,19 @@ def gpu_sweep_configs(
   """A short list of candidates for a GPU sweep (default first; all fit in SMEM;
   at most 16, the likelier winners first).
 
-  The default, the default with the other masking (``banded_mask``), the
-  default with its whole staging tile when it splits the epilogue (f32
-  output: 2 stages instead of 3), up to four ``pingpong`` rings (128 x 128,
-  64 x 256, and 128 x 192 / 192 x 128 where those divide k and n), four
-  warp-specialized configs with one ring of stages across items, two with two
-  resident CTAs per SM, four one-warpgroup configs and three warp-specialized
-  ones with a pipeline per item (``num_compute_wgs=2``: 256 x 128 or 128 x 256
-  output tiles, or 128 x 128).  Stages drop until SMEM fits (f32
-  outputs need a bigger staging tile); configs that no longer fit, or whose k
-  tile is too small for two 64-row halves, are left out.
+  In this order: the default, the default with the other masking
+  (``banded_mask``), the default with its whole staging tile when it splits
+  the epilogue (f32 output: 2 stages instead of 3); the ``pingpong`` rings
+  (128 x 128 in 6 stages and 64 x 256 in 4, each also with a masking
+  warpgroup; 128 x 192 and 192 x 128 where those divide k and n, in 4 stages
+  and in 5 with 64 x 64 epilogue chunks); four warp-specialized configs with
+  one ring of stages across items, two with two resident CTAs per SM, four
+  one-warpgroup configs and three warp-specialized ones with a pipeline per
+  item (``num_compute_wgs=2``: 256 x 128 or 128 x 256 output tiles, or
+  128 x 128).  The cap of 16 cuts the list's tail (on the Qwen shapes, the
+  per-item configs).  Stages drop until SMEM fits (f32 outputs need a bigger
+  staging tile); configs that no longer fit, or whose k tile is too small for
+  two 64-row halves, are left out.
   """
   del m
   out = [default_config(m=0, k=k, n=n, num_groups=num_groups, dtype=dtype,
@@ -328,7 +337,7 @@ def gpu_sweep_configs(
                          split=False)
       if whole is not None:
         out.append(whole)
-  # The consumers taking alternate items whole (128 x 128 or 64 x 256 tiles).
+  # The consumers taking alternate items whole.
   pingpongs = []
   for bk, bn, stages in ((128, 128, 6), (64, 256, 4)):
     bk, bn = min(bk, _fit(256, k)), min(bn, _fit(256, n))
@@ -471,6 +480,16 @@ def _mask_stage(tiles, wg, num_wgs: int, row0, start, end, banded: bool) -> None
           _mask_rows, ref.at[:, pl.ds(col, 64)], row0, start, end))
 
 
+def _mask_own_stage(lhs_t, rhs_t, row0, start, end, banded: bool) -> None:
+  """One warpgroup zeroes the rows outside [start, end) of a stage's tiles
+  when the row block at ``row0`` holds any, and makes its writes visible to
+  the wgmma (async proxy) that reads the stage next."""
+  @pl.when(_straddles(row0, lhs_t.shape[0], start, end))
+  def _():
+    _mask_stage((lhs_t, rhs_t), 0, 1, row0, start, end, banded)
+    plgpu.commit_smem()
+
+
 def _consumers_mask(lhs_t, rhs_t, wg, row0, start, end, mask_barrier,
                     banded: bool = False) -> None:
   """The two consumers split the masking of a shared stage, then both wait
@@ -482,11 +501,10 @@ def _consumers_mask(lhs_t, rhs_t, wg, row0, start, end, mask_barrier,
 
 
 def _band_rows(cols: int) -> int:
-  """Rows of a masking band of a tile ``cols`` (a multiple of 64) wide: a whole
+  """Rows of a masking band of a tile ``cols`` (64, 128 or 256) wide: a whole
   number of 8 x 64 swizzle tiles that one warpgroup's SMEM transfer layout
-  covers (it needs 4 of them, or 4 rows of tiles when the column count is 3)."""
-  col_tiles = cols // 64
-  return 8 * (4 // col_tiles) if col_tiles in (1, 2, 4) else 32
+  covers (it needs 4 of them)."""
+  return 8 * (4 // (cols // 64))
 
 
 def _mask_bands(tiles, wg, num_wgs: int, row0, start, end) -> None:
@@ -546,8 +564,7 @@ def _store_consumer_half(acc, my_smem, out_gmem, j, row, col) -> None:
 
 
 def _store_half(src_smem, out_gmem, j, row, col) -> None:
-  """One consumer's (block_k / 2, chunk) part of output tile j at (row, col)
-  (with ``pingpong``, a (block_k, chunk) part: the consumer owns the tile).
+  """One consumer's (epilogue_m, epilogue_n) chunk of output tile j at (row, col).
 
   Skipped when it lies wholly past k (a k tile wider than k's remainder) or n
   (an epilogue chunk of the last n tile): a TMA box entirely out of bounds is
@@ -707,14 +724,15 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
       # Two TMA arrivals (lhs, rhs) per step; pingpong: one set per consumer.
       produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages * (2 if pingpong else 1)),
       consumed=plgpu.Barrier(num_arrivals=1 if pingpong else 2, num_barriers=stages),
-      # mask_warpgroup: the masker -> the owner of a step (one set per consumer).
-      masked=plgpu.Barrier(num_arrivals=1, num_barriers=2 * stages if masker else 1),
       o_smem=plgpu.SMEM((2, config.epilogue_m, config.epilogue_n), out_dtype,
                         transforms=out_transforms),
       mask_barrier=plgpu.Barrier(num_arrivals=2),
+      # mask_warpgroup: the masker -> the owner of a step (one set per consumer).
+      **(dict(masked=plgpu.Barrier(num_arrivals=1, num_barriers=2 * stages))
+         if masker else {}),
       collective_axes="wg",
   )
-  def _scope(lhs_smem, rhs_smem, produced, consumed, masked, o_smem, mask_barrier):
+  def _scope(lhs_smem, rhs_smem, produced, consumed, o_smem, mask_barrier, masked=None):
     wg = lax.axis_index("wg")
 
     if masker:
@@ -730,14 +748,8 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
           def one(i, step):
             slot = lax.rem(step, stages)
             plgpu.barrier_wait(produced.at[owner + slot])
-            row0 = first + i * bm
-
-            @pl.when(_straddles(row0, bm, start, end))
-            def _():
-              _mask_stage((lhs_smem.at[slot], rhs_smem.at[slot]), 0, 1, row0, start, end,
-                          config.banded_mask)
-              plgpu.commit_smem()  # visible to the consumer's wgmma (async proxy)
-
+            _mask_own_stage(lhs_smem.at[slot], rhs_smem.at[slot], first + i * bm, start, end,
+                            config.banded_mask)
             plgpu.barrier_arrive(masked.at[owner + slot])
             return step + 1
 
@@ -786,14 +798,6 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
         ``step0``) and stores it."""
         j, ki, ni, start, end, first, nblocks = it
 
-        def mask(lhs_t, rhs_t, row0):
-          if pingpong:  # this consumer's own stage
-            _mask_stage((lhs_t, rhs_t), 0, 1, row0, start, end, config.banded_mask)
-            plgpu.commit_smem()
-          else:
-            _consumers_mask(lhs_t, rhs_t, wg, row0, start, end, mask_barrier,
-                            config.banded_mask)
-
         def acc_scope(acc_ref):
           def mma(i, step):
             slot = lax.rem(step, stages)
@@ -801,9 +805,12 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
             ready = masked if masker else produced
             plgpu.barrier_wait(ready.at[(wg * stages if pingpong else 0) + slot])
             row0 = first + i * bm
-            if not masker:
-              pl.when(_straddles(row0, bm, start, end))(
-                  functools.partial(mask, lhs_t, rhs_t, row0))
+            if pingpong and not masker:  # this consumer's own stage
+              _mask_own_stage(lhs_t, rhs_t, row0, start, end, config.banded_mask)
+            elif not pingpong:
+              pl.when(_straddles(row0, bm, start, end))(functools.partial(
+                  _consumers_mask, lhs_t, rhs_t, wg, row0, start, end, mask_barrier,
+                  config.banded_mask))
 
             lhs_rows = lhs_t if pingpong else lhs_t.at[:, pl.ds(wg * hk, hk)]
             plgpu.wgmma(acc_ref, lhs_rows.T, rhs_t)
@@ -903,13 +910,8 @@ def tgmm(
 
       def acc_scope(acc_ref):
         def step(idx, lhs_smem, rhs_smem):
-          row0 = first + idx[0] * bm
-
-          @pl.when(_straddles(row0, bm, start, end))
-          def _():
-            _mask_stage((lhs_smem, rhs_smem), 0, 1, row0, start, end, config.banded_mask)
-            plgpu.commit_smem()
-
+          _mask_own_stage(lhs_smem, rhs_smem, first + idx[0] * bm, start, end,
+                          config.banded_mask)
           plgpu.wgmma(acc_ref, lhs_smem.T, rhs_smem)
           if delay_release == 0:
             # Without delayed release the slot may be refilled right after
