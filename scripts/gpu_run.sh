@@ -16,6 +16,7 @@
 #   moe    one MoE block fwd+bwd: ragdot vs lax vs tokamax
 #   ep     MoE block expert-parallel scaling over the local GPUs           EP_ARGS
 #   profile  ncu counters of the main kernels (scripts/profile_kernels.py)  PROFILE_ARGS
+#          (PROFILE_SECTIONS="SourceCounters ...": more ncu sections)
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -65,6 +66,7 @@ for stage in $STAGES; do
         --clock-control none --profile-from-start off --launch-count 60 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
         --section WarpStateStats --section LaunchStats --section Occupancy \
+        $(for sec in ${PROFILE_SECTIONS:-}; do printf -- '--section %s ' "$sec"; done) \
         python3 scripts/profile_kernels.py ${PROFILE_ARGS:-} ;;
     *) echo "unknown stage $stage" >&2 ;;
   esac

@@ -8,13 +8,17 @@ cudaProfilerStop, so ``ncu --profile-from-start off`` sees only those launches:
 
 Cases: Qwen3-30B gate_up forward and dW with the automatic choice, the dense
 matmul of the same (m, k, n), and Mixtral gate_up forward (the shape where the
-forward kernel is closest to dense) for contrast.  Inputs are routed random
-data, never zeros.
+forward kernel is closest to dense) for contrast; ``dw_qwen_p6`` /
+``dw_qwen_masker``: the dW 128 x 128 pingpong ring without / with the masking
+warpgroup (where does the boundary masking's time go?).  Inputs are routed
+random data, never zeros.  Extra ncu sections (e.g. SourceCounters for the
+stall sampling by instruction): ``PROFILE_SECTIONS`` in scripts/gpu_run.sh.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import sys
 
 import jax
@@ -22,6 +26,7 @@ import jax.numpy as jnp
 
 import ragdot
 from ragdot import bench
+from ragdot.backends import mosaic_dw
 
 
 def _cudart():
@@ -53,6 +58,16 @@ def _cases():
   x = jax.random.normal(jax.random.key(7), (32768, 2048), jnp.bfloat16)
   w = jax.random.normal(jax.random.key(8), (2048, 1536), jnp.bfloat16)
   out["dense_qwen"] = (jax.jit(jnp.dot), (x, w))
+  p6 = mosaic_dw.MosaicDwConfig(block_m=64, block_k=128, block_n=128, num_stages=6,
+                                num_compute_wgs=2, pipeline_across_items=True,
+                                banded_mask=True, epilogue_split=2, pingpong=True)
+  _, _, sizes = out["dw_qwen"][1]
+  dy = jax.random.normal(jax.random.key(9), (qwen.m, qwen.n), jnp.bfloat16)
+  for name, cfg in (("dw_qwen_p6", p6),
+                    ("dw_qwen_masker", dataclasses.replace(p6, mask_warpgroup=True))):
+    fn = jax.jit(lambda x, d, gs, cfg=cfg: mosaic_dw.tgmm(
+        x, d, gs, None, num_groups=qwen.g, out_dtype=jnp.bfloat16, config=cfg))
+    out[name] = (fn, (x, dy, sizes))
   return out
 
 
