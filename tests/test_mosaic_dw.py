@@ -299,7 +299,10 @@ def _fail(*args, **kwargs):
     (dataclasses.replace(SMALL, banded_mask=True), 64, 64),
     (dataclasses.replace(TWO_WG, banded_mask=True), 128, 256),
     (FLAT3_BANDED, 128, 256), (PINGPONG, 128, 256),
-    (dataclasses.replace(PINGPONG, banded_mask=False), 128, 256)])
+    (dataclasses.replace(PINGPONG, banded_mask=False), 128, 256),
+    # 192 columns masked in 64-column slices (f32 staging: 2 stages fit)
+    (dataclasses.replace(PINGPONG, block_n=192, num_stages=2, epilogue_split=3), 128, 192),
+    (dataclasses.replace(PINGPONG, mask_warpgroup=True), 128, 256)])
 def test_rows_outside_the_shard_never_contribute(config, k, n, monkeypatch):
   # NaN in every row no local group owns (neighbour groups and the tail past
   # sum(sizes)): the boundary blocks must mask both operands, not scale them.
