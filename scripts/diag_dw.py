@@ -1,7 +1,7 @@
 """Where does the dW kernel's time go? (GPU machine; a diagnostic, not a bench)
 
-  python3 scripts/diag_dw.py OUT_DIR [--base FIELD=VALUE ...] [--set FIELD=VALUE ...]
-                             [--cases ABC] [--rounds 3]
+  python3 scripts/diag_dw.py OUT_DIR [--base FIELD=VALUE ...]
+      [--set FIELD=VALUE ...] [--cases ABC] [--rounds 3]
 
 For each training shape times the default Mosaic dW kernel (with ``--base``:
 the default with those fields replaced, e.g. a pingpong ring; CUPTI,

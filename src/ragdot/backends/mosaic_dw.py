@@ -99,9 +99,10 @@ class MosaicDwConfig:
       boundary cuts or excludes, instead of reading and rewriting whole tiles.
     epilogue_split: with 2 warpgroups, each consumer stages its result
       ((block_k / 2, block_n), or (block_k, block_n) with ``pingpong``) through
-      SMEM in this many (1 to 4) column chunks (of a multiple of 64 columns), each waiting until the previous chunk's store has read
-      the buffer: a smaller staging buffer, which leaves SMEM for more stages
-      with an f32 output.
+      SMEM in this many (1 to 4) column chunks (of a multiple of 64 columns),
+      each waiting until the previous chunk's store has read the buffer: a
+      smaller staging buffer, which leaves SMEM for more stages with an f32
+      output.
     epilogue_rows: with 2 warpgroups, rows per epilogue chunk (a multiple of
       64 dividing the consumer's accumulator rows; None: all of them): the
       staging buffer shrinks to epilogue_rows x epilogue_n, and the chunks
@@ -110,8 +111,9 @@ class MosaicDwConfig:
       has room for a fifth stage).
     pingpong: with the ring across items, the two consumers take alternate
       items, each accumulating the whole (block_k, block_n) tile (at most
-      128 x 192 f32 values), instead of half of every item each: one consumer's epilogue and boundary masking
-      run while the other's wgmmas keep the tensor cores busy.  (The shared
+      128 x 192 f32 values), instead of half of every item each: one
+      consumer's epilogue and boundary masking run while the other's wgmmas
+      keep the tensor cores busy.  (The shared
       kernel measured 52% tensor-busy with L2 at 56% and DRAM at 43% on
       Qwen3-30B gate_up, H200 2026-11-30: latency-bound.)  Each consumer has
       its own staging buffer.
