@@ -17,11 +17,11 @@ interleaved rounds) on
      know (wrong results; E/A near B/A means the masking work is the cost, E/A
      near 1 that the code's mere presence is, e.g. waits the compiler puts
      around the wgmmas),
-  D  with ``--set``: routed sizes, the default config with those fields
-     replaced (an A/B; its output is compared with A's bitwise),
+  D  with ``--set``: routed sizes, A's config with those fields replaced (an
+     A/B; its output is compared with A's bitwise),
 and writes OUT_DIR/diag_dw.json.  With MOSAIC_GPU_DUMP_PTXAS=1 the ptxas report
-of each case follows its ``# compile CASE SHAPE`` line.  B/A is the masking's share, C/A the share of
-masking plus boundary blocks.
+of each case follows its ``# compile CASE SHAPE`` line.  B/A is the masking's
+share, C/A the share of masking plus boundary blocks.
 """
 
 from __future__ import annotations
