@@ -719,6 +719,25 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
       return body(item, carry)
     return steps
 
+  def ring_steps(per_step):
+    """Calls ``per_step(item, i, step, slot, owner)`` for row block ``i`` of
+    every item of this CTA in order: ``step`` counts the ring's steps over all
+    items, ``slot = step % stages``, and ``owner`` is the first of the item's
+    consumer's ``produced`` / ``masked`` barriers with ``pingpong`` (else 0).
+    Returns the number of steps."""
+    def item(it, carry):
+      step0, q = carry
+      owner = lax.rem(q, 2) * stages if pingpong else 0
+
+      def one(i, step):
+        per_step(it, i, step, lax.rem(step, stages), owner)
+        return step + 1
+
+      return lax.fori_loop(0, it[-1], one, step0), q + 1
+
+    total, _ = items(item, (jnp.int32(0), jnp.int32(0)))
+    return total
+
   @functools.partial(
       pl.run_scoped,
       lhs_smem=plgpu.SMEM((stages, bm, bk), lhs_gmem.dtype, transforms=in_transforms_lhs),
@@ -742,48 +761,31 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
       def _masker():
         plgpu.set_max_registers(regs_masker, action="decrease")
 
-        def item(it, carry):
-          step0, q = carry
-          _, _, _, start, end, first, nblocks = it
-          owner = lax.rem(q, 2) * stages
+        def mask_step(it, i, step, slot, owner):
+          del step
+          _, _, _, start, end, first, _ = it
+          plgpu.barrier_wait(produced.at[owner + slot])
+          _mask_own_stage(lhs_smem.at[slot], rhs_smem.at[slot], first + i * bm, start, end,
+                          config.banded_mask)
+          plgpu.barrier_arrive(masked.at[owner + slot])
 
-          def one(i, step):
-            slot = lax.rem(step, stages)
-            plgpu.barrier_wait(produced.at[owner + slot])
-            _mask_own_stage(lhs_smem.at[slot], rhs_smem.at[slot], first + i * bm, start, end,
-                            config.banded_mask)
-            plgpu.barrier_arrive(masked.at[owner + slot])
-            return step + 1
-
-          return lax.fori_loop(0, nblocks, one, step0), q + 1
-
-        items(item, (jnp.int32(0), jnp.int32(0)))
+        ring_steps(mask_step)
 
     @pl.when(wg == 2)
     def _producer():
       plgpu.set_max_registers(regs_producer, action="decrease")
 
-      def item(it, carry):
-        step0, q = carry
-        _, ki, ni, _, _, first, nblocks = it
-        owner = lax.rem(q, 2) * stages if pingpong else 0  # its produced barriers
+      def load(it, i, step, slot, owner):
+        _, ki, ni, _, _, first, _ = it
+        # The slot's previous use (step - stages) must be consumed first.
+        pl.when(step >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
+        rows = pl.ds(pl.multiple_of(first + i * bm, _ROW_ALIGN), bm)
+        plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, pl.ds(ki * bk, bk)],
+                                lhs_smem.at[slot], produced.at[owner + slot])
+        plgpu.copy_gmem_to_smem(rhs_gmem.at[rows, pl.ds(ni * bn, bn)],
+                                rhs_smem.at[slot], produced.at[owner + slot])
 
-        def load(i, step):
-          slot = lax.rem(step, stages)
-          # The slot's previous use (step - stages) must be consumed first.
-          pl.when(step >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
-          row0 = pl.multiple_of(first + i * bm, _ROW_ALIGN)
-
-          rows = pl.ds(row0, bm)
-          plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, pl.ds(ki * bk, bk)],
-                                  lhs_smem.at[slot], produced.at[owner + slot])
-          plgpu.copy_gmem_to_smem(rhs_gmem.at[rows, pl.ds(ni * bn, bn)],
-                                  rhs_smem.at[slot], produced.at[owner + slot])
-          return step + 1
-
-        return lax.fori_loop(0, nblocks, load, step0), q + 1
-
-      total, _ = items(item, (jnp.int32(0), jnp.int32(0)))
+      total = ring_steps(load)
 
       # Observe the consumption of the last stages too (every barrier phase is
       # waited for before the barriers go away).
