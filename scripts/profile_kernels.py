@@ -10,7 +10,8 @@ Cases: Qwen3-30B gate_up forward and dW with the automatic choice, the dense
 matmul of the same (m, k, n), and Mixtral gate_up forward (the shape where the
 forward kernel is closest to dense) for contrast; ``dw_qwen_p6`` /
 ``dw_qwen_masker``: the dW 128 x 128 pingpong ring without / with the masking
-warpgroup (where does the boundary masking's time go?).  Inputs are routed
+warpgroup (where does the boundary masking's time go?); ``dw_qwen_masker192``:
+the 128 x 192 ring with the masking warpgroup.  Inputs are routed
 random data, never zeros.  Extra ncu sections (e.g. SourceCounters for the
 stall sampling by instruction): ``PROFILE_SECTIONS`` in scripts/gpu_run.sh.
 """
@@ -63,8 +64,10 @@ def _cases():
                                 banded_mask=True, epilogue_split=2, pingpong=True)
   _, _, sizes = out["dw_qwen"][1]
   dy = jax.random.normal(jax.random.key(9), (qwen.m, qwen.n), jnp.bfloat16)
+  wide = dataclasses.replace(p6, block_n=192, num_stages=4, epilogue_split=3)
   for name, cfg in (("dw_qwen_p6", p6),
-                    ("dw_qwen_masker", dataclasses.replace(p6, mask_warpgroup=True))):
+                    ("dw_qwen_masker", dataclasses.replace(p6, mask_warpgroup=True)),
+                    ("dw_qwen_masker192", dataclasses.replace(wide, mask_warpgroup=True))):
     fn = jax.jit(lambda x, d, gs, cfg=cfg: mosaic_dw.tgmm(
         x, d, gs, None, num_groups=qwen.g, out_dtype=jnp.bfloat16, config=cfg))
     out[name] = (fn, (x, dy, sizes))

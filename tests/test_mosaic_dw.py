@@ -224,14 +224,16 @@ def test_epilogue_rows_shrink_the_staging_to_fit_a_fifth_stage():
     [(64, 128, 128, 3, 256, 256, [17, 0, 160, 10, 90, 3]),
      (64, 64, 256, 2, 128, 256, [64, 0, 7, 100, 1, 120]),  # the first group needs no masking
      (128, 128, 128, 2, 128, 128, [17, 0, 160, 10, 90, 3]),  # 128-row steps
-     (64, 128, 128, 3, 192, 192, [0, 0, 0])],  # all empty: the masker has no steps
-    ids=["128x128", "64x256_2_stages", "bm128", "all_empty"])
+     (64, 128, 128, 3, 192, 192, [0, 0, 0]),  # all empty: the masker has no steps
+     (64, 128, 192, 3, 256, 384, [17, 0, 160, 10, 90, 3])],  # 64-column slices
+    ids=["128x128", "64x256_2_stages", "bm128", "all_empty", "128x192"])
 def test_mask_warpgroup(block_m, block_k, block_n, stages, k, n, sizes):
   # A fourth warpgroup masks the boundary stages and hands every step to its
   # owner; with race detection (also checks the barrier phases).
   cfg = MosaicDwConfig(block_m=block_m, block_k=block_k, block_n=block_n, num_stages=stages,
                        num_sms=2, num_compute_wgs=2, pipeline_across_items=True,
-                       banded_mask=True, pingpong=True, epilogue_split=block_n // 128 or 1,
+                       banded_mask=True, pingpong=True,
+                       epilogue_split=3 if block_n == 192 else block_n // 128 or 1,
                        mask_warpgroup=True)
   params = plgpu.InterpretGPUParams(detect_races=True)
   out, ref = run(296, k, n, sizes, config=cfg, interpret=params, out_dtype=jnp.bfloat16,
@@ -420,6 +422,10 @@ def test_register_split_fits_the_launch_allocation():
   assert producer % 8 == 0 and consumer % 8 == 0 and masker % 8 == 0
   assert producer + 2 * consumer + masker <= 4 * 128
   assert consumer >= 192  # a 128 x 128 accumulator (128) and its addressing
+  # Beside 128 x 192 accumulators: 224 (200 spilled on the H200).
+  producer, consumer, masker = mosaic_dw.register_split(True, 128 * 192)
+  assert min(producer, masker) >= 24 and producer + 2 * consumer + masker <= 4 * 128
+  assert consumer >= 224
 
 
 def test_config_validation():
@@ -449,9 +455,7 @@ def test_config_validation():
               dict(num_compute_wgs=2, block_n=128, epilogue_split=3),
               dict(num_compute_wgs=2, block_n=256, epilogue_split=3),
               dict(num_compute_wgs=2, pipeline_across_items=True, pingpong=True,
-                   mask_warpgroup=True),  # needs banded_mask (the masker's registers)
-              dict(num_compute_wgs=2, pipeline_across_items=True, pingpong=True,
-                   banded_mask=True, block_n=192, mask_warpgroup=True)):  # spills
+                   mask_warpgroup=True)):  # needs banded_mask (the masker's registers)
     with pytest.raises(ValueError):
       MosaicDwConfig(**bad)
   too_big = MosaicDwConfig(block_m=256, block_k=128, block_n=256, num_stages=4)
@@ -501,6 +505,8 @@ def test_lowers_for_sm90(out_dtype, shape):
   if out_dtype == jnp.bfloat16:  # 6 stages leave no room for f32 staging
     configs.append(dataclasses.replace(PINGPONG, num_sms=None, num_stages=6,
                                        epilogue_split=2, mask_warpgroup=True))
+    configs.append(dataclasses.replace(PINGPONG, num_sms=None, num_stages=4, block_n=192,
+                                       epilogue_split=3, mask_warpgroup=True))
   configs += mosaic_dw.gpu_sweep_configs(m, k, n, g, out_dtype=out_dtype)
   assert any(c.num_compute_wgs == 2 for c in configs)
   for cfg in configs:
