@@ -204,6 +204,8 @@ def _fields(words):
      (64, 256, 128, 3, 320, jnp.bfloat16, None),  # partial k tile; consumer 1's half past k
      (64, 128, 64, 4, 1024, jnp.bfloat16, "banded_mask"),  # rhs in 32-row bands
      (64, 128, 192, 3, 1024, jnp.bfloat16, "banded_mask"),  # 192 columns in 64-column slices
+     # two 128 x 192 accumulators (a 256 x 192 item), its epilogue in 64-column chunks
+     (64, 256, 192, 3, 1024, jnp.bfloat16, "banded_mask epilogue_split=3"),
      # f32 output staged in two 128-column chunks, room for a third stage: the
      # default for f32 output
      (64, 128, 256, 3, 1024, jnp.float32, "banded_mask epilogue_split=2"),
@@ -222,7 +224,8 @@ def _fields(words):
      # ... beside 128 x 192 accumulators (a smaller producer and masker)
      (64, 128, 192, 4, 768, jnp.bfloat16, "banded_mask pingpong epilogue_split=3 mask_warpgroup")],
     ids=["default", "whole_tile_mask", "256x128", "f32_2_stages",
-         "bm128_banded", "partial_k", "bn64_banded", "bn192_banded", "f32_split_3_stages",
+         "bm128_banded", "partial_k", "bn64_banded", "bn192_banded", "256x192",
+         "f32_split_3_stages",
          "pingpong", "pingpong_64x256_f32", "pingpong_128x192", "pingpong_128x192_f32",
          "pingpong_192x128", "pingpong_128x192_rows64", "pingpong_masker",
          "pingpong_masker_128x192"])

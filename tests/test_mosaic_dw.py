@@ -304,7 +304,11 @@ def _fail(*args, **kwargs):
     (dataclasses.replace(PINGPONG, banded_mask=False), 128, 256),
     # 192 columns masked in 64-column slices (f32 staging: 2 stages fit)
     (dataclasses.replace(PINGPONG, block_n=192, num_stages=2, epilogue_split=3), 128, 192),
-    (dataclasses.replace(PINGPONG, mask_warpgroup=True), 128, 256)])
+    (dataclasses.replace(PINGPONG, mask_warpgroup=True), 128, 256),
+    # two 128 x 192 accumulators of a 256 x 192 item (192 columns in 64-column slices;
+    # f32 staging: 2 stages fit)
+    (dataclasses.replace(FLAT3_BANDED, block_k=256, block_n=192, epilogue_split=3,
+                         num_stages=2), 256, 192)])
 def test_rows_outside_the_shard_never_contribute(config, k, n, monkeypatch):
   # NaN in every row no local group owns (neighbour groups and the tail past
   # sum(sizes)): the boundary blocks must mask both operands, not scale them.
@@ -507,6 +511,8 @@ def test_lowers_for_sm90(out_dtype, shape):
                                        epilogue_split=2, mask_warpgroup=True))
     configs.append(dataclasses.replace(PINGPONG, num_sms=None, num_stages=4, block_n=192,
                                        epilogue_split=3, mask_warpgroup=True))
+    configs.append(dataclasses.replace(FLAT3_BANDED, num_sms=None, block_k=256, block_n=192,
+                                       epilogue_split=3))
   configs += mosaic_dw.gpu_sweep_configs(m, k, n, g, out_dtype=out_dtype)
   assert any(c.num_compute_wgs == 2 for c in configs)
   for cfg in configs:

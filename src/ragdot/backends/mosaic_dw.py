@@ -161,10 +161,11 @@ class MosaicDwConfig:
       raise ValueError(f"block_k must be 64, 128, 192 or 256, got {self.block_k}")
     if self.block_n not in (64, 128, 192, 256):
       raise ValueError(f"block_n must be 64, 128, 192 or 256, got {self.block_n}")
-    if self.block_k * self.block_n > 128 * 256:
+    split_k = self.num_compute_wgs == 2 and not self.pingpong  # two accumulators
+    if self.block_k * self.block_n > 128 * 256 * (2 if split_k else 1):
       raise ValueError(
           f"block_k * block_n = {self.block_k * self.block_n} f32 accumulators"
-          " exceed one warpgroup's registers (max 128 * 256)"
+          " exceed the compute warpgroups' registers (max 128 * 256 each)"
       )
     if self.num_compute_wgs not in (1, 2):
       raise ValueError(f"num_compute_wgs must be 1 or 2, got {self.num_compute_wgs}")
@@ -182,10 +183,10 @@ class MosaicDwConfig:
         raise ValueError(
             f"num_compute_wgs=2 needs block_k 128 or 256 (64-row halves), got {self.block_k}"
         )
-      if (self.block_k // 2) * self.block_n > 128 * 128:
+      if (self.block_k // 2) * self.block_n > 128 * 192:
         raise ValueError(
             f"num_compute_wgs=2: a ({self.block_k // 2}, {self.block_n}) f32 accumulator"
-            " per warpgroup exceeds its registers (max 128 * 128 elements)"
+            " per warpgroup exceeds its registers (max 128 * 192 elements)"
         )
       if self.num_stages < 2:
         raise ValueError("num_compute_wgs=2 needs num_stages >= 2")
