@@ -227,15 +227,14 @@ def test_epilogue_rows_shrink_the_staging_to_fit_a_fifth_stage():
      (64, 128, 128, 3, 192, 192, [0, 0, 0]),  # all empty: the masker has no steps
      (64, 128, 192, 3, 256, 384, [17, 0, 160, 10, 90, 3])],  # 64-column slices
     ids=["128x128", "64x256_2_stages", "bm128", "all_empty", "128x192"])
-@pytest.mark.parametrize("boundary_only", [False, True], ids=["every_step", "boundary_only"])
-def test_mask_warpgroup(block_m, block_k, block_n, stages, k, n, sizes, boundary_only):
+def test_mask_warpgroup(block_m, block_k, block_n, stages, k, n, sizes):
   # A fourth warpgroup masks the boundary stages and hands every step to its
   # owner; with race detection (also checks the barrier phases).
   cfg = MosaicDwConfig(block_m=block_m, block_k=block_k, block_n=block_n, num_stages=stages,
                        num_sms=2, num_compute_wgs=2, pipeline_across_items=True,
                        banded_mask=True, pingpong=True,
                        epilogue_split=3 if block_n == 192 else block_n // 128 or 1,
-                       mask_warpgroup=True, mask_boundary_only=boundary_only)
+                       mask_warpgroup=True)
   params = plgpu.InterpretGPUParams(detect_races=True)
   out, ref = run(296, k, n, sizes, config=cfg, interpret=params, out_dtype=jnp.bfloat16,
                  seed=13)
@@ -460,9 +459,7 @@ def test_config_validation():
               dict(num_compute_wgs=2, block_n=128, epilogue_split=3),
               dict(num_compute_wgs=2, block_n=256, epilogue_split=3),
               dict(num_compute_wgs=2, pipeline_across_items=True, pingpong=True,
-                   mask_warpgroup=True),  # needs banded_mask (the masker's registers)
-              dict(num_compute_wgs=2, pipeline_across_items=True, pingpong=True,
-                   banded_mask=True, mask_boundary_only=True)):  # no masker
+                   mask_warpgroup=True)):  # needs banded_mask (the masker's registers)
     with pytest.raises(ValueError):
       MosaicDwConfig(**bad)
   too_big = MosaicDwConfig(block_m=256, block_k=128, block_n=256, num_stages=4)

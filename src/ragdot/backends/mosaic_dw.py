@@ -133,10 +133,6 @@ class MosaicDwConfig:
       accumulators (128 x 192 spilled: 3.7-4.9x the time), and the masker's 64
       need ``banded_mask``.  Measured on the H200 (2026-11-30): 0.96-0.97x the
       time of the 128 x 128 ring on the Qwen shapes, 0.90x on Mixtral.
-    mask_boundary_only: with ``mask_warpgroup``, only the boundary blocks'
-      steps go through the masker (the producer signals them on a second set
-      of barriers); the others go from the producer to their consumer
-      directly, without the masker's hop.
     schedule_kernel: build the groups' row blocks with one Pallas-Triton
       kernel (``triton_schedule.build_bounds``) where it applies, instead of
       several small XLA kernels; the same values either way.
@@ -156,7 +152,6 @@ class MosaicDwConfig:
   epilogue_rows: int | None = None
   pingpong: bool = False
   mask_warpgroup: bool = False
-  mask_boundary_only: bool = False
   schedule_kernel: bool = True
 
   def __post_init__(self):
@@ -213,8 +208,6 @@ class MosaicDwConfig:
 
     if self.mask_warpgroup and (not self.pingpong or not self.banded_mask):
       raise ValueError(f"mask_warpgroup needs pingpong and banded_mask, got {self}")
-    if self.mask_boundary_only and not self.mask_warpgroup:
-      raise ValueError("mask_boundary_only needs mask_warpgroup")
     if self.epilogue_rows is not None and (
         self.num_compute_wgs != 2 or self.epilogue_rows <= 0 or self.epilogue_rows % 64
         or self.consumer_rows % self.epilogue_rows
@@ -712,16 +705,11 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
   ``mask_warpgroup`` (pingpong only): warpgroup 3 waits for every step's
   ``produced`` barrier, masks the boundary blocks' stages, and arrives on the
   owner's ``masked`` barrier, which the consumers wait for instead of
-  ``produced``: each barrier still has exactly one waiter per phase.  With
-  ``mask_boundary_only`` the producer signals a boundary block's step on a
-  second set of ``produced`` barriers, which only the masker waits for; the
-  consumers wait for ``masked`` on those steps and for ``produced`` on the
-  others, so each barrier again has one waiter per phase.
+  ``produced``: each barrier still has exactly one waiter per phase.
   """
   bm, bk, bn = config.block_m, config.block_k, config.block_n
   pingpong = config.pingpong
   masker = config.mask_warpgroup
-  selective = config.mask_boundary_only  # the masker sees boundary steps only
   hk = bk if pingpong else bk // 2  # rows of a consumer's accumulator
   stages = config.num_stages
   regs_producer, regs_consumer, regs_masker = register_split(masker, hk * bn)
@@ -760,9 +748,7 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
       lhs_smem=plgpu.SMEM((stages, bm, bk), lhs_gmem.dtype, transforms=in_transforms_lhs),
       rhs_smem=plgpu.SMEM((stages, bm, bn), rhs_gmem.dtype, transforms=in_transforms_rhs),
       # Two TMA arrivals (lhs, rhs) per step; pingpong: one set per consumer.
-      # mask_boundary_only: a second set for the boundary steps (the masker's).
-      produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages * (2 if pingpong else 1)
-                             * (2 if selective else 1)),
+      produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages * (2 if pingpong else 1)),
       consumed=plgpu.Barrier(num_arrivals=1 if pingpong else 2, num_barriers=stages),
       o_smem=plgpu.SMEM((2, config.epilogue_m, config.epilogue_n), out_dtype,
                         transforms=out_transforms),
@@ -783,18 +769,10 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
         def mask_step(it, i, step, slot, owner):
           del step
           _, _, _, start, end, first, _ = it
-          row0 = first + i * bm
-
-          def mask():
-            plgpu.barrier_wait(produced.at[owner + slot + (2 * stages if selective else 0)])
-            _mask_own_stage(lhs_smem.at[slot], rhs_smem.at[slot], row0, start, end,
-                            config.banded_mask)
-            plgpu.barrier_arrive(masked.at[owner + slot])
-
-          if selective:
-            pl.when(_straddles(row0, bm, start, end))(mask)
-          else:
-            mask()
+          plgpu.barrier_wait(produced.at[owner + slot])
+          _mask_own_stage(lhs_smem.at[slot], rhs_smem.at[slot], first + i * bm, start, end,
+                          config.banded_mask)
+          plgpu.barrier_arrive(masked.at[owner + slot])
 
         ring_steps(mask_step)
 
@@ -803,18 +781,14 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
       plgpu.set_max_registers(regs_producer, action="decrease")
 
       def load(it, i, step, slot, owner):
-        _, ki, ni, start, end, first, _ = it
+        _, ki, ni, _, _, first, _ = it
         # The slot's previous use (step - stages) must be consumed first.
         pl.when(step >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
-        row0 = first + i * bm
-        rows = pl.ds(pl.multiple_of(row0, _ROW_ALIGN), bm)
-        bar = owner + slot
-        if selective:  # a boundary step goes to the masker first
-          bar += jnp.where(_straddles(row0, bm, start, end), 2 * stages, 0)
+        rows = pl.ds(pl.multiple_of(first + i * bm, _ROW_ALIGN), bm)
         plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, pl.ds(ki * bk, bk)],
-                                lhs_smem.at[slot], produced.at[bar])
+                                lhs_smem.at[slot], produced.at[owner + slot])
         plgpu.copy_gmem_to_smem(rhs_gmem.at[rows, pl.ds(ni * bn, bn)],
-                                rhs_smem.at[slot], produced.at[bar])
+                                rhs_smem.at[slot], produced.at[owner + slot])
 
       total = ring_steps(load)
 
@@ -837,14 +811,9 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
           def mma(i, step):
             slot = lax.rem(step, stages)
             lhs_t, rhs_t = lhs_smem.at[slot], rhs_smem.at[slot]
+            ready = masked if masker else produced
+            plgpu.barrier_wait(ready.at[(wg * stages if pingpong else 0) + slot])
             row0 = first + i * bm
-            own = (wg * stages if pingpong else 0) + slot
-            if selective:
-              boundary = _straddles(row0, bm, start, end)
-              pl.when(boundary)(lambda: plgpu.barrier_wait(masked.at[own]))
-              pl.when(~boundary)(lambda: plgpu.barrier_wait(produced.at[own]))
-            else:
-              plgpu.barrier_wait((masked if masker else produced).at[own])
             if pingpong and not masker:  # this consumer's own stage
               _mask_own_stage(lhs_t, rhs_t, row0, start, end, config.banded_mask)
             elif not pingpong:
