@@ -242,6 +242,25 @@ def test_mask_warpgroup(block_m, block_k, block_n, stages, k, n, sizes):
   assert not interpret_pallas_call.get_races().races_found
 
 
+@pytest.mark.parametrize("fields, k, n", [
+    # 128 x 192 pingpong: the third 64-column chunk of the last n tile is past n
+    (dict(pingpong=True, block_n=192, epilogue_split=3), 256, 320),
+    # ... in 64 x 64 chunks, the second k tile's lower half past k
+    (dict(pingpong=True, block_n=192, epilogue_split=3, epilogue_rows=64), 192, 320),
+    # the shared ring's 64 x 128 halves in two 64-column chunks each
+    (dict(epilogue_split=2), 256, 384)], ids=["128x192", "rows64", "shared"])
+def test_two_epilogue_buffers(fields, k, n):
+  # Consecutive epilogue chunks alternate between two staging buffers; a chunk
+  # stored nothing (wholly out of bounds) must not let the next one overwrite
+  # a buffer a store is still reading (race detection).
+  cfg = dataclasses.replace(FLAT3_BANDED, num_sms=2, num_stages=2, epilogue_buffers=2, **fields)
+  params = plgpu.InterpretGPUParams(detect_races=True)
+  out, ref = run(296, k, n, [17, 0, 160, 10, 90, 3], config=cfg, interpret=params,
+                 out_dtype=jnp.bfloat16, seed=13)
+  check(out, ref, jnp.bfloat16)
+  assert not interpret_pallas_call.get_races().races_found
+
+
 @pytest.mark.parametrize("flat", [False, True], ids=["per_item", "flat"])
 def test_two_warpgroups_big_tiles_partial_k(flat):
   # 256-row output tile (128 rows per consumer), 128-row steps, k = 192: the
@@ -459,7 +478,9 @@ def test_config_validation():
               dict(num_compute_wgs=2, block_n=128, epilogue_split=3),
               dict(num_compute_wgs=2, block_n=256, epilogue_split=3),
               dict(num_compute_wgs=2, pipeline_across_items=True, pingpong=True,
-                   mask_warpgroup=True)):  # needs banded_mask (the masker's registers)
+                   mask_warpgroup=True),  # needs banded_mask (the masker's registers)
+              dict(epilogue_buffers=2),  # one warpgroup stores whole tiles
+              dict(num_compute_wgs=2, epilogue_buffers=3)):
     with pytest.raises(ValueError):
       MosaicDwConfig(**bad)
   too_big = MosaicDwConfig(block_m=256, block_k=128, block_n=256, num_stages=4)
@@ -513,6 +534,8 @@ def test_lowers_for_sm90(out_dtype, shape):
                                        epilogue_split=3, mask_warpgroup=True))
     configs.append(dataclasses.replace(FLAT3_BANDED, num_sms=None, block_k=256, block_n=192,
                                        epilogue_split=3))
+    configs.append(dataclasses.replace(PINGPONG, num_sms=None, num_stages=4, block_n=192,
+                                       epilogue_split=3, epilogue_buffers=2))
   configs += mosaic_dw.gpu_sweep_configs(m, k, n, g, out_dtype=out_dtype)
   assert any(c.num_compute_wgs == 2 for c in configs)
   for cfg in configs:

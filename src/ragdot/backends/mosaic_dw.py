@@ -133,6 +133,11 @@ class MosaicDwConfig:
       accumulators (128 x 192 spilled: 3.7-4.9x the time), and the masker's 64
       need ``banded_mask``.  Measured on the H200 (2026-11-30): 0.96-0.97x the
       time of the 128 x 128 ring on the Qwen shapes, 0.90x on Mixtral.
+    epilogue_buffers: with 2 warpgroups, staging buffers per consumer (1 or
+      2).  With 2, consecutive epilogue chunks alternate between them, so a
+      chunk waits only for the store of the chunk before the previous one
+      instead of the previous one's (ncu, 128 x 192 pingpong ring: the
+      epilogue held ~29% of the consumers' stall samples).
     schedule_kernel: build the groups' row blocks with one Pallas-Triton
       kernel (``triton_schedule.build_bounds``) where it applies, instead of
       several small XLA kernels; the same values either way.
@@ -152,6 +157,7 @@ class MosaicDwConfig:
   epilogue_rows: int | None = None
   pingpong: bool = False
   mask_warpgroup: bool = False
+  epilogue_buffers: int = 1
   schedule_kernel: bool = True
 
   def __post_init__(self):
@@ -206,6 +212,10 @@ class MosaicDwConfig:
           f" (when > 1) have num_compute_wgs=2, got {self.epilogue_split}"
           f" (block_n={self.block_n}, num_compute_wgs={self.num_compute_wgs})")
 
+    if self.epilogue_buffers not in (1, 2) or (self.epilogue_buffers == 2
+                                                and self.num_compute_wgs != 2):
+      raise ValueError("epilogue_buffers must be 1, or 2 with num_compute_wgs=2,"
+                       f" got {self.epilogue_buffers}")
     if self.mask_warpgroup and (not self.pingpong or not self.banded_mask):
       raise ValueError(f"mask_warpgroup needs pingpong and banded_mask, got {self}")
     if self.epilogue_rows is not None and (
@@ -244,7 +254,8 @@ def smem_bytes(config: MosaicDwConfig, dtype, out_dtype) -> int:
   itemsize = jnp.dtype(dtype).itemsize
   per_stage = config.block_m * (config.block_k + config.block_n) * itemsize
   staging = config.epilogue_m * config.epilogue_n * jnp.dtype(out_dtype).itemsize
-  return config.num_stages * per_stage + staging * config.num_compute_wgs
+  return (config.num_stages * per_stage
+          + staging * config.num_compute_wgs * config.epilogue_buffers)
 
 
 def _fit(block: int, dim: int) -> int:
@@ -557,30 +568,41 @@ def _mask_bands(tiles, wg, num_wgs: int, row0, start, end) -> None:
 
 
 def _store_consumer_half(acc, my_smem, out_gmem, j, row, col) -> None:
-  """A consumer's epilogue: its f32 accumulator through its own SMEM buffer to
-  output tile j at (row, col)."""
-  rm, cn = my_smem.shape
+  """A consumer's epilogue: its f32 accumulator through its own SMEM buffers
+  (``my_smem``: [buffers, rows, cols]) to output tile j at (row, col)."""
+  nbuf, rm, cn = my_smem.shape
+  t, stored = 0, None  # chunk count; whether the previous chunk was stored
   for r in range(0, acc.shape[0], rm):  # epilogue_rows chunks
     rows = acc if rm == acc.shape[0] else acc[r:r + rm]
     for c in range(acc.shape[1] // cn):  # epilogue_split chunks
-      # This consumer's previous store must be done reading its buffer.
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      my_smem[...] = sm90.column_chunk(rows, c, cn).astype(my_smem.dtype)
+      # The buffer's previous store must be done reading it: with one buffer
+      # the last store; with two, all but the last one, which read the other
+      # buffer (unless the previous chunk, wholly out of bounds, stored
+      # nothing; and at an item's first chunk all are waited for).
+      if nbuf == 1 or stored is None:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      else:
+        pl.when(stored)(lambda: plgpu.wait_smem_to_gmem(1, wait_read_only=True))
+        pl.when(~stored)(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
+      buf = my_smem.at[t % nbuf]
+      buf[...] = sm90.column_chunk(rows, c, cn).astype(buf.dtype)
       plgpu.commit_smem()
-      _store_half(my_smem, out_gmem, j, row + r, col + c * cn)
+      stored = _store_half(buf, out_gmem, j, row + r, col + c * cn)
+      t += 1
 
 
-def _store_half(src_smem, out_gmem, j, row, col) -> None:
+def _store_half(src_smem, out_gmem, j, row, col):
   """One consumer's (epilogue_m, epilogue_n) chunk of output tile j at (row, col).
 
   Skipped when it lies wholly past k (a k tile wider than k's remainder) or n
   (an epilogue chunk of the last n tile): a TMA box entirely out of bounds is
-  not left to the hardware to drop.
+  not left to the hardware to drop.  Returns whether it was stored.
   """
   hk, bn = src_smem.shape
   inside = (row < out_gmem.shape[1]) & (col < out_gmem.shape[2])
   pl.when(inside)(lambda: plgpu.copy_smem_to_gmem(
       src_smem, out_gmem.at[j, pl.ds(row, hk), pl.ds(col, bn)]))
+  return inside
 
 
 def _body_2wg(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gmem,
@@ -630,8 +652,8 @@ def _body_2wg(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gm
   @functools.partial(
       pl.run_scoped,
       allocs=allocs,
-      o_smem=plgpu.SMEM((2, config.epilogue_m, config.epilogue_n), out_dtype,
-                        transforms=out_transforms),
+      o_smem=plgpu.SMEM((2, config.epilogue_buffers, config.epilogue_m, config.epilogue_n),
+                        out_dtype, transforms=out_transforms),
       mask_barrier=plgpu.Barrier(num_arrivals=2),
       done_barrier=plgpu.Barrier(num_arrivals=2),
       collective_axes="wg",
@@ -750,8 +772,8 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
       # Two TMA arrivals (lhs, rhs) per step; pingpong: one set per consumer.
       produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages * (2 if pingpong else 1)),
       consumed=plgpu.Barrier(num_arrivals=1 if pingpong else 2, num_barriers=stages),
-      o_smem=plgpu.SMEM((2, config.epilogue_m, config.epilogue_n), out_dtype,
-                        transforms=out_transforms),
+      o_smem=plgpu.SMEM((2, config.epilogue_buffers, config.epilogue_m, config.epilogue_n),
+                        out_dtype, transforms=out_transforms),
       mask_barrier=plgpu.Barrier(num_arrivals=2),
       # mask_warpgroup: the masker -> the owner of a step (one set per consumer).
       **(dict(masked=plgpu.Barrier(num_arrivals=1, num_barriers=2 * stages))
