@@ -95,7 +95,9 @@ class MosaicDwConfig:
     num_compute_wgs: 1 (one warpgroup runs the TMA pipeline and the wgmma) or
       2 (warp-specialized: a producer warpgroup issues the TMA loads, two
       consumer warpgroups each own block_k / 2 rows of the output tile and
-      share the rhs block; each holds a (block_k / 2) x block_n accumulator;
+      share the rhs block; each holds a (block_k / 2) x block_n accumulator,
+      at most 128 x 192 (256 x 192 items measured 1.16-1.22x the 128 x 192
+      pingpong ring's time, H200 2026-11-30);
       see ``pingpong`` and ``mask_warpgroup`` for the other splits of work).
     pipeline_across_items: with 2 warpgroups, one ring of stages runs through
       all of a CTA's items (the producer loads the next item's row blocks
@@ -129,15 +131,18 @@ class MosaicDwConfig:
       step to its consumer, so a consumer's wgmmas never wait behind its own
       masking (traced out, the masking took 13-15% of the 128 x 192 ring's
       time on the Qwen shapes).  The consumers get fewer registers (4
-      warpgroups share the CTA's allocation): 200 each, so at most 128 x 128
-      accumulators (128 x 192 spilled: 3.7-4.9x the time), and the masker's 64
-      need ``banded_mask``.  Measured on the H200 (2026-11-30): 0.96-0.97x the
-      time of the 128 x 128 ring on the Qwen shapes, 0.90x on Mixtral.
+      warpgroups share the CTA's allocation): 200 each beside 128 x 128
+      accumulators, 224 beside 128 x 192 (the producer and the masker then get
+      24 and 40; with 200 the consumers spilled, 3.7-4.9x the time), and the
+      masker needs ``banded_mask``.  Measured on the H200 (2026-11-30): 0.96-0.97x
+      the time of the 128 x 128 ring on the Qwen shapes, 0.90x on Mixtral;
+      1.03-1.06x the 128 x 192 ring's.
     epilogue_buffers: with 2 warpgroups, staging buffers per consumer (1 or
       2).  With 2, consecutive epilogue chunks alternate between them, so a
       chunk waits only for the store of the chunk before the previous one
-      instead of the previous one's (ncu, 128 x 192 pingpong ring: the
-      epilogue held ~29% of the consumers' stall samples).
+      instead of the previous one's.  Measured on the 128 x 192 pingpong ring
+      (H200, 2026-11-30): 0.987-1.003x the time with one buffer on the Qwen and
+      Mixtral shapes, 0.957x on DeepSeek-V3 down.
     schedule_kernel: build the groups' row blocks with one Pallas-Triton
       kernel (``triton_schedule.build_bounds``) where it applies, instead of
       several small XLA kernels; the same values either way.
@@ -375,8 +380,8 @@ def gpu_sweep_configs(
     if config is not None and config not in out:
       out.append(config)
       # A masking warpgroup beside 128 x 128 accumulators (0.96-0.97x the time
-      # on the Qwen shapes, H200 2026-11-30; with 192 accumulator columns the
-      # consumers' 200 registers spill: 3.7-4.9x).
+      # on the Qwen shapes, H200 2026-11-30; beside 128 x 192 ones it measured
+      # 1.03-1.06x, so the list leaves that out).
       if bk * bn <= 128 * 128:
         out.append(dataclasses.replace(config, mask_warpgroup=True))
   # (bm, bk, bn, stages, tile width, warpgroups, CTAs per SM, ring)
