@@ -235,3 +235,44 @@ def row_blocks(
   first = (starts // align) * align
   nblocks = jnp.where(ends > starts, (ends - first + block_m - 1) // block_m, 0)
   return starts, ends, first, nblocks
+
+
+def dw_steps(starts: jax.Array, ends: jax.Array, m: int, block_m: int,
+             chunks: int) -> tuple[jax.Array, jax.Array]:
+  """Every local group's ``block_m``-row steps in one list, cut into row chunks.
+
+  For a dW kernel whose programs each run one output tile over a run of whole
+  groups in a single loop (so its pipeline never drains between groups).
+  Group j takes ``max(cdiv(ends[j] - starts[j], block_m), 1)`` steps starting at
+  its first row (an empty group takes one step with no rows: it stores zeros).
+
+  Returns ``steps``: int32[3, S] with S = ``cdiv(m, block_m) + num_local`` (a
+  static bound; entries past the real count are padding), per step its first
+  row, its group's end row and ``2 * group + last`` (``last``: the group's final
+  step, where the accumulator is stored); and ``bounds``: int32[chunks + 1], chunk c
+  being steps ``[bounds[c], bounds[c + 1])``, cut only between groups, each about
+  ``1 / chunks`` of the steps (a chunk may be empty).
+  """
+  num_local = starts.shape[0]
+  total = pl_cdiv(m, block_m) + num_local
+  if num_local == 0:
+    return jnp.zeros((3, total), jnp.int32), jnp.zeros((chunks + 1,), jnp.int32)
+  starts, ends = lax.optimization_barrier((starts, ends))
+  count = jnp.maximum((ends - starts + block_m - 1) // block_m, 1)
+  incl = jnp.cumsum(count).astype(jnp.int32)
+  excl = incl - count
+  incl, excl = lax.optimization_barrier((incl, excl))
+  t = jnp.arange(total, dtype=jnp.int32)
+  # searchsorted(incl, t, side="right") as a compare-and-count (see tile_schedule).
+  group = jnp.minimum(jnp.sum(incl[None, :] <= t[:, None], axis=1, dtype=jnp.int32),
+                      num_local - 1)
+  i = t - excl[group]
+  real = t < incl[-1]
+  row0 = jnp.where(real, starts[group] + i * block_m, 0)
+  end = jnp.where(real, ends[group], 0)
+  code = jnp.where(real, 2 * group + (i == count[group] - 1), 0)
+  # Chunk c starts at the first group whose first step is >= c * S / chunks.
+  targets = (jnp.arange(chunks + 1, dtype=jnp.int32) * incl[-1]) // chunks
+  first = jnp.sum(excl[None, :] < targets[:, None], axis=1, dtype=jnp.int32)
+  bounds = jnp.concatenate([excl, incl[-1:]])[first]
+  return jnp.stack([row0, end, code]).astype(jnp.int32), bounds.astype(jnp.int32)
