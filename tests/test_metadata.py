@@ -95,7 +95,7 @@ def test_dw_steps_walk_every_local_group_once(layout, chunks):
   steps, bounds = md.dw_steps(starts, ends, m, block_m, chunks)
   steps, bounds = np.asarray(steps), np.asarray(bounds)
   s_np, e_np = np.asarray(starts), np.asarray(ends)
-  assert steps.shape == (3, md.pl_cdiv(m, block_m) + num_local)
+  assert steps.shape == (3, md.pl_cdiv(m, block_m) + num_local + 1)
   assert bounds.shape == (chunks + 1,) and np.all(np.diff(bounds) >= 0)
   expected = []
   for j in range(num_local):
@@ -103,7 +103,7 @@ def test_dw_steps_walk_every_local_group_once(layout, chunks):
     expected += [(s_np[j] + i * block_m, e_np[j], 2 * j + (i == count - 1))
                  for i in range(count)]
   total = len(expected)
-  assert total <= steps.shape[1] and bounds[0] == 0 and bounds[-1] == total
+  assert total < steps.shape[1] and bounds[0] == 0 and bounds[-1] == total
   assert [tuple(map(int, steps[:, t])) for t in range(total)] == expected
   group_firsts = {0} | {t + 1 for t in range(total) if steps[2, t] % 2}
   assert set(bounds.tolist()) <= group_firsts

@@ -246,15 +246,16 @@ def dw_steps(starts: jax.Array, ends: jax.Array, m: int, block_m: int,
   Group j takes ``max(cdiv(ends[j] - starts[j], block_m), 1)`` steps starting at
   its first row (an empty group takes one step with no rows: it stores zeros).
 
-  Returns ``steps``: int32[3, S] with S = ``cdiv(m, block_m) + num_local`` (a
-  static bound; entries past the real count are padding), per step its first
+  Returns ``steps``: int32[3, S] with S = ``cdiv(m, block_m) + num_local + 1`` (a
+  static bound with room for one read past the last step; entries past the real
+  count are padding), per step its first
   row, its group's end row and ``2 * group + last`` (``last``: the group's final
   step, where the accumulator is stored); and ``bounds``: int32[chunks + 1], chunk c
   being steps ``[bounds[c], bounds[c + 1])``, cut only between groups, each about
   ``1 / chunks`` of the steps (a chunk may be empty).
   """
   num_local = starts.shape[0]
-  total = pl_cdiv(m, block_m) + num_local
+  total = pl_cdiv(m, block_m) + num_local + 1
   if num_local == 0:
     return jnp.zeros((3, total), jnp.int32), jnp.zeros((chunks + 1,), jnp.int32)
   starts, ends = lax.optimization_barrier((starts, ends))

@@ -472,9 +472,15 @@ def _tgmm_flat_kernel(steps_ref, bounds_ref, lhs_ref, rhs_ref, out_ref, *, k, n,
   k_row = None if k_mask is None else k_mask[None, :]
   n_row = None if n_mask is None else n_mask[None, :]
   out_mask = _and(None if k_mask is None else k_mask[:, None], n_row)
+  read = lambda t: (steps_ref[0, t], steps_ref[1, t], steps_ref[2, t])
 
-  def step(t, acc):
-    row0, end, code = steps_ref[0, t], steps_ref[1, t], steps_ref[2, t]
+  # Step t's entry (first row, group end, 2 * group + last) was read in step
+  # t - 1 and arrives in the loop carry: Triton does not pipeline scalar loads,
+  # and an operand address or the store branch waiting on a load made in the
+  # same step stalls every step (ncu, 2026-11-30).
+  def step(t, carry):
+    acc, (row0, end, code) = carry
+    ahead = read(t + 1)
     # Rows past the group's end load as 0 in both operands (inf/NaN in a
     # neighbour's rows cannot leak); an empty group's one step loads nothing.
     rows = (_iota(bm, row0) < end)[:, None]
@@ -487,10 +493,10 @@ def _tgmm_flat_kernel(steps_ref, bounds_ref, lhs_ref, rhs_ref, out_ref, *, k, n,
              acc.astype(out_ref.dtype), out_mask)
       return jnp.zeros_like(acc)
 
-    return lax.cond(code % 2 == 1, flush, lambda acc: acc, acc)
+    return lax.cond(code % 2 == 1, flush, lambda acc: acc, acc), ahead
 
-  lax.fori_loop(bounds_ref[chunk], bounds_ref[chunk + 1], step,
-                jnp.zeros((bk, bn), jnp.float32))
+  lo = bounds_ref[chunk]
+  lax.fori_loop(lo, bounds_ref[chunk + 1], step, (jnp.zeros((bk, bn), jnp.float32), read(lo)))
 
 
 def tgmm(
