@@ -1,7 +1,7 @@
 """A/B/C... of Pallas-Triton configs on the training shapes (GPU machine).
 
   python3 scripts/ab_triton.py OUT_DIR --op dw [--base FIELD=VALUE ...]
-      --variants "dw_chunks=4" "dw_chunks=8 block_n=256" ... [--rounds 3]
+      --variants "num_stages=4" "block_n=256 num_warps=8" ... [--rounds 3]
 
 For each training shape times the Triton kernel of ``--op`` (dw: tgmm; fwd: gmm;
 dx: gmm with rhs [g, n, k]) with the default config (A; ``--base`` replaces

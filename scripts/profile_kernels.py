@@ -11,9 +11,8 @@ matmul of the same (m, k, n), and Mixtral gate_up forward (the shape where the
 forward kernel is closest to dense) for contrast; ``dw_qwen_p6`` /
 ``dw_qwen_masker``: the dW 128 x 128 pingpong ring without / with the masking
 warpgroup (where does the boundary masking's time go?); ``dw_qwen_masker192``:
-the 128 x 192 ring with the masking warpgroup; ``dw_qwen_triton`` /
-``dw_qwen_triton_flat``: the Pallas-Triton dW per (group, tile) program and with
-one loop over a chunk of groups (``dw_chunks=8``).  Inputs are routed
+the 128 x 192 ring with the masking warpgroup; ``dw_qwen_triton``: the
+Pallas-Triton dW (one program per group and output tile).  Inputs are routed
 random data, never zeros.  Extra ncu sections (e.g. SourceCounters for the
 stall sampling by instruction): ``PROFILE_SECTIONS`` in scripts/gpu_run.sh.
 """
@@ -73,16 +72,12 @@ def _cases():
     fn = jax.jit(lambda x, d, gs, cfg=cfg: mosaic_dw.tgmm(
         x, d, gs, None, num_groups=qwen.g, out_dtype=jnp.bfloat16, config=cfg))
     out[name] = (fn, (x, dy, sizes))
-  # The Pallas-Triton dW (issue #5): one program per (group, tile), and one
-  # pipelined loop over a chunk of groups' row steps (dw_chunks).
+  # The Pallas-Triton dW (issue #5), its default config.
   from ragdot.backends import triton  # pylint: disable=g-import-not-at-top
-  base = triton.default_config("tgmm", qwen.m, qwen.k, qwen.n, qwen.g)
-  for name, cfg in (("dw_qwen_triton", base),
-                    ("dw_qwen_triton_flat", dataclasses.replace(base, dw_chunks=8))):
-    fn = jax.jit(lambda x, d, gs, cfg=cfg: triton.tgmm(
-        x, d, gs, None, num_groups=qwen.g, out_dtype=jnp.bfloat16, precision=None,
-        config=cfg))
-    out[name] = (fn, (x, dy, sizes))
+  cfg = triton.default_config("tgmm", qwen.m, qwen.k, qwen.n, qwen.g)
+  out["dw_qwen_triton"] = (jax.jit(lambda x, d, gs: triton.tgmm(
+      x, d, gs, None, num_groups=qwen.g, out_dtype=jnp.bfloat16, precision=None,
+      config=cfg)), (x, dy, sizes))
   return out
 
 

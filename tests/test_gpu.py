@@ -127,30 +127,6 @@ def test_triton_real_sizes(shape):
   oracle.assert_close(dw, oracle.np_trans_ragged_dot(x, dy, sizes), jnp.bfloat16)
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=[f"{s[0]}x{s[1]}x{s[2]}g{s[3]}-{s[4]}" for s in SHAPES])
-@pytest.mark.parametrize("dw_chunks,block_n,shard", [(1, 128, None), (5, 256, None), (3, 128, (112, 16))],
-                         ids=["1chunk", "5chunks_bn256", "3chunks_last"])
-def test_triton_dw_flat_real_sizes(shape, dw_chunks, block_n, shard):
-  """The Triton dW with one loop over a chunk of groups' row steps (dw_chunks)."""
-  from ragdot.backends import triton as tr  # pylint: disable=g-import-not-at-top
-  m, k, n, g, layout = shape
-  sizes = _sizes(m, g, layout)
-  offset, local = (None, g) if shard is None else (shard[0] * g // 128, max(shard[1] * g // 128, 1))
-  x, dy = oracle.random_inputs(jax.random.key(m + n + dw_chunks), [(m, k), (m, n)], jnp.bfloat16)
-  go = None if offset is None else jnp.int32(offset)
-  config = tr.TritonConfig(block_m=64, block_n=block_n, block_k=128, num_warps=8,
-                           num_stages=3, dw_chunks=dw_chunks)
-  fn = jax.jit(lambda x, d, gs, go: tr.tgmm(x, d, gs, go, num_groups=local, out_dtype=jnp.bfloat16,
-                                            precision=None, config=config))
-  _poison(4 * g * k * n)
-  out = fn(x, dy, jnp.asarray(sizes), go)
-  oracle.assert_close(out, oracle.np_trans_ragged_dot(x, dy, sizes, go, None if shard is None else local),
-                      jnp.bfloat16)
-  assert np.all(np.isfinite(np.asarray(out, np.float32)))
-  again = fn(x, dy, jnp.asarray(sizes), go)
-  assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(again).view(np.uint16))
-
-
 @pytest.mark.parametrize("variant", ["1wg", "2wg", "2wg_chained", "2wg_split_n",
                                      "2wg_split_n_ntail"])
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])

@@ -82,32 +82,3 @@ def test_tiles_ordered_by_group_then_row(seed, m):
 def test_group_ends_saturate_without_overflow():
   sizes = jnp.array([2**30, 2**30, 2**30, 5], jnp.int32)
   np.testing.assert_array_equal(md.global_group_ends(sizes, 100), [100] * 4)
-
-
-@settings(max_examples=60)
-@given(layouts(), st.integers(1, 9))
-def test_dw_steps_walk_every_local_group_once(layout, chunks):
-  """Each local group gets max(cdiv(rows, block_m), 1) steps from its first row,
-  flagged last on its final step; chunks are cut between groups only."""
-  m, sizes, offset, num_local, block_m = layout
-  go = None if offset is None else jnp.int32(offset)
-  starts, ends = md.group_bounds(jnp.asarray(sizes), m, go, num_local)
-  steps, bounds = md.dw_steps(starts, ends, m, block_m, chunks)
-  steps, bounds = np.asarray(steps), np.asarray(bounds)
-  s_np, e_np = np.asarray(starts), np.asarray(ends)
-  assert steps.shape == (3, md.pl_cdiv(m, block_m) + num_local + 1)
-  assert bounds.shape == (chunks + 1,) and np.all(np.diff(bounds) >= 0)
-  expected = []
-  for j in range(num_local):
-    count = max(-(-(e_np[j] - s_np[j]) // block_m), 1)
-    expected += [(s_np[j] + i * block_m, e_np[j], 2 * j + (i == count - 1))
-                 for i in range(count)]
-  total = len(expected)
-  assert total < steps.shape[1] and bounds[0] == 0 and bounds[-1] == total
-  assert [tuple(map(int, steps[:, t])) for t in range(total)] == expected
-  group_firsts = {0} | {t + 1 for t in range(total) if steps[2, t] % 2}
-  assert set(bounds.tolist()) <= group_firsts
-  # Cut points are the first group start at or after each even share.
-  for c, b in enumerate(bounds):
-    target = c * total // chunks
-    assert b >= target and not any(target <= f < b for f in group_firsts)

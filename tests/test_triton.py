@@ -7,8 +7,6 @@ public API with hypothesis.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,17 +56,15 @@ def _local_rows(sizes, m, offset, num_local):
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])
-@pytest.mark.parametrize("dtype,tile_width", [(jnp.float32, 1), (jnp.bfloat16, 1),
-                                              (jnp.bfloat16, 3)])
-def test_boundary_tiles(transpose_rhs, dtype, tile_width):
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_boundary_tiles(transpose_rhs, dtype):
   """m, k, n not multiples of the block; groups start and end inside blocks."""
   m, k, n = 53, 37, 45
   sizes = [7, 0, 20, 3, 15]  # sum 45 < m: rows 45..52 are zero
   g = len(sizes)
   rshape = (g, n, k) if transpose_rhs else (g, k, n)
   lhs, rhs = _inputs(1 + transpose_rhs, [(m, k), rshape], dtype)
-  config = dataclasses.replace(SMALL, tile_width=tile_width)
-  out = _gmm(lhs, rhs, sizes, None, transpose_rhs, out_dtype=jnp.float32, config=config)
+  out = _gmm(lhs, rhs, sizes, None, transpose_rhs, out_dtype=jnp.float32)
   assert out.shape == (m, n) and out.dtype == jnp.float32
   ref = oracle.ref_ragged_dot(lhs, rhs, sizes, None, transpose_rhs)
   oracle.assert_close(out, ref, dtype)
@@ -117,17 +113,6 @@ def test_default_config_and_tiny_shapes():
   oracle.assert_close(out, ref, jnp.bfloat16)
 
 
-@pytest.mark.parametrize("n_tiles,max_t,width", [(1, 1, 1), (3, 7, 1), (3, 7, 2), (5, 6, 3),
-                                                 (4, 9, 4), (2, 3, 8)])
-def test_strip_order_visits_every_tile_once(n_tiles, max_t, width):
-  pids = jnp.arange(n_tiles * max_t)
-  t, j = tr._strip_tile(pids, n_tiles, max_t, min(width, max_t))
-  pairs = sorted(zip(np.asarray(t).tolist(), np.asarray(j).tolist()))
-  assert pairs == [(a, b) for a in range(max_t) for b in range(n_tiles)]
-  if width > 1 and max_t >= width:  # a strip's row tiles share each n tile in turn
-    assert np.asarray(j)[:width].tolist() == [0] * width
-
-
 def test_grid_is_tiles_times_n_tiles_plus_zero_blocks():
   """Static grid: (cdiv(m, bm) + g - 1) * n_tiles work programs + one per row block."""
   m, k, n, g = 100, 32, 40, 5
@@ -154,18 +139,14 @@ def test_grid_is_tiles_times_n_tiles_plus_zero_blocks():
         ([0, 0, 0], None, 3),          # all empty
     ],
 )
-@pytest.mark.parametrize("dw_chunks", [0, 1, 3])
-def test_tgmm_empty_groups_exact_zeros(sizes, offset, num_local, dw_chunks):
-  """Partial row chunks; rows outside local groups hold inf and never leak.
-  dw_chunks 0: one program per (group, tile); else one pipelined loop over the
-  row steps of a chunk of groups."""
+def test_tgmm_empty_groups_exact_zeros(sizes, offset, num_local):
+  """Partial row chunks; rows outside local groups hold inf and never leak."""
   m, k, n = 45, 21, 35
   lhs, rhs = _inputs(11, [(m, k), (m, n)], jnp.float32)
   local = jnp.asarray(_local_rows(sizes, m, offset, num_local))[:, None]
   lhs_bad = jnp.where(local, lhs, jnp.inf)
   rhs_bad = jnp.where(local, rhs, jnp.nan)
-  config = dataclasses.replace(SMALL, dw_chunks=dw_chunks)
-  out = _tgmm(lhs_bad, rhs_bad, sizes, offset, num_local, config=config)
+  out = _tgmm(lhs_bad, rhs_bad, sizes, offset, num_local)
   assert out.shape == (num_local, k, n)
   ref = oracle.ref_trans_ragged_dot(jnp.where(local, lhs, 0), jnp.where(local, rhs, 0),
                                     sizes, None if offset is None else jnp.int32(offset),
@@ -180,17 +161,12 @@ def test_tgmm_empty_groups_exact_zeros(sizes, offset, num_local, dw_chunks):
       assert np.all(np.asarray(out[j]) == 0)
 
 
-@pytest.mark.parametrize("dw_chunks", [None, 2])
-def test_tgmm_bf16_default_config_long_group(dw_chunks):
+def test_tgmm_bf16_default_config_long_group():
   """Default config; one group spans many full row chunks plus a tail."""
   m, k, n = 150, 24, 40
   lhs, rhs = _inputs(12, [(m, k), (m, n)], jnp.bfloat16)
   sizes = [3, 140, 0]
-  config = None
-  if dw_chunks is not None:
-    default = tr.default_config("tgmm", m, k, n, 3, jnp.bfloat16)
-    config = dataclasses.replace(default, dw_chunks=dw_chunks)
-  out = _tgmm(lhs, rhs, sizes, None, 3, out_dtype=jnp.float32, config=config)
+  out = _tgmm(lhs, rhs, sizes, None, 3, out_dtype=jnp.float32, config=None)
   ref = oracle.ref_trans_ragged_dot(lhs, rhs, sizes)
   oracle.assert_close(out, ref, jnp.bfloat16)
   assert np.all(np.asarray(out[2]) == 0)
@@ -202,8 +178,7 @@ def test_tgmm_bf16_default_config_long_group(dw_chunks):
 @pytest.mark.parametrize(
     "fields",
     [dict(block_m=48), dict(block_n=8), dict(block_k=1024), dict(block_m=True),
-     dict(num_warps=3), dict(num_stages=0), dict(num_stages=2.0), dict(dw_chunks=-1),
-     dict(dw_chunks=True), dict(tile_width=0), dict(tile_width=65)],
+     dict(num_warps=3), dict(num_stages=0), dict(num_stages=2.0)],
 )
 def test_config_validation(fields):
   with pytest.raises(ValueError):
@@ -275,9 +250,6 @@ def test_lowers_for_cuda(kind):
        (s((m, k), jnp.float32), s((g, k, n), jnp.float32))),
       (lambda l, r, a, o: tr.tgmm(l, r, a, o, num_groups=g, out_dtype=bf16,
                                   precision=None), (s((m, k), bf16), s((m, n), bf16))),
-      (lambda l, r, a, o: tr.tgmm(l, r, a, o, num_groups=g, out_dtype=bf16, precision=None,
-                                  config=tr.TritonConfig(block_m=64, dw_chunks=3)),
-       (s((m, k), bf16), s((m, n), bf16))),
   ]
   device = AbstractDevice(device_kind=kind, num_cores=None, platform="gpu")
   mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)

@@ -76,14 +76,6 @@ class TritonConfig:
   ``num_warps`` and ``num_stages`` (software pipelining depth) go to Triton.
   ``schedule_kernel`` (gmm / dX): build the tile schedule with one kernel
   (``triton_schedule``) where it applies instead of several XLA kernels.
-  ``tile_width`` (gmm / dX): programs walk strips of this many row tiles, all
-  tiles of a strip for one n tile before the next n tile, so the row tiles of
-  one group read each weight block at about the same time (L2 hits); 1 walks
-  every n tile of a row tile first.
-  ``dw_chunks`` (tgmm): 0 runs one program per (group, k tile, n tile); a
-  positive value runs one program per (row chunk, k tile, n tile) over that
-  many chunks of whole groups, each program looping over all its groups' row
-  steps in one pipelined loop (``metadata.dw_steps``).
   """
 
   block_m: int = 128
@@ -92,8 +84,6 @@ class TritonConfig:
   num_warps: int = 4
   num_stages: int = 3
   schedule_kernel: bool = True
-  tile_width: int = 1
-  dw_chunks: int = 0
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "block_k"):
@@ -107,12 +97,6 @@ class TritonConfig:
     if (not isinstance(self.num_stages, int) or isinstance(self.num_stages, bool)
         or not 1 <= self.num_stages <= 8):
       raise ValueError(f"num_stages must be an int in [1, 8], got {self.num_stages!r}")
-    if (not isinstance(self.tile_width, int) or isinstance(self.tile_width, bool)
-        or not 1 <= self.tile_width <= 64):
-      raise ValueError(f"tile_width must be an int in [1, 64], got {self.tile_width!r}")
-    if (not isinstance(self.dw_chunks, int) or isinstance(self.dw_chunks, bool)
-        or not 0 <= self.dw_chunks <= 4096):
-      raise ValueError(f"dw_chunks must be an int in [0, 4096], got {self.dw_chunks!r}")
 
   def smem_bytes(self, dtype: Any = jnp.bfloat16, out_dtype: Any = None,
                  op: str = "gmm") -> int:
@@ -308,26 +292,15 @@ def _compiler_params(config: TritonConfig) -> Any:
 # --- gmm: forward and dX -------------------------------------------------------
 
 
-def _strip_tile(pid, n_tiles: int, max_t: int, width: int):
-  """(row tile, n tile) of work program ``pid``: strips of ``width`` row tiles
-  (the last one narrower when ``width`` does not divide ``max_t``), each strip
-  walking its row tiles for one n tile before the next n tile."""
-  if width == 1:
-    return pid // n_tiles, pid % n_tiles
-  strip = pid // (width * n_tiles)
-  within = pid % (width * n_tiles)
-  w = jnp.minimum(width, max_t - strip * width)
-  return strip * width + within % w, within // w
-
-
 def _gmm_kernel(tiles_ref, info_ref, lhs_ref, rhs_ref, out_ref, *, m, k, n, bm,
-                bn, bk, n_tiles, work, max_t, tile_width, transpose_rhs, precision):
+                bn, bk, n_tiles, work, transpose_rhs, precision):
   pid = pl.program_id(0)
   k_steps = pl.cdiv(k, bk)
 
   @pl.when(pid < work)
   def _compute():
-    t, j = _strip_tile(pid, n_tiles, max_t, tile_width)
+    t = pid // n_tiles
+    j = pid % n_tiles
 
     @pl.when(t < info_ref[0])
     def _tile():
@@ -415,8 +388,7 @@ def gmm(
   work = max_t * n_tiles
   kernel = functools.partial(
       _gmm_kernel, m=m, k=k, n=n, bm=bm, bn=bn, bk=bk, n_tiles=n_tiles, work=work,
-      max_t=max_t, tile_width=min(config.tile_width, max_t), transpose_rhs=transpose_rhs,
-      precision=prec)
+      transpose_rhs=transpose_rhs, precision=prec)
   tiles, info, lhs, rhs = match_varying(tiles, info, lhs, rhs)
   return pl.pallas_call(
       kernel,
@@ -460,45 +432,6 @@ def _tgmm_kernel(bounds_ref, lhs_ref, rhs_ref, out_ref, *, k, n, bm, bn, bk,
          _and(None if k_mask is None else k_mask[:, None], n_row))
 
 
-def _tgmm_flat_kernel(steps_ref, bounds_ref, lhs_ref, rhs_ref, out_ref, *, k, n, bm,
-                      bn, bk, k_tiles, n_tiles, precision):
-  pid = pl.program_id(0)
-  chunk = pid // (k_tiles * n_tiles)
-  rest = pid % (k_tiles * n_tiles)
-  k0 = pl.multiple_of((rest // n_tiles) * bk, bk)
-  n0 = pl.multiple_of((rest % n_tiles) * bn, bn)
-  k_mask = _iota(bk, k0) < k if k % bk else None
-  n_mask = _iota(bn, n0) < n if n % bn else None
-  k_row = None if k_mask is None else k_mask[None, :]
-  n_row = None if n_mask is None else n_mask[None, :]
-  out_mask = _and(None if k_mask is None else k_mask[:, None], n_row)
-  read = lambda t: (steps_ref[0, t], steps_ref[1, t], steps_ref[2, t])
-
-  # Step t's entry (first row, group end, 2 * group + last) was read in step
-  # t - 1 and arrives in the loop carry: Triton does not pipeline scalar loads,
-  # and an operand address or the store branch waiting on a load made in the
-  # same step stalls every step (ncu, 2026-11-30).
-  def step(t, carry):
-    acc, (row0, end, code) = carry
-    ahead = read(t + 1)
-    # Rows past the group's end load as 0 in both operands (inf/NaN in a
-    # neighbour's rows cannot leak); an empty group's one step loads nothing.
-    rows = (_iota(bm, row0) < end)[:, None]
-    x = _load(lhs_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], _and(rows, k_row))
-    y = _load(rhs_ref.at[pl.ds(row0, bm), pl.ds(n0, bn)], _and(rows, n_row))
-    acc = acc + plgpu.dot(x, y, trans_a=True, precision=precision)
-
-    def flush(acc):  # the group's last step: store its tile, start the next at 0
-      _store(out_ref.at[code // 2, pl.ds(k0, bk), pl.ds(n0, bn)],
-             acc.astype(out_ref.dtype), out_mask)
-      return jnp.zeros_like(acc)
-
-    return lax.cond(code % 2 == 1, flush, lambda acc: acc, acc), ahead
-
-  lo = bounds_ref[chunk]
-  lax.fori_loop(lo, bounds_ref[chunk + 1], step, (jnp.zeros((bk, bn), jnp.float32), read(lo)))
-
-
 def tgmm(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -523,23 +456,17 @@ def tgmm(
     raise TypeError(f"config must be a TritonConfig, got {type(config).__name__}")
   bm, bn, bk = _fit(config.block_m, m), _fit(config.block_n, n), _fit(config.block_k, k)
   starts, ends = md.group_bounds(group_sizes, m, group_offset, num_groups)
+  bounds = jnp.stack([starts, ends]).astype(jnp.int32)
   k_tiles, n_tiles = pl.cdiv(k, bk), pl.cdiv(n, bn)
-  args = dict(k=k, n=n, bm=bm, bn=bn, bk=bk, k_tiles=k_tiles, n_tiles=n_tiles, precision=prec)
-  if config.dw_chunks:
-    chunks = min(config.dw_chunks, num_groups)
-    operands = md.dw_steps(starts, ends, m, bm, chunks)
-    kernel = functools.partial(_tgmm_flat_kernel, **args)
-    programs, name = chunks * k_tiles * n_tiles, "ragdot_triton_tgmm_flat"
-  else:
-    operands = (jnp.stack([starts, ends]).astype(jnp.int32),)
-    kernel = functools.partial(_tgmm_kernel, **args)
-    programs, name = num_groups * k_tiles * n_tiles, "ragdot_triton_tgmm"
-  *operands, lhs, rhs = match_varying(*operands, lhs, rhs)
+  kernel = functools.partial(
+      _tgmm_kernel, k=k, n=n, bm=bm, bn=bn, bk=bk, k_tiles=k_tiles,
+      n_tiles=n_tiles, precision=prec)
+  bounds, lhs, rhs = match_varying(bounds, lhs, rhs)
   return pl.pallas_call(
       kernel,
       out_shape=out_struct((num_groups, k, n), out_dtype, lhs),
-      grid=(programs,),
+      grid=(num_groups * k_tiles * n_tiles,),
       compiler_params=_compiler_params(config),
       interpret=interpret,
-      name=name,
-  )(*operands, lhs, rhs)
+      name="ragdot_triton_tgmm",
+  )(bounds, lhs, rhs)
