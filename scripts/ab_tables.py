@@ -21,8 +21,6 @@ import jax.numpy as jnp
 from ragdot import backends, bench, timing
 from ragdot.dispatch import backend_call, make_config
 
-_TABLE_OP = {("gmm", False): "gmm", ("gmm", True): "gmm_t", ("tgmm", False): "tgmm"}
-
 
 def main() -> None:
   p = argparse.ArgumentParser()
@@ -38,7 +36,7 @@ def main() -> None:
   for s in bench.PRESETS["training"]:
     for op in ("fwd", "dx", "dw"):
       call = backend_call(op, s.k, s.n)
-      table_op = _TABLE_OP[(call.op, call.transpose_rhs)]
+      table_op = call.table_op
       # Table keys round k and n up to a bucket; match on the entry's call shape.
       matches = [k for k, e in new.items() if k.startswith(table_op + "/bfloat16/")
                  and e.get("shape") == [s.m, call.k, call.n, s.g]]

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from ragdot import bench, timing
 from ragdot.backends import triton as tr
+from ragdot.dispatch import backend_call
 
 from ab_fwd import parse_fields  # this folder (the script's sys.path[0])
 
@@ -37,14 +38,14 @@ def main() -> None:
   p.add_argument("--iterations", type=int, default=10)
   p.add_argument("--shapes", nargs="+", default=None, help="names of training shapes")
   args = p.parse_args()
-  table_op = {"dw": "tgmm", "fwd": "gmm", "dx": "gmm_t"}[args.op]
   rows = []
   for s in bench.PRESETS["training"]:
     if args.shapes and s.name not in args.shapes:
       continue
     sizes = bench.routed_group_sizes(s)
     gs = jnp.asarray(sizes)
-    k, n = (s.n, s.k) if args.op == "dx" else (s.k, s.n)
+    call = backend_call(args.op, s.k, s.n)  # dX: k and n swapped, rhs [g, n, k]
+    k, n = call.k, call.n
     kx, kw = jax.random.split(jax.random.key(len(rows) + 1))
     x = jax.random.normal(kx, (s.m, k), jnp.bfloat16)
     if args.op == "dw":
@@ -54,7 +55,7 @@ def main() -> None:
       wshape = (s.g, n, k) if args.op == "dx" else (s.g, k, n)
       y = (jax.random.normal(kw, wshape, jnp.float32) / 32).astype(jnp.bfloat16)
       dense = jax.jit(lambda x, y, gs: jnp.dot(x, y[0].T if args.op == "dx" else y[0]))
-    base = dataclasses.replace(tr.default_config(table_op, s.m, k, n, s.g),
+    base = dataclasses.replace(tr.default_config(call.table_op, s.m, k, n, s.g),
                                **parse_fields(args.base))
     configs = {"A": base}
     for i, v in enumerate(args.variants):
