@@ -12,7 +12,8 @@ forward kernel is closest to dense) for contrast; ``dw_qwen_p6`` /
 ``dw_qwen_masker``: the dW 128 x 128 pingpong ring without / with the masking
 warpgroup (where does the boundary masking's time go?); ``dw_qwen_masker192``:
 the 128 x 192 ring with the masking warpgroup; ``dw_qwen_triton``: the
-Pallas-Triton dW (one program per group and output tile).  Inputs are routed
+Pallas-Triton dW (one program per group and output tile); ``fwd_deepseek``:
+DeepSeek-V3 down forward, the automatic choice.  Inputs are routed
 random data, never zeros.  Extra ncu sections (e.g. SourceCounters for the
 stall sampling by instruction): ``PROFILE_SECTIONS`` in scripts/gpu_run.sh.
 """
@@ -78,6 +79,15 @@ def _cases():
   out["dw_qwen_triton"] = (jax.jit(lambda x, d, gs: triton.tgmm(
       x, d, gs, None, num_groups=qwen.g, out_dtype=jnp.bfloat16, precision=None,
       config=cfg)), (x, dy, sizes))
+  # DeepSeek-V3 down forward (its groups of 128 +- 11 rows pad most): the
+  # automatic choice.
+  deepseek = bench.Shape("deepseek-v3 down", 32768, 2048, 7168, 256, 8)
+  dsizes = jnp.asarray(bench.routed_group_sizes(deepseek, seed=3))
+  dx_ = jax.random.normal(jax.random.key(10), (deepseek.m, deepseek.k), jnp.bfloat16)
+  dw_ = (jax.random.normal(jax.random.key(11), (deepseek.g, deepseek.k, deepseek.n),
+                           jnp.float32) / 32).astype(jnp.bfloat16)
+  out["fwd_deepseek"] = (jax.jit(lambda x, w, gs: ragdot.ragged_dot(x, w, gs)),
+                         (dx_, dw_, dsizes))
   return out
 
 

@@ -111,12 +111,13 @@ def test_group_offset_shard_uses_the_full_calls_entry():
 
 
 def test_explicit_triton_gets_the_table_config_where_the_table_names_triton():
-  deepseek = dict(GATE_UP, k=2048, n=7168, g=256, num_groups=256)
-  fwd = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=H200, **deepseek)
-  if fwd.implementation != "triton":
-    pytest.fail(f"the shipped H200 table should pick Triton for DeepSeek-V3 down, got {fwd}")
-  explicit = dispatch.choose("gmm", "triton", dtype=jnp.bfloat16, device=H200, **deepseek)
-  assert explicit.config == fwd.config and not explicit.automatic
+  # DeepSeek-V3 down's dX: rhs read transposed, k = 7168 and n = 2048 as the backend sees them.
+  deepseek_dx = dict(GATE_UP, k=7168, n=2048, g=256, num_groups=256, transpose_rhs=True)
+  dx = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=H200, **deepseek_dx)
+  if dx.implementation != "triton":
+    pytest.fail(f"the shipped H200 table should pick Triton for DeepSeek-V3 down dX, got {dx}")
+  explicit = dispatch.choose("gmm", "triton", dtype=jnp.bfloat16, device=H200, **deepseek_dx)
+  assert explicit.config == dx.config and not explicit.automatic
 
 
 def test_explicit_implementation_on_gpu_gets_the_table_config():

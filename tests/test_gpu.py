@@ -127,6 +127,37 @@ def test_triton_real_sizes(shape):
   oracle.assert_close(dw, oracle.np_trans_ragged_dot(x, dy, sizes), jnp.bfloat16)
 
 
+RING_SHAPES = SHAPES + [(8192, 1024, 960, 32, "routed")]  # ~256 rows per group: tails
+
+
+@pytest.mark.parametrize("shape", RING_SHAPES,
+                         ids=[f"{s[0]}x{s[1]}x{s[2]}g{s[3]}-{s[4]}" for s in RING_SHAPES])
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
+@pytest.mark.parametrize("tail_rows,offset", [(16, None), (32, 8), (0, None)],
+                         ids=["t16", "t32-shard", "t0"])
+def test_ring_real_sizes(shape, transpose_rhs, tail_rows, offset):
+  """The ring forward / dX (mosaic_fwd_ring), with and without folded tails."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
+  m, k, n, g, layout = shape
+  sizes = _sizes(m, g, layout)
+  local = g if offset is None else g // 2
+  rshape = (local, n, k) if transpose_rhs else (local, k, n)
+  x, w = oracle.random_inputs(jax.random.key(m + k + n), [(m, k), rshape], jnp.bfloat16)
+  cfg = mosaic_fwd.MosaicFwdConfig(128, 256, 64, 3, num_compute_wgs=2, epilogue_split=2,
+                                   ring=True, tail_rows=tail_rows)
+  go = None if offset is None else jnp.int32(offset)
+  fn = jax.jit(lambda x, w, gs: mosaic_fwd.gmm(
+      x, w, gs, go, transpose_rhs=transpose_rhs, out_dtype=jnp.bfloat16, config=cfg))
+  _poison(4 * m * max(n, k))
+  out = fn(x, w, jnp.asarray(sizes))
+  oracle.assert_close(out, oracle.np_ragged_dot(x, w, sizes, go, transpose_rhs=transpose_rhs),
+                      jnp.bfloat16)
+  oracle.assert_zero_rows(out, sizes, offset, local)
+  again = fn(x, w, jnp.asarray(sizes))
+  assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(again).view(np.uint16))
+
+
 @pytest.mark.parametrize("variant", ["1wg", "2wg", "2wg_chained", "2wg_split_n",
                                      "2wg_split_n_ntail"])
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])

@@ -115,6 +115,15 @@ class MosaicFwdConfig:
     next tile's first stages while the consumers finish a tile and run its
     epilogue, instead of draining and refilling the pipeline per tile.  Used
     when the tile's k steps are a multiple of num_stages (otherwise per tile).
+  ring: 2 warpgroups (block_m 128) only: run ``mosaic_fwd_ring``, one
+    hand-written ring of stages through all of a CTA's items in row-tile
+    order, instead of a pipeline per tile; grid_minor_dim, grid_tile_width,
+    skip_empty_halves, delay_release, pipeline_across_tiles and
+    guard_last_stage do not apply to it.
+  tail_rows: ring only, 0, 8, 16 or 32: a group's last tile holding at most
+    this many rows is folded into the tile before it, whose consumers compute
+    those rows with swapped wgmma operands (see ``mosaic_fwd_ring``); needs
+    block_n a multiple of 128.
   """
 
   block_m: int = 64
@@ -133,6 +142,8 @@ class MosaicFwdConfig:
   split_n: bool = False
   guard_last_stage: bool = True
   schedule_kernel: bool = True
+  ring: bool = False
+  tail_rows: int = 0
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -172,6 +183,13 @@ class MosaicFwdConfig:
           f"epilogue_split must be 1, 2 or 4 with block_n / epilogue_split a multiple"
           f" of 64, got {self.epilogue_split} (block_n={self.block_n})"
       )
+    if self.ring and (self.num_compute_wgs != 2 or self.split_n or self.ctas_per_sm != 1):
+      raise ValueError(f"ring needs num_compute_wgs=2, split_n=False and ctas_per_sm=1, "
+                       f"got {self}")
+    if self.tail_rows not in (0, 8, 16, 32):
+      raise ValueError(f"tail_rows must be 0, 8, 16 or 32, got {self.tail_rows}")
+    if self.tail_rows and (not self.ring or self.block_n % 128):
+      raise ValueError(f"tail_rows needs ring=True and block_n a multiple of 128, got {self}")
 
   @property
   def epilogue_n(self) -> int:
@@ -188,6 +206,9 @@ class MosaicFwdConfig:
     per_stage = (self.block_m + self.block_n) * self.block_k * isz
     # One (64, epilogue_n) staging buffer per compute warpgroup.
     staging = self.num_compute_wgs * _WG_ROWS * self.epilogue_n * osz
+    # Tails: their lhs rows in every stage, a (tail_rows, block_n / 2) buffer each.
+    per_stage += self.tail_rows * self.block_k * isz
+    staging += self.num_compute_wgs * self.tail_rows * (self.block_n // 2) * osz
     return self.num_stages * per_stage + staging
 
 
@@ -214,7 +235,10 @@ def _fit_split(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> MosaicFwdCon
 
 def fit_config(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> MosaicFwdConfig | None:
   """``cfg`` made to fit SMEM: a larger epilogue split first, then fewer stages
-  (down to 2); None when nothing fits."""
+  (down to 2); None when nothing fits.  Folded tails need a 16-bit output
+  (their transposed store): dropped for f32."""
+  if cfg.tail_rows and jnp.dtype(out_dtype).itemsize != 2:
+    cfg = dataclasses.replace(cfg, tail_rows=0)
   while True:
     fitted = _fit_split(cfg, dtype, out_dtype)
     if fitted is not None:
@@ -280,7 +304,7 @@ def gpu_sweep_configs(
     m: int, k: int, n: int, g: int, transpose_rhs: bool, dtype: Any = jnp.bfloat16,
     out_dtype: Any = None,
 ) -> list[MosaicFwdConfig]:
-  """Candidate configs for a GPU sweep (default first; SMEM-feasible only, <= 18).
+  """Candidate configs for a GPU sweep (default first; SMEM-feasible only, <= 21).
 
   An f32 output gets a larger epilogue split where that makes a candidate fit.
   """
@@ -299,6 +323,15 @@ def gpu_sweep_configs(
     # from DRAM once per strip instead of once per row-tile strip (ncu: Mixtral
     # gate_up moved ~6x its minimal DRAM bytes with grid_minor_dim=0).
     out += [dataclasses.replace(base, grid_minor_dim=1, grid_tile_width=w) for w in (4, 8)]
+    # The hand-written ring, bare and with folded tails (v14: DeepSeek-V3's
+    # 128 +- 11-row groups 0.89x the table with 16; the bare ring 0.94-0.98x on
+    # Qwen3-30B).
+    if base.block_n % 128 == 0:
+      for tail in (0, 16, 32) if jnp.dtype(out_dtype).itemsize == 2 else (0,):
+        c = fit_config(dataclasses.replace(base, ring=True, tail_rows=tail, grid_tile_width=1),
+                       dtype, out_dtype)
+        if c is not None and c not in out:
+          out.append(c)
     # 64-row tiles split by columns: half the padding of a group's last tile,
     # 1.67x the L2 -> SMEM bytes per FLOP (the default already runs the L2 at
     # 81% on Qwen3-30B gate_up), so after the likelier winners.
@@ -319,7 +352,7 @@ def gpu_sweep_configs(
     c = _fit_split(c, dtype, out_dtype)
     if c is not None and c not in out:
       out.append(c)
-  return out[:18]
+  return out[:21]
 
 
 def _check_supported(lhs, rhs, out_dtype, transpose_rhs) -> None:
@@ -738,15 +771,23 @@ def gmm(
     return jnp.zeros((m, n), out_dtype)
   if g_local == 0 or k == 0 or group_sizes.shape[0] == 0:
     return jnp.zeros((m, n), out_dtype)
-  if config is None or (config.num_compute_wgs == 2 and k <= config.block_k):
+  if config is None or (config.num_compute_wgs == 2 and k <= config.block_k) or (
+      config.ring and m < config.block_m + config.tail_rows):
     # The warp-specialized pipeline never releases a tile's last slot: with a
     # single k step the producer could refill it early, so use one warpgroup.
+    # The ring's loads need 128 + tail_rows rows.
     config = default_config(m, k, n, g_local, lhs.dtype, transpose_rhs, out_dtype)
   if config.smem_bytes(lhs.dtype, out_dtype) > config.smem_budget():
     raise NotImplementedError(
         f"config {config} needs {config.smem_bytes(lhs.dtype, out_dtype)} bytes of SMEM"
     )
 
+  if config.ring:
+    if config.tail_rows and out_dtype.itemsize != 2:
+      raise NotImplementedError(f"tail_rows needs a bf16/f16 output, got {out_dtype}")
+    from ragdot.backends import mosaic_fwd_ring  # pylint: disable=g-import-not-at-top  (imports this module)
+    return mosaic_fwd_ring.gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs=transpose_rhs,
+                               out_dtype=out_dtype, config=config, interpret=interpret)
   tiles, scalars = backends.flat_schedule(
       group_sizes, group_offset, m=m, num_local=g_local, block_m=config.block_m,
       use_kernel=config.schedule_kernel, interpret=bool(interpret))

@@ -1,0 +1,90 @@
+"""The table's forward / dX choice against ``mosaic_fwd`` config variants on the
+training shapes, side by side (GPU machine).
+
+  python3 scripts/ab_variants.py OUT_DIR [--ops fwd dx] [--shapes NAME ...]
+      [--variants "ring=True" "ring=True,tail_rows=16,epilogue_split=4" ...] [--rounds 3]
+
+Per (shape, op): "table" = the dispatcher's automatic choice (backend and
+config from the shipped table), "mosaic" = ``mosaic_fwd.gmm`` with its default
+config, and one case per variant: the default config with the variant's
+comma-separated FIELD=VALUE changes (Python literals).  Interleaved CUPTI timing
+on one set of fresh random inputs; prints each case's time over the table
+choice's and whether its output is bitwise equal to the default's (same tile
+and k order); writes OUT_DIR/ab_variants.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+
+from ragdot import backends, bench, dispatch, timing
+from ragdot.backends import mosaic_fwd
+
+from ab_fwd import parse_fields  # this folder (the script's sys.path[0])
+
+
+def main() -> None:
+  p = argparse.ArgumentParser()
+  p.add_argument("out_dir")
+  p.add_argument("--ops", nargs="+", default=["fwd", "dx"], choices=["fwd", "dx"])
+  p.add_argument("--shapes", nargs="+", default=None, help="preset names (default: all)")
+  p.add_argument("--variants", nargs="+", default=["ring=True"], metavar="F=V,F=V")
+  p.add_argument("--rounds", type=int, default=3)
+  p.add_argument("--iterations", type=int, default=10)
+  args = p.parse_args()
+  rows = []
+  for s in bench.PRESETS["training"]:
+    if args.shapes and s.name not in args.shapes:
+      continue
+    gs = jnp.asarray(bench.routed_group_sizes(s))
+    for op in args.ops:
+      call = dispatch.backend_call(op, s.k, s.n)
+      tr = call.transpose_rhs
+      kx, kw = jax.random.split(jax.random.key(len(rows) + 7))
+      x = jax.random.normal(kx, (s.m, call.k), jnp.bfloat16)
+      shape = (s.g, call.n, call.k) if tr else (s.g, call.k, call.n)
+      w = (jax.random.normal(kw, shape, jnp.float32) / 32).astype(jnp.bfloat16)
+      choice = dispatch.choose("gmm", None, dtype=jnp.bfloat16, m=s.m, k=call.k, n=call.n,
+                               g=s.g, num_groups=s.g, transpose_rhs=tr)
+      mod = backends.get_backend(choice.implementation)
+
+      def run(module, config):
+        return jax.jit(lambda x, w, gs: module.gmm(
+            x, w, gs, None, transpose_rhs=tr, out_dtype=jnp.bfloat16, precision=None,
+            config=config))
+
+      base = mosaic_fwd.default_config(s.m, call.k, call.n, s.g, jnp.bfloat16, tr, jnp.bfloat16)
+      cases = {"table": run(mod, choice.config), "mosaic": run(mosaic_fwd, base)}
+      configs = {"table": choice.config, "mosaic": base}
+      for v in args.variants:
+        cfg = dataclasses.replace(base, **parse_fields([kv for kv in v.split(",") if kv]))
+        if cfg.smem_bytes(jnp.bfloat16, jnp.bfloat16) > cfg.smem_budget():
+          print(f"  skip {v}: SMEM", flush=True)
+          continue
+        configs[v] = cfg
+        cases[v] = run(mosaic_fwd, cfg)
+      ref = cases["mosaic"](x, w, gs)
+      equal = {name: bool(jnp.array_equal(ref, f(x, w, gs))) for name, f in cases.items()}
+      med = timing.interleaved_median_ms({name: (f, (x, w, gs)) for name, f in cases.items()},
+                                         rounds=args.rounds, iterations=args.iterations)
+      flops = 2 * s.m * call.k * call.n
+      print(f"{s.name} {op}: table = {choice.implementation} {choice.config}", flush=True)
+      for name, ms in med.items():
+        row = dict(shape=s.name, op=op, case=name, ms=ms, tflops=flops / ms / 1e9,
+                   x_table=ms / med["table"], bitwise_equal_default=equal[name],
+                   config=str(configs[name]))
+        rows.append(row)
+        print(f"  {name:44s} {ms:.4f} ms {row['tflops']:6.1f} TFLOP/s  x table "
+              f"{row['x_table']:.3f}  equal {equal[name]}", flush=True)
+  with open(os.path.join(args.out_dir, "ab_variants.json"), "w") as f:
+    json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,273 @@
+"""The forward / dX grouped matmul on a hand-written ring, with a group's few
+last rows optionally riding along with the row tile before them
+(``MosaicFwdConfig(ring=True, tail_rows=...)``; ``mosaic_fwd.gmm`` calls here).
+
+The ring (as in ``mosaic_dw``): one sequence of stages through all of a CTA's
+(row tile, n tile) items, work in row-tile order with every n tile of a row
+tile in turn; a producer warpgroup and two consumer warpgroups of 64 rows each.
+Rows outside the shard's window are written after the ring as in ``mosaic_fwd``.
+
+Tails: row tiles are aligned to groups, so a group's last tile computes 128
+rows whatever it holds.  On top-8 routing a group has 256 +- 15 rows (Qwen3) or
+128 +- 11 (DeepSeek-V3): a quarter to a third of all tiles hold 1-16 real rows,
+1.24 (Qwen3) and 1.46 (DeepSeek-V3) computed rows per real row.  With
+``tail_rows`` the schedule drops a group's last tile when it holds at most that
+many rows (and is not the group's only tile); the tile before it then covers
+128 + up to ``tail_rows`` rows.  The extra rows are computed with the operands
+swapped: wgmma's M must be 64 per warpgroup, but its N can be 8-256, so each
+consumer computes ``out[tail, its half of the columns]^T = W[:, half]^T @
+x[tail]^T`` into a (block_n / 2, tail_rows) accumulator on the weight block
+already in SMEM, and stores it transposed.  Each swapped wgmma reads a
+(block_n / 2 x block_k) weight slice from SMEM for a few rows, so a folded tile
+costs SMEM bandwidth: measured on the H200 (docs/performance.md v14) it pays
+where padding dominates (DeepSeek-V3) and not on the Qwen3 shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from ragdot import backends
+from ragdot.backends import mosaic_fwd as mf
+from ragdot.backends import sm90
+from ragdot.manual_axes import make_varying, match_varying, out_struct, varying_axes
+
+_ROWS = 128  # two consumers x 64 rows
+_HALF = _ROWS // 2
+
+
+def attach_tails(tiles: jax.Array, num_tiles: jax.Array, tail_rows: int
+                 ) -> tuple[jax.Array, jax.Array]:
+  """Folds short last tiles into the tile before them.
+
+  Args:
+    tiles: int32[4, T], ``metadata.flat_schedule``'s rows (group, row0,
+      row_start, row_end), ordered by group, then row.
+    num_tiles: int32 scalar, the real tiles.
+    tail_rows: the most rows a folded tile may hold (static).
+
+  Returns ``(tiles, num_tiles)`` in the same layout: a group's last tile that
+  holds at most ``tail_rows`` rows and is not its first tile is gone, and the
+  tile before it ends at the group's end (at most ``row0 + 128 + tail_rows``).
+  """
+  t_max = tiles.shape[1]
+  group, row0, row_end = tiles[0], tiles[1], tiles[3]
+  t = jnp.arange(t_max, dtype=jnp.int32)
+  real = t < num_tiles
+  prev = jnp.concatenate([jnp.full((1,), -1, jnp.int32), group[:-1]])
+  nxt = jnp.concatenate([group[1:], jnp.full((1,), -1, jnp.int32)])
+  last = real & ((t + 1 >= num_tiles) | (nxt != group))
+  folded = last & (prev == group) & (t > 0) & (row_end - row0 <= tail_rows)
+  keep = real & ~folded
+  next_folded = jnp.concatenate([folded[1:], jnp.zeros((1,), bool)])
+  next_end = jnp.concatenate([row_end[1:], jnp.zeros((1,), jnp.int32)])
+  new_end = jnp.where(next_folded, next_end, row_end)
+  dest = jnp.where(keep, jnp.cumsum(keep.astype(jnp.int32)) - 1, t_max)
+  rows = jnp.stack([group, row0, tiles[2], new_end])
+  out = jnp.zeros_like(tiles).at[:, dest].set(rows, mode="drop")
+  return out, jnp.sum(keep.astype(jnp.int32))
+
+
+def _swizzled(minor: int, dtype) -> tuple:
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = plgpu.find_swizzle(minor * itemsize * 8)
+  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int, n: int,
+          cfg: mf.MosaicFwdConfig, transpose_rhs: bool, tail_rows: int, num_ctas: int):
+  bn, bk, stages, cn = cfg.block_n, cfg.block_k, cfg.num_stages, cfg.epilogue_n
+  tn = bn // 2  # tail columns per consumer
+  tr = tail_rows
+  grid_n = pl.cdiv(n, bn)
+  k_steps = pl.cdiv(k, bk)
+  max_tiles = tiles_gmem.shape[0] // 4
+  num_tiles, lo, hi, za, zb, num_zero_work, _ = mf._work_counts(scal_gmem, grid_n)
+  num_work = num_tiles * grid_n
+  dtype, out_dtype = lhs_gmem.dtype, out_gmem.dtype
+  b_shape = (bn, bk) if transpose_rhs else (bk, bn)
+  cta = lax.axis_index("sm")
+
+  scratch = dict(
+      a_smem=plgpu.SMEM((stages, _ROWS, bk), dtype, transforms=_swizzled(bk, dtype)),
+      b_smem=plgpu.SMEM((stages, *b_shape), dtype, transforms=_swizzled(b_shape[1], dtype)),
+      produced=plgpu.Barrier(num_arrivals=3 if tr else 2, num_barriers=stages),
+      consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      # Row-major: stores start at any row.
+      o_smem=plgpu.SMEM((2, _HALF, cn), out_dtype),
+  )
+  if tr:  # tail_rows 0: the same ring without tails (a baseline)
+    scratch.update(t_smem=plgpu.SMEM((stages, tr, bk), dtype, transforms=_swizzled(bk, dtype)),
+                   to_smem=plgpu.SMEM((2, tr, tn), out_dtype))
+
+  @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
+  def _scope(a_smem, b_smem, produced, consumed, o_smem, t_smem=None, to_smem=None):
+    wg = lax.axis_index("wg")
+
+    def tile_of(w):
+      """(n tile, group, row0, row_start, row_end) of work item w."""
+      ti, ni = lax.div(w, grid_n), lax.rem(w, grid_n)
+      row0 = pl.multiple_of(tiles_gmem[max_tiles + ti], 8)
+      return (ni, tiles_gmem[ti], row0, tiles_gmem[2 * max_tiles + ti],
+              tiles_gmem[3 * max_tiles + ti])
+
+    def works(body):
+      """body(w, step0) for this CTA's items (step0: the ring step of the
+      item's first k step)."""
+      @pl.loop(0, pl.cdiv(jnp.maximum(num_work - cta, 0), num_ctas))
+      def _(j):
+        body(cta + j * num_ctas, j * k_steps)
+
+    @pl.when(wg == 2)
+    def _producer():
+      plgpu.set_max_registers(40, action="decrease")
+
+      def load(w, step0):
+        ni, grp, row0, _, row_end = tile_of(w)
+        has_tail = row_end > row0 + _ROWS
+
+        @pl.loop(0, k_steps)
+        def _(kk):
+          step = step0 + kk
+          slot = lax.rem(step, stages)
+          pl.when(step >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
+          cols = pl.ds(kk * bk, bk)
+          plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(row0, _ROWS), cols], a_smem.at[slot],
+                                  produced.at[slot])
+          if tr:  # the tail's rows, or a bare arrival in their place
+            pl.when(has_tail)(lambda: plgpu.copy_gmem_to_smem(
+                lhs_gmem.at[pl.ds(row0 + _ROWS, tr), cols], t_smem.at[slot], produced.at[slot]))
+            pl.when(~has_tail)(lambda: plgpu.barrier_arrive(produced.at[slot]))
+          if transpose_rhs:
+            src = rhs_gmem.at[grp, pl.ds(ni * bn, bn), cols]
+          else:
+            src = rhs_gmem.at[grp, cols, pl.ds(ni * bn, bn)]
+          plgpu.copy_gmem_to_smem(src, b_smem.at[slot], produced.at[slot])
+
+      works(load)
+      total = pl.cdiv(jnp.maximum(num_work - cta, 0), num_ctas) * k_steps
+
+      # Wait for the consumers' last release of every slot before the CTA exits.
+      @pl.loop(jnp.maximum(total - stages, 0), total)
+      def _drain(step):
+        plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
+
+    @pl.when(wg < 2)
+    def _consumers():
+      plgpu.set_max_registers(232, action="increase")
+      my_smem = o_smem.at[wg]
+      my_tail = None if to_smem is None else to_smem.at[wg]
+
+      def compute(w, step0):
+        ni, _, row0, row_start, row_end = tile_of(w)
+        hs = row0 + wg * _HALF
+        s, c = mf._overlap(row_start, row_end, hs, hs + _HALF)
+        half = pl.ds(pl.multiple_of(wg * tn, 64), tn)
+
+        def tile(with_tail: bool) -> None:
+          # Two copies of the tile, chosen per tile outside the k loop: no
+          # accumulator crosses a branch while its wgmmas are in flight.
+          def acc_scope(acc_ref, *tail_ref):
+            @pl.loop(0, k_steps)
+            def _(kk):
+              step = step0 + kk
+              slot = lax.rem(step, stages)
+              plgpu.barrier_wait(produced.at[slot])
+              b = b_smem.at[slot]
+              plgpu.wgmma(acc_ref, a_smem.at[slot].at[pl.ds(wg * _HALF, _HALF)],
+                          b.transpose((1, 0)) if transpose_rhs else b)
+              if with_tail:
+                # The tail's rows, operands swapped: (tn, tr) += W[:, half]^T @ x_tail^T.
+                w_t = b.at[half] if transpose_rhs else b.at[:, half].transpose((1, 0))
+                plgpu.wgmma(tail_ref[0], w_t, t_smem.at[slot].transpose((1, 0)))
+              plgpu.wgmma_wait(2 if with_tail else 1)  # the previous step's are done
+              pl.when(kk > 0)(lambda: plgpu.barrier_arrive(
+                  consumed.at[lax.rem(step + stages - 1, stages)]))
+
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(consumed.at[lax.rem(step0 + k_steps - 1, stages)])
+            return acc_ref[...], tail_ref[0][...] if with_tail else None
+
+          scratch = [plgpu.ACC((_HALF, bn), jnp.float32)]
+          if with_tail:
+            scratch.append(plgpu.ACC((tn, tr), jnp.float32))
+          acc, tacc = pl.run_scoped(acc_scope, *scratch)
+
+          def chunk(ci, col):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            my_smem[...] = sm90.column_chunk(acc, ci, cn).astype(out_dtype)
+            plgpu.commit_smem()
+            mf._store_rows(my_smem, out_gmem, s - hs, s, c, col, max_rows=min(_HALF, m),
+                           width=cn)
+
+          pl.when(c > 0)(lambda: mf._for_each_chunk(cfg, n, ni, chunk))
+          if with_tail:
+            ts = row0 + _ROWS
+            col = ni * bn + wg * tn
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            my_tail.transpose((1, 0))[...] = tacc.astype(out_dtype)
+            plgpu.commit_smem()
+            pl.when(col < n)(lambda: mf._store_rows(
+                my_tail, out_gmem, 0, ts, row_end - ts, col, max_rows=tr, width=tn))
+
+        if tr:
+          has_tail = row_end > row0 + _ROWS
+          pl.when(has_tail)(lambda: tile(True))
+          pl.when(~has_tail)(lambda: tile(False))
+        else:
+          tile(False)
+
+      works(compute)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+      # Rows outside the shard's window, after the ring.
+      @pl.loop(0, pl.cdiv(jnp.maximum(num_zero_work - cta, 0), num_ctas))
+      def _zeros(j):
+        blk, ni = mf._zero_item(cta + j * num_ctas, grid_n, za, zb)
+        mf._zero_fill_once(my_smem, j == 0)
+        mf._store_zero_rows(my_smem, out_gmem, cfg, n, m, ni, blk * _ROWS + wg * _HALF,
+                            _HALF, lo, hi)
+
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: jax.Array | None,
+        *, transpose_rhs: bool, out_dtype: Any, config: mf.MosaicFwdConfig,
+        interpret: Any = False) -> jax.Array:
+  """``mosaic_fwd.gmm`` for a ``ring=True`` config (checked by ``mosaic_fwd.gmm``:
+  supported dtypes and alignments, non-empty operands, m >= 128 + tail_rows, a
+  config that fits SMEM)."""
+  m, k = lhs.shape
+  g_local = rhs.shape[0]
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  tail_rows = config.tail_rows
+  tiles, scalars = backends.flat_schedule(
+      group_sizes, group_offset, m=m, num_local=g_local, block_m=_ROWS,
+      use_kernel=config.schedule_kernel, interpret=bool(interpret))
+  if tail_rows:
+    tiles, num_tiles = attach_tails(tiles.reshape(4, -1), scalars[0], tail_rows)
+    tiles, scalars = tiles.reshape(-1), scalars.at[0].set(num_tiles)
+  tiles, scalars, lhs, rhs = match_varying(tiles, scalars, lhs, rhs)
+  num_ctas = mf._num_sms(config, bool(interpret))
+  if interpret is True:
+    interpret = plgpu.InterpretGPUParams()
+  kernel = plgpu.kernel(
+      functools.partial(_body, m=m, k=k, n=n, cfg=config, transpose_rhs=transpose_rhs,
+                        tail_rows=tail_rows, num_ctas=num_ctas),
+      out_type=out_struct((m, n), out_dtype, lhs),
+      grid=(num_ctas,),
+      grid_names=("sm",),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=interpret if interpret else None,
+  )
+  return make_varying(kernel(tiles, scalars, lhs, rhs), varying_axes(lhs))

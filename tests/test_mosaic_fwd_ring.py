@@ -1,0 +1,103 @@
+"""The ring forward / dX kernel (``MosaicFwdConfig(ring=True)``, ``mosaic_fwd_ring``)
+in Mosaic GPU interpret mode on CPU: the tail folding and the kernel against the
+f32 oracle, the race detector, and its lowering for sm90."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import oracle
+from ragdot import metadata as md
+from ragdot.backends import mosaic_fwd as mf
+from ragdot.backends import mosaic_fwd_ring as mr
+
+CFG = mf.MosaicFwdConfig(block_m=128, block_n=256, block_k=64, num_stages=2,
+                         num_compute_wgs=2, epilogue_split=2, ring=True, num_sms=3)
+
+
+def test_attach_tails_folds_short_last_tiles():
+  # Groups: 140 rows (128 + 12: folded), 10 (a lone short tile: kept), 300
+  # (128 + 128 + 44: kept at tail_rows 16), 0, 264 (two tiles + 8: folded).
+  sizes = jnp.array([140, 10, 300, 0, 264], jnp.int32)
+  tiles, scalars = md.flat_schedule(sizes, None, 1024, 5, 128)
+  got, count = mr.attach_tails(tiles.reshape(4, -1), scalars[0], 16)
+  got = np.asarray(got)[:, :int(count)]
+  np.testing.assert_array_equal(got[0], [0, 1, 2, 2, 2, 4, 4])
+  np.testing.assert_array_equal(got[1], [0, 136, 144, 272, 400, 448, 576])
+  np.testing.assert_array_equal(got[3], [140, 150, 272, 400, 450, 576, 714])
+
+
+@pytest.mark.parametrize("sizes,m,k,offset,num_local,transpose_rhs,tail_rows", [
+    ([140, 10, 300, 0, 264], 768, 128, None, 5, False, 16),     # folded tails, zero rows
+    ([140, 10, 300, 0, 264], 768, 128, None, 5, True, 16),      # dX
+    ([129, 7, 60, 136, 40], 400, 192, None, 5, False, 8),       # tail of 1 row, m % 128
+    ([150, 20, 170, 30], 384, 64, 1, 2, False, 32),             # group_offset shard
+    ([140, 10, 300, 0, 264], 768, 128, None, 5, False, 0),      # no tails: the bare ring
+])
+def test_matches_oracle(sizes, m, k, offset, num_local, transpose_rhs, tail_rows):
+  n = 384  # an n tile and a half
+  rshape = (num_local, n, k) if transpose_rhs else (num_local, k, n)
+  x, w = oracle.random_inputs(jax.random.key(len(sizes) + m), [(m, k), rshape], jnp.bfloat16)
+  go = None if offset is None else jnp.int32(offset)
+  out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), go, transpose_rhs=transpose_rhs,
+               out_dtype=jnp.bfloat16, interpret=True,
+               config=dataclasses.replace(CFG, tail_rows=tail_rows))
+  ref = oracle.ref_ragged_dot(x, w, sizes, go, transpose_rhs)
+  oracle.assert_close(out, ref, jnp.bfloat16)
+  oracle.assert_zero_rows(out, sizes, offset, num_local)
+
+
+def test_no_races():
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  sizes = [140, 7, 60, 136]
+  x, w = oracle.random_inputs(jax.random.key(3), [(384, 128), (4, 128, 256)], jnp.bfloat16)
+  out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), None, transpose_rhs=False,
+               out_dtype=jnp.bfloat16, interpret=plgpu.InterpretGPUParams(detect_races=True),
+               config=dataclasses.replace(CFG, tail_rows=16, num_sms=2))
+  jax.block_until_ready(out)
+  assert not gpu_interpret.get_races().races_found
+
+
+def test_config_checks():
+  with pytest.raises(ValueError, match="tail_rows"):
+    dataclasses.replace(CFG, tail_rows=12)
+  with pytest.raises(ValueError, match="tail_rows needs ring"):
+    dataclasses.replace(CFG, ring=False, tail_rows=16)
+  with pytest.raises(ValueError, match="ring needs"):
+    mf.MosaicFwdConfig(block_m=64, ring=True)
+  # The tails' SMEM is counted: 4 stages of 128 x 256 with 16 tail rows need
+  # 64-column epilogue chunks to fit.
+  four = dataclasses.replace(CFG, num_stages=4, tail_rows=16)
+  assert four.smem_bytes(jnp.bfloat16, jnp.bfloat16) > four.smem_budget()
+  four = dataclasses.replace(four, epilogue_split=4)
+  assert four.smem_bytes(jnp.bfloat16, jnp.bfloat16) <= four.smem_budget()
+
+
+def test_small_m_falls_back():
+  # m < 128 + tail_rows: the default (non-ring) config runs instead.
+  sizes = [50, 80]
+  x, w = oracle.random_inputs(jax.random.key(5), [(136, 64), (2, 64, 256)], jnp.bfloat16)
+  out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), None, transpose_rhs=False,
+               out_dtype=jnp.bfloat16, interpret=True,
+               config=dataclasses.replace(CFG, tail_rows=16))
+  oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, None, False), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
+@pytest.mark.parametrize("tail_rows,stages,split", [(16, 4, 4), (0, 4, 2)])
+def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, split):
+  m, k, n, g = 4096, 2048, 1536, 128
+  cfg = dataclasses.replace(CFG, num_stages=stages, epilogue_split=split, tail_rows=tail_rows,
+                            num_sms=132)
+  f = jax.jit(lambda x, w, gs: mf.gmm(x, w, gs, None, transpose_rhs=transpose_rhs,
+                                      out_dtype=jnp.bfloat16, config=cfg))
+  rshape = (g, n, k) if transpose_rhs else (g, k, n)
+  args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct(rshape, jnp.bfloat16),
+          jax.ShapeDtypeStruct((g,), jnp.int32))
+  assert "mosaic_gpu" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
