@@ -82,10 +82,10 @@ def _swizzled(minor: int, dtype) -> tuple:
 
 
 def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int, n: int,
-          cfg: mf.MosaicFwdConfig, transpose_rhs: bool, tail_rows: int, num_ctas: int):
+          cfg: mf.MosaicFwdConfig, transpose_rhs: bool, num_ctas: int):
   bn, bk, stages, cn = cfg.block_n, cfg.block_k, cfg.num_stages, cfg.epilogue_n
   tn = bn // 2  # tail columns per consumer
-  tr = tail_rows
+  tr = cfg.tail_rows
   grid_n = pl.cdiv(n, bn)
   k_steps = pl.cdiv(k, bk)
   max_tiles = tiles_gmem.shape[0] // 4
@@ -247,12 +247,11 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: ja
   m, k = lhs.shape
   g_local = rhs.shape[0]
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-  tail_rows = config.tail_rows
   tiles, scalars = backends.flat_schedule(
       group_sizes, group_offset, m=m, num_local=g_local, block_m=_ROWS,
       use_kernel=config.schedule_kernel, interpret=bool(interpret))
-  if tail_rows:
-    tiles, num_tiles = attach_tails(tiles.reshape(4, -1), scalars[0], tail_rows)
+  if config.tail_rows:
+    tiles, num_tiles = attach_tails(tiles.reshape(4, -1), scalars[0], config.tail_rows)
     tiles, scalars = tiles.reshape(-1), scalars.at[0].set(num_tiles)
   tiles, scalars, lhs, rhs = match_varying(tiles, scalars, lhs, rhs)
   num_ctas = mf._num_sms(config, bool(interpret))
@@ -260,7 +259,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: ja
     interpret = plgpu.InterpretGPUParams()
   kernel = plgpu.kernel(
       functools.partial(_body, m=m, k=k, n=n, cfg=config, transpose_rhs=transpose_rhs,
-                        tail_rows=tail_rows, num_ctas=num_ctas),
+                        num_ctas=num_ctas),
       out_type=out_struct((m, n), out_dtype, lhs),
       grid=(num_ctas,),
       grid_names=("sm",),
