@@ -10,8 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import oracle
+import strategies as rst
 from ragdot import metadata as md
 from ragdot.backends import mosaic_fwd as mf
 from ragdot.backends import mosaic_fwd_ring as mr
@@ -49,6 +52,41 @@ def test_matches_oracle(sizes, m, k, offset, num_local, transpose_rhs, tail_rows
                config=dataclasses.replace(CFG, tail_rows=tail_rows))
   ref = oracle.ref_ragged_dot(x, w, sizes, go, transpose_rhs)
   oracle.assert_close(out, ref, jnp.bfloat16)
+  oracle.assert_zero_rows(out, sizes, offset, num_local)
+
+
+@st.composite
+def _near_tiles(draw, num_groups: int) -> np.ndarray:
+  """Group sizes of 128 * j + t rows (t in 0..40): tails of every foldable size."""
+  j = draw(st.lists(st.integers(0, 2), min_size=num_groups, max_size=num_groups))
+  t = draw(st.lists(st.integers(0, 40), min_size=num_groups, max_size=num_groups))
+  return np.asarray([128 * a + b for a, b in zip(j, t)], np.int32)
+
+
+@settings(max_examples=8, deadline=None)
+@given(data=st.data())
+def test_property_matches_oracle(data):
+  """Random layouts (near-multiples of 128 that fit m, and the shared ones), shards,
+  tail sizes."""
+  g = data.draw(st.integers(2, 3))
+  near = data.draw(st.booleans())
+  sizes = data.draw(_near_tiles(g) if near else rst.group_sizes(512, g))
+  # Near-multiples fit m (plus up to 40 rows past the groups); the shared layouts
+  # bring their own under / over / negative cases.
+  m = int(8 * -(-(sizes.sum() + data.draw(st.integers(0, 40))) // 8)) if near else 512
+  m = max(m, 256)
+  offset, num_local = data.draw(rst.shard(g))
+  tail_rows = data.draw(st.sampled_from([8, 16, 32]))
+  transpose_rhs = data.draw(st.booleans())
+  k, n = data.draw(st.sampled_from([64, 128])), 384  # one k step or two
+  rshape = (num_local, n, k) if transpose_rhs else (num_local, k, n)
+  x, w = oracle.random_inputs(jax.random.key(data.draw(st.integers(0, 2**31 - 1))),
+                              [(m, k), rshape], jnp.bfloat16)
+  go = None if offset is None else jnp.int32(offset)
+  out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), go, transpose_rhs=transpose_rhs,
+               out_dtype=jnp.bfloat16, interpret=True,
+               config=dataclasses.replace(CFG, tail_rows=tail_rows))
+  oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, go, transpose_rhs), jnp.bfloat16)
   oracle.assert_zero_rows(out, sizes, offset, num_local)
 
 

@@ -771,11 +771,12 @@ def gmm(
     return jnp.zeros((m, n), out_dtype)
   if g_local == 0 or k == 0 or group_sizes.shape[0] == 0:
     return jnp.zeros((m, n), out_dtype)
-  if config is None or (config.num_compute_wgs == 2 and k <= config.block_k) or (
+  if config is None or (config.num_compute_wgs == 2 and not config.ring
+                        and k <= config.block_k) or (
       config.ring and m < config.block_m + config.tail_rows):
     # The warp-specialized pipeline never releases a tile's last slot: with a
-    # single k step the producer could refill it early, so use one warpgroup.
-    # The ring's loads need 128 + tail_rows rows.
+    # single k step the producer could refill it early, so use one warpgroup
+    # (the ring releases every slot).  The ring's loads need 128 + tail_rows rows.
     config = default_config(m, k, n, g_local, lhs.dtype, transpose_rhs, out_dtype)
   if config.smem_bytes(lhs.dtype, out_dtype) > config.smem_budget():
     raise NotImplementedError(
