@@ -115,6 +115,24 @@ def test_config_checks():
   assert four.smem_bytes(jnp.bfloat16, jnp.bfloat16) > four.smem_budget()
   four = dataclasses.replace(four, epilogue_split=4)
   assert four.smem_bytes(jnp.bfloat16, jnp.bfloat16) <= four.smem_budget()
+  # Folded tails store bf16/f16 only: fitting for an f32 output drops them, and an
+  # explicit f32 call with tails is refused.
+  assert mf.fit_config(four, jnp.bfloat16, jnp.float32).tail_rows == 0
+  x, w = oracle.random_inputs(jax.random.key(1), [(256, 128), (2, 128, 256)], jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="tail_rows"):
+    mf.gmm(x, w, jnp.array([100, 150], jnp.int32), None, transpose_rhs=False,
+           out_dtype=jnp.float32, interpret=True, config=dataclasses.replace(CFG, tail_rows=16))
+
+
+def test_f32_output_bare_ring():
+  sizes = [140, 10, 300, 0, 264]
+  x, w = oracle.random_inputs(jax.random.key(9), [(768, 128), (5, 128, 256)], jnp.bfloat16)
+  out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), None, transpose_rhs=False,
+               out_dtype=jnp.float32, interpret=True,
+               config=dataclasses.replace(CFG, epilogue_split=4))
+  assert out.dtype == jnp.float32
+  oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, None, False), jnp.float32)
+  oracle.assert_zero_rows(out, sizes, None, 5)
 
 
 def test_small_m_falls_back():
