@@ -418,16 +418,6 @@ def gpu_sweep_configs(
   return out[:16]
 
 
-def _swizzled(minor: int, dtype) -> tuple:
-  """SMEM transforms for a tile whose minor dimension holds ``minor`` elements."""
-  itemsize = jnp.dtype(dtype).itemsize
-  swizzle = plgpu.find_swizzle(minor * itemsize * 8)
-  return (
-      plgpu.TilingTransform((8, swizzle // itemsize)),
-      plgpu.SwizzleTransform(swizzle),
-  )
-
-
 def _check_supported(lhs: jax.Array, rhs: jax.Array, out_dtype) -> None:
   if lhs.dtype != rhs.dtype or lhs.dtype not in _IN_DTYPES:
     raise NotImplementedError(
@@ -932,9 +922,9 @@ def tgmm(
   grid_k, grid_n = pl.cdiv(k, bk), pl.cdiv(n, bn)
   num_stages = config.num_stages
   delay_release = 1 if num_stages > 1 else 0
-  in_transforms_lhs = _swizzled(bk, lhs.dtype)
-  in_transforms_rhs = _swizzled(bn, rhs.dtype)
-  out_transforms = _swizzled(config.epilogue_n, out_dtype)
+  in_transforms_lhs = sm90.swizzled(bk, lhs.dtype)
+  in_transforms_rhs = sm90.swizzled(bn, rhs.dtype)
+  out_transforms = sm90.swizzled(config.epilogue_n, out_dtype)
 
   def body(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gmem,
            out_gmem, out_smem):

@@ -75,12 +75,6 @@ def attach_tails(tiles: jax.Array, num_tiles: jax.Array, tail_rows: int
   return out, jnp.sum(keep.astype(jnp.int32))
 
 
-def _swizzled(minor: int, dtype) -> tuple:
-  itemsize = jnp.dtype(dtype).itemsize
-  swizzle = plgpu.find_swizzle(minor * itemsize * 8)
-  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
-
-
 def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int, n: int,
           cfg: mf.MosaicFwdConfig, transpose_rhs: bool, num_ctas: int):
   bn, bk, stages, cn = cfg.block_n, cfg.block_k, cfg.num_stages, cfg.epilogue_n
@@ -94,17 +88,18 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
   dtype, out_dtype = lhs_gmem.dtype, out_gmem.dtype
   b_shape = (bn, bk) if transpose_rhs else (bk, bn)
   cta = lax.axis_index("sm")
+  my_items = pl.cdiv(jnp.maximum(num_work - cta, 0), num_ctas)  # items w = cta + j * num_ctas
 
   scratch = dict(
-      a_smem=plgpu.SMEM((stages, _ROWS, bk), dtype, transforms=_swizzled(bk, dtype)),
-      b_smem=plgpu.SMEM((stages, *b_shape), dtype, transforms=_swizzled(b_shape[1], dtype)),
+      a_smem=plgpu.SMEM((stages, _ROWS, bk), dtype, transforms=sm90.swizzled(bk, dtype)),
+      b_smem=plgpu.SMEM((stages, *b_shape), dtype, transforms=sm90.swizzled(b_shape[1], dtype)),
       produced=plgpu.Barrier(num_arrivals=3 if tr else 2, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       # Row-major: stores start at any row.
       o_smem=plgpu.SMEM((2, _HALF, cn), out_dtype),
   )
   if tr:  # tail_rows 0: the same ring without tails (a baseline)
-    scratch.update(t_smem=plgpu.SMEM((stages, tr, bk), dtype, transforms=_swizzled(bk, dtype)),
+    scratch.update(t_smem=plgpu.SMEM((stages, tr, bk), dtype, transforms=sm90.swizzled(bk, dtype)),
                    to_smem=plgpu.SMEM((2, tr, tn), out_dtype))
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
@@ -121,7 +116,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
     def works(body):
       """body(w, step0) for this CTA's items (step0: the ring step of the
       item's first k step)."""
-      @pl.loop(0, pl.cdiv(jnp.maximum(num_work - cta, 0), num_ctas))
+      @pl.loop(0, my_items)
       def _(j):
         body(cta + j * num_ctas, j * k_steps)
 
@@ -152,7 +147,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
           plgpu.copy_gmem_to_smem(src, b_smem.at[slot], produced.at[slot])
 
       works(load)
-      total = pl.cdiv(jnp.maximum(num_work - cta, 0), num_ctas) * k_steps
+      total = my_items * k_steps
 
       # Wait for the consumers' last release of every slot before the CTA exits.
       @pl.loop(jnp.maximum(total - stages, 0), total)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 SMEM_PER_SM = 228 * 1024  # shared memory of one SM
 SMEM_PER_CTA = 227 * 1024  # the most dynamic SMEM one CTA may opt into
@@ -25,6 +27,14 @@ def check_ctas_per_sm(ctas_per_sm: int, num_compute_wgs: int) -> None:
     raise ValueError(
         f"ctas_per_sm must be 1, or 2 with num_compute_wgs=1 (registers), got"
         f" {ctas_per_sm} with num_compute_wgs={num_compute_wgs}")
+
+
+def swizzled(minor: int, dtype) -> tuple:
+  """SMEM transforms (8-row tiling + the widest swizzle) for a tile whose minor
+  dimension holds ``minor`` elements: what TMA copies and wgmma operands take."""
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = plgpu.find_swizzle(minor * itemsize * 8)
+  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
 def column_chunk(acc, c: int, cols: int):
