@@ -38,6 +38,7 @@ def main() -> None:
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--iterations", type=int, default=10)
   args = p.parse_args()
+  os.makedirs(args.out_dir, exist_ok=True)
   rows = []
   for s in bench.PRESETS["training"]:
     if args.shapes and s.name not in args.shapes:
