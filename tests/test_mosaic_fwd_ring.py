@@ -41,15 +41,19 @@ def test_attach_tails_folds_short_last_tiles():
     ([129, 7, 60, 136, 40], 400, 192, None, 5, False, 8),       # tail of 1 row, m % 128
     ([150, 20, 170, 30], 384, 64, 1, 2, False, 32),             # group_offset shard
     ([140, 10, 300, 0, 264], 768, 128, None, 5, False, 0),      # no tails: the bare ring
+    ([150, 20, 200, 398], 768, 64, 2, 1, False, -2),            # shard, zero_lead 2: 4 items, 2 short CTAs
 ])
 def test_matches_oracle(sizes, m, k, offset, num_local, transpose_rhs, tail_rows):
+  # tail_rows < 0: no tails, zero_lead = -tail_rows.
+  lead = max(-tail_rows, 0)
+  tail_rows = max(tail_rows, 0)
   n = 384  # an n tile and a half
   rshape = (num_local, n, k) if transpose_rhs else (num_local, k, n)
   x, w = oracle.random_inputs(jax.random.key(len(sizes) + m), [(m, k), rshape], jnp.bfloat16)
   go = None if offset is None else jnp.int32(offset)
   out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), go, transpose_rhs=transpose_rhs,
                out_dtype=jnp.bfloat16, interpret=True,
-               config=dataclasses.replace(CFG, tail_rows=tail_rows))
+               config=dataclasses.replace(CFG, tail_rows=tail_rows, zero_lead=lead))
   ref = oracle.ref_ragged_dot(x, w, sizes, go, transpose_rhs)
   oracle.assert_close(out, ref, jnp.bfloat16)
   oracle.assert_zero_rows(out, sizes, offset, num_local)
@@ -77,6 +81,7 @@ def test_property_matches_oracle(data):
   m = max(m, 256)
   offset, num_local = data.draw(rst.shard(g))
   tail_rows = data.draw(st.sampled_from([8, 16, 32]))
+  zero_lead = data.draw(st.sampled_from([0, 1, 3]))
   transpose_rhs = data.draw(st.booleans())
   k, n = data.draw(st.sampled_from([64, 128])), 384  # one k step or two
   rshape = (num_local, n, k) if transpose_rhs else (num_local, k, n)
@@ -85,9 +90,33 @@ def test_property_matches_oracle(data):
   go = None if offset is None else jnp.int32(offset)
   out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), go, transpose_rhs=transpose_rhs,
                out_dtype=jnp.bfloat16, interpret=True,
-               config=dataclasses.replace(CFG, tail_rows=tail_rows))
+               config=dataclasses.replace(CFG, tail_rows=tail_rows, zero_lead=zero_lead))
   oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, go, transpose_rhs), jnp.bfloat16)
   oracle.assert_zero_rows(out, sizes, offset, num_local)
+
+
+@pytest.mark.parametrize("num_ctas,num_work,num_zero,lead", [
+    (4, 6, 10, 2),    # two short CTAs take 2 zero items each first
+    (4, 8, 10, 2),    # no short CTAs: round-robin
+    (5, 1, 3, 5),     # the front takes every zero item
+    (132, 240, 1344, 20), (132, 240, 1344, 0), (3, 0, 7, 1), (3, 2, 0, 4),
+])
+def test_zero_items_partition(num_ctas, num_work, num_zero, lead):
+  """Every zero item goes to exactly one CTA; short CTAs take theirs first."""
+  got = []
+  for cta in range(num_ctas):
+    item, count = mr._zero_items(jnp.int32(cta), num_ctas, jnp.int32(num_work),
+                                 jnp.int32(num_zero), lead)
+    got.append([int(item(jnp.int32(j))) for j in range(int(count))])
+  assert sorted(sum(got, [])) == list(range(num_zero))
+  rem = num_work % num_ctas
+  short = list(range(rem, num_ctas)) if rem else []
+  front = min(len(short) * lead, num_zero)
+  for cta in short:  # its first items: its share of the front
+    mine = [z for z in got[cta] if z < front]
+    assert got[cta][:len(mine)] == mine and len(mine) == len(range(cta - rem, front, len(short)))
+  for cta in range(rem):
+    assert all(z >= front for z in got[cta])
 
 
 def test_no_races():
@@ -107,6 +136,8 @@ def test_config_checks():
     dataclasses.replace(CFG, tail_rows=12)
   with pytest.raises(ValueError, match="tail_rows needs ring"):
     dataclasses.replace(CFG, ring=False, tail_rows=16)
+  with pytest.raises(ValueError, match="zero_lead"):
+    dataclasses.replace(CFG, ring=False, zero_lead=2)
   with pytest.raises(ValueError, match="ring needs"):
     mf.MosaicFwdConfig(block_m=64, ring=True)
   # The tails' SMEM is counted: 4 stages of 128 x 256 with 16 tail rows need

@@ -124,6 +124,12 @@ class MosaicFwdConfig:
     this many rows is folded into the tile before it, whose consumers compute
     those rows with swapped wgmma operands (see ``mosaic_fwd_ring``); needs
     block_n a multiple of 128.
+  zero_lead: ring only: the calls with a group_offset write the rows outside
+    the shard as zero items after the compute items.  The CTAs whose item
+    list is one item shorter than others' (the last round of items is
+    partial) first take up to this many zero items each, while the others
+    still compute; the rest of the zero items go round-robin over all CTAs.
+    0: round-robin only.
   """
 
   block_m: int = 64
@@ -144,6 +150,7 @@ class MosaicFwdConfig:
   schedule_kernel: bool = True
   ring: bool = False
   tail_rows: int = 0
+  zero_lead: int = 0
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -190,6 +197,8 @@ class MosaicFwdConfig:
       raise ValueError(f"tail_rows must be 0, 8, 16 or 32, got {self.tail_rows}")
     if self.tail_rows and (not self.ring or self.block_n % 128):
       raise ValueError(f"tail_rows needs ring=True and block_n a multiple of 128, got {self}")
+    if self.zero_lead < 0 or (self.zero_lead and not self.ring):
+      raise ValueError(f"zero_lead must be >= 0 and needs ring=True, got {self}")
 
   @property
   def epilogue_n(self) -> int:

@@ -75,6 +75,29 @@ def attach_tails(tiles: jax.Array, num_tiles: jax.Array, tail_rows: int
   return out, jnp.sum(keep.astype(jnp.int32))
 
 
+def _zero_items(cta, num_ctas: int, num_work, num_zero_work, lead: int):
+  """``(item(j), count)``: CTA ``cta``'s zero items, in order.
+
+  CTAs ``[rem, num_ctas)`` run one compute item fewer than the others when
+  ``rem = num_work % num_ctas`` is not 0.  The first ``lead`` zero items of
+  each such CTA come from the front of the zero list (item ``i`` of that front
+  goes to the ``i % short``-th of them); all later zero items go round-robin
+  over every CTA.
+  """
+  rem = lax.rem(num_work, num_ctas)
+  short = jnp.where(rem == 0, 0, num_ctas - rem)
+  front = jnp.minimum(short * lead, num_zero_work)
+  idx = cta - rem
+  n_front = jnp.where((short > 0) & (idx >= 0),
+                      pl.cdiv(jnp.maximum(front - idx, 0), jnp.maximum(short, 1)), 0)
+  n_rest = pl.cdiv(jnp.maximum(num_zero_work - front - cta, 0), num_ctas)
+
+  def item(j):
+    return jnp.where(j < n_front, idx + j * short, front + cta + (j - n_front) * num_ctas)
+
+  return item, n_front + n_rest
+
+
 def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int, n: int,
           cfg: mf.MosaicFwdConfig, transpose_rhs: bool, num_ctas: int):
   bn, bk, stages, cn = cfg.block_n, cfg.block_k, cfg.num_stages, cfg.epilogue_n
@@ -223,9 +246,12 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
       # Rows outside the shard's window, after the ring.
-      @pl.loop(0, pl.cdiv(jnp.maximum(num_zero_work - cta, 0), num_ctas))
+      zero_item, num_zero_items = _zero_items(cta, num_ctas, num_work, num_zero_work,
+                                              cfg.zero_lead)
+
+      @pl.loop(0, num_zero_items)
       def _zeros(j):
-        blk, ni = mf._zero_item(cta + j * num_ctas, grid_n, za, zb)
+        blk, ni = mf._zero_item(zero_item(j), grid_n, za, zb)
         mf._zero_fill_once(my_smem, j == 0)
         mf._store_zero_rows(my_smem, out_gmem, cfg, n, m, ni, blk * _ROWS + wg * _HALF,
                             _HALF, lo, hi)
