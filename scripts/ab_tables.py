@@ -1,9 +1,9 @@
 """A/B of two tuning tables' entries on the same inputs (GPU machine).
 
-  python3 scripts/ab_tables.py OLD.json NEW.json OUT_DIR [--rounds 3]
+  python3 scripts/ab_tables.py OLD.json NEW.json OUT_DIR [--rounds 3] [--presets training ...]
 
 For every entry key that both tables hold with different configs and that a
-training shape's op (fwd, dX, dW) maps to, times the old and the new entry's
+shape's op (fwd, dX, dW) of the bench presets (default: training) maps to, times the old and the new entry's
 kernel interleaved with CUPTI on one set of fresh random inputs; prints NEW/OLD
 and whether the outputs are bitwise equal; writes OUT_DIR/ab_tables.json.
 A check before a re-tuned entry replaces a shipped one.
@@ -29,11 +29,13 @@ def main() -> None:
   p.add_argument("out_dir")
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--iterations", type=int, default=10)
+  p.add_argument("--presets", nargs="+", default=["training"], choices=sorted(bench.PRESETS))
   args = p.parse_args()
+  os.makedirs(args.out_dir, exist_ok=True)
   old = json.load(open(args.old))["entries"]
   new = json.load(open(args.new))["entries"]
   rows = []
-  for s in bench.PRESETS["training"]:
+  for s in [s for name in args.presets for s in bench.PRESETS[name]]:
     for op in ("fwd", "dx", "dw"):
       call = backend_call(op, s.k, s.n)
       table_op = call.table_op
