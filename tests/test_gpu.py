@@ -134,7 +134,7 @@ RING_SHAPES = SHAPES + [(8192, 1024, 960, 32, "routed")]  # ~256 rows per group:
                          ids=[f"{s[0]}x{s[1]}x{s[2]}g{s[3]}-{s[4]}" for s in RING_SHAPES])
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
 @pytest.mark.parametrize("tail_rows,offset,zero_lead",
-                         [(16, None, 0), (32, 8, 0), (0, None, 0), (0, 8, 12)],
+                         [(16, None, None), (32, 8, None), (0, None, None), (0, 8, 12)],
                          ids=["t16", "t32-shard", "t0", "t0-shard-lead12"])
 def test_ring_real_sizes(shape, transpose_rhs, tail_rows, offset, zero_lead):
   """The ring forward / dX (mosaic_fwd_ring), with and without folded tails, and

@@ -44,8 +44,8 @@ def test_attach_tails_folds_short_last_tiles():
     ([150, 20, 200, 398], 768, 64, 2, 1, False, -2),            # shard, zero_lead 2: 4 items, 2 short CTAs
 ])
 def test_matches_oracle(sizes, m, k, offset, num_local, transpose_rhs, tail_rows):
-  # tail_rows < 0: no tails, zero_lead = -tail_rows.
-  lead = max(-tail_rows, 0)
+  # tail_rows < 0: no tails, zero_lead = -tail_rows (else the automatic lead).
+  lead = -tail_rows if tail_rows < 0 else None
   tail_rows = max(tail_rows, 0)
   n = 384  # an n tile and a half
   rshape = (num_local, n, k) if transpose_rhs else (num_local, k, n)
@@ -81,7 +81,7 @@ def test_property_matches_oracle(data):
   m = max(m, 256)
   offset, num_local = data.draw(rst.shard(g))
   tail_rows = data.draw(st.sampled_from([8, 16, 32]))
-  zero_lead = data.draw(st.sampled_from([0, 1, 3]))
+  zero_lead = data.draw(st.sampled_from([None, 0, 1, 3]))
   transpose_rhs = data.draw(st.booleans())
   k, n = data.draw(st.sampled_from([64, 128])), 384  # one k step or two
   rshape = (num_local, n, k) if transpose_rhs else (num_local, k, n)

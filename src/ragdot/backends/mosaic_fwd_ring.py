@@ -246,8 +246,8 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
       # Rows outside the shard's window, after the ring.
-      zero_item, num_zero_items = _zero_items(cta, num_ctas, num_work, num_zero_work,
-                                              cfg.zero_lead)
+      lead = k_steps // 2 if cfg.zero_lead is None else cfg.zero_lead
+      zero_item, num_zero_items = _zero_items(cta, num_ctas, num_work, num_zero_work, lead)
 
       @pl.loop(0, num_zero_items)
       def _zeros(j):
