@@ -42,8 +42,6 @@ def test_attach_tails_folds_short_last_tiles():
     ([150, 20, 170, 30], 384, 64, 1, 2, False, dict(tail_rows=32)),          # group_offset shard
     ([140, 10, 300, 0, 264], 768, 128, None, 5, False, {}),                  # the bare ring
     ([150, 20, 200, 398], 768, 64, 2, 1, False, dict(zero_lead=2)),  # 4 items, 2 short CTAs
-    ([140, 10, 300, 0, 264], 768, 192, 1, 3, True, dict(consumer_lag=1)),    # lagging consumer
-    ([140, 10, 300, 0, 264], 768, 128, None, 5, False, dict(consumer_lag=1, tail_rows=16)),
 ])
 def test_matches_oracle(sizes, m, k, offset, num_local, transpose_rhs, fields):
   n = 384  # an n tile and a half
@@ -81,7 +79,6 @@ def test_property_matches_oracle(data):
   offset, num_local = data.draw(rst.shard(g))
   tail_rows = data.draw(st.sampled_from([8, 16, 32]))
   zero_lead = data.draw(st.sampled_from([None, 0, 1, 3]))
-  consumer_lag = data.draw(st.sampled_from([0, 1]))
   transpose_rhs = data.draw(st.booleans())
   k, n = data.draw(st.sampled_from([64, 128])), 384  # one k step or two
   rshape = (num_local, n, k) if transpose_rhs else (num_local, k, n)
@@ -90,8 +87,7 @@ def test_property_matches_oracle(data):
   go = None if offset is None else jnp.int32(offset)
   out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), go, transpose_rhs=transpose_rhs,
                out_dtype=jnp.bfloat16, interpret=True,
-               config=dataclasses.replace(CFG, tail_rows=tail_rows, zero_lead=zero_lead,
-                                         consumer_lag=consumer_lag))
+               config=dataclasses.replace(CFG, tail_rows=tail_rows, zero_lead=zero_lead))
   oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, go, transpose_rhs), jnp.bfloat16)
   oracle.assert_zero_rows(out, sizes, offset, num_local)
 
@@ -120,15 +116,14 @@ def test_zero_items_partition(num_ctas, num_work, num_zero, lead):
     assert all(z >= front for z in got[cta])
 
 
-@pytest.mark.parametrize("consumer_lag", [0, 1])
-def test_no_races(consumer_lag):
+def test_no_races():
   from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret  # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
   sizes = [140, 7, 60, 136]
   x, w = oracle.random_inputs(jax.random.key(3), [(384, 128), (4, 128, 256)], jnp.bfloat16)
   out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), None, transpose_rhs=False,
                out_dtype=jnp.bfloat16, interpret=plgpu.InterpretGPUParams(detect_races=True),
-               config=dataclasses.replace(CFG, tail_rows=16, num_sms=2, consumer_lag=consumer_lag))
+               config=dataclasses.replace(CFG, tail_rows=16, num_sms=2))
   jax.block_until_ready(out)
   assert not gpu_interpret.get_races().races_found
 
@@ -138,8 +133,6 @@ def test_config_checks():
     dataclasses.replace(CFG, tail_rows=12)
   with pytest.raises(ValueError, match="tail_rows needs ring"):
     dataclasses.replace(CFG, ring=False, tail_rows=16)
-  with pytest.raises(ValueError, match="consumer_lag"):
-    dataclasses.replace(CFG, consumer_lag=2)  # 2 stages: the lag needs a stage to spare
   with pytest.raises(ValueError, match="zero_lead"):
     dataclasses.replace(CFG, ring=False, zero_lead=2)
   with pytest.raises(ValueError, match="ring needs"):
@@ -181,11 +174,11 @@ def test_small_m_falls_back():
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
-@pytest.mark.parametrize("tail_rows,stages,split,lag", [(16, 4, 4, 0), (0, 4, 2, 0), (0, 4, 2, 2)])
-def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, split, lag):
+@pytest.mark.parametrize("tail_rows,stages,split", [(16, 4, 4), (0, 4, 2)])
+def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, split):
   m, k, n, g = 4096, 2048, 1536, 128
   cfg = dataclasses.replace(CFG, num_stages=stages, epilogue_split=split, tail_rows=tail_rows,
-                            num_sms=132, consumer_lag=lag)
+                            num_sms=132)
   f = jax.jit(lambda x, w, gs: mf.gmm(x, w, gs, None, transpose_rhs=transpose_rhs,
                                       out_dtype=jnp.bfloat16, config=cfg))
   rshape = (g, n, k) if transpose_rhs else (g, k, n)

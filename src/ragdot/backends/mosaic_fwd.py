@@ -132,11 +132,6 @@ class MosaicFwdConfig:
     0: round-robin only; None: half the k steps of an item (measured on the
     H200's EP=8 shard of Qwen3-30B gate_up, 32 k steps: lead 15 saved 5.5%,
     25 and more lost, docs/performance.md v15).
-  consumer_lag: ring only, 0-3: the second consumer starts its first wgmma
-    only after the first consumer has issued this many k steps, so the two
-    run that far apart and one's epilogue runs while the other still issues
-    wgmmas on the shared stages (the leading consumer keeps num_stages -
-    consumer_lag stages of prefetch).  0: both start together.
   """
 
   block_m: int = 64
@@ -158,7 +153,6 @@ class MosaicFwdConfig:
   ring: bool = False
   tail_rows: int = 0
   zero_lead: int | None = None
-  consumer_lag: int = 0
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -207,10 +201,6 @@ class MosaicFwdConfig:
       raise ValueError(f"tail_rows needs ring=True and block_n a multiple of 128, got {self}")
     if self.zero_lead is not None and (self.zero_lead < 0 or (self.zero_lead and not self.ring)):
       raise ValueError(f"zero_lead must be >= 0 and needs ring=True, got {self}")
-    if self.consumer_lag not in (0, 1, 2, 3) or (self.consumer_lag and (
-        not self.ring or self.consumer_lag >= self.num_stages)):
-      raise ValueError(f"consumer_lag must be 0-3, below num_stages, and needs ring=True, "
-                       f"got {self}")
 
   @property
   def epilogue_n(self) -> int:

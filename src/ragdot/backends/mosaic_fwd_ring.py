@@ -120,14 +120,13 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
       consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       # Row-major: stores start at any row.
       o_smem=plgpu.SMEM((2, _HALF, cn), out_dtype),
-      lag_bar=plgpu.Barrier(num_arrivals=1),
   )
   if tr:  # tail_rows 0: the same ring without tails (a baseline)
     scratch.update(t_smem=plgpu.SMEM((stages, tr, bk), dtype, transforms=sm90.swizzled(bk, dtype)),
                    to_smem=plgpu.SMEM((2, tr, tn), out_dtype))
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-  def _scope(a_smem, b_smem, produced, consumed, o_smem, lag_bar, t_smem=None, to_smem=None):
+  def _scope(a_smem, b_smem, produced, consumed, o_smem, t_smem=None, to_smem=None):
     wg = lax.axis_index("wg")
 
     def tile_of(w):
@@ -183,8 +182,6 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
       plgpu.set_max_registers(232, action="increase")
       my_smem = o_smem.at[wg]
       my_tail = None if to_smem is None else to_smem.at[wg]
-      total = my_items * k_steps
-      lag_step = jnp.minimum(cfg.consumer_lag, total) - 1  # consumer 0 signals after it
 
       def compute(w, step0):
         ni, _, row0, row_start, row_end = tile_of(w)
@@ -208,8 +205,6 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
                 # The tail's rows, operands swapped: (tn, tr) += W[:, half]^T @ x_tail^T.
                 w_t = b.at[half] if transpose_rhs else b.at[:, half].transpose((1, 0))
                 plgpu.wgmma(tail_ref[0], w_t, t_smem.at[slot].transpose((1, 0)))
-              if cfg.consumer_lag:
-                pl.when((wg == 0) & (step == lag_step))(lambda: plgpu.barrier_arrive(lag_bar))
               plgpu.wgmma_wait(2 if with_tail else 1)  # the previous step's are done
               pl.when(kk > 0)(lambda: plgpu.barrier_arrive(
                   consumed.at[lax.rem(step + stages - 1, stages)]))
@@ -247,8 +242,6 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
         else:
           tile(False)
 
-      if cfg.consumer_lag:
-        pl.when((wg == 1) & (total > 0))(lambda: plgpu.barrier_wait(lag_bar))
       works(compute)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
