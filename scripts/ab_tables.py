@@ -2,10 +2,11 @@
 
   python3 scripts/ab_tables.py OLD.json NEW.json OUT_DIR [--rounds 3] [--presets training ...]
 
-For every entry key that both tables hold with different configs and that a
-shape's op (fwd, dX, dW) of the bench presets (default: training) maps to, times the old and the new entry's
-kernel interleaved with CUPTI on one set of fresh random inputs; prints NEW/OLD
-and whether the outputs are bitwise equal; writes OUT_DIR/ab_tables.json.
+For every entry key that both tables hold with different configs and that an
+op (fwd, dX, dW) of a shape of the bench presets (default: training) maps to,
+times the old and the new entry's kernel interleaved with CUPTI on one set of
+fresh random inputs; prints NEW/OLD and whether the outputs are bitwise equal;
+writes OUT_DIR/ab_tables.json.
 A check before a re-tuned entry replaces a shipped one.
 """
 

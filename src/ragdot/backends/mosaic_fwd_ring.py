@@ -5,7 +5,9 @@ last rows optionally riding along with the row tile before them
 The ring (as in ``mosaic_dw``): one sequence of stages through all of a CTA's
 (row tile, n tile) items, work in row-tile order with every n tile of a row
 tile in turn; a producer warpgroup and two consumer warpgroups of 64 rows each.
-Rows outside the shard's window are written after the ring as in ``mosaic_fwd``.
+Rows outside the shard's window are written after the ring, as zero items; the
+CTAs with one compute item fewer take the first of them (``zero_lead``), while
+the others still compute.
 
 Tails: row tiles are aligned to groups, so a group's last tile computes 128
 rows whatever it holds.  On top-8 routing a group has 256 +- 15 rows (Qwen3) or
