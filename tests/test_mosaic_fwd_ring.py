@@ -42,6 +42,9 @@ def test_attach_tails_folds_short_last_tiles():
     ([150, 20, 170, 30], 384, 64, 1, 2, False, dict(tail_rows=32)),          # group_offset shard
     ([140, 10, 300, 0, 264], 768, 128, None, 5, False, {}),                  # the bare ring
     ([150, 20, 200, 398], 768, 64, 2, 1, False, dict(zero_lead=2)),  # 4 items, 2 short CTAs
+    ([140, 10, 300, 0, 264], 768, 128, None, 5, True,                        # strips of n tiles
+     dict(tail_rows=16, grid_minor_dim=1, grid_tile_width=2)),
+    ([129, 7, 60, 136, 40], 400, 128, 1, 3, False, dict(grid_tile_width=3)),  # snaking row strips
 ])
 def test_matches_oracle(sizes, m, k, offset, num_local, transpose_rhs, fields):
   n = 384  # an n tile and a half
@@ -79,6 +82,7 @@ def test_property_matches_oracle(data):
   offset, num_local = data.draw(rst.shard(g))
   tail_rows = data.draw(st.sampled_from([8, 16, 32]))
   zero_lead = data.draw(st.sampled_from([None, 0, 1, 3]))
+  minor, width = data.draw(st.sampled_from([(0, 1), (1, 1), (1, 2), (0, 2)]))
   transpose_rhs = data.draw(st.booleans())
   k, n = data.draw(st.sampled_from([64, 128])), 384  # one k step or two
   rshape = (num_local, n, k) if transpose_rhs else (num_local, k, n)
@@ -87,7 +91,8 @@ def test_property_matches_oracle(data):
   go = None if offset is None else jnp.int32(offset)
   out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), go, transpose_rhs=transpose_rhs,
                out_dtype=jnp.bfloat16, interpret=True,
-               config=dataclasses.replace(CFG, tail_rows=tail_rows, zero_lead=zero_lead))
+               config=dataclasses.replace(CFG, tail_rows=tail_rows, zero_lead=zero_lead,
+                                         grid_minor_dim=minor, grid_tile_width=width))
   oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, go, transpose_rhs), jnp.bfloat16)
   oracle.assert_zero_rows(out, sizes, offset, num_local)
 
@@ -174,11 +179,11 @@ def test_small_m_falls_back():
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
-@pytest.mark.parametrize("tail_rows,stages,split", [(16, 4, 4), (0, 4, 2)])
-def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, split):
+@pytest.mark.parametrize("tail_rows,stages,split,width", [(16, 4, 4, 1), (0, 4, 2, 1), (0, 4, 2, 4)])
+def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, split, width):
   m, k, n, g = 4096, 2048, 1536, 128
   cfg = dataclasses.replace(CFG, num_stages=stages, epilogue_split=split, tail_rows=tail_rows,
-                            num_sms=132)
+                            num_sms=132, grid_minor_dim=int(width > 1), grid_tile_width=width)
   f = jax.jit(lambda x, w, gs: mf.gmm(x, w, gs, None, transpose_rhs=transpose_rhs,
                                       out_dtype=jnp.bfloat16, config=cfg))
   rshape = (g, n, k) if transpose_rhs else (g, k, n)

@@ -116,10 +116,9 @@ class MosaicFwdConfig:
     epilogue, instead of draining and refilling the pipeline per tile.  Used
     when the tile's k steps are a multiple of num_stages (otherwise per tile).
   ring: 2 warpgroups (block_m 128) only: run ``mosaic_fwd_ring``, one
-    hand-written ring of stages through all of a CTA's items in row-tile
-    order, instead of a pipeline per tile; grid_minor_dim, grid_tile_width,
-    skip_empty_halves, delay_release, pipeline_across_tiles and
-    guard_last_stage do not apply to it.
+    hand-written ring of stages through all of a CTA's items (in grid order,
+    see ``_work_item``), instead of a pipeline per tile; skip_empty_halves, delay_release,
+    pipeline_across_tiles and guard_last_stage do not apply to it.
   tail_rows: ring only, 0, 8, 16 or 32: a group's last tile holding at most
     this many rows is folded into the tile before it, whose consumers compute
     those rows with swapped wgmma operands (see ``mosaic_fwd_ring``); needs
@@ -429,10 +428,18 @@ def _store_rows(src_smem, out_gmem, src_row, dst_row, count, col, *, max_rows: i
 
 def _work_item(tiles_gmem, w, num_tiles, max_tiles: int, grid_n: int,
                cfg: MosaicFwdConfig):
-  """(n tile, group, row0, row_start, row_end) of compute item w."""
-  ti, ni = plgpu.planar_snake(
-      w, (num_tiles, grid_n), cfg.grid_minor_dim, cfg.grid_tile_width
-  )
+  """(n tile, group, row0, row_start, row_end) of compute item w.
+
+  Items go in ``plgpu.planar_snake`` order, except that the ring with strips of
+  one row tile keeps plain row-major order (every n tile of a row tile in
+  turn, no snake): the order its table entries were measured in.
+  """
+  if cfg.ring and cfg.grid_minor_dim == 0 and cfg.grid_tile_width == 1:
+    ti, ni = lax.div(w, grid_n), lax.rem(w, grid_n)
+  else:
+    ti, ni = plgpu.planar_snake(
+        w, (num_tiles, grid_n), cfg.grid_minor_dim, cfg.grid_tile_width
+    )
   row0 = pl.multiple_of(tiles_gmem[max_tiles + ti], 8)
   return (ni, tiles_gmem[ti], row0, tiles_gmem[2 * max_tiles + ti],
           tiles_gmem[3 * max_tiles + ti])

@@ -3,8 +3,10 @@ last rows optionally riding along with the row tile before them
 (``MosaicFwdConfig(ring=True, tail_rows=...)``; ``mosaic_fwd.gmm`` calls here).
 
 The ring (as in ``mosaic_dw``): one sequence of stages through all of a CTA's
-(row tile, n tile) items, work in row-tile order with every n tile of a row
-tile in turn; a producer warpgroup and two consumer warpgroups of 64 rows each.
+(row tile, n tile) items, in the config's grid order (by default row-tile order
+with every n tile of a row tile in turn; ``grid_minor_dim=1`` walks strips of
+``grid_tile_width`` n tiles down the row tiles); a producer warpgroup and two
+consumer warpgroups of 64 rows each.
 Rows outside the shard's window are written after the ring, as zero items; the
 CTAs with one compute item fewer take the first of them (``zero_lead``), while
 the others still compute.
@@ -133,10 +135,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
 
     def tile_of(w):
       """(n tile, group, row0, row_start, row_end) of work item w."""
-      ti, ni = lax.div(w, grid_n), lax.rem(w, grid_n)
-      row0 = pl.multiple_of(tiles_gmem[max_tiles + ti], 8)
-      return (ni, tiles_gmem[ti], row0, tiles_gmem[2 * max_tiles + ti],
-              tiles_gmem[3 * max_tiles + ti])
+      return mf._work_item(tiles_gmem, w, num_tiles, max_tiles, grid_n, cfg)
 
     def works(body):
       """body(w, step0) for this CTA's items (step0: the ring step of the
