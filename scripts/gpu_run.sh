@@ -16,7 +16,8 @@
 #   moe    one MoE block fwd+bwd: ragdot vs lax vs tokamax
 #   ep     MoE block expert-parallel scaling over the local GPUs           EP_ARGS
 #   profile  ncu counters of the main kernels (scripts/profile_kernels.py)  PROFILE_ARGS
-#          (PROFILE_SECTIONS="SourceCounters ...": more ncu sections)
+#          (PROFILE_SECTIONS="SourceCounters ...": more ncu sections;
+#           PROFILE_METRICS="metric,metric ...": single ncu metrics)
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -67,6 +68,7 @@ for stage in $STAGES; do
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
         --section WarpStateStats --section LaunchStats --section Occupancy \
         $(for sec in ${PROFILE_SECTIONS:-}; do printf -- '--section %s ' "$sec"; done) \
+        $(for met in ${PROFILE_METRICS:-}; do printf -- '--metrics %s ' "$met"; done) \
         python3 scripts/profile_kernels.py ${PROFILE_ARGS:-} ;;
     *) echo "unknown stage $stage" >&2 ;;
   esac
