@@ -41,6 +41,7 @@ def test_bench_tiny_shape(tmp_path, capsys):
   assert {"ragdot", "ragdot:xla", "dense"} <= impls
   auto = next(r for r in rows if r["impl"] == "ragdot")
   assert auto["ms"] > 0 and auto["peak_mib"] > 0 and auto["choice"].startswith("xla")
+  assert auto["compile_s"] > 0  # lower + compile, wall clock
   # On CPU the automatic choice is the xla backend: its explicit row is the same
   # kernels, so it carries the automatic row's timing instead of a second sample.
   explicit = next(r for r in rows if r["impl"] == "ragdot:xla")
@@ -50,7 +51,7 @@ def test_bench_tiny_shape(tmp_path, capsys):
   assert "config" in explicit
   assert all("choice" in r for r in rows if r["impl"].startswith("ragdot"))
   out = capsys.readouterr().out
-  assert "auto-choice check" in out
+  assert "auto-choice check" in out and "compile: slowest ragdot call" in out
 
 
 def test_dense_fwdbwd_reference_is_three_matmuls():
@@ -191,6 +192,18 @@ def test_bench_ep_shape_rows_cover_the_ep_ops(tmp_path):
     assert r["ms"] > 0, r
   lines = bench.ep_summary(rows)
   assert len(lines) == 3 and all("the local rows' call" in line for line in lines)
+
+
+def test_compile_summary_names_the_slowest_ragdot_call():
+  from ragdot import bench  # pylint: disable=g-import-not-at-top
+  rows = [dict(shape="a", op="fwd", impl="ragdot", compile_s=1.5),
+          dict(shape="b", op="dx", impl="ragdot:mosaic", compile_s=4.25),
+          dict(shape="b", op="dx", impl="dense", compile_s=9.0),      # not a ragdot call
+          dict(shape="c", op="fwd", impl="ragdot", compile_s=None)]   # failed to compile
+  line = bench.compile_summary(rows)
+  assert line.startswith("compile: slowest ragdot call 4.2 s (b dx ragdot:mosaic)"), line
+  assert "over 2 timed rows" in line
+  assert bench.compile_summary([dict(shape="a", op="fwd", impl="dense", compile_s=1.0)]) is None
 
 
 def test_minimal_bytes_of_an_ep_shard_count_only_its_rows_and_experts():

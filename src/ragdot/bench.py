@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import json
 import sys
+import time
 from typing import Any, Callable
 
 import jax
@@ -402,33 +403,36 @@ def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
     results = {}
     for name, fn in fns.items():
       if name in same_as_auto and "ragdot" in results:
-        ms, method, peak = results["ragdot"]
-        results[name] = (ms, f"{method}; the automatic choice's kernels", peak)
+        ms, method, peak, compile_s = results["ragdot"]
+        results[name] = (ms, f"{method}; the automatic choice's kernels", peak, compile_s)
         continue
       # Progress on stderr: a run cut by a time limit shows where it stopped.
       print(f"# {shape.name} {op} {name}", file=sys.stderr, flush=True)
       if watchdog is not None:
         watchdog.arm(f"{shape.name} {op} {name}")
       try:
+        start = time.perf_counter()
         compiled = jax.jit(fn).lower(x, w, dy, gs).compile()
+        compile_s = time.perf_counter() - start
         peak = peak_bytes(compiled)
         ms, method = device_time_ms(compiled, x, w, dy, gs, iterations=iterations)
-        results[name] = (ms, method, peak)
+        results[name] = (ms, method, peak, compile_s)
       except Exception as e:  # pylint: disable=broad-except
-        results[name] = (float("nan"), f"error: {type(e).__name__}: {str(e)[:160]}", None)
+        results[name] = (float("nan"), f"error: {type(e).__name__}: {str(e)[:160]}", None,
+                         None)
       finally:
         if watchdog is not None:
           watchdog.disarm()
     base = results.get("dense", (float("nan"),))[0]
     tok = results.get("tokamax", results.get("tokamax-masked", (float("nan"),)))[0]
-    for name, (ms, method, peak) in results.items():
+    for name, (ms, method, peak, compile_s) in results.items():
       row = dict(
           shape=shape.name, op=op, impl=name, m=shape.m, k=shape.k, n=shape.n,
           g=shape.g, ms=ms, tflops=flops / (ms * 1e-3) / 1e12 if ms == ms else float("nan"),
           tbps=min_bytes / (ms * 1e-3) / 1e12 if ms == ms else float("nan"),
           vs_dense=base / ms if ms == ms else float("nan"),
           vs_tokamax=tok / ms if ms == ms else float("nan"),
-          peak_mib=None if peak is None else peak / 2**20,
+          peak_mib=None if peak is None else peak / 2**20, compile_s=compile_s,
           method=method, routing="skewed" if shape.skewed else "routed")
       if name == "ragdot" and choice is not None:
         row["choice"] = choice
@@ -509,6 +513,17 @@ def ep_summary(rows: list[dict[str, Any]]) -> list[str]:
   return out
 
 
+def compile_summary(rows: list[dict[str, Any]]) -> str | None:
+  """The slowest compile of a ragdot call among ``rows`` (lower + compile,
+  wall clock, every kernel of the call), or None when no row has one."""
+  timed = [r for r in rows if r["impl"].startswith("ragdot") and r.get("compile_s") is not None]
+  if not timed:
+    return None
+  worst = max(timed, key=lambda r: r["compile_s"])
+  return (f"compile: slowest ragdot call {worst['compile_s']:.1f} s ({worst['shape']} "
+          f"{worst['op']} {worst['impl']}), over {len(timed)} timed rows")
+
+
 def print_table(rows: list[dict[str, Any]], title: str = "ragdot bench") -> None:
   try:
     from rich.console import Console  # pylint: disable=g-import-not-at-top
@@ -519,15 +534,16 @@ def print_table(rows: list[dict[str, Any]], title: str = "ragdot bench") -> None
     return
   table = Table(title=title)
   for col in ("shape", "op", "impl", "ms", "TFLOP/s", "TB/s", "x copy", "x dense",
-              "x tokamax", "peak MiB", "note"):
+              "x tokamax", "peak MiB", "compile s", "note"):
     table.add_column(col)
   for r in rows:
     note = "" if r["method"] in ("cupti", "host") else r["method"]
-    peak = r.get("peak_mib")
+    peak, compile_s = r.get("peak_mib"), r.get("compile_s")
     table.add_row(r["shape"], r["op"], r["impl"], f"{r['ms']:.4f}", f"{r['tflops']:.1f}",
                   f"{r['tbps']:.2f}", f"{r.get('vs_copy', float('nan')):.2f}",
                   f"{r['vs_dense']:.2f}", f"{r['vs_tokamax']:.2f}",
-                  "" if peak is None else f"{peak:.1f}", note[:60])
+                  "" if peak is None else f"{peak:.1f}",
+                  "" if compile_s is None else f"{compile_s:.1f}", note[:60])
   Console(width=200).print(table)
 
 
@@ -621,6 +637,8 @@ def run(args: argparse.Namespace) -> int:
   print_table(rows)
   if lines := ep_summary(rows):
     print("expert-parallel shard (shard 0):", *lines, sep="\n")
+  if line := compile_summary(rows):
+    print(line)
   if args.implementation is None:
     print_auto_check(auto_check(rows))
   return 0
