@@ -117,8 +117,8 @@ class MosaicFwdConfig:
     when the tile's k steps are a multiple of num_stages (otherwise per tile).
   ring: 2 warpgroups (block_m 128) only: run ``mosaic_fwd_ring``, one
     hand-written ring of stages through all of a CTA's items (in grid order,
-    see ``_work_item``), instead of a pipeline per tile; skip_empty_halves, delay_release,
-    pipeline_across_tiles and guard_last_stage do not apply to it.
+    see ``_work_item``), instead of a pipeline per tile; skip_empty_halves,
+    delay_release, pipeline_across_tiles and guard_last_stage do not apply.
   tail_rows: ring only, 0, 8, 16 or 32: a group's last tile holding at most
     this many rows is folded into the tile before it, whose consumers compute
     those rows with swapped wgmma operands (see ``mosaic_fwd_ring``); needs
@@ -597,12 +597,12 @@ def _gmm_kernel_1wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
 
 
 def _zero_fill_once(smem, first) -> None:
-  """Zeroes the staging buffer on this CTA's first work item.
+  """Zeroes the staging buffer on this CTA's first zero item (``first``).
 
-  Zero tiles precede compute tiles in every CTA's (increasing) work sequence,
-  so a zero tile that is not the first item follows another zero tile and the
-  buffer still holds zeros: no refill, and no wait for in-flight stores, which
-  only read it.
+  A CTA's zero items run back to back (before its compute tiles here, after
+  them in ``mosaic_fwd_ring``, which waits for the compute stores first), so a
+  zero item that is not the first follows another one and the buffer still
+  holds zeros: no refill, and no wait for in-flight stores, which only read it.
   """
   @pl.when(first)
   def _():
