@@ -1,0 +1,90 @@
+"""The table's dW (tgmm) kernel against variants of its own config, side by
+side on the training shapes (GPU machine).
+
+  python3 scripts/ab_dw.py OUT_DIR [--shapes NAME ...]
+      [--variants "swizzle=32,row_chunk=16" "swizzle=64" ...] [--rounds 3]
+
+Per shape: "table" = the shipped table's dW choice, and one case per variant:
+the table's Mosaic config with the variant's comma-separated FIELD=VALUE
+changes (Python literals).  Interleaved CUPTI timing on one set of fresh
+random inputs; prints each case's time over the table's and whether its
+output is bitwise equal to the table's; writes OUT_DIR/ab_dw.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+
+from ragdot import backends, bench, dispatch, timing
+from ragdot.backends import mosaic_dw
+
+from ab_fwd import parse_fields  # this folder (the script's sys.path[0])
+
+
+def main() -> None:
+  p = argparse.ArgumentParser()
+  p.add_argument("out_dir")
+  p.add_argument("--shapes", nargs="+", default=None, help="preset names (default: all)")
+  p.add_argument("--variants", nargs="+", default=[], metavar="F=V,F=V")
+  p.add_argument("--rounds", type=int, default=3)
+  p.add_argument("--iterations", type=int, default=10)
+  args = p.parse_args()
+  os.makedirs(args.out_dir, exist_ok=True)
+  rows = []
+  for s in bench.PRESETS["training"]:
+    if args.shapes and s.name not in args.shapes:
+      continue
+    gs = jnp.asarray(bench.routed_group_sizes(s))
+    kx, ky = jax.random.split(jax.random.key(len(rows) + 3))
+    x = jax.random.normal(kx, (s.m, s.k), jnp.bfloat16)
+    dy = jax.random.normal(ky, (s.m, s.n), jnp.bfloat16)
+    choice = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, m=s.m, k=s.k, n=s.n, g=s.g,
+                             num_groups=s.g)
+    mod = backends.get_backend(choice.implementation)
+
+    def run(module, config):
+      return jax.jit(lambda x, dy, gs: module.tgmm(
+          x, dy, gs, None, num_groups=s.g, out_dtype=jnp.bfloat16, precision=None,
+          config=config))
+
+    cases = {"table": run(mod, choice.config)}
+    configs = {"table": choice.config}
+    base = choice.config
+    if choice.implementation != "mosaic" or base is None:
+      base = mosaic_dw.default_config(s.m, s.k, s.n, s.g, jnp.bfloat16, jnp.bfloat16)
+    for v in args.variants:
+      try:
+        cfg = dataclasses.replace(base, **parse_fields([kv for kv in v.split(",") if kv]))
+      except ValueError as e:
+        print(f"  skip {v}: {e}", flush=True)
+        continue
+      if mosaic_dw.smem_bytes(cfg, jnp.bfloat16, jnp.bfloat16) > cfg.smem_budget():
+        print(f"  skip {v}: SMEM", flush=True)
+        continue
+      configs[v] = cfg
+      cases[v] = run(mosaic_dw, cfg)
+    ref = cases["table"](x, dy, gs)
+    equal = {name: bool(jnp.array_equal(ref, f(x, dy, gs))) for name, f in cases.items()}
+    med = timing.interleaved_median_ms({name: (f, (x, dy, gs)) for name, f in cases.items()},
+                                       rounds=args.rounds, iterations=args.iterations)
+    flops = 2 * s.m * s.k * s.n
+    print(f"{s.name} dw: table = {choice.implementation} {choice.config}", flush=True)
+    for name, ms in med.items():
+      row = dict(shape=s.name, op="dw", case=name, ms=ms, tflops=flops / ms / 1e9,
+                 x_table=ms / med["table"], bitwise_equal_table=equal[name],
+                 config=str(configs[name]))
+      rows.append(row)
+      print(f"  {name:44s} {ms:.4f} ms {row['tflops']:6.1f} TFLOP/s  x table "
+            f"{row['x_table']:.3f}  equal {equal[name]}", flush=True)
+  with open(os.path.join(args.out_dir, "ab_dw.json"), "w") as f:
+    json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
