@@ -321,9 +321,11 @@ CHUNKED = [
     dataclasses.replace(PINGPONG, swizzle=64, row_chunk=32, block_n=192, epilogue_split=3),
     dataclasses.replace(PINGPONG, swizzle=32, row_chunk=16, mask_warpgroup=True),
     dataclasses.replace(PINGPONG, swizzle=32, row_chunk=16, banded_mask=False),
+    # 128-row steps, the last one contracted over 64 rows when the group ends there
+    dataclasses.replace(PINGPONG, block_m=128, num_stages=2, row_chunk=64),
 ]
 CHUNKED_IDS = ["one_wg_16", "per_item_32", "shared_ring_32", "pingpong_16",
-               "pingpong_128x192_32", "mask_warpgroup_16", "whole_tiles_16"]
+               "pingpong_128x192_32", "mask_warpgroup_16", "whole_tiles_16", "bm128_64"]
 
 
 @pytest.mark.parametrize("config", CHUNKED, ids=CHUNKED_IDS)
@@ -349,7 +351,7 @@ def test_row_chunk_granule_and_contracted_rows():
       jnp.int32(row0), jnp.int32(end), 64, chunk))
   assert [used(0, e, 16) for e in (1, 16, 17, 40, 64, 200)] == [16, 16, 32, 48, 64, 64]
   assert [used(64, e, 32) for e in (65, 96, 97, 500)] == [32, 32, 64, 64]
-  assert used(0, 5, None) == 64
+  assert mosaic_dw._contracted_rows(jnp.int32(0), jnp.int32(5), 64, None) is None
 
 
 def _fail(*args, **kwargs):

@@ -506,19 +506,24 @@ def _straddles(row0, rows: int, start, end):
 def _contracted_rows(row0, end, rows: int, chunk: int | None):
   """Rows of the block [row0, row0 + rows) that its wgmma contracts: up to the
   group's ``end`` rounded up to ``chunk`` rows (at least one chunk, at most
-  the block; ``chunk`` None: the whole block)."""
+  the block); None when every block is contracted whole (``chunk`` None)."""
   if chunk is None or chunk >= rows:
-    return jnp.int32(rows)
+    return None
   used = (end - row0 + chunk - 1) // chunk * chunk
   return jnp.clip(used, chunk, rows)
+
+
+def _limit(row0, used):
+  """The first row of a block its wgmma does not read (None: it reads all)."""
+  return None if used is None else row0 + used
 
 
 def _wgmma_rows(acc_ref, lhs_t, rhs_t, used, chunk: int | None) -> None:
   """``acc_ref += lhs_t[:used]^T @ rhs_t[:used]`` for a stage's tiles
   ([rows, bk] and [rows, bn]), ``used`` a multiple of ``chunk`` (static
-  branches, one wgmma each; ``chunk`` None: the whole tiles)."""
+  branches, one wgmma each; ``used`` None: the whole tiles)."""
   rows = rhs_t.shape[0]
-  if chunk is None or chunk >= rows:
+  if used is None:
     plgpu.wgmma(acc_ref, lhs_t.T, rhs_t)
     return
   for r in range(chunk, rows + 1, chunk):
@@ -731,7 +736,7 @@ def _body_2wg(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gm
         used = _contracted_rows(row0, end, bm, config.row_chunk)
         pl.when(_straddles(row0, bm, start, end))(functools.partial(
             _consumers_mask, lhs_smem, rhs_smem, wg, row0, start, end, mask_barrier,
-            config.banded_mask, row0 + used, config.swizzle))
+            config.banded_mask, _limit(row0, used), config.swizzle))
 
         _wgmma_rows(acc_ref, lhs_smem.at[:, pl.ds(wg * hk, hk)], rhs_smem, used,
                     config.row_chunk)
@@ -856,7 +861,7 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
           row0 = first + i * bm
           _mask_own_stage(lhs_smem.at[slot], rhs_smem.at[slot], row0, start, end,
                           config.banded_mask,
-                          row0 + _contracted_rows(row0, end, bm, config.row_chunk),
+                          _limit(row0, _contracted_rows(row0, end, bm, config.row_chunk)),
                           config.swizzle)
           plgpu.barrier_arrive(masked.at[owner + slot])
 
@@ -903,11 +908,11 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
             used = _contracted_rows(row0, end, bm, config.row_chunk)
             if pingpong and not masker:  # this consumer's own stage
               _mask_own_stage(lhs_t, rhs_t, row0, start, end, config.banded_mask,
-                              row0 + used, config.swizzle)
+                              _limit(row0, used), config.swizzle)
             elif not pingpong:
               pl.when(_straddles(row0, bm, start, end))(functools.partial(
                   _consumers_mask, lhs_t, rhs_t, wg, row0, start, end, mask_barrier,
-                  config.banded_mask, row0 + used, config.swizzle))
+                  config.banded_mask, _limit(row0, used), config.swizzle))
 
             lhs_rows = lhs_t if pingpong else lhs_t.at[:, pl.ds(wg * hk, hk)]
             _wgmma_rows(acc_ref, lhs_rows, rhs_t, used, config.row_chunk)
@@ -1010,7 +1015,7 @@ def tgmm(
           row0 = first + idx[0] * bm
           used = _contracted_rows(row0, end, bm, config.row_chunk)
           _mask_own_stage(lhs_smem, rhs_smem, row0, start, end, config.banded_mask,
-                          row0 + used, config.swizzle)
+                          _limit(row0, used), config.swizzle)
           _wgmma_rows(acc_ref, lhs_smem, rhs_smem, used, config.row_chunk)
           if delay_release == 0:
             # Without delayed release the slot may be refilled right after
