@@ -2,7 +2,7 @@
 side on the training shapes (GPU machine).
 
   python3 scripts/ab_dw.py OUT_DIR [--shapes NAME ...]
-      [--variants "swizzle=32,row_chunk=16" "swizzle=64" ...] [--rounds 3]
+      [--variants "num_stages=5,epilogue_rows=64" "epilogue_buffers=2" ...] [--rounds 3]
 
 Per shape: "table" = the shipped table's dW choice, and one case per variant:
 the table's Mosaic config with the variant's comma-separated FIELD=VALUE

@@ -6,8 +6,9 @@ training shapes, side by side (GPU machine).
 
 Per (shape, op): "table" = the dispatcher's automatic choice (backend and
 config from the shipped table), "mosaic" = ``mosaic_fwd.gmm`` with its default
-config, and one case per variant: the default config with the variant's
-comma-separated FIELD=VALUE changes (Python literals).  Interleaved CUPTI timing
+config, and one case per variant: the default config (``--base table``: the
+table's config, where it is a Mosaic one) with the variant's comma-separated
+FIELD=VALUE changes (Python literals).  Interleaved CUPTI timing
 on one set of fresh random inputs; prints each case's time over the table
 choice's and whether its output is bitwise equal to the default's (same tile
 and k order); writes OUT_DIR/ab_variants.json.
@@ -35,6 +36,8 @@ def main() -> None:
   p.add_argument("--ops", nargs="+", default=["fwd", "dx"], choices=["fwd", "dx"])
   p.add_argument("--shapes", nargs="+", default=None, help="preset names (default: all)")
   p.add_argument("--variants", nargs="+", default=["ring=True"], metavar="F=V,F=V")
+  p.add_argument("--base", default="default", choices=["default", "table"],
+                 help="the config the variants change")
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--iterations", type=int, default=10)
   args = p.parse_args()
@@ -63,6 +66,8 @@ def main() -> None:
       base = mosaic_fwd.default_config(s.m, call.k, call.n, s.g, jnp.bfloat16, tr, jnp.bfloat16)
       cases = {"table": run(mod, choice.config), "mosaic": run(mosaic_fwd, base)}
       configs = {"table": choice.config, "mosaic": base}
+      if args.base == "table" and isinstance(choice.config, mosaic_fwd.MosaicFwdConfig):
+        base = choice.config
       for v in args.variants:
         cfg = dataclasses.replace(base, **parse_fields([kv for kv in v.split(",") if kv]))
         if cfg.smem_bytes(jnp.bfloat16, jnp.bfloat16) > cfg.smem_budget():

@@ -311,49 +311,6 @@ def test_group_offset_two_warpgroups(offset, num_groups, two_wg):
   check(out, ref, jnp.bfloat16)
 
 
-# Row chunks: a block's wgmma contracts only the 16- or 32-row chunks up to the
-# group's end (smaller swizzles), in each body.
-CHUNKED = [
-    dataclasses.replace(SMALL, swizzle=32, row_chunk=16, banded_mask=True),
-    dataclasses.replace(TWO_WG, swizzle=64, row_chunk=32, banded_mask=True),
-    dataclasses.replace(FLAT3_BANDED, swizzle=64, row_chunk=32),
-    dataclasses.replace(PINGPONG, swizzle=32, row_chunk=16),
-    dataclasses.replace(PINGPONG, swizzle=64, row_chunk=32, block_n=192, epilogue_split=3),
-    dataclasses.replace(PINGPONG, swizzle=32, row_chunk=16, mask_warpgroup=True),
-    dataclasses.replace(PINGPONG, swizzle=32, row_chunk=16, banded_mask=False),
-    # 128-row steps, the last one contracted over 64 rows when the group ends there
-    dataclasses.replace(PINGPONG, block_m=128, num_stages=2, row_chunk=64),
-]
-CHUNKED_IDS = ["one_wg_16", "per_item_32", "shared_ring_32", "pingpong_16",
-               "pingpong_128x192_32", "mask_warpgroup_16", "whole_tiles_16", "bm128_64"]
-
-
-@pytest.mark.parametrize("config", CHUNKED, ids=CHUNKED_IDS)
-def test_row_chunks_every_boundary_offset(config):
-  # Group ends at every offset of a 16-row chunk (and of 8-row tiles), groups
-  # inside one chunk, one-block and multi-block groups, sum < m.
-  sizes = [3, 9, 1, 8, 17, 5, 30, 16, 33, 7, 64, 2, 41, 15, 0, 31]
-  k = 64 if config.num_compute_wgs == 1 else 128
-  n = config.block_n * 2
-  out, ref = run(320, k, n, sizes, config=config, out_dtype=jnp.bfloat16, seed=4)
-  check(out, ref, jnp.bfloat16)
-
-
-def test_row_chunk_granule_and_contracted_rows():
-  with pytest.raises(ValueError, match="row_chunk"):
-    MosaicDwConfig(row_chunk=16)  # 128-byte swizzle: K groups of 64 rows
-  with pytest.raises(ValueError, match="row_chunk"):
-    MosaicDwConfig(swizzle=64, row_chunk=16)
-  with pytest.raises(ValueError, match="swizzle"):
-    MosaicDwConfig(swizzle=16)
-  assert MosaicDwConfig(swizzle=32, row_chunk=16).k_group == 16
-  used = lambda row0, end, chunk: int(mosaic_dw._contracted_rows(
-      jnp.int32(row0), jnp.int32(end), 64, chunk))
-  assert [used(0, e, 16) for e in (1, 16, 17, 40, 64, 200)] == [16, 16, 32, 48, 64, 64]
-  assert [used(64, e, 32) for e in (65, 96, 97, 500)] == [32, 32, 64, 64]
-  assert mosaic_dw._contracted_rows(jnp.int32(0), jnp.int32(5), 64, None) is None
-
-
 def _fail(*args, **kwargs):
   raise AssertionError("whole-tile masking traced for a banded config")
 
@@ -370,9 +327,7 @@ def _fail(*args, **kwargs):
     # two 128 x 192 accumulators of a 256 x 192 item (192 columns in 64-column slices;
     # f32 staging: 2 stages fit)
     (dataclasses.replace(FLAT3_BANDED, block_k=256, block_n=192, epilogue_split=3,
-                         num_stages=2), 256, 192),
-    # row chunks: rows past the contracted chunks stay unmasked (NaN) and unread
-    *[(c, 64 if c.num_compute_wgs == 1 else 128, c.block_n) for c in CHUNKED]])
+                         num_stages=2), 256, 192)])
 def test_rows_outside_the_shard_never_contribute(config, k, n, monkeypatch):
   # NaN in every row no local group owns (neighbour groups and the tail past
   # sum(sizes)): the boundary blocks must mask both operands, not scale them.
@@ -581,12 +536,6 @@ def test_lowers_for_sm90(out_dtype, shape):
                                        epilogue_split=3))
     configs.append(dataclasses.replace(PINGPONG, num_sms=None, num_stages=4, block_n=192,
                                        epilogue_split=3, epilogue_buffers=2))
-    # Row chunks (smaller swizzles: other masking bands, more wgmma branches).
-    configs += [dataclasses.replace(c, num_sms=None) for c in CHUNKED]
-    for swizzle in (32, 64):
-      configs.append(dataclasses.replace(PINGPONG, num_sms=None, num_stages=4, block_n=192,
-                                         epilogue_split=3, swizzle=swizzle,
-                                         row_chunk=swizzle // 2))
   configs += mosaic_dw.gpu_sweep_configs(m, k, n, g, out_dtype=out_dtype)
   assert any(c.num_compute_wgs == 2 for c in configs)
   for cfg in configs:
@@ -671,15 +620,3 @@ def test_two_warpgroups_k_tile_wider_than_k(flat):
                        num_compute_wgs=2, pipeline_across_items=flat)
   out, ref = run(96, 64, 64, [30, 0, 50], config=cfg, seed=4)
   check(out, ref, jnp.float32)
-
-
-@pytest.mark.parametrize("config", [CHUNKED[2], CHUNKED[3]], ids=["shared_ring_32", "pingpong_16"])
-def test_row_chunks_no_races(config):
-  # The consumers' branches (one wgmma each) and the bands left unmasked past
-  # the contracted chunks, under race detection.
-  params = plgpu.InterpretGPUParams(detect_races=True)
-  cfg = dataclasses.replace(config, num_sms=2)
-  out, ref = run(256, 128, 256, [10, 70, 0, 0, 40, 100], config=cfg, interpret=params,
-                 out_dtype=jnp.bfloat16)
-  check(out, ref, jnp.bfloat16)
-  assert not interpret_pallas_call.get_races().races_found

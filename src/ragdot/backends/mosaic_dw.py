@@ -146,17 +146,6 @@ class MosaicDwConfig:
     schedule_kernel: build the groups' row blocks with one Pallas-Triton
       kernel (``triton_schedule.build_bounds``) where it applies, instead of
       several small XLA kernels; the same values either way.
-    swizzle: bytes of the SMEM swizzle of the lhs / rhs stage tiles (32, 64 or
-      128).  Mosaic issues wgmmas in K groups of one swizzle width (64 rows
-      at 128 bytes, 32 at 64, 16 at 32), which bounds ``row_chunk`` below.
-    row_chunk: a row block's wgmma contracts only its first chunks of this
-      many rows (a multiple of the swizzle's K group dividing block_m) up to
-      the group's last row, so a group's last block costs tensor-core time for
-      the rows it holds rounded up to ``row_chunk``, not for all block_m rows;
-      the rows past them are neither masked nor read.  None: every block is
-      contracted whole.  (With 16 on the routed Qwen shapes the contracted
-      rows drop from 1.14 to 1.04 per real row, on DeepSeek-V3 down from 1.31
-      to 1.09; with 32 to 1.07 and 1.16.)
   """
 
   block_m: int = 64
@@ -175,8 +164,6 @@ class MosaicDwConfig:
   mask_warpgroup: bool = False
   epilogue_buffers: int = 1
   schedule_kernel: bool = True
-  swizzle: int = 128
-  row_chunk: int | None = None
 
   def __post_init__(self):
     if self.block_m <= 0 or self.block_m % 64:
@@ -214,14 +201,6 @@ class MosaicDwConfig:
         )
       if self.num_stages < 2:
         raise ValueError("num_compute_wgs=2 needs num_stages >= 2")
-    if self.swizzle not in (32, 64, 128):
-      raise ValueError(f"swizzle must be 32, 64 or 128, got {self.swizzle}")
-    if self.row_chunk is not None and (self.row_chunk <= 0 or self.block_m % self.row_chunk
-                                       or self.row_chunk % self.k_group):
-      raise ValueError(
-          f"row_chunk must be None or a multiple of {self.k_group} (the wgmma K group of a"
-          f" {self.swizzle}-byte swizzle) dividing block_m ({self.block_m}),"
-          f" got {self.row_chunk}")
     if not 1 <= self.num_stages <= 8:
       raise ValueError(f"num_stages must be in [1, 8], got {self.num_stages}")
     if self.grid_tile_width < 1:
@@ -252,11 +231,6 @@ class MosaicDwConfig:
           "epilogue_rows needs num_compute_wgs=2 and a multiple of 64 dividing (and below)"
           f" the consumer's {self.consumer_rows} accumulator rows (None: all),"
           f" got {self.epilogue_rows}")
-
-  @property
-  def k_group(self) -> int:
-    """Rows of one wgmma K group: a swizzle width of 16-bit elements."""
-    return self.swizzle // 2
 
   @property
   def epilogue_n(self) -> int:
@@ -503,45 +477,12 @@ def _straddles(row0, rows: int, start, end):
   return (row0 < start) | (row0 + rows > end)
 
 
-def _contracted_rows(row0, end, rows: int, chunk: int | None):
-  """Rows of the block [row0, row0 + rows) that its wgmma contracts: up to the
-  group's ``end`` rounded up to ``chunk`` rows (at least one chunk, at most
-  the block); None when every block is contracted whole (``chunk`` None)."""
-  if chunk is None or chunk >= rows:
-    return None
-  used = (end - row0 + chunk - 1) // chunk * chunk
-  return jnp.clip(used, chunk, rows)
-
-
-def _limit(row0, used):
-  """The first row of a block its wgmma does not read (None: it reads all)."""
-  return None if used is None else row0 + used
-
-
-def _wgmma_rows(acc_ref, lhs_t, rhs_t, used, chunk: int | None) -> None:
-  """``acc_ref += lhs_t[:used]^T @ rhs_t[:used]`` for a stage's tiles
-  ([rows, bk] and [rows, bn]), ``used`` a multiple of ``chunk`` (static
-  branches, one wgmma each; ``used`` None: the whole tiles)."""
-  rows = rhs_t.shape[0]
-  if used is None:
-    plgpu.wgmma(acc_ref, lhs_t.T, rhs_t)
-    return
-  for r in range(chunk, rows + 1, chunk):
-    def mma(r=r):
-      lhs_r = lhs_t if r == rows else lhs_t.at[pl.ds(0, r)]
-      rhs_r = rhs_t if r == rows else rhs_t.at[pl.ds(0, r)]
-      plgpu.wgmma(acc_ref, lhs_r.T, rhs_r)
-    pl.when(used == r)(mma)
-
-
-def _mask_stage(tiles, wg, num_wgs: int, row0, start, end, banded: bool,
-                limit=None, swizzle: int = 128) -> None:
+def _mask_stage(tiles, wg, num_wgs: int, row0, start, end, banded: bool) -> None:
   """Zeroes the rows outside [start, end) of a stage's SMEM tiles, split among
   ``num_wgs`` warpgroups (``wg`` is this one): by row bands (``banded``), else
-  whole tiles for one warpgroup or 64-column chunks for several.  ``limit``
-  (banded): rows from there on are not read, and their bands not touched."""
+  whole tiles for one warpgroup or 64-column chunks for several."""
   if banded:
-    _mask_bands(tiles, wg, num_wgs, row0, start, end, limit, swizzle)
+    _mask_bands(tiles, wg, num_wgs, row0, start, end)
   elif num_wgs == 1:
     for tile in tiles:
       _mask_rows(tile, row0, start, end)
@@ -552,45 +493,39 @@ def _mask_stage(tiles, wg, num_wgs: int, row0, start, end, banded: bool,
           _mask_rows, ref.at[:, pl.ds(col, 64)], row0, start, end))
 
 
-def _mask_own_stage(lhs_t, rhs_t, row0, start, end, banded: bool, limit=None,
-                    swizzle: int = 128) -> None:
+def _mask_own_stage(lhs_t, rhs_t, row0, start, end, banded: bool) -> None:
   """One warpgroup zeroes the rows outside [start, end) of a stage's tiles
-  (below ``limit``, see ``_mask_stage``) when the row block at ``row0`` holds
-  any, and makes its writes visible to the wgmma (async proxy) that reads the
-  stage next."""
+  when the row block at ``row0`` holds any, and makes its writes visible to
+  the wgmma (async proxy) that reads the stage next."""
   @pl.when(_straddles(row0, lhs_t.shape[0], start, end))
   def _():
-    _mask_stage((lhs_t, rhs_t), 0, 1, row0, start, end, banded, limit, swizzle)
+    _mask_stage((lhs_t, rhs_t), 0, 1, row0, start, end, banded)
     plgpu.commit_smem()
 
 
 def _consumers_mask(lhs_t, rhs_t, wg, row0, start, end, mask_barrier,
-                    banded: bool = False, limit=None, swizzle: int = 128) -> None:
+                    banded: bool = False) -> None:
   """The two consumers split the masking of a shared stage, then both wait
   until all of it is masked before their wgmmas read it."""
-  _mask_stage((lhs_t, rhs_t), wg, 2, row0, start, end, banded, limit, swizzle)
+  _mask_stage((lhs_t, rhs_t), wg, 2, row0, start, end, banded)
   plgpu.commit_smem()
   plgpu.barrier_arrive(mask_barrier)
   plgpu.barrier_wait(mask_barrier)
 
 
-def _band_rows(cols: int, swizzle: int = 128) -> int:
-  """Rows of a masking band of a tile ``cols`` wide (16-bit elements, a
-  ``swizzle``-byte swizzle): a whole number of 8-row swizzle tiles that one
-  warpgroup's SMEM transfer layout covers (it needs a multiple of 4 of them,
-  laid out as 4 x 1, 2 x 2 or 1 x 4 tiles)."""
-  col_tiles = cols // (swizzle // 2)
-  return 8 if col_tiles % 4 == 0 else 16 if col_tiles % 2 == 0 else 32
+def _band_rows(cols: int) -> int:
+  """Rows of a masking band of a tile ``cols`` (64, 128 or 256) wide: a whole
+  number of 8 x 64 swizzle tiles that one warpgroup's SMEM transfer layout
+  covers (it needs 4 of them)."""
+  return 8 * (4 // (cols // 64))
 
 
-def _mask_bands(tiles, wg, num_wgs: int, row0, start, end, limit=None,
-                swizzle: int = 128) -> None:
+def _mask_bands(tiles, wg, num_wgs: int, row0, start, end) -> None:
   """Zeroes the rows outside [start, end) of SMEM tiles (each [rows, cols],
   swizzled, rows from ``row0``) band by band: a band wholly outside is
   overwritten with zeros, one that straddles a boundary is read, masked and
-  written back, one wholly inside is left alone, and so is one starting at or
-  past ``limit`` (rows the wgmma does not read; None: no such rows).  Bands go
-  round-robin to the ``num_wgs`` warpgroups (``wg`` is this one's index).
+  written back, one wholly inside is left alone.  Bands go round-robin to the
+  ``num_wgs`` warpgroups (``wg`` is this one's index).
 
   Each group boundary in a block cuts at most one band per tile, so on a
   typical boundary block this moves a fraction of the bytes of masking the
@@ -600,21 +535,17 @@ def _mask_bands(tiles, wg, num_wgs: int, row0, start, end, limit=None,
   # A 192-column tile is masked as three 64-column slices: its own bands would
   # be 32 x 192 (48 values per thread, beside a pingpong consumer's 192
   # accumulator registers).
-  sliced = swizzle == 128
-  tiles = [t.at[:, pl.ds(c, 64)] if sliced and t.shape[1] == 192 else t
-           for t in tiles
-           for c in (range(0, 192, 64) if sliced and t.shape[1] == 192 else (0,))]
+  tiles = [t.at[:, pl.ds(c, 64)] if t.shape[1] == 192 else t
+           for t in tiles for c in (range(0, 192, 64) if t.shape[1] == 192 else (0,))]
   for tile in tiles:
     rows, cols = tile.shape
-    band = min(_band_rows(cols, swizzle), rows)
-    layout = plgpu.Layout.SMEM_GMEM_COPY((band, cols), tile.dtype, swizzle)
+    band = min(_band_rows(cols), rows)
+    layout = plgpu.Layout.SMEM_GMEM_COPY((band, cols), tile.dtype, 128)
     for b0 in range(0, rows, band):
       ref = tile.at[pl.ds(b0, band)]
       r0 = row0 + b0
       outside = (r0 + band <= start) | (r0 >= end)
       straddles = jnp.logical_not(outside) & ((r0 < start) | (r0 + band > end))
-      if limit is not None:
-        outside &= r0 < limit  # bands the wgmma skips stay as they are
 
       def zero(ref=ref):
         ref[...] = plgpu.layout_cast(jnp.zeros(ref.shape, ref.dtype), layout)
@@ -733,13 +664,11 @@ def _body_2wg(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gm
 
       def step(idx, lhs_smem, rhs_smem, acc_ref):
         row0 = first + idx[0] * bm
-        used = _contracted_rows(row0, end, bm, config.row_chunk)
         pl.when(_straddles(row0, bm, start, end))(functools.partial(
             _consumers_mask, lhs_smem, rhs_smem, wg, row0, start, end, mask_barrier,
-            config.banded_mask, _limit(row0, used), config.swizzle))
+            config.banded_mask))
 
-        _wgmma_rows(acc_ref, lhs_smem.at[:, pl.ds(wg * hk, hk)], rhs_smem, used,
-                    config.row_chunk)
+        plgpu.wgmma(acc_ref, lhs_smem.at[:, pl.ds(wg * hk, hk)].T, rhs_smem)
         # delay_release=1: this step's slot is released one step later, once
         # at most this step's wgmma is still in flight.
         plgpu.wgmma_wait(1)
@@ -858,11 +787,8 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
           del step
           _, _, _, start, end, first, _ = it
           plgpu.barrier_wait(produced.at[owner + slot])
-          row0 = first + i * bm
-          _mask_own_stage(lhs_smem.at[slot], rhs_smem.at[slot], row0, start, end,
-                          config.banded_mask,
-                          _limit(row0, _contracted_rows(row0, end, bm, config.row_chunk)),
-                          config.swizzle)
+          _mask_own_stage(lhs_smem.at[slot], rhs_smem.at[slot], first + i * bm, start, end,
+                          config.banded_mask)
           plgpu.barrier_arrive(masked.at[owner + slot])
 
         ring_steps(mask_step)
@@ -905,17 +831,15 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
             ready = masked if masker else produced
             plgpu.barrier_wait(ready.at[(wg * stages if pingpong else 0) + slot])
             row0 = first + i * bm
-            used = _contracted_rows(row0, end, bm, config.row_chunk)
             if pingpong and not masker:  # this consumer's own stage
-              _mask_own_stage(lhs_t, rhs_t, row0, start, end, config.banded_mask,
-                              _limit(row0, used), config.swizzle)
+              _mask_own_stage(lhs_t, rhs_t, row0, start, end, config.banded_mask)
             elif not pingpong:
               pl.when(_straddles(row0, bm, start, end))(functools.partial(
                   _consumers_mask, lhs_t, rhs_t, wg, row0, start, end, mask_barrier,
-                  config.banded_mask, _limit(row0, used), config.swizzle))
+                  config.banded_mask))
 
             lhs_rows = lhs_t if pingpong else lhs_t.at[:, pl.ds(wg * hk, hk)]
-            _wgmma_rows(acc_ref, lhs_rows, rhs_t, used, config.row_chunk)
+            plgpu.wgmma(acc_ref, lhs_rows.T, rhs_t)
             plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release it
             pl.when(i > 0)(lambda: plgpu.barrier_arrive(
                 consumed.at[lax.rem(step + stages - 1, stages)]))
@@ -998,8 +922,8 @@ def tgmm(
   grid_k, grid_n = pl.cdiv(k, bk), pl.cdiv(n, bn)
   num_stages = config.num_stages
   delay_release = 1 if num_stages > 1 else 0
-  in_transforms_lhs = sm90.swizzled(bk, lhs.dtype, config.swizzle)
-  in_transforms_rhs = sm90.swizzled(bn, rhs.dtype, config.swizzle)
+  in_transforms_lhs = sm90.swizzled(bk, lhs.dtype)
+  in_transforms_rhs = sm90.swizzled(bn, rhs.dtype)
   out_transforms = sm90.swizzled(config.epilogue_n, out_dtype)
 
   def body(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gmem,
@@ -1012,11 +936,9 @@ def tgmm(
 
       def acc_scope(acc_ref):
         def step(idx, lhs_smem, rhs_smem):
-          row0 = first + idx[0] * bm
-          used = _contracted_rows(row0, end, bm, config.row_chunk)
-          _mask_own_stage(lhs_smem, rhs_smem, row0, start, end, config.banded_mask,
-                          _limit(row0, used), config.swizzle)
-          _wgmma_rows(acc_ref, lhs_smem, rhs_smem, used, config.row_chunk)
+          _mask_own_stage(lhs_smem, rhs_smem, first + idx[0] * bm, start, end,
+                          config.banded_mask)
+          plgpu.wgmma(acc_ref, lhs_smem.T, rhs_smem)
           if delay_release == 0:
             # Without delayed release the slot may be refilled right after
             # this step, so the wgmma must finish reading it first.

@@ -29,12 +29,11 @@ def check_ctas_per_sm(ctas_per_sm: int, num_compute_wgs: int) -> None:
         f" {ctas_per_sm} with num_compute_wgs={num_compute_wgs}")
 
 
-def swizzled(minor: int, dtype, max_swizzle: int = 128) -> tuple:
-  """SMEM transforms (8-row tiling + the widest swizzle up to ``max_swizzle``
-  bytes) for a tile whose minor dimension holds ``minor`` elements: what TMA
-  copies and wgmma operands take."""
+def swizzled(minor: int, dtype) -> tuple:
+  """SMEM transforms (8-row tiling + the widest swizzle) for a tile whose minor
+  dimension holds ``minor`` elements: what TMA copies and wgmma operands take."""
   itemsize = jnp.dtype(dtype).itemsize
-  swizzle = min(plgpu.find_swizzle(minor * itemsize * 8), max_swizzle)
+  swizzle = plgpu.find_swizzle(minor * itemsize * 8)
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
