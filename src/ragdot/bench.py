@@ -378,8 +378,8 @@ def shape_inputs(shape: Shape, seed: int = 0) -> tuple[np.ndarray, tuple[jax.Arr
 
 def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
                 seed: int = 0, impls: list[str] | None = None,
-                baselines: bool = True, watchdog: Watchdog | None = None
-                ) -> list[dict[str, Any]]:
+                baselines: bool = True, watchdog: Watchdog | None = None,
+                warmup_s: float = 0.0) -> list[dict[str, Any]]:
   sizes, (x, w, dy, gs) = shape_inputs(shape, seed)
   rows = []
   for op in ([o for o in ops if o in EP_OPS] if shape.ep > 1 else ops):
@@ -415,7 +415,8 @@ def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
         compiled = jax.jit(fn).lower(x, w, dy, gs).compile()
         compile_s = time.perf_counter() - start
         peak = peak_bytes(compiled)
-        ms, method = device_time_ms(compiled, x, w, dy, gs, iterations=iterations)
+        ms, method = device_time_ms(compiled, x, w, dy, gs, iterations=iterations,
+                                    warmup_s=warmup_s)
         results[name] = (ms, method, peak, compile_s)
       except Exception as e:  # pylint: disable=broad-except
         results[name] = (float("nan"), f"error: {type(e).__name__}: {str(e)[:160]}", None,
@@ -584,6 +585,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--no-baselines", action="store_true",
                       help="skip dense / lax / tokamax")
   parser.add_argument("--iterations", type=int, default=20)
+  parser.add_argument("--warmup-ms", type=float, default=200.0,
+                      help="each row's calls before its timed ones, in milliseconds of"
+                           " wall clock (at least 2 calls): the GPU's clocks settle")
   parser.add_argument("--json", default=None, help="write rows to this file")
   parser.add_argument("--plot", default=None, help="write a PNG bar chart here")
   parser.add_argument("--from-json", default=None, help="re-plot/print saved rows")
@@ -625,7 +629,7 @@ def run(args: argparse.Namespace) -> int:
   for shape in shapes:
     shape_rows = bench_shape(shape, args.ops, args.implementation, args.iterations,
                              impls=impls, baselines=not args.no_baselines,
-                             watchdog=watchdog)
+                             watchdog=watchdog, warmup_s=args.warmup_ms / 1e3)
     if copy_tbps:
       add_copy_ratio(shape_rows, copy_tbps)
     for r in shape_rows:
