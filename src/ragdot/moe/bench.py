@@ -81,7 +81,8 @@ def main(argv=None) -> list[dict]:
   for name, fn in fns.items():
     step = make_step(cfg, fn)
     try:
-      ms, method = device_time_ms(step, params, x, cot, iterations=args.iterations)
+      ms, method = device_time_ms(step, params, x, cot, iterations=args.iterations,
+                                  warmup_s=0.2)
     except Exception as e:  # pylint: disable=broad-except
       print(f"  {name:<15} failed: {type(e).__name__}: {str(e)[:200]}")
       continue

@@ -207,9 +207,10 @@ def main(argv=None) -> list[dict]:
     for strategy in ("group_offset", "masked"):
       block, experts_only = make_steps(cfg, mesh, strategy)
       try:
-        ms, method = device_time_ms(block, sharded, x_r, cot_r, iterations=args.iterations)
+        ms, method = device_time_ms(block, sharded, x_r, cot_r, iterations=args.iterations,
+                                    warmup_s=0.2)
         ffn_ms, _ = device_time_ms(experts_only, sharded, xs_per_rank, gs_r, cot_rows_r,
-                                   iterations=args.iterations)
+                                   iterations=args.iterations, warmup_s=0.2)
       except Exception as e:  # pylint: disable=broad-except
         print(f"  ep={ep} {strategy:<12} failed: {type(e).__name__}: {str(e)[:200]}")
         continue
