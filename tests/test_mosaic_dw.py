@@ -311,34 +311,6 @@ def test_group_offset_two_warpgroups(offset, num_groups, two_wg):
   check(out, ref, jnp.bfloat16)
 
 
-@pytest.mark.parametrize("config, k, n", [
-    (PINGPONG, 256, 256),  # consumers' 128 x 128 tiles straight from registers
-    (dataclasses.replace(PINGPONG, block_n=192, epilogue_split=3), 256, 384),
-    (FLAT3_BANDED, 256, 256),  # the shared ring's 64 x 128 halves
-    (dataclasses.replace(PINGPONG, mask_warpgroup=True), 128, 256),
-    (PINGPONG, 192, 320),  # tiles past k and n: the staged epilogue runs instead
-], ids=["pingpong", "pingpong_128x192", "shared", "masker", "partial_tiles"])
-def test_direct_store(config, k, n):
-  cfg = dataclasses.replace(config, direct_store=True)
-  assert mosaic_dw.smem_bytes(cfg, jnp.bfloat16, jnp.bfloat16) < mosaic_dw.smem_bytes(
-      config, jnp.bfloat16, jnp.bfloat16)
-  out, ref = run(296, k, n, [17, 0, 160, 10, 90, 3], config=cfg, out_dtype=jnp.bfloat16,
-                 seed=14)
-  check(out, ref, jnp.bfloat16)
-
-
-def test_direct_store_no_races_and_shard():
-  params = plgpu.InterpretGPUParams(detect_races=True)
-  cfg = dataclasses.replace(PINGPONG, num_sms=2, direct_store=True)
-  out, ref = run(256, 128, 256, [10, 70, 0, 0, 40, 100], config=cfg, interpret=params,
-                 out_dtype=jnp.bfloat16)
-  check(out, ref, jnp.bfloat16)
-  assert not interpret_pallas_call.get_races().races_found
-  out, ref = run(96, 128, 128, SHARD_SIZES, offset=3, num_groups=2, config=cfg,
-                 out_dtype=jnp.float32)
-  check(out, ref, jnp.float32)
-
-
 def _fail(*args, **kwargs):
   raise AssertionError("whole-tile masking traced for a banded config")
 
@@ -508,7 +480,6 @@ def test_config_validation():
               dict(num_compute_wgs=2, pipeline_across_items=True, pingpong=True,
                    mask_warpgroup=True),  # needs banded_mask (the masker's registers)
               dict(epilogue_buffers=2),  # one warpgroup stores whole tiles
-              dict(num_compute_wgs=2, direct_store=True),  # the ring only
               dict(num_compute_wgs=2, epilogue_buffers=3)):
     with pytest.raises(ValueError):
       MosaicDwConfig(**bad)
@@ -565,12 +536,6 @@ def test_lowers_for_sm90(out_dtype, shape):
                                        epilogue_split=3))
     configs.append(dataclasses.replace(PINGPONG, num_sms=None, num_stages=4, block_n=192,
                                        epilogue_split=3, epilogue_buffers=2))
-    # straight from registers to global memory, 4 and 5 stages
-    for stages in (4, 5) if n % 192 == 0 else (4,):  # (5 stages fit only without staging)
-      configs.append(dataclasses.replace(PINGPONG, num_sms=None, num_stages=stages, block_n=192,
-                                         epilogue_split=3, direct_store=True))
-    configs.append(dataclasses.replace(PINGPONG, num_sms=None, num_stages=6, epilogue_split=2,
-                                       mask_warpgroup=True, direct_store=True))
   configs += mosaic_dw.gpu_sweep_configs(m, k, n, g, out_dtype=out_dtype)
   assert any(c.num_compute_wgs == 2 for c in configs)
   for cfg in configs:

@@ -146,13 +146,6 @@ class MosaicDwConfig:
     schedule_kernel: build the groups' row blocks with one Pallas-Triton
       kernel (``triton_schedule.build_bounds``) where it applies, instead of
       several small XLA kernels; the same values either way.
-    direct_store: with the ring across items, each consumer stores its tile
-      from registers straight to global memory (no SMEM staging, no waits for
-      a TMA store to read the buffer): the epilogue leaves the shared-memory
-      traffic (~6.7 of the ring's ~41 B/KFLOP on Qwen3-30B gate_up) and frees
-      the staging buffers' SMEM for stages.  Taken only where every tile lies
-      inside the output (k and n multiples of block_k and block_n; otherwise
-      the staged epilogue runs).
   """
 
   block_m: int = 64
@@ -171,7 +164,6 @@ class MosaicDwConfig:
   mask_warpgroup: bool = False
   epilogue_buffers: int = 1
   schedule_kernel: bool = True
-  direct_store: bool = False
 
   def __post_init__(self):
     if self.block_m <= 0 or self.block_m % 64:
@@ -209,8 +201,6 @@ class MosaicDwConfig:
         )
       if self.num_stages < 2:
         raise ValueError("num_compute_wgs=2 needs num_stages >= 2")
-    if self.direct_store and not self.pipeline_across_items:
-      raise ValueError("direct_store needs pipeline_across_items=True (the ring)")
     if not 1 <= self.num_stages <= 8:
       raise ValueError(f"num_stages must be in [1, 8], got {self.num_stages}")
     if self.grid_tile_width < 1:
@@ -269,8 +259,6 @@ def smem_bytes(config: MosaicDwConfig, dtype, out_dtype) -> int:
   itemsize = jnp.dtype(dtype).itemsize
   per_stage = config.block_m * (config.block_k + config.block_n) * itemsize
   staging = config.epilogue_m * config.epilogue_n * jnp.dtype(out_dtype).itemsize
-  if config.direct_store:
-    staging = 0  # (a tile that does not fit the output falls back to staging: see tgmm)
   return (config.num_stages * per_stage
           + staging * config.num_compute_wgs * config.epilogue_buffers)
 
@@ -779,16 +767,15 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
       # Two TMA arrivals (lhs, rhs) per step; pingpong: one set per consumer.
       produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages * (2 if pingpong else 1)),
       consumed=plgpu.Barrier(num_arrivals=1 if pingpong else 2, num_barriers=stages),
-      **({} if config.direct_store else dict(o_smem=plgpu.SMEM(
-          (2, config.epilogue_buffers, config.epilogue_m, config.epilogue_n), out_dtype,
-          transforms=out_transforms))),
+      o_smem=plgpu.SMEM((2, config.epilogue_buffers, config.epilogue_m, config.epilogue_n),
+                        out_dtype, transforms=out_transforms),
       mask_barrier=plgpu.Barrier(num_arrivals=2),
       # mask_warpgroup: the masker -> the owner of a step (one set per consumer).
       **(dict(masked=plgpu.Barrier(num_arrivals=1, num_barriers=2 * stages))
          if masker else {}),
       collective_axes="wg",
   )
-  def _scope(lhs_smem, rhs_smem, produced, consumed, mask_barrier, o_smem=None, masked=None):
+  def _scope(lhs_smem, rhs_smem, produced, consumed, o_smem, mask_barrier, masked=None):
     wg = lax.axis_index("wg")
 
     if masker:
@@ -866,10 +853,7 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
 
         acc = pl.run_scoped(acc_scope, plgpu.ACC((hk, bn), jnp.float32))
         row = ki * bk if pingpong else ki * bk + wg * hk
-        if config.direct_store:
-          out_gmem.at[j, pl.ds(row, hk), pl.ds(ni * bn, bn)][...] = acc.astype(out_dtype)
-        else:
-          _store_consumer_half(acc, o_smem.at[wg], out_gmem, j, row, ni * bn)
+        _store_consumer_half(acc, o_smem.at[wg], out_gmem, j, row, ni * bn)
 
       def item(it, carry):
         step0, q = carry
@@ -922,9 +906,6 @@ def tgmm(
   out_dtype = jnp.dtype(out_dtype)
   if config is None:
     config = default_config(m, k, n, num_groups, lhs.dtype, out_dtype)
-  if config.direct_store and (k % config.block_k or n % config.block_n):
-    # A tile past k or n: direct stores are not clipped like TMA stores.
-    config = dataclasses.replace(config, direct_store=False)
   if smem_bytes(config, lhs.dtype, out_dtype) > config.smem_budget():
     raise NotImplementedError(
         f"{config} needs {smem_bytes(config, lhs.dtype, out_dtype)} bytes of"
