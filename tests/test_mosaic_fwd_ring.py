@@ -45,6 +45,13 @@ def test_attach_tails_folds_short_last_tiles():
     ([140, 10, 300, 0, 264], 768, 128, None, 5, True,                        # strips of n tiles
      dict(tail_rows=16, grid_minor_dim=1, grid_tile_width=2)),
     ([129, 7, 60, 136, 40], 400, 128, 1, 3, False, dict(grid_tile_width=3)),  # snaking row strips
+    # the producer writes the zero rows (its zero buffer takes 64-column epilogue chunks)
+    ([150, 20, 170, 30], 384, 64, 1, 2, False, dict(producer_zeros=True, epilogue_split=4)),
+    ([150, 20, 170, 30], 384, 128, 1, 2, True,
+     dict(producer_zeros=True, epilogue_split=4, tail_rows=16)),
+    ([150, 20, 100, 498], 768, 64, 2, 1, False, dict(producer_zeros=True)),  # a CTA w/o items
+    ([40, 300, 9, 200, 51], 640, 64, 3, 2, False,  # rows past the groups, a window cut mid-block
+     dict(producer_zeros=True, num_sms=2)),
 ])
 def test_matches_oracle(sizes, m, k, offset, num_local, transpose_rhs, fields):
   n = 384  # an n tile and a half
@@ -82,6 +89,7 @@ def test_property_matches_oracle(data):
   offset, num_local = data.draw(rst.shard(g))
   tail_rows = data.draw(st.sampled_from([8, 16, 32]))
   zero_lead = data.draw(st.sampled_from([None, 0, 1, 3]))
+  producer_zeros = data.draw(st.booleans())
   minor, width = data.draw(st.sampled_from([(0, 1), (1, 1), (1, 2), (0, 2)]))
   transpose_rhs = data.draw(st.booleans())
   k, n = data.draw(st.sampled_from([64, 128])), 384  # one k step or two
@@ -92,7 +100,8 @@ def test_property_matches_oracle(data):
   out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), go, transpose_rhs=transpose_rhs,
                out_dtype=jnp.bfloat16, interpret=True,
                config=dataclasses.replace(CFG, tail_rows=tail_rows, zero_lead=zero_lead,
-                                         grid_minor_dim=minor, grid_tile_width=width))
+                                         grid_minor_dim=minor, grid_tile_width=width,
+                                         producer_zeros=producer_zeros))
   oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, go, transpose_rhs), jnp.bfloat16)
   oracle.assert_zero_rows(out, sizes, offset, num_local)
 
@@ -133,6 +142,34 @@ def test_no_races():
   assert not gpu_interpret.get_races().races_found
 
 
+def test_no_races_producer_zeros():
+  # The producer's zero stores beside its loads and the consumers' stores.
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  sizes = [30, 140, 7, 200]
+  x, w = oracle.random_inputs(jax.random.key(4), [(512, 128), (2, 128, 256)], jnp.bfloat16)
+  go = jnp.int32(1)
+  out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), go, transpose_rhs=False,
+               out_dtype=jnp.bfloat16, interpret=plgpu.InterpretGPUParams(detect_races=True),
+               config=dataclasses.replace(CFG, producer_zeros=True, num_sms=2))
+  oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, go, False), jnp.bfloat16)
+  oracle.assert_zero_rows(out, sizes, 1, 2)
+  assert not gpu_interpret.get_races().races_found
+
+
+@pytest.mark.parametrize("num_ctas,num_zero_work,bn,cn", [
+    (132, 1344 * 1, 256, 64), (4, 7, 256, 128), (3, 0, 256, 64), (5, 2, 128, 128)])
+def test_producer_zero_boxes_partition(num_ctas, num_zero_work, bn, cn):
+  # Every (zero item, half, column chunk) box goes to exactly one CTA.
+  chunks = bn // cn
+  counts = [int(mr._producer_zero_boxes(None, None, jnp.int32(c), num_ctas,
+                                        jnp.int32(num_zero_work), 1, 0, 0, 0, 0,
+                                        m=1024, n=bn, bn=bn, cn=cn)[1])
+            for c in range(num_ctas)]
+  assert sum(counts) == num_zero_work * 2 * chunks
+  assert max(counts) - min(counts) <= 1
+
+
 def test_config_checks():
   with pytest.raises(ValueError, match="tail_rows"):
     dataclasses.replace(CFG, tail_rows=12)
@@ -142,6 +179,13 @@ def test_config_checks():
     dataclasses.replace(CFG, ring=False, zero_lead=2)
   with pytest.raises(ValueError, match="ring needs"):
     mf.MosaicFwdConfig(block_m=64, ring=True)
+  with pytest.raises(ValueError, match="producer_zeros"):
+    dataclasses.replace(CFG, ring=False, producer_zeros=True)
+  # The producer's zero buffer is counted: with 4 stages it needs 64-column chunks.
+  pz = dataclasses.replace(CFG, num_stages=4, producer_zeros=True)
+  assert pz.smem_bytes(jnp.bfloat16, jnp.bfloat16) > pz.smem_budget()
+  pz = dataclasses.replace(pz, epilogue_split=4)
+  assert pz.smem_bytes(jnp.bfloat16, jnp.bfloat16) <= pz.smem_budget()
   # The tails' SMEM is counted: 4 stages of 128 x 256 with 16 tail rows need
   # 64-column epilogue chunks to fit.
   four = dataclasses.replace(CFG, num_stages=4, tail_rows=16)
@@ -179,14 +223,17 @@ def test_small_m_falls_back():
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
-@pytest.mark.parametrize("tail_rows,stages,split,width", [(16, 4, 4, 1), (0, 4, 2, 1), (0, 4, 2, 4)])
-def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, split, width):
+@pytest.mark.parametrize("tail_rows,stages,split,width,pz", [
+    (16, 4, 4, 1, False), (0, 4, 2, 1, False), (0, 4, 2, 4, False), (0, 4, 4, 1, True),
+    (16, 3, 4, 1, True)])
+def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, split, width, pz):
   m, k, n, g = 4096, 2048, 1536, 128
   cfg = dataclasses.replace(CFG, num_stages=stages, epilogue_split=split, tail_rows=tail_rows,
-                            num_sms=132, grid_minor_dim=int(width > 1), grid_tile_width=width)
-  f = jax.jit(lambda x, w, gs: mf.gmm(x, w, gs, None, transpose_rhs=transpose_rhs,
+                            num_sms=132, grid_minor_dim=int(width > 1), grid_tile_width=width,
+                            producer_zeros=pz)
+  f = jax.jit(lambda x, w, gs: mf.gmm(x, w, gs, jnp.int32(16), transpose_rhs=transpose_rhs,
                                       out_dtype=jnp.bfloat16, config=cfg))
-  rshape = (g, n, k) if transpose_rhs else (g, k, n)
+  rshape = (16, n, k) if transpose_rhs else (16, k, n)
   args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct(rshape, jnp.bfloat16),
           jax.ShapeDtypeStruct((g,), jnp.int32))
   assert "mosaic_gpu" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -131,6 +131,12 @@ class MosaicFwdConfig:
     0: round-robin only; None: half the k steps of an item (measured on the
     H200's EP=8 shard of Qwen3-30B gate_up, 32 k steps: lead 15 saved 5.5%,
     25 and more lost, docs/performance.md v15).
+  producer_zeros: ring only: the TMA producer warpgroup writes those zero
+    rows instead, from a zeroed (64, epilogue_n) buffer, its share of them
+    spread over its k steps, while the consumers compute: the zeros go out
+    while the compute leaves DRAM bandwidth unused (the local rows' call reads
+    the shard's weights at ~2.4 TB/s of ~4.2), and the consumers skip the
+    zero items after the ring.  (zero_lead does not apply.)
   """
 
   block_m: int = 64
@@ -152,6 +158,7 @@ class MosaicFwdConfig:
   ring: bool = False
   tail_rows: int = 0
   zero_lead: int | None = None
+  producer_zeros: bool = False
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -200,6 +207,8 @@ class MosaicFwdConfig:
       raise ValueError(f"tail_rows needs ring=True and block_n a multiple of 128, got {self}")
     if self.zero_lead is not None and (self.zero_lead < 0 or (self.zero_lead and not self.ring)):
       raise ValueError(f"zero_lead must be >= 0 and needs ring=True, got {self}")
+    if self.producer_zeros and not self.ring:
+      raise ValueError(f"producer_zeros needs ring=True, got {self}")
 
   @property
   def epilogue_n(self) -> int:
@@ -219,6 +228,8 @@ class MosaicFwdConfig:
     # Tails: their lhs rows in every stage, a (tail_rows, block_n / 2) buffer each.
     per_stage += self.tail_rows * self.block_k * isz
     staging += self.num_compute_wgs * self.tail_rows * (self.block_n // 2) * osz
+    if self.producer_zeros:  # the producer's zero buffer
+      staging += _WG_ROWS * self.epilogue_n * osz
     return self.num_stages * per_stage + staging
 
 

@@ -102,6 +102,36 @@ def _zero_items(cta, num_ctas: int, num_work, num_zero_work, lead: int):
   return item, n_front + n_rest
 
 
+def _producer_zero_boxes(z_smem, out_gmem, cta, num_ctas: int, num_zero_work, grid_n: int,
+                         za, zb, lo, hi, *, m: int, n: int, bn: int, cn: int):
+  """``(zero_box(i), count)``: the producer's share of the zero rows.
+
+  Each zero item (a 128-row block outside the shard's window, one n tile) is
+  cut into boxes of 64 rows x ``cn`` columns (``z_smem``'s shape); box ``b``
+  goes to CTA ``b % num_ctas``, and ``zero_box(i)`` stores this CTA's i-th
+  box: the rows of its 64 outside the window ``[lo, hi)``, in power-of-two
+  TMA stores.
+  """
+  chunks = bn // cn
+  num_boxes = num_zero_work * 2 * chunks
+  count = pl.cdiv(jnp.maximum(num_boxes - cta, 0), num_ctas)
+
+  def zero_box(i):
+    b = cta + i * num_ctas
+    item, half, c = lax.div(b, 2 * chunks), lax.rem(lax.div(b, chunks), 2), lax.rem(b, chunks)
+    blk, ni = mf._zero_item(item, grid_n, za, zb)
+    hs = blk * _ROWS + half * _HALF
+    col = ni * bn + c * cn
+
+    @pl.when(col < n)
+    def _():
+      for start, rows in mf._outside_window(hs, jnp.minimum(hs + _HALF, m), lo, hi):
+        mf._store_rows(z_smem, out_gmem, 0, start, rows, col, max_rows=min(_HALF, m),
+                       width=cn)
+
+  return zero_box, count
+
+
 def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int, n: int,
           cfg: mf.MosaicFwdConfig, transpose_rhs: bool, num_ctas: int):
   bn, bk, stages, cn = cfg.block_n, cfg.block_k, cfg.num_stages, cfg.epilogue_n
@@ -128,9 +158,13 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
   if tr:  # tail_rows 0: the same ring without tails (a baseline)
     scratch.update(t_smem=plgpu.SMEM((stages, tr, bk), dtype, transforms=sm90.swizzled(bk, dtype)),
                    to_smem=plgpu.SMEM((2, tr, tn), out_dtype))
+  pz = cfg.producer_zeros
+  if pz:  # the producer's zero rows (row-major, like o_smem: stores start at any row)
+    scratch.update(z_smem=plgpu.SMEM((_HALF, cn), out_dtype))
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-  def _scope(a_smem, b_smem, produced, consumed, o_smem, t_smem=None, to_smem=None):
+  def _scope(a_smem, b_smem, produced, consumed, o_smem, t_smem=None, to_smem=None,
+             z_smem=None):
     wg = lax.axis_index("wg")
 
     def tile_of(w):
@@ -146,7 +180,19 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
 
     @pl.when(wg == 2)
     def _producer():
+      if pz:  # (before the register cut: the fill holds a few vectors of zeros)
+        z_smem[...] = jnp.zeros(z_smem.shape, z_smem.dtype)
+        plgpu.commit_smem()
       plgpu.set_max_registers(40, action="decrease")
+      my_steps = my_items * k_steps
+      zero_box, my_boxes = _producer_zero_boxes(
+          z_smem, out_gmem, cta, num_ctas, num_zero_work, grid_n, za, zb, lo, hi, m=m, n=n,
+          bn=bn, cn=cn) if pz else (None, 0)
+
+      def boxes_due(steps):
+        """Zero boxes to have issued once ``steps`` of my_steps k steps are:
+        spread evenly over them."""
+        return steps * my_boxes // jnp.maximum(my_steps, 1)
 
       def load(w, step0):
         ni, grp, row0, _, row_end = tile_of(w)
@@ -169,14 +215,21 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
           else:
             src = rhs_gmem.at[grp, cols, pl.ds(ni * bn, bn)]
           plgpu.copy_gmem_to_smem(src, b_smem.at[slot], produced.at[slot])
+          if pz:  # this step's share of the zero rows, after its loads
+            pl.loop(boxes_due(step), boxes_due(step + 1))(zero_box)
 
       works(load)
       total = my_items * k_steps
+      if pz:  # a CTA without compute items writes all of its boxes here
+        pl.loop(jnp.where(my_steps > 0, my_boxes, 0), my_boxes)(zero_box)
 
       # Wait for the consumers' last release of every slot before the CTA exits.
       @pl.loop(jnp.maximum(total - stages, 0), total)
       def _drain(step):
         plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
+
+      if pz:  # the zero buffer must outlive its stores
+        plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg < 2)
     def _consumers():
@@ -245,6 +298,8 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
 
       works(compute)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      if pz:  # the producer writes the rows outside the shard's window
+        return
 
       # Rows outside the shard's window, after the ring.
       lead = k_steps // 2 if cfg.zero_lead is None else cfg.zero_lead
