@@ -52,6 +52,8 @@ def test_attach_tails_folds_short_last_tiles():
     ([150, 20, 100, 498], 768, 64, 2, 1, False, dict(producer_zeros=True)),  # a CTA w/o items
     ([40, 300, 9, 200, 51], 640, 64, 3, 2, False,  # rows past the groups, a window cut mid-block
      dict(producer_zeros=True, num_sms=2)),
+    # automatic: on for this shard call (128-column boxes: 2 stages leave room)
+    ([150, 20, 170, 30], 384, 64, 1, 2, True, dict(producer_zeros=None)),
 ])
 def test_matches_oracle(sizes, m, k, offset, num_local, transpose_rhs, fields):
   n = 384  # an n tile and a half
@@ -168,6 +170,22 @@ def test_producer_zero_boxes_partition(num_ctas, num_zero_work, bn, cn):
             for c in range(num_ctas)]
   assert sum(counts) == num_zero_work * 2 * chunks
   assert max(counts) - min(counts) <= 1
+
+
+def test_resolve_producer_zeros():
+  auto = dataclasses.replace(CFG, num_stages=4, producer_zeros=None)
+  on = mf.resolve_producer_zeros(auto, True, jnp.bfloat16, jnp.bfloat16)
+  # A shard call: on, in the 64-column chunks its buffer needs beside 4 stages.
+  assert on.producer_zeros is True and on.epilogue_split == 4
+  assert on.smem_bytes(jnp.bfloat16, jnp.bfloat16) <= on.smem_budget()
+  # No group_offset, or not the ring: off, the rest unchanged.
+  assert mf.resolve_producer_zeros(auto, False, jnp.bfloat16, jnp.bfloat16) == (
+      dataclasses.replace(auto, producer_zeros=False))
+  plain = mf.MosaicFwdConfig(block_m=128, num_compute_wgs=2, producer_zeros=None)
+  assert mf.resolve_producer_zeros(plain, True, jnp.bfloat16, jnp.bfloat16).producer_zeros is False
+  # Explicit values stay.
+  fixed = dataclasses.replace(CFG, producer_zeros=True)
+  assert mf.resolve_producer_zeros(fixed, False, jnp.bfloat16, jnp.bfloat16) is fixed
 
 
 def test_config_checks():
