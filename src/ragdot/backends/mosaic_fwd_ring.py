@@ -9,7 +9,8 @@ with every n tile of a row tile in turn; ``grid_minor_dim=1`` walks strips of
 consumer warpgroups of 64 rows each.
 Rows outside the shard's window are written after the ring, as zero items; the
 CTAs with one compute item fewer take the first of them (``zero_lead``), while
-the others still compute.
+the others still compute.  With ``producer_zeros`` the producer warpgroup
+writes them instead, in 64-row boxes between its loads.
 
 Tails: row tiles are aligned to groups, so a group's last tile computes 128
 rows whatever it holds.  On top-8 routing a group has 256 +- 15 rows (Qwen3) or
@@ -190,8 +191,8 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
           bn=bn, cn=cn) if pz else (None, 0)
 
       def boxes_due(steps):
-        """Zero boxes to have issued once ``steps`` of my_steps k steps are:
-        spread evenly over them."""
+        """Zero boxes due once ``steps`` of this CTA's ``my_steps`` k steps are
+        issued: the boxes spread evenly over the steps."""
         return steps * my_boxes // jnp.maximum(my_steps, 1)
 
       def load(w, step0):
