@@ -54,6 +54,9 @@ def test_attach_tails_folds_short_last_tiles():
      dict(producer_zeros=True, num_sms=2)),
     # automatic: on for this shard call (128-column boxes: 2 stages leave room)
     ([150, 20, 170, 30], 384, 64, 1, 2, True, dict(producer_zeros=None)),
+    # an 8-row zero buffer: every 64-row box in pieces of at most 8 rows
+    ([40, 300, 9, 200, 51], 640, 64, 3, 2, True,
+     dict(producer_zeros=True, zero_box_rows=8, tail_rows=16)),
 ])
 def test_matches_oracle(sizes, m, k, offset, num_local, transpose_rhs, fields):
   n = 384  # an n tile and a half
@@ -204,6 +207,11 @@ def test_config_checks():
   assert pz.smem_bytes(jnp.bfloat16, jnp.bfloat16) > pz.smem_budget()
   pz = dataclasses.replace(pz, epilogue_split=4)
   assert pz.smem_bytes(jnp.bfloat16, jnp.bfloat16) <= pz.smem_budget()
+  # ... or an 8-row buffer beside 128-column chunks.
+  pz8 = dataclasses.replace(CFG, num_stages=4, producer_zeros=True, zero_box_rows=8)
+  assert pz8.smem_bytes(jnp.bfloat16, jnp.bfloat16) <= pz8.smem_budget()
+  with pytest.raises(ValueError, match="zero_box_rows"):
+    dataclasses.replace(CFG, zero_box_rows=12)
   # The tails' SMEM is counted: 4 stages of 128 x 256 with 16 tail rows need
   # 64-column epilogue chunks to fit.
   four = dataclasses.replace(CFG, num_stages=4, tail_rows=16)
@@ -243,12 +251,12 @@ def test_small_m_falls_back():
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
 @pytest.mark.parametrize("tail_rows,stages,split,width,pz", [
     (16, 4, 4, 1, False), (0, 4, 2, 1, False), (0, 4, 2, 4, False), (0, 4, 4, 1, True),
-    (16, 3, 4, 1, True)])
+    (16, 3, 4, 1, True), (0, 4, 2, 1, 8)])
 def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, split, width, pz):
   m, k, n, g = 4096, 2048, 1536, 128
   cfg = dataclasses.replace(CFG, num_stages=stages, epilogue_split=split, tail_rows=tail_rows,
                             num_sms=132, grid_minor_dim=int(width > 1), grid_tile_width=width,
-                            producer_zeros=pz)
+                            producer_zeros=bool(pz), zero_box_rows=64 if pz is True else pz or 64)
   f = jax.jit(lambda x, w, gs: mf.gmm(x, w, gs, jnp.int32(16), transpose_rhs=transpose_rhs,
                                       out_dtype=jnp.bfloat16, config=cfg))
   rshape = (16, n, k) if transpose_rhs else (16, k, n)

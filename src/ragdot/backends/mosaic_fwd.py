@@ -132,8 +132,8 @@ class MosaicFwdConfig:
     H200's EP=8 shard of Qwen3-30B gate_up, 32 k steps: lead 15 saved 5.5%,
     25 and more lost, docs/performance.md v15).
   producer_zeros: ring only: the TMA producer warpgroup writes those zero
-    rows instead, from a zeroed (64, epilogue_n) buffer, its share of them
-    spread over its k steps, while the consumers compute: the zeros go out
+    rows instead, from a zeroed (zero_box_rows, epilogue_n) buffer, its share
+    of them spread over its k steps, while the consumers compute: the zeros go out
     while the compute leaves DRAM bandwidth unused (the local rows' call reads
     the shard's weights at ~2.4 TB/s of ~4.2), and the consumers skip the
     zero items after the ring.  (zero_lead does not apply.)  None: on for
@@ -141,6 +141,11 @@ class MosaicFwdConfig:
     buffer fits (``resolve_producer_zeros``), off for the others.  Measured
     on the H200's EP=8 shard of Qwen3-30B gate_up: 0.937x the time of the
     zero_lead ring (docs/performance.md v16h).
+  zero_box_rows: with producer_zeros, the rows of its zero buffer (8, 16, 32
+    or 64): each 64-row half of a zero item goes out in stores of at most
+    this many rows.  Fewer rows leave room for wider epilogue chunks (a
+    128 x 256 ring in 4 stages fits 8 rows beside 128-column chunks, 64 rows
+    only beside 64-column ones) at the price of more, smaller TMA stores.
   """
 
   block_m: int = 64
@@ -163,6 +168,7 @@ class MosaicFwdConfig:
   tail_rows: int = 0
   zero_lead: int | None = None
   producer_zeros: bool | None = False
+  zero_box_rows: int = 64
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -213,6 +219,8 @@ class MosaicFwdConfig:
       raise ValueError(f"zero_lead must be >= 0 and needs ring=True, got {self}")
     if self.producer_zeros and not self.ring:
       raise ValueError(f"producer_zeros needs ring=True, got {self}")
+    if self.zero_box_rows not in (8, 16, 32, 64):
+      raise ValueError(f"zero_box_rows must be 8, 16, 32 or 64, got {self.zero_box_rows}")
 
   @property
   def epilogue_n(self) -> int:
@@ -233,7 +241,7 @@ class MosaicFwdConfig:
     per_stage += self.tail_rows * self.block_k * isz
     staging += self.num_compute_wgs * self.tail_rows * (self.block_n // 2) * osz
     if self.producer_zeros:  # the producer's zero buffer
-      staging += _WG_ROWS * self.epilogue_n * osz
+      staging += self.zero_box_rows * self.epilogue_n * osz
     return self.num_stages * per_stage + staging
 
 

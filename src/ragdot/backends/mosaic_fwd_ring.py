@@ -108,10 +108,10 @@ def _producer_zero_boxes(z_smem, out_gmem, cta, num_ctas: int, num_zero_work, gr
   """``(zero_box(i), count)``: the producer's share of the zero rows.
 
   Each zero item (a 128-row block outside the shard's window, one n tile) is
-  cut into boxes of 64 rows x ``cn`` columns (``z_smem``'s shape); box ``b``
-  goes to CTA ``b % num_ctas``, and ``zero_box(i)`` stores this CTA's i-th
-  box: the rows of its 64 outside the window ``[lo, hi)``, in power-of-two
-  TMA stores.
+  cut into boxes of 64 rows x ``cn`` columns; box ``b`` goes to CTA
+  ``b % num_ctas``, and ``zero_box(i)`` stores this CTA's i-th box: the rows
+  of its 64 outside the window ``[lo, hi)``, from ``z_smem`` (zeros, at most
+  64 rows) in power-of-two TMA stores of at most its rows each.
   """
   chunks = bn // cn
   num_boxes = num_zero_work * 2 * chunks
@@ -124,11 +124,14 @@ def _producer_zero_boxes(z_smem, out_gmem, cta, num_ctas: int, num_zero_work, gr
     hs = blk * _ROWS + half * _HALF
     col = ni * bn + c * cn
 
+    zr = min(z_smem.shape[0], m)
+
     @pl.when(col < n)
     def _():
       for start, rows in mf._outside_window(hs, jnp.minimum(hs + _HALF, m), lo, hi):
-        mf._store_rows(z_smem, out_gmem, 0, start, rows, col, max_rows=min(_HALF, m),
-                       width=cn)
+        for q in range(0, _HALF, zr):  # pieces of at most zr rows
+          mf._store_rows(z_smem, out_gmem, 0, start + q, jnp.clip(rows - q, 0, zr), col,
+                         max_rows=zr, width=cn)
 
   return zero_box, count
 
@@ -161,7 +164,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
                    to_smem=plgpu.SMEM((2, tr, tn), out_dtype))
   pz = cfg.producer_zeros
   if pz:  # the producer's zero rows (row-major, like o_smem: stores start at any row)
-    scratch.update(z_smem=plgpu.SMEM((_HALF, cn), out_dtype))
+    scratch.update(z_smem=plgpu.SMEM((cfg.zero_box_rows, cn), out_dtype))
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
   def _scope(a_smem, b_smem, produced, consumed, o_smem, t_smem=None, to_smem=None,
