@@ -61,7 +61,7 @@ def main() -> None:
     for v in args.variants:
       try:
         cfg = dataclasses.replace(base, **parse_fields([kv for kv in v.split(",") if kv]))
-      except ValueError as e:
+      except (TypeError, ValueError) as e:  # an unknown field, a rejected value
         print(f"  skip {v}: {e}", flush=True)
         continue
       if mosaic_dw.smem_bytes(cfg, jnp.bfloat16, jnp.bfloat16) > cfg.smem_budget():

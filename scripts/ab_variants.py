@@ -8,9 +8,10 @@ Per (shape, op): "table" = the dispatcher's automatic choice (backend and
 config from the shipped table), "mosaic" = ``mosaic_fwd.gmm`` with its default
 config, and one case per variant: the default config (``--base table``: the
 table's config, where it is a Mosaic one) with the variant's comma-separated
-FIELD=VALUE changes (Python literals).  Interleaved CUPTI timing
+FIELD=VALUE changes (Python literals).  Calls without a group_offset: variants
+of the shard path (``producer_zeros``) belong in ``diag_ep.py``.  Interleaved CUPTI timing
 on one set of fresh random inputs; prints each case's time over the table
-choice's and whether its output is bitwise equal to the default's (same tile
+choice's and whether its output is bitwise equal to the base config's (same tile
 and k order); writes OUT_DIR/ab_variants.json.
 """
 
@@ -75,7 +76,7 @@ def main() -> None:
           continue
         configs[v] = cfg
         cases[v] = run(mosaic_fwd, cfg)
-      ref = cases["mosaic"](x, w, gs)
+      ref = cases["table" if args.base == "table" else "mosaic"](x, w, gs)
       equal = {name: bool(jnp.array_equal(ref, f(x, w, gs))) for name, f in cases.items()}
       med = timing.interleaved_median_ms({name: (f, (x, w, gs)) for name, f in cases.items()},
                                          rounds=args.rounds, iterations=args.iterations)
@@ -83,7 +84,7 @@ def main() -> None:
       print(f"{s.name} {op}: table = {choice.implementation} {choice.config}", flush=True)
       for name, ms in med.items():
         row = dict(shape=s.name, op=op, case=name, ms=ms, tflops=flops / ms / 1e9,
-                   x_table=ms / med["table"], bitwise_equal_default=equal[name],
+                   x_table=ms / med["table"], bitwise_equal_base=equal[name],
                    config=str(configs[name]))
         rows.append(row)
         print(f"  {name:44s} {ms:.4f} ms {row['tflops']:6.1f} TFLOP/s  x table "

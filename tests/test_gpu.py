@@ -137,10 +137,12 @@ RING_SHAPES = SHAPES + [(8192, 1024, 960, 32, "routed")]  # ~256 rows per group:
                          [(16, None, None, 1, False), (32, 8, None, 1, False),
                           (0, None, None, 1, False), (0, 8, 12, 1, False),
                           (16, 8, None, 4, False), (0, 8, None, 1, True), (16, 8, None, 1, True),
-                          (0, 8, None, 1, 8)],
+                          (0, 8, None, 1, 8), (0, 8, None, 1, (True, 4)),
+                          (0, 8, None, 1, (8, 4))],
                          ids=["t16", "t32-shard", "t0", "t0-shard-lead12", "t16-shard-strips4",
                               "t0-shard-producer-zeros", "t16-shard-producer-zeros",
-                              "t0-shard-producer-zeros-8-rows"])
+                              "t0-shard-producer-zeros-8-rows", "t0-shard-producer-zeros-4-stages",
+                              "t0-shard-producer-zeros-8-rows-4-stages"])
 def test_ring_real_sizes(shape, transpose_rhs, tail_rows, offset, zero_lead, strips, pz):
   """The ring forward / dX (mosaic_fwd_ring), with and without folded tails, a
   shard whose short CTAs take zero items first (or whose producers write the
@@ -152,8 +154,10 @@ def test_ring_real_sizes(shape, transpose_rhs, tail_rows, offset, zero_lead, str
   local = g if offset is None else g // 2
   rshape = (local, n, k) if transpose_rhs else (local, k, n)
   x, w = oracle.random_inputs(jax.random.key(m + k + n), [(m, k), rshape], jnp.bfloat16)
-  # pz: True (a 64-row zero buffer, 64-column chunks) or its rows (beside 128-column ones)
-  cfg = mosaic_fwd.MosaicFwdConfig(128, 256, 64, 3, num_compute_wgs=2,
+  # pz: True (a 64-row zero buffer, 64-column chunks) or its rows (beside 128-column
+  # ones), with (pz, 4): in 4 stages (the SMEM the shipped ring entries use) instead of 3
+  pz, stages = pz if isinstance(pz, tuple) else (pz, 3)
+  cfg = mosaic_fwd.MosaicFwdConfig(128, 256, 64, stages, num_compute_wgs=2,
                                    epilogue_split=4 if pz is True else 2, ring=True,
                                    tail_rows=tail_rows, zero_lead=zero_lead,
                                    grid_minor_dim=int(strips > 1), grid_tile_width=strips,

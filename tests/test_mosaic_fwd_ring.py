@@ -93,8 +93,8 @@ def test_property_matches_oracle(data):
   m = max(m, 256)
   offset, num_local = data.draw(rst.shard(g))
   tail_rows = data.draw(st.sampled_from([8, 16, 32]))
-  zero_lead = data.draw(st.sampled_from([None, 0, 1, 3]))
-  producer_zeros = data.draw(st.booleans())
+  producer_zeros = data.draw(st.booleans())  # (the producer writes the zeros: no lead)
+  zero_lead = None if producer_zeros else data.draw(st.sampled_from([None, 0, 1, 3]))
   minor, width = data.draw(st.sampled_from([(0, 1), (1, 1), (1, 2), (0, 2)]))
   transpose_rhs = data.draw(st.booleans())
   k, n = data.draw(st.sampled_from([64, 128])), 384  # one k step or two
@@ -167,12 +167,26 @@ def test_no_races_producer_zeros():
 def test_producer_zero_boxes_partition(num_ctas, num_zero_work, bn, cn):
   # Every (zero item, half, column chunk) box goes to exactly one CTA.
   chunks = bn // cn
-  counts = [int(mr._producer_zero_boxes(None, None, jnp.int32(c), num_ctas,
-                                        jnp.int32(num_zero_work), 1, 0, 0, 0, 0,
-                                        m=1024, n=bn, bn=bn, cn=cn)[1])
-            for c in range(num_ctas)]
-  assert sum(counts) == num_zero_work * 2 * chunks
-  assert max(counts) - min(counts) <= 1
+  got = []
+  for cta in range(num_ctas):
+    _, count = mr._producer_zero_boxes(None, None, jnp.int32(cta), num_ctas,
+                                       jnp.int32(num_zero_work), 1, 0, 0, 0, 0,
+                                       m=1024, n=bn, bn=bn, cn=cn)
+    got += [tuple(int(v) for v in mr._box_coords(jnp.int32(cta + i * num_ctas), chunks))
+            for i in range(int(count))]
+  want = [(z, h, c) for z in range(num_zero_work) for h in range(2) for c in range(chunks)]
+  assert sorted(got) == want
+
+
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("boxes,total", [(82, 64), (41, 32), (7, 64), (0, 32), (5, 0), (64, 64)])
+def test_boxes_due_spreads_all_boxes(exact, boxes, total):
+  due = [int(mr._boxes_due(jnp.int32(s), jnp.int32(boxes), jnp.int32(total), exact))
+         for s in range(total + 1)]
+  assert due[0] == 0 and all(a <= b for a, b in zip(due, due[1:]))
+  assert due[-1] == (boxes if total else 0)  # no steps: the caller issues them after
+  if exact and total:  # evenly: never more than one step's share ahead
+    assert all(d <= s * boxes / total + 1e-9 for s, d in enumerate(due))
 
 
 def test_resolve_producer_zeros():
@@ -186,9 +200,11 @@ def test_resolve_producer_zeros():
       dataclasses.replace(auto, producer_zeros=False))
   plain = mf.MosaicFwdConfig(block_m=128, num_compute_wgs=2, producer_zeros=None)
   assert mf.resolve_producer_zeros(plain, True, jnp.bfloat16, jnp.bfloat16).producer_zeros is False
-  # Explicit values stay.
+  # Explicit values stay; an explicit zero_lead keeps the consumers' zero items.
   fixed = dataclasses.replace(CFG, producer_zeros=True)
   assert mf.resolve_producer_zeros(fixed, False, jnp.bfloat16, jnp.bfloat16) is fixed
+  lead = dataclasses.replace(auto, zero_lead=3)
+  assert mf.resolve_producer_zeros(lead, True, jnp.bfloat16, jnp.bfloat16).producer_zeros is False
 
 
 def test_config_checks():
@@ -212,6 +228,10 @@ def test_config_checks():
   assert pz8.smem_bytes(jnp.bfloat16, jnp.bfloat16) <= pz8.smem_budget()
   with pytest.raises(ValueError, match="zero_box_rows"):
     dataclasses.replace(CFG, zero_box_rows=12)
+  with pytest.raises(ValueError, match="producer_zeros must be"):
+    dataclasses.replace(CFG, producer_zeros=8)
+  with pytest.raises(ValueError, match="zero_lead does not apply"):
+    dataclasses.replace(CFG, producer_zeros=True, zero_lead=2)
   # The tails' SMEM is counted: 4 stages of 128 x 256 with 16 tail rows need
   # 64-column epilogue chunks to fit.
   four = dataclasses.replace(CFG, num_stages=4, tail_rows=16)
@@ -257,9 +277,10 @@ def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, split, width, pz):
   cfg = dataclasses.replace(CFG, num_stages=stages, epilogue_split=split, tail_rows=tail_rows,
                             num_sms=132, grid_minor_dim=int(width > 1), grid_tile_width=width,
                             producer_zeros=bool(pz), zero_box_rows=64 if pz is True else pz or 64)
-  f = jax.jit(lambda x, w, gs: mf.gmm(x, w, gs, jnp.int32(16), transpose_rhs=transpose_rhs,
+  go, local = (jnp.int32(16), 16) if pz else (None, g)  # producer zeros: a shard call
+  f = jax.jit(lambda x, w, gs: mf.gmm(x, w, gs, go, transpose_rhs=transpose_rhs,
                                       out_dtype=jnp.bfloat16, config=cfg))
-  rshape = (16, n, k) if transpose_rhs else (16, k, n)
+  rshape = (local, n, k) if transpose_rhs else (local, k, n)
   args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct(rshape, jnp.bfloat16),
           jax.ShapeDtypeStruct((g,), jnp.int32))
   assert "mosaic_gpu" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()

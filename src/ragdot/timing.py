@@ -51,8 +51,8 @@ def device_time_ms(fn: Callable[..., Any], *args: Any, iterations: int = 20,
   method: "cupti" (summed kernel time of one device), "host" (no CUPTI), or
   "host: N devices" (wall time of a multi-device call).
   """
-  start = time.perf_counter()
   out = jax.block_until_ready(fn(*args))  # at least one call: its outputs' devices
+  start = time.perf_counter()  # (after it: a first call's one-time costs do not count)
   for _ in range(warmup - 1):
     out = jax.block_until_ready(fn(*args))
   while time.perf_counter() - start < warmup_s:

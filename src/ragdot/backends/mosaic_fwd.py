@@ -217,8 +217,12 @@ class MosaicFwdConfig:
       raise ValueError(f"tail_rows needs ring=True and block_n a multiple of 128, got {self}")
     if self.zero_lead is not None and (self.zero_lead < 0 or (self.zero_lead and not self.ring)):
       raise ValueError(f"zero_lead must be >= 0 and needs ring=True, got {self}")
+    if self.producer_zeros not in (True, False, None):
+      raise ValueError(f"producer_zeros must be True, False or None, got {self.producer_zeros}")
     if self.producer_zeros and not self.ring:
       raise ValueError(f"producer_zeros needs ring=True, got {self}")
+    if self.producer_zeros and self.zero_lead is not None:
+      raise ValueError(f"zero_lead does not apply with producer_zeros=True, got {self}")
     if self.zero_box_rows not in (8, 16, 32, 64):
       raise ValueError(f"zero_box_rows must be 8, 16, 32 or 64, got {self.zero_box_rows}")
 
@@ -257,7 +261,7 @@ def resolve_producer_zeros(cfg: MosaicFwdConfig, has_offset: bool, dtype: Any,
   the producer's zero buffer), off otherwise or where no split fits."""
   if cfg.producer_zeros is not None:
     return cfg
-  if cfg.ring and has_offset:
+  if cfg.ring and has_offset and cfg.zero_lead is None:  # (an explicit zero_lead: off)
     fitted = _fit_split(dataclasses.replace(cfg, producer_zeros=True), dtype, out_dtype)
     if fitted is not None:
       return fitted

@@ -10,7 +10,8 @@ consumer warpgroups of 64 rows each.
 Rows outside the shard's window are written after the ring, as zero items; the
 CTAs with one compute item fewer take the first of them (``zero_lead``), while
 the others still compute.  With ``producer_zeros`` the producer warpgroup
-writes them instead, in 64-row boxes between its loads.
+writes them instead, between its loads (stores of at most ``zero_box_rows``
+rows from a zeroed buffer).
 
 Tails: row tiles are aligned to groups, so a group's last tile computes 128
 rows whatever it holds.  On top-8 routing a group has 256 +- 15 rows (Qwen3) or
@@ -103,13 +104,32 @@ def _zero_items(cta, num_ctas: int, num_work, num_zero_work, lead: int):
   return item, n_front + n_rest
 
 
+def _box_coords(b, chunks: int):
+  """(zero item, 64-row half, column chunk) of zero box ``b`` (a zero item's
+  boxes are consecutive)."""
+  return lax.div(b, 2 * chunks), lax.rem(lax.div(b, chunks), 2), lax.rem(b, chunks)
+
+
+def _boxes_due(steps, boxes, total_steps, exact: bool):
+  """How many of ``boxes`` zero boxes are due once ``steps`` of ``total_steps``
+  k steps are issued: spread evenly (``exact``: floor(steps * boxes / total),
+  without forming the product, which could overflow int32 only when
+  total_steps**2 does), else front-loaded at ceil(boxes / total) per step.
+  0 steps: none; all steps: all (none with no steps at all)."""
+  total = jnp.maximum(total_steps, 1)
+  if exact:
+    q, r = lax.div(boxes, total), lax.rem(boxes, total)
+    return q * steps + lax.div(r * steps, total)
+  return jnp.minimum(boxes, steps * pl.cdiv(boxes, total))
+
+
 def _producer_zero_boxes(z_smem, out_gmem, cta, num_ctas: int, num_zero_work, grid_n: int,
                          za, zb, lo, hi, *, m: int, n: int, bn: int, cn: int):
   """``(zero_box(i), count)``: the producer's share of the zero rows.
 
   Each zero item (a 128-row block outside the shard's window, one n tile) is
-  cut into boxes of 64 rows x ``cn`` columns; box ``b`` goes to CTA
-  ``b % num_ctas``, and ``zero_box(i)`` stores this CTA's i-th box: the rows
+  cut into boxes of 64 rows x ``cn`` columns (``_box_coords``); box ``b`` goes
+  to CTA ``b % num_ctas``, and ``zero_box(i)`` stores this CTA's i-th box: the rows
   of its 64 outside the window ``[lo, hi)``, from ``z_smem`` (zeros, at most
   64 rows) in power-of-two TMA stores of at most its rows each.
   """
@@ -119,11 +139,10 @@ def _producer_zero_boxes(z_smem, out_gmem, cta, num_ctas: int, num_zero_work, gr
 
   def zero_box(i):
     b = cta + i * num_ctas
-    item, half, c = lax.div(b, 2 * chunks), lax.rem(lax.div(b, chunks), 2), lax.rem(b, chunks)
+    item, half, c = _box_coords(b, chunks)
     blk, ni = mf._zero_item(item, grid_n, za, zb)
     hs = blk * _ROWS + half * _HALF
     col = ni * bn + c * cn
-
     zr = min(z_smem.shape[0], m)
 
     @pl.when(col < n)
@@ -193,10 +212,9 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
           z_smem, out_gmem, cta, num_ctas, num_zero_work, grid_n, za, zb, lo, hi, m=m, n=n,
           bn=bn, cn=cn) if pz else (None, 0)
 
-      def boxes_due(steps):
-        """Zero boxes due once ``steps`` of this CTA's ``my_steps`` k steps are
-        issued: the boxes spread evenly over the steps."""
-        return steps * my_boxes // jnp.maximum(my_steps, 1)
+      # The most k steps a CTA can have (static): exact spreading below 2**31.
+      exact = (pl.cdiv(max_tiles * grid_n, num_ctas) * k_steps) ** 2 < 2**31
+      boxes_due = lambda steps: _boxes_due(steps, my_boxes, my_steps, exact)
 
       def load(w, step0):
         ni, grp, row0, _, row_end = tile_of(w)
@@ -225,7 +243,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
       works(load)
       total = my_items * k_steps
       if pz:  # a CTA without compute items writes all of its boxes here
-        pl.loop(jnp.where(my_steps > 0, my_boxes, 0), my_boxes)(zero_box)
+        pl.loop(boxes_due(my_steps), my_boxes)(zero_box)
 
       # Wait for the consumers' last release of every slot before the CTA exits.
       @pl.loop(jnp.maximum(total - stages, 0), total)
