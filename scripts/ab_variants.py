@@ -8,11 +8,11 @@ Per (shape, op): "table" = the dispatcher's automatic choice (backend and
 config from the shipped table), "mosaic" = ``mosaic_fwd.gmm`` with its default
 config, and one case per variant: the default config (``--base table``: the
 table's config, where it is a Mosaic one) with the variant's comma-separated
-FIELD=VALUE changes (Python literals).  Calls without a group_offset: variants
-of the shard path (``producer_zeros``) belong in ``diag_ep.py``.  Interleaved CUPTI timing
-on one set of fresh random inputs; prints each case's time over the table
-choice's and whether its output is bitwise equal to the base config's (same tile
-and k order); writes OUT_DIR/ab_variants.json.
+FIELD=VALUE changes (Python literals).  The calls have no group_offset: variants
+of the shard path (``producer_zeros``) belong in ``diag_ep.py``.  Interleaved
+CUPTI timing on one set of fresh random inputs; prints each case's time over
+the table choice's and whether its output is bitwise equal to the base
+config's (same tile and k order); writes OUT_DIR/ab_variants.json.
 """
 
 from __future__ import annotations
