@@ -44,6 +44,7 @@ def main() -> None:
   p.add_argument("--variant", action="append", default=[], metavar='"FIELD=VALUE ..."',
                  help="MosaicFwdConfig fields replaced in A's config (one case each)")
   args = p.parse_args()
+  os.makedirs(args.out_dir, exist_ok=True)
   s = bench.PRESETS["ep"][0]
   local = s.g // s.ep
   sizes = bench.routed_group_sizes(s)
