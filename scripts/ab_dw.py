@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from ragdot import backends, bench, dispatch, timing
 from ragdot.backends import mosaic_dw
 
-from ab_fwd import parse_fields  # this folder (the script's sys.path[0])
+from ab_fwd import case_rows, parse_fields  # this folder (the script's sys.path[0])
 
 
 def main() -> None:
@@ -73,15 +73,8 @@ def main() -> None:
     equal = {name: bool(jnp.array_equal(ref, f(x, dy, gs))) for name, f in cases.items()}
     med = timing.interleaved_median_ms({name: (f, (x, dy, gs)) for name, f in cases.items()},
                                        rounds=args.rounds, iterations=args.iterations)
-    flops = 2 * s.m * s.k * s.n
-    print(f"{s.name} dw: table = {choice.implementation} {choice.config}", flush=True)
-    for name, ms in med.items():
-      row = dict(shape=s.name, op="dw", case=name, ms=ms, tflops=flops / ms / 1e9,
-                 x_table=ms / med["table"], bitwise_equal_table=equal[name],
-                 config=str(configs[name]))
-      rows.append(row)
-      print(f"  {name:44s} {ms:.4f} ms {row['tflops']:6.1f} TFLOP/s  x table "
-            f"{row['x_table']:.3f}  equal {equal[name]}", flush=True)
+    rows += case_rows(s.name, "dw", choice, med, equal, configs, 2 * s.m * s.k * s.n,
+                      "bitwise_equal_table")
   with open(os.path.join(args.out_dir, "ab_dw.json"), "w") as f:
     json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
 

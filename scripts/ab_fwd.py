@@ -30,6 +30,23 @@ def parse_fields(items: list[str]) -> dict:
   return {k: ast.literal_eval(v) for k, v in (kv.split("=", 1) for kv in items)}
 
 
+def case_rows(shape: str, op: str, choice, med: dict, equal: dict, configs: dict,
+              flops: int, equal_key: str) -> list[dict]:
+  """One row per timed case (``med``: name -> ms, "table" among them), each
+  printed: time, TFLOP/s, time over the table choice's, bitwise equality
+  (stored under ``equal_key``) and the case's config."""
+  print(f"{shape} {op}: table = {choice.implementation} {choice.config}", flush=True)
+  rows = []
+  for name, ms in med.items():
+    row = dict(shape=shape, op=op, case=name, ms=ms, tflops=flops / ms / 1e9,
+               x_table=ms / med["table"], config=str(configs[name]))
+    row[equal_key] = equal[name]
+    rows.append(row)
+    print(f"  {name:44s} {ms:.4f} ms {row['tflops']:6.1f} TFLOP/s  x table "
+          f"{row['x_table']:.3f}  equal {equal[name]}", flush=True)
+  return rows
+
+
 def main() -> None:
   p = argparse.ArgumentParser()
   p.add_argument("out_dir")

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from ragdot import backends, bench, dispatch, timing
 from ragdot.backends import mosaic_fwd
 
-from ab_fwd import parse_fields  # this folder (the script's sys.path[0])
+from ab_fwd import case_rows, parse_fields  # this folder (the script's sys.path[0])
 
 
 def main() -> None:
@@ -80,15 +80,8 @@ def main() -> None:
       equal = {name: bool(jnp.array_equal(ref, f(x, w, gs))) for name, f in cases.items()}
       med = timing.interleaved_median_ms({name: (f, (x, w, gs)) for name, f in cases.items()},
                                          rounds=args.rounds, iterations=args.iterations)
-      flops = 2 * s.m * call.k * call.n
-      print(f"{s.name} {op}: table = {choice.implementation} {choice.config}", flush=True)
-      for name, ms in med.items():
-        row = dict(shape=s.name, op=op, case=name, ms=ms, tflops=flops / ms / 1e9,
-                   x_table=ms / med["table"], bitwise_equal_base=equal[name],
-                   config=str(configs[name]))
-        rows.append(row)
-        print(f"  {name:44s} {ms:.4f} ms {row['tflops']:6.1f} TFLOP/s  x table "
-              f"{row['x_table']:.3f}  equal {equal[name]}", flush=True)
+      rows += case_rows(s.name, op, choice, med, equal, configs, 2 * s.m * call.k * call.n,
+                        "bitwise_equal_base")
   with open(os.path.join(args.out_dir, "ab_variants.json"), "w") as f:
     json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
 
