@@ -133,20 +133,27 @@ RING_SHAPES = SHAPES + [(8192, 1024, 960, 32, "routed")]  # ~256 rows per group:
 @pytest.mark.parametrize("shape", RING_SHAPES,
                          ids=[f"{s[0]}x{s[1]}x{s[2]}g{s[3]}-{s[4]}" for s in RING_SHAPES])
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
-@pytest.mark.parametrize("tail_rows,offset,zero_lead,strips,pz",
-                         [(16, None, None, 1, False), (32, 8, None, 1, False),
-                          (0, None, None, 1, False), (0, 8, 12, 1, False),
-                          (16, 8, None, 4, False), (0, 8, None, 1, True), (16, 8, None, 1, True),
-                          (0, 8, None, 1, 8), (0, 8, None, 1, (True, 4)),
-                          (0, 8, None, 1, (8, 4))],
-                         ids=["t16", "t32-shard", "t0", "t0-shard-lead12", "t16-shard-strips4",
-                              "t0-shard-producer-zeros", "t16-shard-producer-zeros",
-                              "t0-shard-producer-zeros-8-rows", "t0-shard-producer-zeros-4-stages",
-                              "t0-shard-producer-zeros-8-rows-4-stages"])
-def test_ring_real_sizes(shape, transpose_rhs, tail_rows, offset, zero_lead, strips, pz):
+_PZ = dict(producer_zeros=True)  # the producer writes the shard's zero rows
+_CZ = dict(producer_zeros=False)  # the consumers do, after the ring
+
+
+@pytest.mark.parametrize("tail_rows,offset,zero_lead,strips,fields", [
+    (16, None, None, 1, {}), (32, 8, None, 1, _CZ), (0, None, None, 1, {}), (0, 8, 12, 1, {}),
+    (16, 8, None, 4, _CZ),
+    (0, 8, None, 1, dict(_PZ, epilogue_split=4)),
+    (16, 8, None, 1, dict(_PZ, epilogue_split=4)),
+    (0, 8, None, 1, dict(_PZ, zero_box_rows=8)),
+    (0, 8, None, 1, dict(_PZ, epilogue_split=4, num_stages=4)),
+    (0, 8, None, 1, dict(_PZ, epilogue_split=4, num_stages=4, zero_box_cols=128)),
+    (0, 8, None, 1, dict(producer_zeros=None, num_stages=4)),
+], ids=["t16", "t32-shard", "t0", "t0-shard-lead12", "t16-shard-strips4",
+        "t0-shard-producer-zeros", "t16-shard-producer-zeros", "t0-shard-producer-zeros-8-rows",
+        "t0-shard-producer-zeros-4-stages", "t0-shard-producer-zeros-128-cols-4-stages",
+        "t0-shard-producer-zeros-auto-4-stages"])
+def test_ring_real_sizes(shape, transpose_rhs, tail_rows, offset, zero_lead, strips, fields):
   """The ring forward / dX (mosaic_fwd_ring), with and without folded tails, a
   shard whose short CTAs take zero items first (or whose producers write the
-  zero rows), and strips of n tiles."""
+  zero rows: ``fields``, replacing the 3-stage config's), and strips of n tiles."""
   import dataclasses  # pylint: disable=g-import-not-at-top
   from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
   m, k, n, g, layout = shape
@@ -154,15 +161,10 @@ def test_ring_real_sizes(shape, transpose_rhs, tail_rows, offset, zero_lead, str
   local = g if offset is None else g // 2
   rshape = (local, n, k) if transpose_rhs else (local, k, n)
   x, w = oracle.random_inputs(jax.random.key(m + k + n), [(m, k), rshape], jnp.bfloat16)
-  # pz: True (a 64-row zero buffer, 64-column chunks) or its rows (beside 128-column
-  # ones), with (pz, 4): in 4 stages (the SMEM the shipped ring entries use) instead of 3
-  pz, stages = pz if isinstance(pz, tuple) else (pz, 3)
-  cfg = mosaic_fwd.MosaicFwdConfig(128, 256, 64, stages, num_compute_wgs=2,
-                                   epilogue_split=4 if pz is True else 2, ring=True,
-                                   tail_rows=tail_rows, zero_lead=zero_lead,
-                                   grid_minor_dim=int(strips > 1), grid_tile_width=strips,
-                                   producer_zeros=bool(pz),
-                                   zero_box_rows=64 if pz is True else pz or 64)
+  cfg = mosaic_fwd.MosaicFwdConfig(128, 256, 64, 3, num_compute_wgs=2, epilogue_split=2,
+                                   ring=True, tail_rows=tail_rows, zero_lead=zero_lead,
+                                   grid_minor_dim=int(strips > 1), grid_tile_width=strips)
+  cfg = dataclasses.replace(cfg, **fields)
   go = None if offset is None else jnp.int32(offset)
   fn = jax.jit(lambda x, w, gs: mosaic_fwd.gmm(
       x, w, gs, go, transpose_rhs=transpose_rhs, out_dtype=jnp.bfloat16, config=cfg))

@@ -39,7 +39,8 @@ def test_attach_tails_folds_short_last_tiles():
     ([140, 10, 300, 0, 264], 768, 128, None, 5, False, dict(tail_rows=16)),  # folded tails, zero rows
     ([140, 10, 300, 0, 264], 768, 128, None, 5, True, dict(tail_rows=16)),   # dX
     ([129, 7, 60, 136, 40], 400, 192, None, 5, False, dict(tail_rows=8)),    # tail of 1 row, m % 128
-    ([150, 20, 170, 30], 384, 64, 1, 2, False, dict(tail_rows=32)),          # group_offset shard
+    ([150, 20, 170, 30], 384, 64, 1, 2, False,  # a group_offset shard, zeros by the consumers
+     dict(tail_rows=32, producer_zeros=False)),
     ([140, 10, 300, 0, 264], 768, 128, None, 5, False, {}),                  # the bare ring
     ([150, 20, 200, 398], 768, 64, 2, 1, False, dict(zero_lead=2)),  # 4 items, 2 short CTAs
     ([140, 10, 300, 0, 264], 768, 128, None, 5, True,                        # strips of n tiles
@@ -57,6 +58,11 @@ def test_attach_tails_folds_short_last_tiles():
     # an 8-row zero buffer: every 64-row box in pieces of at most 8 rows
     ([40, 300, 9, 200, 51], 640, 64, 3, 2, True,
      dict(producer_zeros=True, zero_box_rows=8, tail_rows=16)),
+    # zero boxes wider than the epilogue chunks; 256 columns: half past n in the last n tile
+    ([150, 20, 170, 30], 384, 64, 1, 2, False,
+     dict(producer_zeros=True, epilogue_split=4, zero_box_cols=128)),
+    ([40, 300, 9, 200, 51], 640, 64, 3, 2, True,
+     dict(producer_zeros=True, zero_box_rows=32, zero_box_cols=256)),
 ])
 def test_matches_oracle(sizes, m, k, offset, num_local, transpose_rhs, fields):
   n = 384  # an n tile and a half
@@ -226,8 +232,17 @@ def test_config_checks():
   # ... or an 8-row buffer beside 128-column chunks.
   pz8 = dataclasses.replace(CFG, num_stages=4, producer_zeros=True, zero_box_rows=8)
   assert pz8.smem_bytes(jnp.bfloat16, jnp.bfloat16) <= pz8.smem_budget()
+  # ... or a 64 x 128 buffer beside 64-column chunks (no wider).
+  wide = dataclasses.replace(pz, zero_box_cols=128)
+  assert wide.smem_bytes(jnp.bfloat16, jnp.bfloat16) <= wide.smem_budget()
+  wide = dataclasses.replace(pz, zero_box_cols=256)
+  assert wide.smem_bytes(jnp.bfloat16, jnp.bfloat16) > wide.smem_budget()
   with pytest.raises(ValueError, match="zero_box_rows"):
     dataclasses.replace(CFG, zero_box_rows=12)
+  with pytest.raises(ValueError, match="zero_box_cols"):
+    dataclasses.replace(CFG, zero_box_cols=96)
+  with pytest.raises(ValueError, match="zero_box_cols"):
+    dataclasses.replace(CFG, block_n=128, epilogue_split=1, zero_box_cols=256)
   with pytest.raises(ValueError, match="producer_zeros must be"):
     dataclasses.replace(CFG, producer_zeros=8)
   with pytest.raises(ValueError, match="zero_lead does not apply"):
@@ -270,13 +285,15 @@ def test_small_m_falls_back():
 
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
 @pytest.mark.parametrize("tail_rows,stages,split,width,pz", [
-    (16, 4, 4, 1, False), (0, 4, 2, 1, False), (0, 4, 2, 4, False), (0, 4, 4, 1, True),
-    (16, 3, 4, 1, True), (0, 4, 2, 1, 8)])
+    (16, 4, 4, 1, {}), (0, 4, 2, 1, {}), (0, 4, 2, 4, {}),
+    (0, 4, 4, 1, dict(producer_zeros=True)), (16, 3, 4, 1, dict(producer_zeros=True)),
+    (0, 4, 2, 1, dict(producer_zeros=True, zero_box_rows=8)),
+    (0, 4, 4, 1, dict(producer_zeros=True, zero_box_cols=128))])
 def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, split, width, pz):
   m, k, n, g = 4096, 2048, 1536, 128
   cfg = dataclasses.replace(CFG, num_stages=stages, epilogue_split=split, tail_rows=tail_rows,
                             num_sms=132, grid_minor_dim=int(width > 1), grid_tile_width=width,
-                            producer_zeros=bool(pz), zero_box_rows=64 if pz is True else pz or 64)
+                            **pz)
   go, local = (jnp.int32(16), 16) if pz else (None, g)  # producer zeros: a shard call
   f = jax.jit(lambda x, w, gs: mf.gmm(x, w, gs, go, transpose_rhs=transpose_rhs,
                                       out_dtype=jnp.bfloat16, config=cfg))

@@ -183,7 +183,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
                    to_smem=plgpu.SMEM((2, tr, tn), out_dtype))
   pz = cfg.producer_zeros
   if pz:  # the producer's zero rows (row-major, like o_smem: stores start at any row)
-    scratch.update(z_smem=plgpu.SMEM((cfg.zero_box_rows, cn), out_dtype))
+    scratch.update(z_smem=plgpu.SMEM((cfg.zero_box_rows, cfg.zero_box_n), out_dtype))
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
   def _scope(a_smem, b_smem, produced, consumed, o_smem, t_smem=None, to_smem=None,
@@ -210,7 +210,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
       my_steps = my_items * k_steps
       zero_box, my_boxes = _producer_zero_boxes(
           z_smem, out_gmem, cta, num_ctas, num_zero_work, grid_n, za, zb, lo, hi, m=m, n=n,
-          bn=bn, cn=cn) if pz else (None, 0)
+          bn=bn, cn=cfg.zero_box_n) if pz else (None, 0)
 
       # The most k steps a CTA can have (static): exact spreading below 2**31.
       exact = (pl.cdiv(max_tiles * grid_n, num_ctas) * k_steps) ** 2 < 2**31
