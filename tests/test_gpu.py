@@ -128,15 +128,13 @@ def test_triton_real_sizes(shape):
 
 
 RING_SHAPES = SHAPES + [(8192, 1024, 960, 32, "routed")]  # ~256 rows per group: tails
+_PZ = dict(producer_zeros=True)  # the producer writes the shard's zero rows
+_CZ = dict(producer_zeros=False)  # the consumers do, after the ring
 
 
 @pytest.mark.parametrize("shape", RING_SHAPES,
                          ids=[f"{s[0]}x{s[1]}x{s[2]}g{s[3]}-{s[4]}" for s in RING_SHAPES])
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
-_PZ = dict(producer_zeros=True)  # the producer writes the shard's zero rows
-_CZ = dict(producer_zeros=False)  # the consumers do, after the ring
-
-
 @pytest.mark.parametrize("tail_rows,offset,zero_lead,strips,fields", [
     (16, None, None, 1, {}), (32, 8, None, 1, _CZ), (0, None, None, 1, {}), (0, 8, 12, 1, {}),
     (16, 8, None, 4, _CZ),
@@ -144,11 +142,11 @@ _CZ = dict(producer_zeros=False)  # the consumers do, after the ring
     (16, 8, None, 1, dict(_PZ, epilogue_split=4)),
     (0, 8, None, 1, dict(_PZ, zero_box_rows=8)),
     (0, 8, None, 1, dict(_PZ, epilogue_split=4, num_stages=4)),
-    (0, 8, None, 1, dict(_PZ, epilogue_split=4, num_stages=4, zero_box_cols=128)),
+    (0, 8, None, 1, dict(_PZ, epilogue_split=4, num_stages=4, zero_box_lead=40)),
     (0, 8, None, 1, dict(producer_zeros=None, num_stages=4)),
 ], ids=["t16", "t32-shard", "t0", "t0-shard-lead12", "t16-shard-strips4",
         "t0-shard-producer-zeros", "t16-shard-producer-zeros", "t0-shard-producer-zeros-8-rows",
-        "t0-shard-producer-zeros-4-stages", "t0-shard-producer-zeros-128-cols-4-stages",
+        "t0-shard-producer-zeros-4-stages", "t0-shard-producer-zeros-lead40-4-stages",
         "t0-shard-producer-zeros-auto-4-stages"])
 def test_ring_real_sizes(shape, transpose_rhs, tail_rows, offset, zero_lead, strips, fields):
   """The ring forward / dX (mosaic_fwd_ring), with and without folded tails, a

@@ -132,7 +132,7 @@ class MosaicFwdConfig:
     H200's EP=8 shard of Qwen3-30B gate_up, 32 k steps: lead 15 saved 5.5%,
     25 and more lost, docs/performance.md v15).
   producer_zeros: ring only: the TMA producer warpgroup writes those zero
-    rows instead, from a zeroed (zero_box_rows, zero_box_n) buffer, its share
+    rows instead, from a zeroed (zero_box_rows, epilogue_n) buffer, its share
     of them spread over its k steps, while the consumers compute: the zeros go out
     while the compute leaves DRAM bandwidth unused (the local rows' call reads
     the shard's weights at ~2.4 TB/s of ~4.2), and the consumers skip the
@@ -148,8 +148,9 @@ class MosaicFwdConfig:
     128 x 256 ring in 4 stages fits 8 rows beside 128-column chunks, 64 rows
     only beside 64-column ones) at the price of more, smaller TMA stores
     (v17a: 8 rows cost 1.15-1.83x where 64 rows saved 6%).
-  zero_box_cols: with producer_zeros, the columns of its zero buffer (64, 128
-    or 256, dividing block_n); None: the epilogue chunk's width.
+  zero_box_lead: with producer_zeros, the CTAs with one compute item fewer
+    than others first take up to this many zero boxes each (as zero_lead
+    does with zero items); the rest go round-robin over every CTA.
   """
 
   block_m: int = 64
@@ -173,7 +174,7 @@ class MosaicFwdConfig:
   zero_lead: int | None = None
   producer_zeros: bool | None = None
   zero_box_rows: int = 64
-  zero_box_cols: int | None = None
+  zero_box_lead: int = 0
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -230,20 +231,13 @@ class MosaicFwdConfig:
       raise ValueError(f"zero_lead does not apply with producer_zeros=True, got {self}")
     if self.zero_box_rows not in (8, 16, 32, 64):
       raise ValueError(f"zero_box_rows must be 8, 16, 32 or 64, got {self.zero_box_rows}")
-    if self.zero_box_cols is not None and (self.zero_box_cols not in (64, 128, 256)
-                                           or self.block_n % self.zero_box_cols):
-      raise ValueError(f"zero_box_cols must be None or 64, 128 or 256 dividing block_n,"
-                       f" got {self.zero_box_cols} (block_n={self.block_n})")
+    if self.zero_box_lead < 0:
+      raise ValueError(f"zero_box_lead must be >= 0, got {self.zero_box_lead}")
 
   @property
   def epilogue_n(self) -> int:
     """Columns of one epilogue chunk (the staging buffer's width)."""
     return self.block_n // self.epilogue_split
-
-  @property
-  def zero_box_n(self) -> int:
-    """Columns of the producer's zero buffer (``producer_zeros``)."""
-    return self.zero_box_cols or self.epilogue_n
 
   def smem_bytes(self, in_dtype: Any, out_dtype: Any) -> int:
     """Static SMEM footprint (pipeline buffers + output staging chunk).
@@ -259,7 +253,7 @@ class MosaicFwdConfig:
     per_stage += self.tail_rows * self.block_k * isz
     staging += self.num_compute_wgs * self.tail_rows * (self.block_n // 2) * osz
     if self.producer_zeros:  # the producer's zero buffer
-      staging += self.zero_box_rows * self.zero_box_n * osz
+      staging += self.zero_box_rows * self.epilogue_n * osz
     return self.num_stages * per_stage + staging
 
 

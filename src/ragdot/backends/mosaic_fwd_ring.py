@@ -110,6 +110,13 @@ def _box_coords(b, chunks: int):
   return lax.div(b, 2 * chunks), lax.rem(lax.div(b, chunks), 2), lax.rem(b, chunks)
 
 
+def _my_boxes(cta, num_ctas: int, num_work, num_zero_work, chunks: int, lead: int):
+  """``(coords(i), count)``: (zero item, 64-row half, column chunk) of CTA
+  ``cta``'s i-th zero box, dealt like zero items (``_zero_items``)."""
+  box, count = _zero_items(cta, num_ctas, num_work, num_zero_work * 2 * chunks, lead)
+  return (lambda i: _box_coords(box(i), chunks)), count
+
+
 def _boxes_due(steps, boxes, total_steps, exact: bool):
   """How many of ``boxes`` zero boxes are due once ``steps`` of ``total_steps``
   k steps are issued: spread evenly (``exact``: floor(steps * boxes / total),
@@ -123,23 +130,24 @@ def _boxes_due(steps, boxes, total_steps, exact: bool):
   return jnp.minimum(boxes, steps * pl.cdiv(boxes, total))
 
 
-def _producer_zero_boxes(z_smem, out_gmem, cta, num_ctas: int, num_zero_work, grid_n: int,
-                         za, zb, lo, hi, *, m: int, n: int, bn: int, cn: int):
+def _producer_zero_boxes(z_smem, out_gmem, cta, num_ctas: int, num_work, num_zero_work,
+                         grid_n: int, za, zb, lo, hi, *, m: int, n: int, bn: int, cn: int,
+                         lead: int):
   """``(zero_box(i), count)``: the producer's share of the zero rows.
 
   Each zero item (a 128-row block outside the shard's window, one n tile) is
-  cut into boxes of 64 rows x ``cn`` columns (``_box_coords``); box ``b`` goes
-  to CTA ``b % num_ctas``, and ``zero_box(i)`` stores this CTA's i-th box: the rows
+  cut into boxes of 64 rows x ``cn`` columns (``_box_coords``), dealt to the
+  CTAs as ``_zero_items`` deals zero items (``lead`` boxes first to each CTA
+  with one compute item fewer, the rest round-robin), and ``zero_box(i)``
+  stores this CTA's i-th box: the rows
   of its 64 outside the window ``[lo, hi)``, from ``z_smem`` (zeros, at most
   64 rows) in power-of-two TMA stores of at most its rows each.
   """
   chunks = bn // cn
-  num_boxes = num_zero_work * 2 * chunks
-  count = pl.cdiv(jnp.maximum(num_boxes - cta, 0), num_ctas)
+  coords, count = _my_boxes(cta, num_ctas, num_work, num_zero_work, chunks, lead)
 
   def zero_box(i):
-    b = cta + i * num_ctas
-    item, half, c = _box_coords(b, chunks)
+    item, half, c = coords(i)
     blk, ni = mf._zero_item(item, grid_n, za, zb)
     hs = blk * _ROWS + half * _HALF
     col = ni * bn + c * cn
@@ -183,7 +191,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
                    to_smem=plgpu.SMEM((2, tr, tn), out_dtype))
   pz = cfg.producer_zeros
   if pz:  # the producer's zero rows (row-major, like o_smem: stores start at any row)
-    scratch.update(z_smem=plgpu.SMEM((cfg.zero_box_rows, cfg.zero_box_n), out_dtype))
+    scratch.update(z_smem=plgpu.SMEM((cfg.zero_box_rows, cn), out_dtype))
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
   def _scope(a_smem, b_smem, produced, consumed, o_smem, t_smem=None, to_smem=None,
@@ -209,8 +217,8 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
       plgpu.set_max_registers(40, action="decrease")
       my_steps = my_items * k_steps
       zero_box, my_boxes = _producer_zero_boxes(
-          z_smem, out_gmem, cta, num_ctas, num_zero_work, grid_n, za, zb, lo, hi, m=m, n=n,
-          bn=bn, cn=cfg.zero_box_n) if pz else (None, 0)
+          z_smem, out_gmem, cta, num_ctas, num_work, num_zero_work, grid_n, za, zb, lo, hi,
+          m=m, n=n, bn=bn, cn=cn, lead=cfg.zero_box_lead) if pz else (None, 0)
 
       # The most k steps a CTA can have (static): exact spreading below 2**31.
       exact = (pl.cdiv(max_tiles * grid_n, num_ctas) * k_steps) ** 2 < 2**31
