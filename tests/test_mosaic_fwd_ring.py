@@ -125,11 +125,12 @@ def test_property_matches_oracle(data):
 ])
 def test_zero_items_partition(num_ctas, num_work, num_zero, lead):
   """Every zero item goes to exactly one CTA; short CTAs take theirs first."""
-  got = []
+  got, leads = [], []
   for cta in range(num_ctas):
-    item, count = mr._zero_items(jnp.int32(cta), num_ctas, jnp.int32(num_work),
-                                 jnp.int32(num_zero), lead)
+    item, count, n_lead = mr._zero_items(jnp.int32(cta), num_ctas, jnp.int32(num_work),
+                                         jnp.int32(num_zero), lead)
     got.append([int(item(jnp.int32(j))) for j in range(int(count))])
+    leads.append(int(n_lead))
   assert sorted(sum(got, [])) == list(range(num_zero))
   rem = num_work % num_ctas
   short = list(range(rem, num_ctas)) if rem else []
@@ -137,8 +138,9 @@ def test_zero_items_partition(num_ctas, num_work, num_zero, lead):
   for cta in short:  # its first items: its share of the front
     mine = [z for z in got[cta] if z < front]
     assert got[cta][:len(mine)] == mine and len(mine) == len(range(cta - rem, front, len(short)))
+    assert leads[cta] == len(mine)
   for cta in range(rem):
-    assert all(z >= front for z in got[cta])
+    assert all(z >= front for z in got[cta]) and leads[cta] == 0
 
 
 def test_no_races():
@@ -176,7 +178,7 @@ def test_producer_zero_boxes_partition(num_ctas, num_work, num_zero_work, chunks
   # lead, a CTA with one compute item fewer takes at least as many as the others.
   got, counts = [], []
   for cta in range(num_ctas):
-    coords, count = mr._my_boxes(jnp.int32(cta), num_ctas, jnp.int32(num_work),
+    coords, count, _ = mr._my_boxes(jnp.int32(cta), num_ctas, jnp.int32(num_work),
                                  jnp.int32(num_zero_work), chunks, lead)
     counts.append(int(count))
     got += [tuple(int(v) for v in coords(jnp.int32(i))) for i in range(int(count))]

@@ -149,8 +149,10 @@ class MosaicFwdConfig:
     only beside 64-column ones) at the price of more, smaller TMA stores
     (v17a: 8 rows cost 1.15-1.83x where 64 rows saved 6%).
   zero_box_lead: with producer_zeros, the CTAs with one compute item fewer
-    than others first take up to this many zero boxes each (as zero_lead
-    does with zero items); the rest go round-robin over every CTA.
+    than others take up to this many zero boxes each first (as zero_lead
+    does with zero items) and write them after their last load, while the
+    others compute their last item; the rest go round-robin over every CTA,
+    spread over each one's k steps.
   """
 
   block_m: int = 64

@@ -82,7 +82,8 @@ def attach_tails(tiles: jax.Array, num_tiles: jax.Array, tail_rows: int
 
 
 def _zero_items(cta, num_ctas: int, num_work, num_zero_work, lead: int):
-  """``(item(j), count)``: CTA ``cta``'s zero items, in order.
+  """``(item(j), count, n_lead)``: CTA ``cta``'s zero items, in order, and how
+  many of them it took as lead (they come first).
 
   CTAs ``[rem, num_ctas)`` run one compute item fewer than the others when
   ``rem = num_work % num_ctas`` is not 0.  The first ``lead`` zero items of
@@ -101,7 +102,7 @@ def _zero_items(cta, num_ctas: int, num_work, num_zero_work, lead: int):
   def item(j):
     return jnp.where(j < n_front, idx + j * short, front + cta + (j - n_front) * num_ctas)
 
-  return item, n_front + n_rest
+  return item, n_front + n_rest, n_front
 
 
 def _box_coords(b, chunks: int):
@@ -111,10 +112,10 @@ def _box_coords(b, chunks: int):
 
 
 def _my_boxes(cta, num_ctas: int, num_work, num_zero_work, chunks: int, lead: int):
-  """``(coords(i), count)``: (zero item, 64-row half, column chunk) of CTA
-  ``cta``'s i-th zero box, dealt like zero items (``_zero_items``)."""
-  box, count = _zero_items(cta, num_ctas, num_work, num_zero_work * 2 * chunks, lead)
-  return (lambda i: _box_coords(box(i), chunks)), count
+  """``(coords(i), count, n_lead)``: (zero item, 64-row half, column chunk) of
+  CTA ``cta``'s i-th zero box, dealt like zero items (``_zero_items``)."""
+  box, count, n_lead = _zero_items(cta, num_ctas, num_work, num_zero_work * 2 * chunks, lead)
+  return (lambda i: _box_coords(box(i), chunks)), count, n_lead
 
 
 def _boxes_due(steps, boxes, total_steps, exact: bool):
@@ -133,7 +134,8 @@ def _boxes_due(steps, boxes, total_steps, exact: bool):
 def _producer_zero_boxes(z_smem, out_gmem, cta, num_ctas: int, num_work, num_zero_work,
                          grid_n: int, za, zb, lo, hi, *, m: int, n: int, bn: int, cn: int,
                          lead: int):
-  """``(zero_box(i), count)``: the producer's share of the zero rows.
+  """``(zero_box(i), count, n_lead)``: the producer's share of the zero rows
+  (its first ``n_lead`` boxes: those it took as lead).
 
   Each zero item (a 128-row block outside the shard's window, one n tile) is
   cut into boxes of 64 rows x ``cn`` columns (``_box_coords``), dealt to the
@@ -144,7 +146,7 @@ def _producer_zero_boxes(z_smem, out_gmem, cta, num_ctas: int, num_work, num_zer
   64 rows) in power-of-two TMA stores of at most its rows each.
   """
   chunks = bn // cn
-  coords, count = _my_boxes(cta, num_ctas, num_work, num_zero_work, chunks, lead)
+  coords, count, n_lead = _my_boxes(cta, num_ctas, num_work, num_zero_work, chunks, lead)
 
   def zero_box(i):
     item, half, c = coords(i)
@@ -160,7 +162,7 @@ def _producer_zero_boxes(z_smem, out_gmem, cta, num_ctas: int, num_work, num_zer
           mf._store_rows(z_smem, out_gmem, 0, start + q, jnp.clip(rows - q, 0, zr), col,
                          max_rows=zr, width=cn)
 
-  return zero_box, count
+  return zero_box, count, n_lead
 
 
 def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int, n: int,
@@ -216,13 +218,15 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
         plgpu.commit_smem()
       plgpu.set_max_registers(40, action="decrease")
       my_steps = my_items * k_steps
-      zero_box, my_boxes = _producer_zero_boxes(
+      zero_box, my_boxes, n_lead = _producer_zero_boxes(
           z_smem, out_gmem, cta, num_ctas, num_work, num_zero_work, grid_n, za, zb, lo, hi,
-          m=m, n=n, bn=bn, cn=cn, lead=cfg.zero_box_lead) if pz else (None, 0)
+          m=m, n=n, bn=bn, cn=cn, lead=cfg.zero_box_lead) if pz else (None, 0, 0)
 
-      # The most k steps a CTA can have (static): exact spreading below 2**31.
+      # Boxes [n_lead, my_boxes) go out spread over the k steps, the lead
+      # boxes after the last load.  The most k steps a CTA can have (static):
+      # exact spreading below 2**31.
       exact = (pl.cdiv(max_tiles * grid_n, num_ctas) * k_steps) ** 2 < 2**31
-      boxes_due = lambda steps: _boxes_due(steps, my_boxes, my_steps, exact)
+      boxes_due = lambda steps: n_lead + _boxes_due(steps, my_boxes - n_lead, my_steps, exact)
 
       def load(w, step0):
         ni, grp, row0, _, row_end = tile_of(w)
@@ -250,8 +254,9 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
 
       works(load)
       total = my_items * k_steps
-      if pz:  # a CTA without compute items writes all of its boxes here
+      if pz:  # the lead boxes (and all boxes of a CTA without compute items)
         pl.loop(boxes_due(my_steps), my_boxes)(zero_box)
+        pl.loop(0, n_lead)(zero_box)
 
       # Wait for the consumers' last release of every slot before the CTA exits.
       @pl.loop(jnp.maximum(total - stages, 0), total)
@@ -333,7 +338,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
 
       # Rows outside the shard's window, after the ring.
       lead = k_steps // 2 if cfg.zero_lead is None else cfg.zero_lead
-      zero_item, num_zero_items = _zero_items(cta, num_ctas, num_work, num_zero_work, lead)
+      zero_item, num_zero_items, _ = _zero_items(cta, num_ctas, num_work, num_zero_work, lead)
 
       @pl.loop(0, num_zero_items)
       def _zeros(j):
