@@ -13,7 +13,9 @@ forward kernel is closest to dense) for contrast; ``dw_qwen_p6`` /
 warpgroup (where does the boundary masking's time go?); ``dw_qwen_masker192``:
 the 128 x 192 ring with the masking warpgroup; ``dw_qwen_triton``: the
 Pallas-Triton dW (one program per group and output tile); ``fwd_deepseek``:
-DeepSeek-V3 down forward, the automatic choice.  Inputs are routed
+DeepSeek-V3 down forward, the automatic choice; ``fwd_ep`` / ``fwd_ep_local`` /
+``fwd_ep_zeros``: the EP=8 shard forward (group_offset), its local rows alone,
+and its zero rows alone.  Inputs are routed
 random data, never zeros.  Extra ncu sections (e.g. SourceCounters for the
 stall sampling by instruction): ``PROFILE_SECTIONS`` in scripts/gpu_run.sh.
 """
@@ -88,6 +90,24 @@ def _cases():
                            jnp.float32) / 32).astype(jnp.bfloat16)
   out["fwd_deepseek"] = (jax.jit(lambda x, w, gs: ragdot.ragged_dot(x, w, gs)),
                          (dx_, dw_, dsizes))
+  # The EP=8 shard of Qwen3-30B gate_up (bench preset "ep"): the group_offset
+  # call (full-m output), the plain call over the local rows only, and the
+  # shard call with its local groups emptied (only the zero rows).
+  s = bench.PRESETS["ep"][0]
+  local = s.g // s.ep
+  esizes = bench.routed_group_sizes(s)
+  rows = -(-int(esizes[:local].sum()) // 8) * 8
+  empty = esizes.copy()
+  empty[local] += empty[:local].sum()
+  empty[:local] = 0
+  ex = jax.random.normal(jax.random.key(12), (s.m, s.k), jnp.bfloat16)
+  ew = (jax.random.normal(jax.random.key(13), (local, s.k, s.n), jnp.float32) / 32
+        ).astype(jnp.bfloat16)
+  shard = jax.jit(lambda x, w, gs: ragdot.ragged_dot(x, w, gs, group_offset=jnp.int32(0)))
+  out["fwd_ep"] = (shard, (ex, ew, jnp.asarray(esizes)))
+  out["fwd_ep_local"] = (jax.jit(lambda x, w, gs: ragdot.ragged_dot(x, w, gs)),
+                         (ex[:rows], ew, jnp.asarray(esizes[:local])))
+  out["fwd_ep_zeros"] = (shard, (ex, ew, jnp.asarray(empty)))
   return out
 
 

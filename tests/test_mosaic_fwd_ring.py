@@ -58,11 +58,6 @@ def test_attach_tails_folds_short_last_tiles():
     # an 8-row zero buffer: every 64-row box in pieces of at most 8 rows
     ([40, 300, 9, 200, 51], 640, 64, 3, 2, True,
      dict(producer_zeros=True, zero_box_rows=8, tail_rows=16)),
-    # the CTAs with one item fewer take zero boxes first (3 CTAs, 5 items: 1 short CTA)
-    ([150, 20, 170, 30], 384, 64, 1, 2, False,
-     dict(producer_zeros=True, epilogue_split=4, zero_box_lead=3)),
-    ([40, 300, 9, 200, 51], 640, 64, 3, 2, True,
-     dict(producer_zeros=True, zero_box_rows=32, zero_box_lead=100)),  # more than exist
 ])
 def test_matches_oracle(sizes, m, k, offset, num_local, transpose_rhs, fields):
   n = 384  # an n tile and a half
@@ -125,12 +120,11 @@ def test_property_matches_oracle(data):
 ])
 def test_zero_items_partition(num_ctas, num_work, num_zero, lead):
   """Every zero item goes to exactly one CTA; short CTAs take theirs first."""
-  got, leads = [], []
+  got = []
   for cta in range(num_ctas):
-    item, count, n_lead = mr._zero_items(jnp.int32(cta), num_ctas, jnp.int32(num_work),
-                                         jnp.int32(num_zero), lead)
+    item, count = mr._zero_items(jnp.int32(cta), num_ctas, jnp.int32(num_work),
+                                 jnp.int32(num_zero), lead)
     got.append([int(item(jnp.int32(j))) for j in range(int(count))])
-    leads.append(int(n_lead))
   assert sorted(sum(got, [])) == list(range(num_zero))
   rem = num_work % num_ctas
   short = list(range(rem, num_ctas)) if rem else []
@@ -138,9 +132,8 @@ def test_zero_items_partition(num_ctas, num_work, num_zero, lead):
   for cta in short:  # its first items: its share of the front
     mine = [z for z in got[cta] if z < front]
     assert got[cta][:len(mine)] == mine and len(mine) == len(range(cta - rem, front, len(short)))
-    assert leads[cta] == len(mine)
   for cta in range(rem):
-    assert all(z >= front for z in got[cta]) and leads[cta] == 0
+    assert all(z >= front for z in got[cta])
 
 
 def test_no_races():
@@ -170,23 +163,20 @@ def test_no_races_producer_zeros():
   assert not gpu_interpret.get_races().races_found
 
 
-@pytest.mark.parametrize("num_ctas,num_work,num_zero_work,chunks,lead", [
-    (132, 288, 1344, 4, 0), (132, 288, 1344, 4, 40), (4, 5, 7, 2, 3), (3, 3, 0, 4, 2),
-    (5, 0, 2, 1, 1), (5, 7, 2, 1, 100)])
-def test_producer_zero_boxes_partition(num_ctas, num_work, num_zero_work, chunks, lead):
-  # Every (zero item, half, column chunk) box goes to exactly one CTA; with a
-  # lead, a CTA with one compute item fewer takes at least as many as the others.
-  got, counts = [], []
+@pytest.mark.parametrize("num_ctas,num_zero_work,bn,cn", [
+    (132, 1344 * 1, 256, 64), (4, 7, 256, 128), (3, 0, 256, 64), (5, 2, 128, 128)])
+def test_producer_zero_boxes_partition(num_ctas, num_zero_work, bn, cn):
+  # Every (zero item, half, column chunk) box goes to exactly one CTA.
+  chunks = bn // cn
+  got = []
   for cta in range(num_ctas):
-    coords, count, _ = mr._my_boxes(jnp.int32(cta), num_ctas, jnp.int32(num_work),
-                                 jnp.int32(num_zero_work), chunks, lead)
-    counts.append(int(count))
-    got += [tuple(int(v) for v in coords(jnp.int32(i))) for i in range(int(count))]
+    _, count = mr._producer_zero_boxes(None, None, jnp.int32(cta), num_ctas,
+                                       jnp.int32(num_zero_work), 1, 0, 0, 0, 0,
+                                       m=1024, n=bn, bn=bn, cn=cn)
+    got += [tuple(int(v) for v in mr._box_coords(jnp.int32(cta + i * num_ctas), chunks))
+            for i in range(int(count))]
   want = [(z, h, c) for z in range(num_zero_work) for h in range(2) for c in range(chunks)]
   assert sorted(got) == want
-  rem = num_work % num_ctas
-  if rem and lead:
-    assert min(counts[rem:]) >= max(counts[:rem])
 
 
 @pytest.mark.parametrize("exact", [True, False])
@@ -239,8 +229,6 @@ def test_config_checks():
   assert pz8.smem_bytes(jnp.bfloat16, jnp.bfloat16) <= pz8.smem_budget()
   with pytest.raises(ValueError, match="zero_box_rows"):
     dataclasses.replace(CFG, zero_box_rows=12)
-  with pytest.raises(ValueError, match="zero_box_lead"):
-    dataclasses.replace(CFG, zero_box_lead=-1)
   with pytest.raises(ValueError, match="producer_zeros must be"):
     dataclasses.replace(CFG, producer_zeros=8)
   with pytest.raises(ValueError, match="zero_lead does not apply"):
@@ -283,15 +271,13 @@ def test_small_m_falls_back():
 
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
 @pytest.mark.parametrize("tail_rows,stages,split,width,pz", [
-    (16, 4, 4, 1, {}), (0, 4, 2, 1, {}), (0, 4, 2, 4, {}),
-    (0, 4, 4, 1, dict(producer_zeros=True)), (16, 3, 4, 1, dict(producer_zeros=True)),
-    (0, 4, 2, 1, dict(producer_zeros=True, zero_box_rows=8)),
-    (0, 4, 4, 1, dict(producer_zeros=True, zero_box_lead=40))])
+    (16, 4, 4, 1, False), (0, 4, 2, 1, False), (0, 4, 2, 4, False), (0, 4, 4, 1, True),
+    (16, 3, 4, 1, True), (0, 4, 2, 1, 8)])
 def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, split, width, pz):
   m, k, n, g = 4096, 2048, 1536, 128
   cfg = dataclasses.replace(CFG, num_stages=stages, epilogue_split=split, tail_rows=tail_rows,
                             num_sms=132, grid_minor_dim=int(width > 1), grid_tile_width=width,
-                            **pz)
+                            producer_zeros=bool(pz), zero_box_rows=64 if pz is True else pz or 64)
   go, local = (jnp.int32(16), 16) if pz else (None, g)  # producer zeros: a shard call
   f = jax.jit(lambda x, w, gs: mf.gmm(x, w, gs, go, transpose_rhs=transpose_rhs,
                                       out_dtype=jnp.bfloat16, config=cfg))

@@ -148,11 +148,6 @@ class MosaicFwdConfig:
     128 x 256 ring in 4 stages fits 8 rows beside 128-column chunks, 64 rows
     only beside 64-column ones) at the price of more, smaller TMA stores
     (v17a: 8 rows cost 1.15-1.83x where 64 rows saved 6%).
-  zero_box_lead: with producer_zeros, the CTAs with one compute item fewer
-    than others take up to this many zero boxes each first (as zero_lead
-    does with zero items) and write them after their last load, while the
-    others compute their last item; the rest go round-robin over every CTA,
-    spread over each one's k steps.
   """
 
   block_m: int = 64
@@ -176,7 +171,6 @@ class MosaicFwdConfig:
   zero_lead: int | None = None
   producer_zeros: bool | None = None
   zero_box_rows: int = 64
-  zero_box_lead: int = 0
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -233,8 +227,6 @@ class MosaicFwdConfig:
       raise ValueError(f"zero_lead does not apply with producer_zeros=True, got {self}")
     if self.zero_box_rows not in (8, 16, 32, 64):
       raise ValueError(f"zero_box_rows must be 8, 16, 32 or 64, got {self.zero_box_rows}")
-    if self.zero_box_lead < 0:
-      raise ValueError(f"zero_box_lead must be >= 0, got {self.zero_box_lead}")
 
   @property
   def epilogue_n(self) -> int:

@@ -82,8 +82,7 @@ def attach_tails(tiles: jax.Array, num_tiles: jax.Array, tail_rows: int
 
 
 def _zero_items(cta, num_ctas: int, num_work, num_zero_work, lead: int):
-  """``(item(j), count, n_lead)``: CTA ``cta``'s zero items, in order, and how
-  many of them it took as lead (they come first).
+  """``(item(j), count)``: CTA ``cta``'s zero items, in order.
 
   CTAs ``[rem, num_ctas)`` run one compute item fewer than the others when
   ``rem = num_work % num_ctas`` is not 0.  The first ``lead`` zero items of
@@ -102,20 +101,13 @@ def _zero_items(cta, num_ctas: int, num_work, num_zero_work, lead: int):
   def item(j):
     return jnp.where(j < n_front, idx + j * short, front + cta + (j - n_front) * num_ctas)
 
-  return item, n_front + n_rest, n_front
+  return item, n_front + n_rest
 
 
 def _box_coords(b, chunks: int):
   """(zero item, 64-row half, column chunk) of zero box ``b`` (a zero item's
   boxes are consecutive)."""
   return lax.div(b, 2 * chunks), lax.rem(lax.div(b, chunks), 2), lax.rem(b, chunks)
-
-
-def _my_boxes(cta, num_ctas: int, num_work, num_zero_work, chunks: int, lead: int):
-  """``(coords(i), count, n_lead)``: (zero item, 64-row half, column chunk) of
-  CTA ``cta``'s i-th zero box, dealt like zero items (``_zero_items``)."""
-  box, count, n_lead = _zero_items(cta, num_ctas, num_work, num_zero_work * 2 * chunks, lead)
-  return (lambda i: _box_coords(box(i), chunks)), count, n_lead
 
 
 def _boxes_due(steps, boxes, total_steps, exact: bool):
@@ -131,25 +123,23 @@ def _boxes_due(steps, boxes, total_steps, exact: bool):
   return jnp.minimum(boxes, steps * pl.cdiv(boxes, total))
 
 
-def _producer_zero_boxes(z_smem, out_gmem, cta, num_ctas: int, num_work, num_zero_work,
-                         grid_n: int, za, zb, lo, hi, *, m: int, n: int, bn: int, cn: int,
-                         lead: int):
-  """``(zero_box(i), count, n_lead)``: the producer's share of the zero rows
-  (its first ``n_lead`` boxes: those it took as lead).
+def _producer_zero_boxes(z_smem, out_gmem, cta, num_ctas: int, num_zero_work, grid_n: int,
+                         za, zb, lo, hi, *, m: int, n: int, bn: int, cn: int):
+  """``(zero_box(i), count)``: the producer's share of the zero rows.
 
   Each zero item (a 128-row block outside the shard's window, one n tile) is
-  cut into boxes of 64 rows x ``cn`` columns (``_box_coords``), dealt to the
-  CTAs as ``_zero_items`` deals zero items (``lead`` boxes first to each CTA
-  with one compute item fewer, the rest round-robin), and ``zero_box(i)``
-  stores this CTA's i-th box: the rows
+  cut into boxes of 64 rows x ``cn`` columns (``_box_coords``); box ``b`` goes
+  to CTA ``b % num_ctas``, and ``zero_box(i)`` stores this CTA's i-th box: the rows
   of its 64 outside the window ``[lo, hi)``, from ``z_smem`` (zeros, at most
   64 rows) in power-of-two TMA stores of at most its rows each.
   """
   chunks = bn // cn
-  coords, count, n_lead = _my_boxes(cta, num_ctas, num_work, num_zero_work, chunks, lead)
+  num_boxes = num_zero_work * 2 * chunks
+  count = pl.cdiv(jnp.maximum(num_boxes - cta, 0), num_ctas)
 
   def zero_box(i):
-    item, half, c = coords(i)
+    b = cta + i * num_ctas
+    item, half, c = _box_coords(b, chunks)
     blk, ni = mf._zero_item(item, grid_n, za, zb)
     hs = blk * _ROWS + half * _HALF
     col = ni * bn + c * cn
@@ -162,7 +152,7 @@ def _producer_zero_boxes(z_smem, out_gmem, cta, num_ctas: int, num_work, num_zer
           mf._store_rows(z_smem, out_gmem, 0, start + q, jnp.clip(rows - q, 0, zr), col,
                          max_rows=zr, width=cn)
 
-  return zero_box, count, n_lead
+  return zero_box, count
 
 
 def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int, n: int,
@@ -218,15 +208,13 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
         plgpu.commit_smem()
       plgpu.set_max_registers(40, action="decrease")
       my_steps = my_items * k_steps
-      zero_box, my_boxes, n_lead = _producer_zero_boxes(
-          z_smem, out_gmem, cta, num_ctas, num_work, num_zero_work, grid_n, za, zb, lo, hi,
-          m=m, n=n, bn=bn, cn=cn, lead=cfg.zero_box_lead) if pz else (None, 0, 0)
+      zero_box, my_boxes = _producer_zero_boxes(
+          z_smem, out_gmem, cta, num_ctas, num_zero_work, grid_n, za, zb, lo, hi, m=m, n=n,
+          bn=bn, cn=cn) if pz else (None, 0)
 
-      # Boxes [n_lead, my_boxes) go out spread over the k steps, the lead
-      # boxes after the last load.  The most k steps a CTA can have (static):
-      # exact spreading below 2**31.
+      # The most k steps a CTA can have (static): exact spreading below 2**31.
       exact = (pl.cdiv(max_tiles * grid_n, num_ctas) * k_steps) ** 2 < 2**31
-      boxes_due = lambda steps: n_lead + _boxes_due(steps, my_boxes - n_lead, my_steps, exact)
+      boxes_due = lambda steps: _boxes_due(steps, my_boxes, my_steps, exact)
 
       def load(w, step0):
         ni, grp, row0, _, row_end = tile_of(w)
@@ -254,9 +242,8 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
 
       works(load)
       total = my_items * k_steps
-      if pz:  # the lead boxes (and all boxes of a CTA without compute items)
+      if pz:  # a CTA without compute items writes all of its boxes here
         pl.loop(boxes_due(my_steps), my_boxes)(zero_box)
-        pl.loop(0, n_lead)(zero_box)
 
       # Wait for the consumers' last release of every slot before the CTA exits.
       @pl.loop(jnp.maximum(total - stages, 0), total)
@@ -338,7 +325,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
 
       # Rows outside the shard's window, after the ring.
       lead = k_steps // 2 if cfg.zero_lead is None else cfg.zero_lead
-      zero_item, num_zero_items, _ = _zero_items(cta, num_ctas, num_work, num_zero_work, lead)
+      zero_item, num_zero_items = _zero_items(cta, num_ctas, num_work, num_zero_work, lead)
 
       @pl.loop(0, num_zero_items)
       def _zeros(j):
