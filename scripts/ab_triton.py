@@ -1,10 +1,12 @@
-"""A/B/C... of Pallas-Triton configs on the training shapes (GPU machine).
+"""A/B/C... of Pallas-Triton configs on a bench preset's shapes (GPU machine).
 
-  python3 scripts/ab_triton.py OUT_DIR --op dw [--base FIELD=VALUE ...]
-      --variants "num_stages=4" "block_n=256 num_warps=8" ... [--rounds 3]
+  python3 scripts/ab_triton.py OUT_DIR --op dw [--preset training] [--from-table]
+      [--base FIELD=VALUE ...] --variants "num_stages=4" "block_n=256 num_warps=8" ...
+      [--rounds 3]
 
-For each training shape times the Triton kernel of ``--op`` (dw: tgmm; fwd: gmm;
-dx: gmm with rhs [g, n, k]) with the default config (A; ``--base`` replaces
+For each shape of ``--preset`` times the Triton kernel of ``--op`` (dw: tgmm; fwd: gmm;
+dx: gmm with rhs [g, n, k]) with the default config (A; ``--from-table``: the
+shipped table's config where its entry is a Triton one; ``--base`` replaces
 fields of it) and with each variant (A's config with those fields replaced),
 plus the dense matmul of the same FLOPs, interleaved with CUPTI on one set of
 fresh random inputs. Prints TFLOP/s, x dense, time x A and whether each
@@ -36,10 +38,14 @@ def main() -> None:
   p.add_argument("--variants", nargs="+", required=True, metavar="'FIELD=VALUE ...'")
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--iterations", type=int, default=10)
-  p.add_argument("--shapes", nargs="+", default=None, help="names of training shapes")
+  p.add_argument("--shapes", nargs="+", default=None, help="names of the preset's shapes")
+  p.add_argument("--preset", default="training", choices=sorted(bench.PRESETS))
+  p.add_argument("--from-table", action="store_true",
+                 help="A: the table's Triton config (else the default)")
   args = p.parse_args()
+  os.makedirs(args.out_dir, exist_ok=True)
   rows = []
-  for s in bench.PRESETS["training"]:
+  for s in bench.PRESETS[args.preset]:
     if args.shapes and s.name not in args.shapes:
       continue
     sizes = bench.routed_group_sizes(s)
@@ -55,8 +61,11 @@ def main() -> None:
       wshape = (s.g, n, k) if args.op == "dx" else (s.g, k, n)
       y = (jax.random.normal(kw, wshape, jnp.float32) / 32).astype(jnp.bfloat16)
       dense = jax.jit(lambda x, y, gs: jnp.dot(x, y[0].T if args.op == "dx" else y[0]))
-    base = dataclasses.replace(tr.default_config(call.table_op, s.m, k, n, s.g),
-                               **parse_fields(args.base))
+    base = tr.default_config(call.table_op, s.m, k, n, s.g)
+    if args.from_table:
+      choice = bench.dispatch_choice(args.op, s, "triton")
+      base = choice.config if isinstance(choice.config, tr.TritonConfig) else base
+    base = dataclasses.replace(base, **parse_fields(args.base))
     configs = {"A": base}
     for i, v in enumerate(args.variants):
       configs[chr(ord("B") + i)] = dataclasses.replace(base, **parse_fields(v.split()))
