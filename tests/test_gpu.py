@@ -127,35 +127,6 @@ def test_triton_real_sizes(shape):
   oracle.assert_close(dw, oracle.np_trans_ragged_dot(x, dy, sizes), jnp.bfloat16)
 
 
-@pytest.mark.parametrize("shape,offset,local", [
-    ((512, 768, 2048, 128, "routed"), None, 128),   # Qwen3-30B down at decode size
-    ((4096, 2048, 1536, 128, "routed"), 112, 16),   # the last EP=8 shard
-    ((2048, 512, 512, 16, "under"), None, 16),      # rows past sum(group_sizes)
-], ids=["decode", "shard", "under"])
-@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
-def test_triton_inline_schedule_real_sizes(shape, offset, local, transpose_rhs):
-  """The Triton gmm with every program computing its own tile: correct, every
-  row written, and bitwise equal to the same config reading a schedule."""
-  import dataclasses  # pylint: disable=g-import-not-at-top
-  from ragdot.backends import triton  # pylint: disable=g-import-not-at-top
-  m, k, n, g, layout = shape
-  sizes = _sizes(m, g, layout)
-  rshape = (local, n, k) if transpose_rhs else (local, k, n)
-  x, w = oracle.random_inputs(jax.random.key(m + n), [(m, k), rshape], jnp.bfloat16)
-  go = None if offset is None else jnp.int32(offset)
-  cfg = triton.TritonConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
-  run = lambda c: jax.jit(lambda x, w, gs: triton.gmm(
-      x, w, gs, go, transpose_rhs=transpose_rhs, out_dtype=jnp.bfloat16, precision=None,
-      config=c))(x, w, jnp.asarray(sizes))
-  _poison(4 * m * max(n, k))
-  out = run(dataclasses.replace(cfg, inline_schedule=True))
-  oracle.assert_close(out, oracle.np_ragged_dot(x, w, sizes, go, transpose_rhs=transpose_rhs),
-                      jnp.bfloat16)
-  oracle.assert_zero_rows(out, sizes, offset, local)
-  want = run(cfg)
-  assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(want).view(np.uint16))
-
-
 RING_SHAPES = SHAPES + [(8192, 1024, 960, 32, "routed")]  # ~256 rows per group: tails
 _PZ = dict(producer_zeros=True)  # the producer writes the shard's zero rows
 _CZ = dict(producer_zeros=False)  # the consumers do, after the ring

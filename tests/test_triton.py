@@ -22,10 +22,6 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
 SMALL = tr.TritonConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)
-# Every program computes its own tile from the group sizes (no schedule arrays).
-INLINE = tr.TritonConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2,
-                         inline_schedule=True)
-SCHEDULES = pytest.mark.parametrize("config", [SMALL, INLINE], ids=["schedule", "inline"])
 
 
 def _gmm(lhs, rhs, sizes, offset, transpose_rhs, out_dtype=None, config=SMALL,
@@ -59,17 +55,16 @@ def _local_rows(sizes, m, offset, num_local):
 # --- forward and dX ---------------------------------------------------------
 
 
-@SCHEDULES
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_boundary_tiles(transpose_rhs, dtype, config):
+def test_boundary_tiles(transpose_rhs, dtype):
   """m, k, n not multiples of the block; groups start and end inside blocks."""
   m, k, n = 53, 37, 45
   sizes = [7, 0, 20, 3, 15]  # sum 45 < m: rows 45..52 are zero
   g = len(sizes)
   rshape = (g, n, k) if transpose_rhs else (g, k, n)
   lhs, rhs = _inputs(1 + transpose_rhs, [(m, k), rshape], dtype)
-  out = _gmm(lhs, rhs, sizes, None, transpose_rhs, out_dtype=jnp.float32, config=config)
+  out = _gmm(lhs, rhs, sizes, None, transpose_rhs, out_dtype=jnp.float32)
   assert out.shape == (m, n) and out.dtype == jnp.float32
   ref = oracle.ref_ragged_dot(lhs, rhs, sizes, None, transpose_rhs)
   oracle.assert_close(out, ref, dtype)
@@ -87,27 +82,25 @@ def test_boundary_tiles(transpose_rhs, dtype, config):
         ([20, 30, 10], 1, 1),        # sum > m: the shard's group is cut at m
     ],
 )
-@SCHEDULES
-def test_group_offset_shards(sizes, offset, num_local, config):
+def test_group_offset_shards(sizes, offset, num_local):
   """Only local rows are computed; every other row is exactly 0, even with NaN."""
   m, k, n = 40, 19, 21
   lhs, rhs = _inputs(offset + 7, [(m, k), (num_local, k, n)], jnp.float32)
   local = _local_rows(sizes, m, offset, num_local)
   lhs = jnp.where(jnp.asarray(local)[:, None], lhs, jnp.nan)  # never read
-  out = _gmm(lhs, rhs, sizes, offset, False, jit=True, config=config)
+  out = _gmm(lhs, rhs, sizes, offset, False, jit=True)
   ref = oracle.ref_ragged_dot(jnp.where(jnp.isnan(lhs), 0, lhs), rhs, sizes, offset)
   assert np.all(np.isfinite(np.asarray(out)))
   oracle.assert_close(out, ref, jnp.float32)
   assert np.all(np.asarray(out)[~local] == 0)
 
 
-@SCHEDULES
 @pytest.mark.parametrize("transpose_rhs", [False, True])
-def test_all_zero_sizes_write_zeros(transpose_rhs, config):
+def test_all_zero_sizes_write_zeros(transpose_rhs):
   m, k, n = 33, 17, 18
   rshape = (3, n, k) if transpose_rhs else (3, k, n)
   lhs, rhs = _inputs(3, [(m, k), rshape], jnp.float16)
-  out = _gmm(lhs, rhs, [0, 0, 0], None, transpose_rhs, config=config)
+  out = _gmm(lhs, rhs, [0, 0, 0], None, transpose_rhs)
   assert out.dtype == jnp.float16
   assert np.all(np.asarray(out, np.float32) == 0)
 
@@ -132,36 +125,6 @@ def test_grid_is_tiles_times_n_tiles_plus_zero_blocks():
            if e.primitive.name == "pallas_call"]
   n_tiles, blocks = -(-n // 16), -(-m // 16)
   assert grids == [(md.max_tiles(m, 16, g) * n_tiles + blocks,)]
-
-
-def test_inline_schedule_is_one_kernel_and_nothing_else():
-  """With inline_schedule the call is the gmm kernel alone: no schedule kernel
-  and none of metadata's XLA ops (its cumsum) outside it."""
-  m, k, n, g = 100, 32, 40, 5
-  lhs, rhs = _inputs(5, [(m, k), (g, k, n)], jnp.bfloat16)
-  gs = jnp.array([30, 0, 30, 20, 20], jnp.int32)
-  for config, outside in ((INLINE, False), (SMALL, True)):
-    jaxpr = jax.make_jaxpr(lambda l, r, s, c=config: tr.gmm(
-        l, r, s, jnp.int32(1), transpose_rhs=False, out_dtype=jnp.bfloat16, precision=None,
-        interpret=True, config=c))(lhs, rhs, gs)
-    names = _primitives_outside_kernels(jaxpr.jaxpr)
-    assert names.count("pallas_call") == 1
-    assert ("cumsum" in names) == bool(outside)
-
-
-def _primitives_outside_kernels(jaxpr) -> list[str]:
-  """Primitive names of ``jaxpr`` and its sub-jaxprs (pjit, ...), not looking
-  inside pallas_call kernels."""
-  names = []
-  for e in jaxpr.eqns:
-    names.append(e.primitive.name)
-    if e.primitive.name == "pallas_call":
-      continue
-    for v in e.params.values():
-      inner = getattr(v, "jaxpr", None)
-      if inner is not None and hasattr(inner, "eqns"):
-        names += _primitives_outside_kernels(inner)
-  return names
 
 
 # --- dW -------------------------------------------------------------------------
@@ -282,9 +245,6 @@ def test_lowers_for_cuda(kind):
                                  precision=None), (s((m, k), bf16), s((g, k, n), bf16))),
       (lambda l, r, a, o: tr.gmm(l, r, a, o, transpose_rhs=True, out_dtype=jnp.float32,
                                  precision=None), (s((m, k), bf16), s((g, n, k), bf16))),
-      (lambda l, r, a, o: tr.gmm(l, r, a, o, transpose_rhs=False, out_dtype=bf16,
-                                 precision=None, config=tr.TritonConfig(inline_schedule=True)),
-       (s((m, k), bf16), s((g, k, n), bf16))),
       (lambda l, r, a, o: tr.gmm(l, r, a, o, transpose_rhs=False, out_dtype=jnp.float32,
                                  precision=HIGHEST),
        (s((m, k), jnp.float32), s((g, k, n), jnp.float32))),
@@ -313,10 +273,8 @@ def test_lowers_for_cuda_under_shard_map():
     o = lax.axis_index("ep") * (G // 2)
     x, gs = (lax.pcast(v, ("ep",), to="varying") for v in (x, gs))
     y = tr.gmm(x, w, gs, o, transpose_rhs=False, out_dtype=jnp.bfloat16, precision=None)
-    y2 = tr.gmm(x, w, gs, o, transpose_rhs=False, out_dtype=jnp.bfloat16, precision=None,
-                config=tr.TritonConfig(inline_schedule=True))
     dw = tr.tgmm(x, y, gs, o, num_groups=G // 2, out_dtype=jnp.bfloat16, precision=None)
-    return lax.psum(y + y2, "ep"), dw
+    return lax.psum(y, "ep"), dw
 
   def fn(x, w, gs):
     return jax.shard_map(shard, mesh=mesh, in_specs=(P(), P("ep"), P()),
@@ -328,4 +286,4 @@ def test_lowers_for_cuda_under_shard_map():
     text = jax.jit(fn).trace(
         s((256, 128), jnp.bfloat16, P()), s((G, 128, 256), jnp.bfloat16, P("ep")),
         s((G,), jnp.int32, P())).lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count("triton") >= 3
+  assert text.count("triton") >= 2

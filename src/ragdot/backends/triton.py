@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -46,7 +45,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ragdot import metadata as md
 from ragdot import backends
-from ragdot.backends import sm90, triton_schedule
+from ragdot.backends import sm90
 from ragdot.manual_axes import match_varying, out_struct
 
 _IN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -77,10 +76,6 @@ class TritonConfig:
   ``num_warps`` and ``num_stages`` (software pipelining depth) go to Triton.
   ``schedule_kernel`` (gmm / dX): build the tile schedule with one kernel
   (``triton_schedule``) where it applies instead of several XLA kernels.
-  ``inline_schedule`` (gmm / dX): no schedule at all: every program computes
-  its own tile from ``group_sizes`` (a prefix sum over the local groups), one
-  launch per call instead of two, where ``triton_schedule.supported`` allows
-  (else as ``schedule_kernel`` says).
   """
 
   block_m: int = 128
@@ -89,7 +84,6 @@ class TritonConfig:
   num_warps: int = 4
   num_stages: int = 3
   schedule_kernel: bool = True
-  inline_schedule: bool = False
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "block_k"):
@@ -299,31 +293,21 @@ def _compiler_params(config: TritonConfig) -> Any:
 
 
 def _gmm_kernel(tiles_ref, info_ref, lhs_ref, rhs_ref, out_ref, *, m, k, n, bm,
-                bn, bk, n_tiles, work, transpose_rhs, precision, inline=None):
-  """``tiles_ref`` / ``info_ref``: the schedule (``backends.flat_schedule``), or
-  with ``inline`` (``triton_schedule.tiles_of``'s static arguments) the int32
-  group sizes and [1] group offset it is computed from, here per program."""
+                bn, bk, n_tiles, work, transpose_rhs, precision):
   pid = pl.program_id(0)
   k_steps = pl.cdiv(k, bk)
-  t = pid // n_tiles
-  if inline is None:
-    num_tiles, lo, hi = info_ref[0], info_ref[1], info_ref[2]
-    tile = lambda: tuple(tiles_ref[r, t] for r in range(4))
-  else:
-    entries, num_tiles, lo, hi = triton_schedule.tiles_of(tiles_ref, info_ref, _iota(1, t),
-                                                          **inline)
-    tile = lambda: tuple(jnp.sum(v) for v in entries)  # (1,) vectors -> scalars
 
   @pl.when(pid < work)
   def _compute():
+    t = pid // n_tiles
     j = pid % n_tiles
 
-    @pl.when(t < num_tiles)
+    @pl.when(t < info_ref[0])
     def _tile():
-      grp, row0, row_start, row_end = tile()
-      row0 = pl.multiple_of(row0, 8)  # group-aligned window
+      grp = tiles_ref[0, t]
+      row0 = pl.multiple_of(tiles_ref[1, t], 8)  # group-aligned window
       rows = _iota(bm, row0)
-      row_mask = (rows >= row_start) & (rows < row_end)
+      row_mask = (rows >= tiles_ref[2, t]) & (rows < tiles_ref[3, t])
       n0 = pl.multiple_of(j * bn, bn)
       col_mask = _iota(bn, n0) < n if n % bn else None
 
@@ -349,6 +333,7 @@ def _gmm_kernel(tiles_ref, info_ref, lhs_ref, rhs_ref, out_ref, *, m, k, n, bm,
   @pl.when(pid >= work)
   def _zeros():
     row0 = pl.multiple_of((pid - work) * bm, bm)
+    lo, hi = info_ref[1], info_ref[2]
 
     @pl.when((row0 < lo) | (jnp.minimum(row0 + bm, m) > hi))
     def _outside():
@@ -392,19 +377,10 @@ def gmm(
     raise TypeError(f"config must be a TritonConfig, got {type(config).__name__}")
   bm, bn, bk = _fit(config.block_m, m), _fit(config.block_n, n), _fit(config.block_k, k)
 
-  num_groups = group_sizes.shape[0]
-  inline = None
-  if config.inline_schedule and triton_schedule.supported(m, num_groups, num_local):
-    tiles = group_sizes.astype(jnp.int32)  # each program computes its own tile
-    info = (jnp.zeros((1,), jnp.int32) if group_offset is None
-            else jnp.reshape(group_offset, (1,)).astype(jnp.int32))
-    inline = dict(m=m, num_groups=num_groups, num_local=num_local, block_m=bm,
-                  align=math.gcd(8, bm), has_offset=group_offset is not None)
-  else:
-    tiles, info = backends.flat_schedule(  # info: num_tiles, lo, hi, ...
-        group_sizes, group_offset, m=m, num_local=num_local, block_m=bm,
-        use_kernel=config.schedule_kernel, interpret=interpret)
-    tiles = tiles.reshape(4, -1)
+  tiles, info = backends.flat_schedule(  # info: num_tiles, lo, hi, ...
+      group_sizes, group_offset, m=m, num_local=num_local, block_m=bm,
+      use_kernel=config.schedule_kernel, interpret=interpret)
+  tiles = tiles.reshape(4, -1)
 
   max_t = md.max_tiles(m, bm, num_local)
   n_tiles = pl.cdiv(n, bn)
@@ -412,7 +388,7 @@ def gmm(
   work = max_t * n_tiles
   kernel = functools.partial(
       _gmm_kernel, m=m, k=k, n=n, bm=bm, bn=bn, bk=bk, n_tiles=n_tiles, work=work,
-      transpose_rhs=transpose_rhs, precision=prec, inline=inline)
+      transpose_rhs=transpose_rhs, precision=prec)
   tiles, info, lhs, rhs = match_varying(tiles, info, lhs, rhs)
   return pl.pallas_call(
       kernel,

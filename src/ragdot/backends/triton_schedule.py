@@ -108,25 +108,23 @@ def _local_groups(sizes_ref, offset_ref, *, m: int, num_groups: int, num_local: 
   return j, valid, starts, ends, lo, hi
 
 
-def tiles_of(sizes_ref, offset_ref, t, *, m: int, num_groups: int, num_local: int,
-             block_m: int, align: int, has_offset: bool):
-  """The schedule's entries for the tile indices ``t`` (an int32 vector).
-
-  Returns ``((group, row0, row_start, row_end), num_tiles, lo, hi)``: four
-  vectors like ``t`` (padding tiles, ``t >= num_tiles``: the last local group
-  and rows 0, as in ``metadata``), the number of real tiles and the shard's
-  rows ``[lo, hi)``.  Triton lowering, for ``_kernel`` and for kernels that
-  compute their own tiles (``triton.gmm`` with ``inline_schedule``).
-  """
+def _kernel(sizes_ref, offset_ref, tiles_ref, scal_ref, *, m: int, num_groups: int,
+            num_local: int, block_m: int, align: int, tiles_len: int, tb: int,
+            has_offset: bool):
+  pid = pl.program_id(0)
   j, _, starts, ends, lo, hi = _local_groups(
       sizes_ref, offset_ref, m=m, num_groups=num_groups, num_local=num_local,
       has_offset=has_offset)
+
   base = (starts // align) * align
   count = jnp.where(ends > starts, (ends - base + block_m - 1) // block_m, 0)
   t_incl = jnp.cumsum(count, axis=0, dtype=jnp.int32)
   t_excl = t_incl - count
   num_tiles = jnp.sum(count, dtype=jnp.int32)
-  # One-hot of each real tile's group (tiles of a group are consecutive).
+
+  t = _iota(tb, pid * tb)
+  # One-hot of each real tile's group (tiles of a group are consecutive);
+  # padding tiles (t >= num_tiles) get the last local group, as in metadata.
   owns = (t_excl[None, :] <= t[:, None]) & (t[:, None] < t_incl[None, :])
 
   def pick(v):  # v[group of t] for every t of the block (0 for padding)
@@ -138,17 +136,7 @@ def tiles_of(sizes_ref, offset_ref, t, *, m: int, num_groups: int, num_local: in
   row0 = jnp.where(real, (start_t // align) * align + (t - pick(t_excl)) * block_m, 0)
   row_start = jnp.where(real, jnp.maximum(start_t, row0), 0)
   row_end = jnp.where(real, jnp.minimum(pick(ends), row0 + block_m), 0)
-  return (group, row0, row_start, row_end), num_tiles, lo, hi
-
-
-def _kernel(sizes_ref, offset_ref, tiles_ref, scal_ref, *, m: int, num_groups: int,
-            num_local: int, block_m: int, align: int, tiles_len: int, tb: int,
-            has_offset: bool):
-  pid = pl.program_id(0)
-  rows, num_tiles, lo, hi = tiles_of(
-      sizes_ref, offset_ref, _iota(tb, pid * tb), m=m, num_groups=num_groups,
-      num_local=num_local, block_m=block_m, align=align, has_offset=has_offset)
-  for r, v in enumerate(rows):
+  for r, v in enumerate((group, row0, row_start, row_end)):
     plgpu.store(tiles_ref.at[pl.ds(r * tiles_len + pid * tb, tb)], v)
 
   @pl.when(pid == 0)
