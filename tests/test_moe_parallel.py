@@ -139,6 +139,15 @@ def test_ep_bench_from_json_summarizes_and_plots(tmp_path, capsys):
   assert "ep=2: group_offset is 2.50x faster" in out and "ep=1: group_offset is 1.00x" in out
   assert "1.50x ep=1's step (wall clock)" in out
   assert png.stat().st_size > 1000
+  # The plot compares like with like: wall clocks only where every step has one.
+  assert ep_bench.step_times(rows) == ({(2, "group_offset"): 2.0, (2, "masked"): 5.0,
+                                        (1, "group_offset"): 2.5, (1, "masked"): 2.5},
+                                       "as measured")
+  for r in rows:
+    r.setdefault("wall_ms", r["ms"] + 0.25)
+  times, clock = ep_bench.step_times(rows)
+  assert clock == "wall clock" and times[(1, "group_offset")] == 3.0
+  assert times[(1, "masked")] == 2.75 and (2, "psum only") not in times
 
 
 def test_ep_bench_strategies_compute_the_same_block():
