@@ -15,7 +15,8 @@ the 128 x 192 ring with the masking warpgroup; ``dw_qwen_triton``: the
 Pallas-Triton dW (one program per group and output tile); ``fwd_deepseek``:
 DeepSeek-V3 down forward, the automatic choice; ``fwd_ep`` / ``fwd_ep_local`` /
 ``fwd_ep_zeros``: the EP=8 shard forward (group_offset), its local rows alone,
-and its zero rows alone.  Inputs are routed
+and its zero rows alone; ``fwd_down_decode`` / ``fwd_deepseek_decode``: the
+decode forwards of Qwen3-30B down and DeepSeek-V3 down.  Inputs are routed
 random data, never zeros.  Extra ncu sections (e.g. SourceCounters for the
 stall sampling by instruction): ``PROFILE_SECTIONS`` in scripts/gpu_run.sh.
 """
@@ -108,6 +109,15 @@ def _cases():
   out["fwd_ep_local"] = (jax.jit(lambda x, w, gs: ragdot.ragged_dot(x, w, gs)),
                          (ex[:rows], ew, jnp.asarray(esizes[:local])))
   out["fwd_ep_zeros"] = (shard, (ex, ew, jnp.asarray(empty)))
+  # Decode forwards (64 tokens): Qwen3-30B down (0.946x the copy rate) against
+  # DeepSeek-V3 down (1.06x), both the automatic choice.
+  for name, s in (("fwd_down_decode", bench.PRESETS["decode"][1]),
+                  ("fwd_deepseek_decode", bench.PRESETS["decode"][3])):
+    key = jax.random.key(len(out) + 20)
+    w = (jax.random.normal(key, (s.g, s.k, s.n), jnp.float32) / 32).astype(jnp.bfloat16)
+    x = jax.random.normal(jax.random.fold_in(key, 1), (s.m, s.k), jnp.bfloat16)
+    out[name] = (jax.jit(lambda x, w, gs: ragdot.ragged_dot(x, w, gs)),
+                 (x, w, jnp.asarray(bench.routed_group_sizes(s))))
   return out
 
 
