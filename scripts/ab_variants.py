@@ -1,7 +1,7 @@
-"""The table's forward / dX choice against ``mosaic_fwd`` config variants on the
-training shapes, side by side (GPU machine).
+"""The table's forward / dX choice against ``mosaic_fwd`` config variants on a
+bench preset's shapes (training by default), side by side (GPU machine).
 
-  python3 scripts/ab_variants.py OUT_DIR [--ops fwd dx] [--shapes NAME ...]
+  python3 scripts/ab_variants.py OUT_DIR [--ops fwd dx] [--preset training] [--shapes NAME ...]
       [--variants "ring=True" "ring=True,tail_rows=16,epilogue_split=4" ...] [--rounds 3]
 
 Per (shape, op): "table" = the dispatcher's automatic choice (backend and
@@ -41,10 +41,11 @@ def main() -> None:
                  help="the config the variants change")
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--iterations", type=int, default=10)
+  p.add_argument("--preset", default="training", choices=sorted(bench.PRESETS))
   args = p.parse_args()
   os.makedirs(args.out_dir, exist_ok=True)
   rows = []
-  for s in bench.PRESETS["training"]:
+  for s in bench.PRESETS[args.preset]:
     if args.shapes and s.name not in args.shapes:
       continue
     gs = jnp.asarray(bench.routed_group_sizes(s))
