@@ -48,6 +48,8 @@ def main() -> None:
   for s in bench.PRESETS[args.preset]:
     if args.shapes and s.name not in args.shapes:
       continue
+    if s.ep > 1:
+      raise SystemExit(f"{s.name}: EP shard shapes are timed by scripts/diag_ep.py")
     sizes = bench.routed_group_sizes(s)
     gs = jnp.asarray(sizes)
     call = backend_call(args.op, s.k, s.n)  # dX: k and n swapped, rhs [g, n, k]
@@ -101,14 +103,16 @@ def main() -> None:
                  bitwise_equal_a=equal[name],
                  dense_ms=med["dense"])
       rows.append(row)
-      label = "default" if name == "A" else args.variants[ord(name) - ord("B")]
+      label = (("table" if args.from_table else "default") if name == "A"
+               else args.variants[ord(name) - ord("B")])
       print(f"{s.name:20s} {args.op} {name} {row['ms']:.4f} ms {row['tflops']:6.1f} TFLOP/s "
             f"x dense {row['x_dense']:.3f}  x A {row['x_a']:.3f}  equal {row['bitwise_equal_a']}"
             f"  [{label}]", flush=True)
     print(f"{s.name:20s} dense {med['dense']:.4f} ms {flops / med['dense'] / 1e9:6.1f} TFLOP/s",
           flush=True)
   with open(os.path.join(args.out_dir, "ab_triton.json"), "w") as f:
-    json.dump(dict(op=args.op, base=args.base, variants=args.variants,
+    json.dump(dict(op=args.op, preset=args.preset, from_table=args.from_table,
+                   base=args.base, variants=args.variants,
                    device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
 
 

@@ -48,6 +48,8 @@ def main() -> None:
   for s in bench.PRESETS[args.preset]:
     if args.shapes and s.name not in args.shapes:
       continue
+    if s.ep > 1:
+      raise SystemExit(f"{s.name}: EP shard shapes are timed by scripts/diag_ep.py")
     gs = jnp.asarray(bench.routed_group_sizes(s))
     for op in args.ops:
       call = dispatch.backend_call(op, s.k, s.n)

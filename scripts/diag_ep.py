@@ -47,11 +47,8 @@ def main() -> None:
   os.makedirs(args.out_dir, exist_ok=True)
   s = bench.PRESETS["ep"][0]
   local = s.g // s.ep
-  sizes = bench.routed_group_sizes(s)
+  sizes, empty, rows8 = bench.ep_shard_sizes(s)
   rows = int(sizes[:local].sum())
-  empty = sizes.copy()
-  empty[local] += empty[:local].sum()
-  empty[:local] = 0
   kx, kw = jax.random.split(jax.random.key(0))
   x = jax.random.normal(kx, (s.m, s.k), jnp.bfloat16)
   w = (jax.random.normal(kw, (local, s.k, s.n), jnp.float32) / 32).astype(jnp.bfloat16)
@@ -66,7 +63,6 @@ def main() -> None:
 
   cfg = (auto.implementation == "mosaic" and auto.config) or mosaic_fwd.default_config(
       s.m, s.k, s.n, s.g, jnp.bfloat16, False, jnp.bfloat16)
-  rows8 = -(-rows // 8) * 8
   cases = {
       "A": (jax.jit(lambda x, w, gs: ragdot.ragged_dot(x, w, gs, group_offset=off)),
             (x, w, gs)),
@@ -103,7 +99,10 @@ def main() -> None:
     print(f"{name} kernels: {per_kernel}", flush=True)
   with open(os.path.join(args.out_dir, "diag_ep.json"), "w") as f:
     json.dump(dict(device=jax.devices()[0].device_kind, rows=rows, m=s.m, ms=med,
-                   equal=equal, variants=variants, config=str(cfg),
+                   equal=equal, variants=variants,
+                   # the config A's shard call runs (producer_zeros resolved)
+                   config=str(mosaic_fwd.resolve_producer_zeros(cfg, True, jnp.bfloat16,
+                                                                jnp.bfloat16)),
                    auto=bench.describe_choice(auto), kernels=kernels),
               f, indent=1, default=str)
 

@@ -45,7 +45,9 @@ def _cudart():
   return cupy.cuda.runtime
 
 
-def _cases():
+def _qwen_cases() -> dict:
+  """Qwen3-30B gate_up forward, dW (Mosaic variants, Triton) and its dense
+  matmul; Mixtral gate_up forward."""
   qwen = bench.Shape("qwen3-30b gate_up", 32768, 2048, 1536, 128, 8)
   mixtral = bench.Shape("mixtral gate_up", 16384, 4096, 28672, 8, top_k=2)
   out = {}
@@ -82,38 +84,45 @@ def _cases():
   out["dw_qwen_triton"] = (jax.jit(lambda x, d, gs: triton.tgmm(
       x, d, gs, None, num_groups=qwen.g, out_dtype=jnp.bfloat16, precision=None,
       config=cfg)), (x, dy, sizes))
-  # DeepSeek-V3 down forward (its groups of 128 +- 11 rows pad most): the
-  # automatic choice.
+  return out
+
+
+def _deepseek_cases() -> dict:
+  """DeepSeek-V3 down forward (its groups of 128 +- 11 rows pad most): the
+  automatic choice."""
   deepseek = bench.Shape("deepseek-v3 down", 32768, 2048, 7168, 256, 8)
   dsizes = jnp.asarray(bench.routed_group_sizes(deepseek, seed=3))
   dx_ = jax.random.normal(jax.random.key(10), (deepseek.m, deepseek.k), jnp.bfloat16)
   dw_ = (jax.random.normal(jax.random.key(11), (deepseek.g, deepseek.k, deepseek.n),
                            jnp.float32) / 32).astype(jnp.bfloat16)
-  out["fwd_deepseek"] = (jax.jit(lambda x, w, gs: ragdot.ragged_dot(x, w, gs)),
-                         (dx_, dw_, dsizes))
-  # The EP=8 shard of Qwen3-30B gate_up (bench preset "ep"): the group_offset
-  # call (full-m output), the plain call over the local rows only, and the
-  # shard call with its local groups emptied (only the zero rows).
+  return {"fwd_deepseek": (jax.jit(lambda x, w, gs: ragdot.ragged_dot(x, w, gs)),
+                           (dx_, dw_, dsizes))}
+
+
+def _ep_cases() -> dict:
+  """The EP=8 shard of Qwen3-30B gate_up (bench preset "ep"): the group_offset
+  call (full-m output), the plain call over the local rows only, and the shard
+  call with its local groups emptied (only the zero rows)."""
   s = bench.PRESETS["ep"][0]
   local = s.g // s.ep
-  esizes = bench.routed_group_sizes(s)
-  rows = -(-int(esizes[:local].sum()) // 8) * 8
-  empty = esizes.copy()
-  empty[local] += empty[:local].sum()
-  empty[:local] = 0
-  ex = jax.random.normal(jax.random.key(12), (s.m, s.k), jnp.bfloat16)
-  ew = (jax.random.normal(jax.random.key(13), (local, s.k, s.n), jnp.float32) / 32
-        ).astype(jnp.bfloat16)
+  sizes, emptied, rows8 = bench.ep_shard_sizes(s)
+  x = jax.random.normal(jax.random.key(12), (s.m, s.k), jnp.bfloat16)
+  w = (jax.random.normal(jax.random.key(13), (local, s.k, s.n), jnp.float32) / 32
+       ).astype(jnp.bfloat16)
   shard = jax.jit(lambda x, w, gs: ragdot.ragged_dot(x, w, gs, group_offset=jnp.int32(0)))
-  out["fwd_ep"] = (shard, (ex, ew, jnp.asarray(esizes)))
-  out["fwd_ep_local"] = (jax.jit(lambda x, w, gs: ragdot.ragged_dot(x, w, gs)),
-                         (ex[:rows], ew, jnp.asarray(esizes[:local])))
-  out["fwd_ep_zeros"] = (shard, (ex, ew, jnp.asarray(empty)))
-  # Decode forwards (64 tokens): Qwen3-30B down (0.946x the copy rate) against
-  # DeepSeek-V3 down (1.06x), both the automatic choice.
-  for name, s in (("fwd_down_decode", bench.PRESETS["decode"][1]),
-                  ("fwd_deepseek_decode", bench.PRESETS["decode"][3])):
-    key = jax.random.key(len(out) + 20)
+  return {"fwd_ep": (shard, (x, w, jnp.asarray(sizes))),
+          "fwd_ep_local": (jax.jit(lambda x, w, gs: ragdot.ragged_dot(x, w, gs)),
+                           (x[:rows8], w, jnp.asarray(sizes[:local]))),
+          "fwd_ep_zeros": (shard, (x, w, jnp.asarray(emptied)))}
+
+
+def _decode_cases() -> dict:
+  """Decode forwards (64 tokens): Qwen3-30B down (0.946x the copy rate) against
+  DeepSeek-V3 down (1.06x), both the automatic choice."""
+  out = {}
+  for i, (name, s) in enumerate((("fwd_down_decode", bench.PRESETS["decode"][1]),
+                                 ("fwd_deepseek_decode", bench.PRESETS["decode"][3]))):
+    key = jax.random.key(20 + i)
     w = (jax.random.normal(key, (s.g, s.k, s.n), jnp.float32) / 32).astype(jnp.bfloat16)
     x = jax.random.normal(jax.random.fold_in(key, 1), (s.m, s.k), jnp.bfloat16)
     out[name] = (jax.jit(lambda x, w, gs: ragdot.ragged_dot(x, w, gs)),
@@ -121,8 +130,31 @@ def _cases():
   return out
 
 
+# Each builder's case names: only the builders of the requested cases allocate.
+_BUILDERS = (
+    (_qwen_cases, ("fwd_qwen", "dw_qwen", "fwd_mixtral", "dense_qwen", "dw_qwen_p6",
+                   "dw_qwen_masker", "dw_qwen_masker192", "dw_qwen_triton")),
+    (_deepseek_cases, ("fwd_deepseek",)),
+    (_ep_cases, ("fwd_ep", "fwd_ep_local", "fwd_ep_zeros")),
+    (_decode_cases, ("fwd_down_decode", "fwd_deepseek_decode")),
+)
+
+
+def _cases(names: list[str]) -> dict:
+  """The named cases (all of them for no names): name -> (jitted fn, args)."""
+  known = [n for _, ns in _BUILDERS for n in ns]
+  unknown = sorted(set(names) - set(known))
+  if unknown:
+    raise SystemExit(f"unknown cases {unknown}; known: {known}")
+  out = {}
+  for build, ns in _BUILDERS:
+    if not names or set(ns) & set(names):
+      out.update(build())
+  return out
+
+
 def main(argv: list[str]) -> int:
-  cases = _cases()
+  cases = _cases(argv)
   names = argv or list(cases)
   for name in names:
     fn, args = cases[name]

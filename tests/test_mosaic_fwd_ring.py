@@ -45,7 +45,8 @@ def test_attach_tails_folds_short_last_tiles():
     ([150, 20, 200, 398], 768, 64, 2, 1, False, dict(zero_lead=2)),  # 4 items, 2 short CTAs
     ([140, 10, 300, 0, 264], 768, 128, None, 5, True,                        # strips of n tiles
      dict(tail_rows=16, grid_minor_dim=1, grid_tile_width=2)),
-    ([129, 7, 60, 136, 40], 400, 128, 1, 3, False, dict(grid_tile_width=3)),  # snaking row strips
+    ([129, 7, 60, 136, 40], 400, 128, 1, 3, False,  # snaking row strips, consumers' zeros
+     dict(grid_tile_width=3, producer_zeros=False)),
     # the producer writes the zero rows (its zero buffer takes 64-column epilogue chunks)
     ([150, 20, 170, 30], 384, 64, 1, 2, False, dict(producer_zeros=True, epilogue_split=4)),
     ([150, 20, 170, 30], 384, 128, 1, 2, True,

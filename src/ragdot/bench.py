@@ -123,6 +123,22 @@ def routed_group_sizes(shape: Shape, seed: int = 0) -> np.ndarray:
   return sizes
 
 
+def ep_shard_sizes(shape: Shape) -> tuple[np.ndarray, np.ndarray, int]:
+  """Shard 0 of an EP shape (``shape.ep`` > 1): ``(sizes, emptied, rows)``.
+
+  ``sizes``: the routed group sizes of all ``shape.g`` groups; ``emptied``: the
+  same with the shard's ``g / ep`` local groups emptied (their rows moved to the
+  next group), so a shard call writes only zero rows; ``rows``: the local
+  groups' rows rounded up to a multiple of 8 (the plain call's buffer).
+  """
+  local = shape.g // shape.ep
+  sizes = routed_group_sizes(shape)
+  emptied = sizes.copy()
+  emptied[local] += emptied[:local].sum()
+  emptied[:local] = 0
+  return sizes, emptied, -(-int(sizes[:local].sum()) // 8) * 8
+
+
 def _tokamax():
   try:
     import tokamax  # pylint: disable=g-import-not-at-top

@@ -123,8 +123,9 @@ class MosaicFwdConfig:
     this many rows is folded into the tile before it, whose consumers compute
     those rows with swapped wgmma operands (see ``mosaic_fwd_ring``); needs
     block_n a multiple of 128.
-  zero_lead: ring only: the calls with a group_offset write the rows outside
-    the shard as zero items after the compute items.  The CTAs whose item
+  zero_lead: ring only, with producer_zeros off: the calls with a
+    group_offset write the rows outside the shard as zero items after the
+    compute items.  The CTAs whose item
     list is one item shorter than others' (the last round of items is
     partial) first take up to this many zero items each, while the others
     still compute; the rest of the zero items go round-robin over all CTAs.
@@ -140,8 +141,8 @@ class MosaicFwdConfig:
     default): on for ring calls with a group_offset and no explicit
     zero_lead, with the epilogue chunks narrowed until the buffer fits
     (``resolve_producer_zeros``), off for the others.  Measured on the
-    H200's EP=8 shard of Qwen3-30B gate_up: 0.936-0.937x the time of the
-    zero_lead ring (docs/performance.md v16h, v17a).
+    H200's EP=8 shard of Qwen3-30B gate_up: 0.927-0.937x the time of the
+    zero_lead ring (docs/performance.md v16h, v17a, v17b).
   zero_box_rows: with producer_zeros, the rows of its zero buffer (8, 16, 32
     or 64): each 64-row half of a zero item goes out in stores of at most
     this many rows.  Fewer rows leave room for wider epilogue chunks (a

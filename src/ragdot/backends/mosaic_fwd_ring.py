@@ -7,11 +7,12 @@ The ring (as in ``mosaic_dw``): one sequence of stages through all of a CTA's
 with every n tile of a row tile in turn; ``grid_minor_dim=1`` walks strips of
 ``grid_tile_width`` n tiles down the row tiles); a producer warpgroup and two
 consumer warpgroups of 64 rows each.
-Rows outside the shard's window are written after the ring, as zero items; the
-CTAs with one compute item fewer take the first of them (``zero_lead``), while
-the others still compute.  With ``producer_zeros`` the producer warpgroup
-writes them instead, between its loads (stores of at most ``zero_box_rows``
-rows from a zeroed buffer).
+Rows outside the shard's window: with ``producer_zeros`` (the default for
+shard calls, see ``mosaic_fwd.resolve_producer_zeros``) the producer
+warpgroup writes them between its loads (stores of at most ``zero_box_rows``
+rows from a zeroed buffer); otherwise the consumers write them after the ring,
+as zero items, the CTAs with one compute item fewer taking the first of them
+(``zero_lead``) while the others still compute.
 
 Tails: row tiles are aligned to groups, so a group's last tile computes 128
 rows whatever it holds.  On top-8 routing a group has 256 +- 15 rows (Qwen3) or
