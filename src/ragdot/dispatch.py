@@ -286,5 +286,10 @@ def _automatic(top, dtype, precision_ok, out_dtype, m, k, n, g, num_groups,
                     reason=f"{bad}; table said mosaic; the Triton kernels take any shape")
   config, note = _built_config(hit.backend, top, hit.config_items, dtype,
                                out_dtype or dtype)
+  if has_offset and hit.backend == "mosaic" and top in ("gmm", "gmm_t") and config is not None:
+    # The config a shard call runs (the kernel resolves it the same way):
+    # producer_zeros made concrete, its epilogue split widened to fit.
+    from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
+    config = mosaic_fwd.resolve_producer_zeros(config, True, dtype, out_dtype or dtype)
   return Choice(hit.backend, config=config, automatic=True,
                 reason=hit.reason + note, measured=hit.measured and not note)
