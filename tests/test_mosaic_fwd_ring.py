@@ -59,10 +59,6 @@ def test_attach_tails_folds_short_last_tiles():
     # an 8-row zero buffer: every 64-row box in pieces of at most 8 rows
     ([40, 300, 9, 200, 51], 640, 64, 3, 2, True,
      dict(producer_zeros=True, zero_box_rows=8, tail_rows=16)),
-    # tiles whose second 64 rows are empty load 64 rows; their second consumer idles
-    ([129, 7, 60, 136, 40], 400, 192, None, 5, False, dict(skip_empty_half=True)),
-    ([150, 20, 170, 30], 384, 64, 1, 2, True,
-     dict(skip_empty_half=True, producer_zeros=True, epilogue_split=4)),
 ])
 def test_matches_oracle(sizes, m, k, offset, num_local, transpose_rhs, fields):
   n = 384  # an n tile and a half
@@ -153,19 +149,6 @@ def test_no_races():
   assert not gpu_interpret.get_races().races_found
 
 
-def test_no_races_skip_empty_half():
-  # An idle consumer's early releases beside the other consumer's wgmmas.
-  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret  # pylint: disable=g-import-not-at-top
-  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
-  sizes = [140, 7, 60, 136]  # tiles of 12, 7 and 60 rows: second halves empty
-  x, w = oracle.random_inputs(jax.random.key(4), [(384, 128), (4, 128, 256)], jnp.bfloat16)
-  out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), None, transpose_rhs=False,
-               out_dtype=jnp.bfloat16, interpret=plgpu.InterpretGPUParams(detect_races=True),
-               config=dataclasses.replace(CFG, skip_empty_half=True, num_sms=2))
-  oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, None, False), jnp.bfloat16)
-  assert not gpu_interpret.get_races().races_found
-
-
 def test_no_races_producer_zeros():
   # The producer's zero stores beside its loads and the consumers' stores.
   from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret  # pylint: disable=g-import-not-at-top
@@ -247,10 +230,6 @@ def test_config_checks():
   assert pz8.smem_bytes(jnp.bfloat16, jnp.bfloat16) <= pz8.smem_budget()
   with pytest.raises(ValueError, match="zero_box_rows"):
     dataclasses.replace(CFG, zero_box_rows=12)
-  with pytest.raises(ValueError, match="skip_empty_half"):
-    dataclasses.replace(CFG, skip_empty_half=True, tail_rows=16)
-  with pytest.raises(ValueError, match="skip_empty_half"):
-    mf.MosaicFwdConfig(block_m=128, num_compute_wgs=2, skip_empty_half=True)
   with pytest.raises(ValueError, match="producer_zeros must be"):
     dataclasses.replace(CFG, producer_zeros=8)
   with pytest.raises(ValueError, match="zero_lead does not apply"):
@@ -304,18 +283,6 @@ def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, split, width, pz):
   f = jax.jit(lambda x, w, gs: mf.gmm(x, w, gs, go, transpose_rhs=transpose_rhs,
                                       out_dtype=jnp.bfloat16, config=cfg))
   rshape = (local, n, k) if transpose_rhs else (local, k, n)
-  args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct(rshape, jnp.bfloat16),
-          jax.ShapeDtypeStruct((g,), jnp.int32))
-  assert "mosaic_gpu" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
-@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
-def test_skip_empty_half_lowers_for_sm90(transpose_rhs):
-  m, k, n, g = 4096, 2048, 1536, 128
-  cfg = dataclasses.replace(CFG, num_stages=4, num_sms=132, skip_empty_half=True)
-  f = jax.jit(lambda x, w, gs: mf.gmm(x, w, gs, None, transpose_rhs=transpose_rhs,
-                                      out_dtype=jnp.bfloat16, config=cfg))
-  rshape = (g, n, k) if transpose_rhs else (g, k, n)
   args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct(rshape, jnp.bfloat16),
           jax.ShapeDtypeStruct((g,), jnp.int32))
   assert "mosaic_gpu" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -149,10 +149,6 @@ class MosaicFwdConfig:
     128 x 256 ring in 4 stages fits 8 rows beside 128-column chunks, 64 rows
     only beside 64-column ones) at the price of more, smaller TMA stores
     (v17a: 8 rows cost 1.15-1.83x where 64 rows saved 6%).
-  skip_empty_half: ring only, without tails: a tile whose second 64 rows
-    hold none (a group's last tile with at most 64 rows) loads only its
-    first 64 rows of lhs, and its second consumer runs the ring's hand-offs
-    without a wgmma.
   """
 
   block_m: int = 64
@@ -176,7 +172,6 @@ class MosaicFwdConfig:
   zero_lead: int | None = None
   producer_zeros: bool | None = None
   zero_box_rows: int = 64
-  skip_empty_half: bool = False
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -233,8 +228,6 @@ class MosaicFwdConfig:
       raise ValueError(f"zero_lead does not apply with producer_zeros=True, got {self}")
     if self.zero_box_rows not in (8, 16, 32, 64):
       raise ValueError(f"zero_box_rows must be 8, 16, 32 or 64, got {self.zero_box_rows}")
-    if self.skip_empty_half and (not self.ring or self.tail_rows):
-      raise ValueError(f"skip_empty_half needs ring=True and tail_rows=0, got {self}")
 
   @property
   def epilogue_n(self) -> int:

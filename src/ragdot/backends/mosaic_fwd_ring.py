@@ -220,8 +220,6 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
       def load(w, step0):
         ni, grp, row0, _, row_end = tile_of(w)
         has_tail = row_end > row0 + _ROWS
-        # skip_empty_half: a tile whose second 64 rows hold none loads only its first.
-        second_half = row_end > row0 + _HALF
 
         @pl.loop(0, k_steps)
         def _(kk):
@@ -229,15 +227,8 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
           slot = lax.rem(step, stages)
           pl.when(step >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
           cols = pl.ds(kk * bk, bk)
-          if cfg.skip_empty_half:
-            pl.when(second_half)(lambda: plgpu.copy_gmem_to_smem(
-                lhs_gmem.at[pl.ds(row0, _ROWS), cols], a_smem.at[slot], produced.at[slot]))
-            pl.when(~second_half)(lambda: plgpu.copy_gmem_to_smem(
-                lhs_gmem.at[pl.ds(row0, _HALF), cols], a_smem.at[slot].at[pl.ds(0, _HALF)],
-                produced.at[slot]))
-          else:
-            plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(row0, _ROWS), cols], a_smem.at[slot],
-                                    produced.at[slot])
+          plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(row0, _ROWS), cols], a_smem.at[slot],
+                                  produced.at[slot])
           if tr:  # the tail's rows, or a bare arrival in their place
             pl.when(has_tail)(lambda: plgpu.copy_gmem_to_smem(
                 lhs_gmem.at[pl.ds(row0 + _ROWS, tr), cols], t_smem.at[slot], produced.at[slot]))
@@ -321,23 +312,10 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
             pl.when(col < n)(lambda: mf._store_rows(
                 my_tail, out_gmem, 0, ts, row_end - ts, col, max_rows=tr, width=tn))
 
-        def idle():
-          """This consumer's 64 rows hold none (skip_empty_half): the ring's
-          hand-offs without a wgmma; the other consumer's arrival still
-          guards each slot's reuse."""
-          @pl.loop(0, k_steps)
-          def _(kk):
-            slot = lax.rem(step0 + kk, stages)
-            plgpu.barrier_wait(produced.at[slot])
-            plgpu.barrier_arrive(consumed.at[slot])
-
         if tr:
           has_tail = row_end > row0 + _ROWS
           pl.when(has_tail)(lambda: tile(True))
           pl.when(~has_tail)(lambda: tile(False))
-        elif cfg.skip_empty_half:
-          pl.when(c > 0)(lambda: tile(False))
-          pl.when(c == 0)(idle)
         else:
           tile(False)
 
