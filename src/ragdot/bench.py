@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 
 import ragdot
-from ragdot.timing import device_time_ms
+from ragdot.timing import SETTLE_S, device_time_ms
 from ragdot.watchdog import Watchdog
 
 DN_DX = lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), [0], [0])
@@ -123,20 +123,26 @@ def routed_group_sizes(shape: Shape, seed: int = 0) -> np.ndarray:
   return sizes
 
 
+def local_rows8(shape: Shape, sizes: np.ndarray) -> int:
+  """Rows of the plain call over shard 0's local rows: those rows padded to a
+  multiple of 8 (the pad rows belong to no group, so their outputs are zero),
+  as a fixed-capacity EP buffer would be."""
+  return -(-int(sizes[:shape.g // shape.ep].sum()) // 8) * 8
+
+
 def ep_shard_sizes(shape: Shape) -> tuple[np.ndarray, np.ndarray, int]:
   """Shard 0 of an EP shape (``shape.ep`` > 1): ``(sizes, emptied, rows)``.
 
   ``sizes``: the routed group sizes of all ``shape.g`` groups; ``emptied``: the
   same with the shard's ``g / ep`` local groups emptied (their rows moved to the
-  next group), so a shard call writes only zero rows; ``rows``: the local
-  groups' rows rounded up to a multiple of 8 (the plain call's buffer).
+  next group), so a shard call writes only zero rows; ``rows``: ``local_rows8``.
   """
   local = shape.g // shape.ep
   sizes = routed_group_sizes(shape)
   emptied = sizes.copy()
   emptied[local] += emptied[:local].sum()
   emptied[:local] = 0
-  return sizes, emptied, -(-int(sizes[:local].sum()) // 8) * 8
+  return sizes, emptied, local_rows8(shape, sizes)
 
 
 def _tokamax():
@@ -303,10 +309,7 @@ def _ep_candidates(op: str, shape: Shape, impl: str | None,
   """
   local = shape.g // shape.ep
   rows = int(sizes[:local].sum())
-  # The plain call gets the local rows in a buffer padded to a multiple of 8 (the
-  # pad rows belong to no group, so their outputs are zero), as a fixed-capacity
-  # EP buffer would.
-  rows8 = -(-rows // 8) * 8
+  rows8 = local_rows8(shape, sizes)
   mask = (jnp.arange(shape.m) < rows)[:, None]
   off = jnp.int32(0)
 
@@ -601,7 +604,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--no-baselines", action="store_true",
                       help="skip dense / lax / tokamax")
   parser.add_argument("--iterations", type=int, default=20)
-  parser.add_argument("--warmup-ms", type=float, default=200.0,
+  parser.add_argument("--warmup-ms", type=float, default=1e3 * SETTLE_S,
                       help="each row's calls before its timed ones, in milliseconds of"
                            " wall clock (at least 2 calls): the GPU's clocks settle")
   parser.add_argument("--json", default=None, help="write rows to this file")

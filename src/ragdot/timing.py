@@ -40,6 +40,11 @@ def host_time_ms(fn: Callable[..., Any], *args: Any, iterations: int = 20,
   return float(statistics.median(per_call))
 
 
+# Wall-clock warm-up a benchmark gives each timed case (``device_time_ms``'s
+# ``warmup_s``): enough for the H200's clocks to settle after compiling (v16e).
+SETTLE_S = 0.2
+
+
 def device_time_ms(fn: Callable[..., Any], *args: Any, iterations: int = 20,
                    warmup: int = 2, warmup_s: float = 0.0) -> tuple[float, str]:
   """(median milliseconds per call, method) for the jitted ``fn(*args)``.

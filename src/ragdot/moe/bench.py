@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from ragdot.moe import functional as F
 from ragdot.moe.config import MoEConfig
-from ragdot.timing import device_time_ms
+from ragdot.timing import SETTLE_S, device_time_ms
 
 FULL = dict(tokens=4096, hidden=2048, intermediate=768, experts=128, top_k=8)
 SMALL = dict(tokens=256, hidden=128, intermediate=64, experts=16, top_k=4)
@@ -82,7 +82,7 @@ def main(argv=None) -> list[dict]:
     step = make_step(cfg, fn)
     try:
       ms, method = device_time_ms(step, params, x, cot, iterations=args.iterations,
-                                  warmup_s=0.2)
+                                  warmup_s=SETTLE_S)
     except Exception as e:  # pylint: disable=broad-except
       print(f"  {name:<15} failed: {type(e).__name__}: {str(e)[:200]}")
       continue

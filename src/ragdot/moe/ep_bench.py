@@ -44,7 +44,7 @@ from ragdot.moe import parallel  # noqa: E402
 from ragdot.moe import routing as rt  # noqa: E402
 from ragdot.moe.bench import FULL, SMALL  # noqa: E402
 from ragdot.moe.config import MoEConfig  # noqa: E402
-from ragdot.timing import device_time_ms, host_time_ms, kernel_time_sum_ms  # noqa: E402
+from ragdot.timing import SETTLE_S, device_time_ms, host_time_ms, kernel_time_sum_ms  # noqa: E402
 
 
 def _masked_ffn(cfg: MoEConfig, local: int):
@@ -220,9 +220,9 @@ def main(argv=None) -> list[dict]:
       block, experts_only = make_steps(cfg, mesh, strategy)
       try:
         ms, method = device_time_ms(block, sharded, x_r, cot_r, iterations=args.iterations,
-                                    warmup_s=0.2)
+                                    warmup_s=SETTLE_S)
         ffn_ms, _ = device_time_ms(experts_only, sharded, xs_per_rank, gs_r, cot_rows_r,
-                                   iterations=args.iterations, warmup_s=0.2)
+                                   iterations=args.iterations, warmup_s=SETTLE_S)
       except Exception as e:  # pylint: disable=broad-except
         print(f"  ep={ep} {strategy:<12} failed: {type(e).__name__}: {str(e)[:200]}")
         continue
