@@ -127,29 +127,6 @@ def test_triton_real_sizes(shape):
   oracle.assert_close(dw, oracle.np_trans_ragged_dot(x, dy, sizes), jnp.bfloat16)
 
 
-@pytest.mark.parametrize("chain,shard", [(4, None), (8, (8, 16))], ids=["chain4", "chain8-shard"])
-def test_triton_dw_chain_real_size(chain, shard):
-  """Triton dW walking several n tiles per program (``dw_chain``): n 960 leaves a
-  partial last n tile and a chain of 8 cut short; empty groups are zeros."""
-  from ragdot.backends import triton as tr  # pylint: disable=g-import-not-at-top
-
-  m, k, n, g = 8192, 1024, 960, 32
-  sizes = _sizes(m, g, "skewed")
-  x, dy = oracle.random_inputs(jax.random.key(chain), [(m, k), (m, n)], jnp.bfloat16)
-  go = None if shard is None else jnp.int32(shard[0])
-  num = g if shard is None else shard[1]
-  cfg = tr.TritonConfig(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3,
-                        dw_chain=chain)
-  fn = jax.jit(lambda x, d, gs: tr.tgmm(x, d, gs, go, num_groups=num, out_dtype=jnp.bfloat16,
-                                        precision=None, config=cfg))
-  _poison(4 * m * max(n, k))
-  out = fn(x, dy, jnp.asarray(sizes))
-  want = oracle.np_trans_ragged_dot(x, dy, sizes, go, None if shard is None else num)
-  oracle.assert_close(out, want, jnp.bfloat16)
-  again = fn(x, dy, jnp.asarray(sizes))
-  assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(again).view(np.uint16))
-
-
 RING_SHAPES = SHAPES + [(8192, 1024, 960, 32, "routed")]  # ~256 rows per group: tails
 _PZ = dict(producer_zeros=True)  # the producer writes the shard's zero rows
 _CZ = dict(producer_zeros=False)  # the consumers do, after the ring

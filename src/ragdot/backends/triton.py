@@ -23,8 +23,7 @@ Design (see CONTEXT.md §5):
   (``plgpu.dot(..., trans_b=True)``): no transposed copy in HBM.
 * tgmm: one program per (local group, k tile, n tile) loops over the group's
   rows in ``block_m`` chunks starting at the group's first row: full chunks are
-  loaded without a row mask, one masked tail chunk follows.  With ``dw_chain``
-  a program walks several n tiles of its (group, k tile) in one loop.  Empty groups (and
+  loaded without a row mask, one masked tail chunk follows.  Empty groups (and
   local groups outside ``[0, G)``) store exact zeros.  No atomics, no split
   over rows: deterministic.
 * Masks along k and n exist only when the block does not divide the dimension
@@ -77,10 +76,6 @@ class TritonConfig:
   ``num_warps`` and ``num_stages`` (software pipelining depth) go to Triton.
   ``schedule_kernel`` (gmm / dX): build the tile schedule with one kernel
   (``triton_schedule``) where it applies instead of several XLA kernels.
-  ``dw_chain`` (tgmm): each program computes that many consecutive n tiles of
-  one (group, k tile) in a single pipelined loop over (n tile, row step), so
-  the pipeline fills once per chain instead of once per output tile (1: one
-  program per output tile).
   """
 
   block_m: int = 128
@@ -89,7 +84,6 @@ class TritonConfig:
   num_warps: int = 4
   num_stages: int = 3
   schedule_kernel: bool = True
-  dw_chain: int = 1
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "block_k"):
@@ -103,9 +97,6 @@ class TritonConfig:
     if (not isinstance(self.num_stages, int) or isinstance(self.num_stages, bool)
         or not 1 <= self.num_stages <= 8):
       raise ValueError(f"num_stages must be an int in [1, 8], got {self.num_stages!r}")
-    if (not isinstance(self.dw_chain, int) or isinstance(self.dw_chain, bool)
-        or not 1 <= self.dw_chain <= 64):
-      raise ValueError(f"dw_chain must be an int in [1, 64], got {self.dw_chain!r}")
 
   def smem_bytes(self, dtype: Any = jnp.bfloat16, out_dtype: Any = None,
                  op: str = "gmm") -> int:
@@ -441,49 +432,6 @@ def _tgmm_kernel(bounds_ref, lhs_ref, rhs_ref, out_ref, *, k, n, bm, bn, bk,
          _and(None if k_mask is None else k_mask[:, None], n_row))
 
 
-def _tgmm_chain_kernel(bounds_ref, lhs_ref, rhs_ref, out_ref, *, k, n, bm, bn, bk,
-                       k_tiles, n_tiles, chain, precision):
-  """``dw_chain`` > 1: program (group, k tile, chain c) computes n tiles
-  ``[c * chain, c * chain + chain)`` in one loop of ``tiles x steps`` iterations.
-  Every operand address is affine in the loop index once the group's bounds
-  are read (before the loop), so Triton pipelines loads across the tiles."""
-  pid = pl.program_id(0)
-  n_chains = pl.cdiv(n_tiles, chain)
-  grp = pid // (k_tiles * n_chains)
-  rest = pid % (k_tiles * n_chains)
-  k0 = pl.multiple_of((rest // n_chains) * bk, bk)
-  j0 = (rest % n_chains) * chain
-  start, end = bounds_ref[0, grp], bounds_ref[1, grp]
-  steps = jnp.maximum(pl.cdiv(end - start, bm), 1)  # an empty group stores zeros
-  tiles = jnp.minimum(chain, n_tiles - j0)
-  k_mask = _iota(bk, k0) < k if k % bk else None
-  k_row = None if k_mask is None else k_mask[None, :]
-
-  def step(t, acc):
-    j = t // steps
-    s = t - j * steps
-    r0 = start + s * bm
-    n0 = pl.multiple_of((j0 + j) * bn, bn)
-    n_mask = _iota(bn, n0) < n if n % bn else None
-    n_row = None if n_mask is None else n_mask[None, :]
-    # Rows past `end` load as 0 in both operands (inf/NaN of a neighbour
-    # cannot leak); every step is masked, as any step may be a group's last.
-    row_mask = (_iota(bm, r0) < end)[:, None]
-    acc = jnp.where(s == 0, 0.0, acc)  # a new output tile starts
-    x = _load(lhs_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)], _and(row_mask, k_row))
-    y = _load(rhs_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], _and(row_mask, n_row))
-    acc = acc + plgpu.dot(x, y, trans_a=True, precision=precision)
-
-    @pl.when(s == steps - 1)
-    def _():
-      _store(out_ref.at[grp, pl.ds(k0, bk), pl.ds(n0, bn)], acc.astype(out_ref.dtype),
-             _and(None if k_mask is None else k_mask[:, None], n_row))
-
-    return acc
-
-  lax.fori_loop(0, tiles * steps, step, jnp.zeros((bk, bn), jnp.float32))
-
-
 def tgmm(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -510,20 +458,14 @@ def tgmm(
   starts, ends = md.group_bounds(group_sizes, m, group_offset, num_groups)
   bounds = jnp.stack([starts, ends]).astype(jnp.int32)
   k_tiles, n_tiles = pl.cdiv(k, bk), pl.cdiv(n, bn)
-  chain = min(config.dw_chain, n_tiles)
-  if chain > 1:
-    kernel = functools.partial(
-        _tgmm_chain_kernel, k=k, n=n, bm=bm, bn=bn, bk=bk, k_tiles=k_tiles,
-        n_tiles=n_tiles, chain=chain, precision=prec)
-  else:
-    kernel = functools.partial(
-        _tgmm_kernel, k=k, n=n, bm=bm, bn=bn, bk=bk, k_tiles=k_tiles,
-        n_tiles=n_tiles, precision=prec)
+  kernel = functools.partial(
+      _tgmm_kernel, k=k, n=n, bm=bm, bn=bn, bk=bk, k_tiles=k_tiles,
+      n_tiles=n_tiles, precision=prec)
   bounds, lhs, rhs = match_varying(bounds, lhs, rhs)
   return pl.pallas_call(
       kernel,
       out_shape=out_struct((num_groups, k, n), out_dtype, lhs),
-      grid=(num_groups * k_tiles * pl.cdiv(n_tiles, chain),),
+      grid=(num_groups * k_tiles * n_tiles,),
       compiler_params=_compiler_params(config),
       interpret=interpret,
       name="ragdot_triton_tgmm",
