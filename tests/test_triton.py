@@ -7,6 +7,8 @@ public API with hypothesis.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -206,6 +208,12 @@ def test_configs_fit_smem():
         sweep = tr.gpu_sweep_configs(op, m, 2048, 1536, g, dtype)
         assert sweep[0] == d and len(set(sweep)) == len(sweep) > 4
         assert all(c.smem_bytes(dtype, op=op) <= tr.H200_SMEM_BYTES for c in sweep)
+  # Decode-sized groups (64-row tiles): the 2-stage default among the tuner's first four.
+  decode = tr.gpu_sweep_configs("gmm", 512, 768, 2048, 128)
+  assert decode[0].block_m == 64
+  assert dataclasses.replace(decode[0], num_stages=2) in decode[:4]
+  training = tr.gpu_sweep_configs("gmm", 32768, 2048, 1536, 128)
+  assert all(c.num_stages >= 3 for c in training)
   with pytest.raises(ValueError):
     tr.default_config("fwd", 1, 1, 1, 1)
   with pytest.raises(TypeError):
