@@ -56,6 +56,10 @@ def test_attach_tails_folds_short_last_tiles():
      dict(producer_zeros=True, num_sms=2)),
     # automatic: on for this shard call (128-column boxes: 2 stages leave room)
     ([150, 20, 170, 30], 384, 64, 1, 2, True, dict(producer_zeros=None)),
+    # 192-column tiles in three 64-column epilogue chunks; a shard with producer zeros
+    ([140, 10, 300, 0, 264], 768, 128, None, 5, False, dict(block_n=192, epilogue_split=3)),
+    ([150, 20, 170, 30], 384, 64, 1, 2, True,
+     dict(block_n=192, epilogue_split=3, producer_zeros=True)),
     # an 8-row zero buffer: every 64-row box in pieces of at most 8 rows
     ([40, 300, 9, 200, 51], 640, 64, 3, 2, True,
      dict(producer_zeros=True, zero_box_rows=8, tail_rows=16)),

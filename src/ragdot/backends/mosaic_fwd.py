@@ -205,10 +205,10 @@ class MosaicFwdConfig:
       raise ValueError(f"delay_release must be 0 or 1, got {self.delay_release}")
     if self.pipeline_across_tiles and (self.num_compute_wgs != 2 or self.delay_release):
       raise ValueError("pipeline_across_tiles needs num_compute_wgs=2 and delay_release=0")
-    if (self.epilogue_split not in (1, 2, 4) or self.block_n % self.epilogue_split
+    if (self.epilogue_split not in (1, 2, 3, 4) or self.block_n % self.epilogue_split
         or (self.epilogue_split > 1 and (self.block_n // self.epilogue_split) % 64)):
       raise ValueError(
-          f"epilogue_split must be 1, 2 or 4 with block_n / epilogue_split a multiple"
+          f"epilogue_split must be 1 to 4 with block_n / epilogue_split a multiple"
           f" of 64, got {self.epilogue_split} (block_n={self.block_n})"
       )
     if self.ring and (self.num_compute_wgs != 2 or self.split_n or self.ctas_per_sm != 1):
@@ -277,7 +277,7 @@ def _fits(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> bool:
 
 def _fit_split(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> MosaicFwdConfig | None:
   """``cfg`` with the smallest epilogue_split >= its own that fits SMEM, or None."""
-  for split in (1, 2, 4):
+  for split in (1, 2, 3, 4):
     if split < cfg.epilogue_split or cfg.block_n % split or (
         split > 1 and (cfg.block_n // split) % 64):
       continue
