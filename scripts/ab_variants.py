@@ -73,7 +73,11 @@ def main() -> None:
       if args.base == "table" and isinstance(choice.config, mosaic_fwd.MosaicFwdConfig):
         base = choice.config
       for v in args.variants:
-        cfg = dataclasses.replace(base, **parse_fields([kv for kv in v.split(",") if kv]))
+        try:
+          cfg = dataclasses.replace(base, **parse_fields([kv for kv in v.split(",") if kv]))
+        except ValueError as e:  # e.g. this shape's base folds tails the variant cannot take
+          print(f"  skip {v}: {e}", flush=True)
+          continue
         if cfg.smem_bytes(jnp.bfloat16, jnp.bfloat16) > cfg.smem_budget():
           print(f"  skip {v}: SMEM", flush=True)
           continue
