@@ -54,6 +54,15 @@ def test_bench_tiny_shape(tmp_path, capsys):
   assert "auto-choice check" in out and "compile: slowest ragdot call" in out
 
 
+def test_bench_only_picks_preset_shapes_by_name(tmp_path):
+  path = tmp_path / "rows.json"
+  assert cli.main(["bench", "--preset", "small", "--only", "small", "--ops", "fwd",
+                   "--iterations", "1", "--no-baselines", "--json", str(path)]) == 0
+  assert {r["shape"] for r in json.loads(path.read_text())} == {"small"}
+  with pytest.raises(ValueError, match="--only"):
+    cli.main(["bench", "--preset", "small", "--only", "no such shape", "--ops", "fwd"])
+
+
 def test_dense_fwdbwd_reference_is_three_matmuls():
   # The reference differentiates w.r.t. the [k, n] weight it multiplies, not
   # all of w[g, k, n] (whose zero-padded gradient once cost a third of its time).

@@ -49,3 +49,37 @@ def test_device_time_ms_warms_up_for_warmup_s(monkeypatch):
   ms, method = timing.device_time_ms(tick, x, warmup=2, warmup_s=0.1)
   assert (ms, method) == (1.0, "host")
   assert len(calls) >= 10 and clock[0] >= 0.1
+
+
+def test_iteration_chunks_keep_outputs_within_budget():
+  assert timing.iteration_chunks(20, 2**20, budget=2**30) == [20]
+  assert timing.iteration_chunks(20, 3 * 2**30, budget=4 * 2**30) == [1] * 20
+  assert timing.iteration_chunks(10, 2**30, budget=4 * 2**30) == [4, 4, 2]
+  assert timing.iteration_chunks(3, 0) == [3]
+  x = {"a": jnp.ones((4, 8), jnp.bfloat16), "b": (jnp.ones((3,), jnp.float32), None)}
+  assert timing.output_bytes(x) == 4 * 8 * 2 + 3 * 4
+
+
+def test_cupti_timing_splits_iterations_by_output_size(monkeypatch):
+  """A call with big outputs is measured in several profiler runs (each run
+  keeps its iterations' outputs alive), and the median spans all of them."""
+  import jax.experimental.mosaic.gpu as mgpu  # pylint: disable=g-import-not-at-top
+
+  runs = []
+
+  class FakeProfiler:
+    @staticmethod
+    def measure(fn, iterations):
+      def run(*args):
+        runs.append(iterations)
+        t = [float(len(runs))] * iterations
+        return fn(*args), (t if iterations > 1 else t[0])
+      return run
+
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(mgpu, "profiler", FakeProfiler, raising=False)
+  monkeypatch.setattr(timing, "OUTPUT_BUDGET_BYTES", 3 * 1024)
+  x = jnp.ones((256,), jnp.float32)  # 1 KiB per output: 3 iterations per run
+  ms = timing._cupti_median_ms(lambda a: a + 1, (x,), 7)  # pylint: disable=protected-access
+  assert runs == [3, 3, 1]
+  assert ms == 2.0  # times 1, 1, 1, 2, 2, 2, 3

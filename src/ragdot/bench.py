@@ -594,6 +594,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--preset", nargs="+", default=[], choices=sorted(PRESETS))
   parser.add_argument("--shape", action="append", default=[], type=parse_shape,
                       help="m,k,n,g[,top_k] (repeatable)")
+  parser.add_argument("--only", nargs="+", default=None, metavar="NAME",
+                      help="of the presets' shapes, time only these (e.g. 'deepseek-v3 down')")
   parser.add_argument("--ops", nargs="+", default=["fwd", "dx", "dw", "fwdbwd"],
                       choices=["fwd", "dx", "dw", "fwdbwd"])
   parser.add_argument("--implementation", default=None,
@@ -631,6 +633,11 @@ def run(args: argparse.Namespace) -> int:
   if impls is None:
     impls = ["mosaic", "triton"] if jax.default_backend() == "gpu" else ["xla"]
   shapes = [s for p in (args.preset or ([] if args.shape else ["small"])) for s in PRESETS[p]]
+  if args.only:
+    unknown = set(args.only) - {s.name for s in shapes}
+    if unknown:
+      raise ValueError(f"--only: no such shape in the presets: {sorted(unknown)}")
+    shapes = [s for s in shapes if s.name in args.only]
   shapes += list(args.shape)
   print(f"devices: {jax.devices()}  tokamax: {'yes' if _tokamax() else 'no'}", flush=True)
   copy_tbps = None

@@ -100,6 +100,28 @@ def kernel_time_sum_ms(fn: Callable[..., Any], *args: Any,
   return _cupti_median_ms(fn, args, iterations)
 
 
+# The profiler keeps every timed iteration's outputs alive until the last one
+# ends; past this many bytes of them the iterations are split over several
+# measurements.  (A DeepSeek-V3 dW output is 7.5 GB: 20 of them made XLA's
+# allocator retry for minutes, H200 2026-11-30.)
+OUTPUT_BUDGET_BYTES = 4 * 2**30
+
+
+def output_bytes(out: Any) -> int:
+  """Bytes of the arrays in a call's output pytree."""
+  return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(out)
+             if hasattr(leaf, "dtype"))
+
+
+def iteration_chunks(iterations: int, out_bytes: int, budget: int | None = None) -> list[int]:
+  """``iterations`` split into measurements whose outputs stay within ``budget``
+  bytes together (default ``OUTPUT_BUDGET_BYTES``; at least one iteration each)."""
+  budget = OUTPUT_BUDGET_BYTES if budget is None else budget
+  per = max(1, min(iterations, budget // max(out_bytes, 1)))
+  full, rest = divmod(iterations, per)
+  return [per] * full + ([rest] if rest else [])
+
+
 def _cupti_median_ms(fn: Callable[..., Any], args: tuple, iterations: int) -> float | None:
   """Median summed CUPTI kernel time per call (None off GPU or if CUPTI fails)."""
   if jax.default_backend() != "gpu":
@@ -107,7 +129,13 @@ def _cupti_median_ms(fn: Callable[..., Any], args: tuple, iterations: int) -> fl
   try:
     from jax.experimental.mosaic.gpu import profiler  # pylint: disable=g-import-not-at-top
 
-    _, times = profiler.measure(fn, iterations=iterations)(*args)
+    out = jax.block_until_ready(fn(*args))
+    size = output_bytes(out)
+    del out
+    times = []
+    for n in iteration_chunks(iterations, size):
+      _, t = profiler.measure(fn, iterations=n)(*args)
+      times += t if isinstance(t, list) else [t]
     return float(statistics.median(times))
   except Exception:  # pylint: disable=broad-except
     return None
