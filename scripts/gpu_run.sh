@@ -6,6 +6,8 @@
 # fills it) for side-by-side numbers.
 #
 #   STAGES="tests bench moe ep" bash scripts/gpu_run.sh
+#   STAGES= bash scripts/gpu_run.sh   (empty: only install the wheels into /tmp/site, for a
+#   command of your own after it with PYTHONPATH=src:/tmp/site:.whl/stub; unset: tests bench)
 #
 # stages (each with its own timeout, <NAME>_TIMEOUT seconds):
 #   tests  GPU-marked tests (kernels at real sizes, NaN-poisoned memory)    TESTS_ARGS
@@ -26,7 +28,7 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH="src:/tmp/site:.whl/stub"
 fi
-STAGES=${STAGES:-tests bench}
+STAGES=${STAGES-tests bench}  # set but empty: only the set-up above (wheels), no stage
 { nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv
   python3 -c 'import jax; print(jax.__version__, jax.devices())'; } 2>&1 | tee "$OUT/env.txt"
 
