@@ -44,6 +44,7 @@ def main() -> None:
   p.add_argument("--preset", default="training", choices=sorted(bench.PRESETS))
   args = p.parse_args()
   os.makedirs(args.out_dir, exist_ok=True)
+  fields = {v: parse_fields([kv for kv in v.split(",") if kv]) for v in args.variants}
   rows = []
   for s in bench.PRESETS[args.preset]:
     if args.shapes and s.name not in args.shapes:
@@ -74,9 +75,9 @@ def main() -> None:
         base = choice.config
       for v in args.variants:
         try:
-          cfg = dataclasses.replace(base, **parse_fields([kv for kv in v.split(",") if kv]))
+          cfg = dataclasses.replace(base, **fields[v])
         except ValueError as e:  # e.g. this shape's base folds tails the variant cannot take
-          print(f"  skip {v}: {e}", flush=True)
+          print(f"  skip {v} on {s.name} {op}: {e}", flush=True)
           continue
         if cfg.smem_bytes(jnp.bfloat16, jnp.bfloat16) > cfg.smem_budget():
           print(f"  skip {v}: SMEM", flush=True)
@@ -89,8 +90,9 @@ def main() -> None:
                                          rounds=args.rounds, iterations=args.iterations)
       rows += case_rows(s.name, op, choice, med, equal, configs, 2 * s.m * call.k * call.n,
                         "bitwise_equal_base")
-  with open(os.path.join(args.out_dir, "ab_variants.json"), "w") as f:
-    json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
+      # After every (shape, op): a run cut short keeps what it measured.
+      with open(os.path.join(args.out_dir, "ab_variants.json"), "w") as f:
+        json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

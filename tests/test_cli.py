@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -54,11 +55,16 @@ def test_bench_tiny_shape(tmp_path, capsys):
   assert "auto-choice check" in out and "compile: slowest ragdot call" in out
 
 
-def test_bench_only_picks_preset_shapes_by_name(tmp_path):
+def test_bench_only_picks_preset_shapes_by_name(tmp_path, monkeypatch):
+  from ragdot import bench  # pylint: disable=g-import-not-at-top
+
+  small = bench.PRESETS["small"][0]
+  other = dataclasses.replace(small, name="other")
+  monkeypatch.setitem(bench.PRESETS, "small", [small, other])
   path = tmp_path / "rows.json"
-  assert cli.main(["bench", "--preset", "small", "--only", "small", "--ops", "fwd",
+  assert cli.main(["bench", "--preset", "small", "--only", "other", "--ops", "fwd",
                    "--iterations", "1", "--no-baselines", "--json", str(path)]) == 0
-  assert {r["shape"] for r in json.loads(path.read_text())} == {"small"}
+  assert {r["shape"] for r in json.loads(path.read_text())} == {"other"}
   with pytest.raises(ValueError, match="--only"):
     cli.main(["bench", "--preset", "small", "--only", "no such shape", "--ops", "fwd"])
 

@@ -77,6 +77,21 @@ def test_matches_oracle(sizes, m, k, offset, num_local, transpose_rhs, fields):
   oracle.assert_zero_rows(out, sizes, offset, num_local)
 
 
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
+def test_192_column_tiles_with_a_partial_last_tile(transpose_rhs):
+  """block_n 192 in three 64-column chunks; n 320: the last n tile holds 128
+  columns, so its third chunk lies past n and is skipped."""
+  sizes, m, k, n = [140, 10, 300, 0, 264], 768, 128, 320
+  rshape = (5, n, k) if transpose_rhs else (5, k, n)
+  x, w = oracle.random_inputs(jax.random.key(19), [(m, k), rshape], jnp.bfloat16)
+  out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), None, transpose_rhs=transpose_rhs,
+               out_dtype=jnp.bfloat16, interpret=True,
+               config=dataclasses.replace(CFG, block_n=192, epilogue_split=3))
+  oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, None, transpose_rhs),
+                      jnp.bfloat16)
+  oracle.assert_zero_rows(out, sizes, None, 5)
+
+
 @st.composite
 def _near_tiles(draw, num_groups: int) -> np.ndarray:
   """Group sizes of 128 * j + t rows (t in 0..40): tails of every foldable size."""
@@ -277,10 +292,12 @@ def test_small_m_falls_back():
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
 @pytest.mark.parametrize("tail_rows,stages,split,width,pz", [
     (16, 4, 4, 1, False), (0, 4, 2, 1, False), (0, 4, 2, 4, False), (0, 4, 4, 1, True),
-    (16, 3, 4, 1, True), (0, 4, 2, 1, 8)])
+    (16, 3, 4, 1, True), (0, 4, 2, 1, 8), (0, 5, 3, 1, False)])
 def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, split, width, pz):
   m, k, n, g = 4096, 2048, 1536, 128
-  cfg = dataclasses.replace(CFG, num_stages=stages, epilogue_split=split, tail_rows=tail_rows,
+  bn = 192 if split == 3 else CFG.block_n  # three 64-column chunks of 192-column tiles
+  cfg = dataclasses.replace(CFG, block_n=bn, num_stages=stages, epilogue_split=split,
+                            tail_rows=tail_rows,
                             num_sms=132, grid_minor_dim=int(width > 1), grid_tile_width=width,
                             producer_zeros=bool(pz), zero_box_rows=64 if pz is True else pz or 64)
   go, local = (jnp.int32(16), 16) if pz else (None, g)  # producer zeros: a shard call

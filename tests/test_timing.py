@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import pytest
 import jax.numpy as jnp
 
 from ragdot import timing
@@ -56,6 +57,8 @@ def test_iteration_chunks_keep_outputs_within_budget():
   assert timing.iteration_chunks(20, 3 * 2**30, budget=4 * 2**30) == [1] * 20
   assert timing.iteration_chunks(10, 2**30, budget=4 * 2**30) == [4, 4, 2]
   assert timing.iteration_chunks(3, 0) == [3]
+  with pytest.raises(ValueError, match="iterations"):
+    timing.iteration_chunks(0, 1)
   x = {"a": jnp.ones((4, 8), jnp.bfloat16), "b": (jnp.ones((3,), jnp.float32), None)}
   assert timing.output_bytes(x) == 4 * 8 * 2 + 3 * 4
 
@@ -83,3 +86,11 @@ def test_cupti_timing_splits_iterations_by_output_size(monkeypatch):
   ms = timing._cupti_median_ms(lambda a: a + 1, (x,), 7)  # pylint: disable=protected-access
   assert runs == [3, 3, 1]
   assert ms == 2.0  # times 1, 1, 1, 2, 2, 2, 3
+
+  class NoKernels:  # the profiler saw no kernel: no CUPTI time at all
+    @staticmethod
+    def measure(fn, iterations):
+      return lambda *args: (fn(*args), None)
+
+  monkeypatch.setattr(mgpu, "profiler", NoKernels, raising=False)
+  assert timing._cupti_median_ms(lambda a: a + 1, (x,), 7) is None  # pylint: disable=protected-access

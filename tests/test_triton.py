@@ -208,10 +208,13 @@ def test_configs_fit_smem():
         sweep = tr.gpu_sweep_configs(op, m, 2048, 1536, g, dtype)
         assert sweep[0] == d and len(set(sweep)) == len(sweep) > 4
         assert all(c.smem_bytes(dtype, op=op) <= tr.H200_SMEM_BYTES for c in sweep)
-  # Decode-sized groups (64-row tiles): the 2-stage default among the tuner's first four.
+  # Decode-sized groups (64-row tiles), forward only: the 2-stage default among the
+  # tuner's first four (the dX calls lost with it on the H200).
   decode = tr.gpu_sweep_configs("gmm", 512, 768, 2048, 128)
   assert decode[0].block_m == 64
   assert dataclasses.replace(decode[0], num_stages=2) in decode[:4]
+  decode_dx = tr.gpu_sweep_configs("gmm_t", 512, 768, 2048, 128)
+  assert all(c.num_stages >= 3 for c in decode_dx)
   training = tr.gpu_sweep_configs("gmm", 32768, 2048, 1536, 128)
   assert all(c.num_stages >= 3 for c in training)
   with pytest.raises(ValueError):

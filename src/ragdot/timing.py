@@ -10,6 +10,7 @@ by the host clock around back-to-back calls instead (``method`` says which).
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Any, Callable
@@ -65,6 +66,7 @@ def device_time_ms(fn: Callable[..., Any], *args: Any, iterations: int = 20,
       out = fn(*args)
     out = jax.block_until_ready(out)
   ndev = _num_devices(out)
+  del out  # (the timing below holds outputs of its own)
   if ndev == 1:
     ms = _cupti_median_ms(fn, args, iterations)
     if ms is not None:
@@ -103,8 +105,9 @@ def kernel_time_sum_ms(fn: Callable[..., Any], *args: Any,
 # The profiler keeps every timed iteration's outputs alive until the last one
 # ends; past this many bytes of them the iterations are split over several
 # measurements.  (A DeepSeek-V3 dW output is 7.5 GB: 20 of them made XLA's
-# allocator retry for minutes, H200 2026-11-30.)
-OUTPUT_BUDGET_BYTES = 4 * 2**30
+# allocator retry for minutes, H200 2026-11-30.)  RAGDOT_TIMING_OUTPUT_GIB sets
+# it (e.g. very large: every iteration in one measurement, as before v18).
+OUTPUT_BUDGET_BYTES = int(float(os.environ.get("RAGDOT_TIMING_OUTPUT_GIB", "4")) * 2**30)
 
 
 def output_bytes(out: Any) -> int:
@@ -114,8 +117,11 @@ def output_bytes(out: Any) -> int:
 
 
 def iteration_chunks(iterations: int, out_bytes: int, budget: int | None = None) -> list[int]:
-  """``iterations`` split into measurements whose outputs stay within ``budget``
-  bytes together (default ``OUTPUT_BUDGET_BYTES``; at least one iteration each)."""
+  """``iterations`` (>= 1) split into measurements whose outputs stay within
+  ``budget`` bytes together (default ``OUTPUT_BUDGET_BYTES``), each of at least
+  one iteration."""
+  if iterations < 1:
+    raise ValueError(f"iterations must be >= 1, got {iterations}")
   budget = OUTPUT_BUDGET_BYTES if budget is None else budget
   per = max(1, min(iterations, budget // max(out_bytes, 1)))
   full, rest = divmod(iterations, per)
@@ -129,12 +135,14 @@ def _cupti_median_ms(fn: Callable[..., Any], args: tuple, iterations: int) -> fl
   try:
     from jax.experimental.mosaic.gpu import profiler  # pylint: disable=g-import-not-at-top
 
-    out = jax.block_until_ready(fn(*args))
-    size = output_bytes(out)
-    del out
+    size = output_bytes(jax.block_until_ready(fn(*args)))  # (that output is dropped here)
     times = []
+    # Each measurement makes one untimed call of its own first: with one
+    # iteration per measurement the device does twice the timed work.
     for n in iteration_chunks(iterations, size):
-      _, t = profiler.measure(fn, iterations=n)(*args)
+      t = profiler.measure(fn, iterations=n)(*args)[1]  # its outputs dropped at once
+      if t is None:  # no kernel launched
+        return None
       times += t if isinstance(t, list) else [t]
     return float(statistics.median(times))
   except Exception:  # pylint: disable=broad-except

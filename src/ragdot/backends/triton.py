@@ -196,10 +196,11 @@ def gpu_sweep_configs(op: str, m: int, k: int, n: int, g: int,
   """Candidates for ``ragdot tune`` (those fitting ``smem_limit``), default first."""
   _check_op(op)
   out = [default_config(op, m, k, n, g, dtype)]
-  if op != "tgmm" and out[0].block_m == 64:
-    # Decode-sized groups: the default tile in 2 stages next (4 programs per SM by
-    # SMEM; the Qwen3-30B down decode forward ran 0.98x the 3-stage one, H200,
-    # docs/performance.md 18c-18d), inside the first four that `ragdot tune` times.
+  if op == "gmm" and out[0].block_m == 64:
+    # Decode-sized groups, forward: the default tile in 2 stages next (4 programs
+    # per SM by SMEM; the Qwen3-30B down decode forward ran 0.98x the 3-stage one
+    # and every decode dX lost 2-26%, H200, docs/performance.md 18c-18d), inside
+    # the first four that `ragdot tune` times.
     out.append(dataclasses.replace(out[0], num_stages=2))
   if op == "tgmm":
     shapes = [(bm, bn, bk, w) for bm in (32, 64) for (bk, bn, w) in
