@@ -67,6 +67,15 @@ _WG_ROWS = 64  # wgmma M per warpgroup
 _INTERPRET_SMS = 4
 
 
+_EPILOGUE_SPLITS = (1, 2, 3, 4)
+
+
+def _split_ok(block_n: int, split: int) -> bool:
+  """Whether ``block_n`` columns leave in ``split`` chunks of a multiple of 64."""
+  return (split in _EPILOGUE_SPLITS and block_n % split == 0
+          and (split == 1 or (block_n // split) % 64 == 0))
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicFwdConfig:
   """Tiling of the forward / dX kernel.
@@ -205,8 +214,7 @@ class MosaicFwdConfig:
       raise ValueError(f"delay_release must be 0 or 1, got {self.delay_release}")
     if self.pipeline_across_tiles and (self.num_compute_wgs != 2 or self.delay_release):
       raise ValueError("pipeline_across_tiles needs num_compute_wgs=2 and delay_release=0")
-    if (self.epilogue_split not in (1, 2, 3, 4) or self.block_n % self.epilogue_split
-        or (self.epilogue_split > 1 and (self.block_n // self.epilogue_split) % 64)):
+    if not _split_ok(self.block_n, self.epilogue_split):
       raise ValueError(
           f"epilogue_split must be 1 to 4 with block_n / epilogue_split a multiple"
           f" of 64, got {self.epilogue_split} (block_n={self.block_n})"
@@ -277,9 +285,8 @@ def _fits(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> bool:
 
 def _fit_split(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> MosaicFwdConfig | None:
   """``cfg`` with the smallest epilogue_split >= its own that fits SMEM, or None."""
-  for split in (1, 2, 3, 4):
-    if split < cfg.epilogue_split or cfg.block_n % split or (
-        split > 1 and (cfg.block_n // split) % 64):
+  for split in _EPILOGUE_SPLITS:
+    if split < cfg.epilogue_split or not _split_ok(cfg.block_n, split):
       continue
     c = dataclasses.replace(cfg, epilogue_split=split)
     if _fits(c, dtype, out_dtype):
