@@ -83,7 +83,8 @@ def test_cupti_timing_splits_iterations_by_output_size(monkeypatch):
   monkeypatch.setattr(mgpu, "profiler", FakeProfiler, raising=False)
   monkeypatch.setattr(timing, "OUTPUT_BUDGET_BYTES", 3 * 1024)
   x = jnp.ones((256,), jnp.float32)  # 1 KiB per output: 3 iterations per run
-  ms = timing._cupti_median_ms(lambda a: a + 1, (x,), 7)  # pylint: disable=protected-access
+  size = timing.output_bytes(x)
+  ms = timing._cupti_median_ms(lambda a: a + 1, (x,), 7, size)  # pylint: disable=protected-access
   assert runs == [3, 3, 1]
   assert ms == 2.0  # times 1, 1, 1, 2, 2, 2, 3
 
@@ -93,4 +94,4 @@ def test_cupti_timing_splits_iterations_by_output_size(monkeypatch):
       return lambda *args: (fn(*args), None)
 
   monkeypatch.setattr(mgpu, "profiler", NoKernels, raising=False)
-  assert timing._cupti_median_ms(lambda a: a + 1, (x,), 7) is None  # pylint: disable=protected-access
+  assert timing._cupti_median_ms(lambda a: a + 1, (x,), 7, 1024) is None  # pylint: disable=protected-access

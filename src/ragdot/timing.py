@@ -65,10 +65,10 @@ def device_time_ms(fn: Callable[..., Any], *args: Any, iterations: int = 20,
     for _ in range(4):
       out = fn(*args)
     out = jax.block_until_ready(out)
-  ndev = _num_devices(out)
+  ndev, size = _num_devices(out), output_bytes(out)
   del out  # (the timing below holds outputs of its own)
   if ndev == 1:
-    ms = _cupti_median_ms(fn, args, iterations)
+    ms = _cupti_median_ms(fn, args, iterations, size)
     if ms is not None:
       return ms, "cupti"
   method = "host" if ndev == 1 else f"host: {ndev} devices"
@@ -98,8 +98,8 @@ def kernel_time_sum_ms(fn: Callable[..., Any], *args: Any,
   they wait for their peers as busy, so this is an upper bound.  None also
   when the profiler cannot pair up the kernels of several devices.
   """
-  jax.block_until_ready(fn(*args))
-  return _cupti_median_ms(fn, args, iterations)
+  size = output_bytes(jax.block_until_ready(fn(*args)))  # (that output is dropped here)
+  return _cupti_median_ms(fn, args, iterations, size)
 
 
 # The profiler keeps every timed iteration's outputs alive until the last one
@@ -128,18 +128,19 @@ def iteration_chunks(iterations: int, out_bytes: int, budget: int | None = None)
   return [per] * full + ([rest] if rest else [])
 
 
-def _cupti_median_ms(fn: Callable[..., Any], args: tuple, iterations: int) -> float | None:
-  """Median summed CUPTI kernel time per call (None off GPU or if CUPTI fails)."""
+def _cupti_median_ms(fn: Callable[..., Any], args: tuple, iterations: int,
+                     out_bytes: int) -> float | None:
+  """Median summed CUPTI kernel time per call (None off GPU or if CUPTI fails);
+  ``out_bytes``: the size of one call's outputs (``output_bytes``)."""
   if jax.default_backend() != "gpu":
     return None
   try:
     from jax.experimental.mosaic.gpu import profiler  # pylint: disable=g-import-not-at-top
 
-    size = output_bytes(jax.block_until_ready(fn(*args)))  # (that output is dropped here)
     times = []
     # Each measurement makes one untimed call of its own first: with one
     # iteration per measurement the device does twice the timed work.
-    for n in iteration_chunks(iterations, size):
+    for n in iteration_chunks(iterations, out_bytes):
       t = profiler.measure(fn, iterations=n)(*args)[1]  # its outputs dropped at once
       if t is None:  # no kernel launched
         return None
