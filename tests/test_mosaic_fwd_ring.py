@@ -66,8 +66,6 @@ def test_attach_tails_folds_short_last_tiles():
      dict(skip_empty_halves=True, tail_rows=16)),
     ([40, 300, 9, 200, 51], 640, 64, 3, 2, False,  # a shard, producer zeros
      dict(skip_empty_halves=True, producer_zeros=True)),
-    # L2 prefetches (no-ops in interpret mode: their indexing is traced and run)
-    ([140, 10, 300, 0, 264], 768, 128, None, 5, True, dict(l2_prefetch=3, l2_prefetch_lhs=True)),
     # an 8-row zero buffer: every 64-row box in pieces of at most 8 rows
     ([40, 300, 9, 200, 51], 640, 64, 3, 2, True,
      dict(producer_zeros=True, zero_box_rows=8, tail_rows=16)),
@@ -258,10 +256,6 @@ def test_config_checks():
   # ... or an 8-row buffer beside 128-column chunks.
   pz8 = dataclasses.replace(CFG, num_stages=4, producer_zeros=True, zero_box_rows=8)
   assert pz8.smem_bytes(jnp.bfloat16, jnp.bfloat16) <= pz8.smem_budget()
-  with pytest.raises(ValueError, match="l2_prefetch must be"):
-    dataclasses.replace(CFG, ring=False, l2_prefetch=4)
-  with pytest.raises(ValueError, match="l2_prefetch_lhs needs"):
-    dataclasses.replace(CFG, l2_prefetch_lhs=True)
   with pytest.raises(ValueError, match="zero_box_rows"):
     dataclasses.replace(CFG, zero_box_rows=12)
   with pytest.raises(ValueError, match="producer_zeros must be"):
@@ -308,17 +302,12 @@ def test_small_m_falls_back():
 @pytest.mark.parametrize("tail_rows,stages,split,width,pz,skip", [
     (16, 4, 4, 1, False, False), (0, 4, 2, 1, False, False), (0, 4, 2, 4, False, False),
     (0, 4, 4, 1, True, False), (16, 3, 4, 1, True, False), (0, 4, 2, 1, 8, False),
-    (0, 5, 3, 1, False, False), (0, 4, 2, 1, False, True), (16, 3, 4, 1, True, True),
-    (0, 4, 2, 1, False, "prefetch")])
+    (0, 5, 3, 1, False, False), (0, 4, 2, 1, False, True), (16, 3, 4, 1, True, True)])
 def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, split, width, pz, skip):
-  # skip "prefetch": L2 prefetches 8 k steps ahead, rhs and lhs (no skipped halves)
-  pf = 8 if skip == "prefetch" else 0
-  skip = skip is True
   m, k, n, g = 4096, 2048, 1536, 128
   bn = 192 if split == 3 else CFG.block_n  # three 64-column chunks of 192-column tiles
   cfg = dataclasses.replace(CFG, block_n=bn, num_stages=stages, epilogue_split=split,
                             tail_rows=tail_rows, skip_empty_halves=skip,
-                            l2_prefetch=pf, l2_prefetch_lhs=bool(pf),
                             num_sms=132, grid_minor_dim=int(width > 1), grid_tile_width=width,
                             producer_zeros=bool(pz), zero_box_rows=64 if pz is True else pz or 64)
   go, local = (jnp.int32(16), 16) if pz else (None, g)  # producer zeros: a shard call

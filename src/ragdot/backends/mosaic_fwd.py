@@ -154,12 +154,6 @@ class MosaicFwdConfig:
     (``resolve_producer_zeros``), off for the others.  Measured on the
     H200's EP=8 shard of Qwen3-30B gate_up: 0.927-0.937x the time of the
     zero_lead ring (docs/performance.md v16h, v17a, v17b).
-  l2_prefetch: ring only: besides each k step's loads, the producer issues a
-    TMA prefetch into L2 of the rhs block (and with ``l2_prefetch_lhs`` the lhs
-    rows too) this many k steps ahead, into the next item of its CTA where
-    that runs past the current one (at most one item ahead).  0: none.  For
-    weights that come from DRAM: their first reads wait the DRAM latency with
-    only ``num_stages`` blocks in flight.
   zero_box_rows: with producer_zeros, the rows of its zero buffer (8, 16, 32
     or 64): each 64-row half of a zero item goes out in stores of at most
     this many rows.  Fewer rows leave room for wider epilogue chunks (a
@@ -189,8 +183,6 @@ class MosaicFwdConfig:
   zero_lead: int | None = None
   producer_zeros: bool | None = None
   zero_box_rows: int = 64
-  l2_prefetch: int = 0
-  l2_prefetch_lhs: bool = False
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -244,10 +236,6 @@ class MosaicFwdConfig:
       raise ValueError(f"producer_zeros needs ring=True, got {self}")
     if self.producer_zeros and self.zero_lead is not None:
       raise ValueError(f"zero_lead does not apply with producer_zeros=True, got {self}")
-    if self.l2_prefetch < 0 or ((self.l2_prefetch or self.l2_prefetch_lhs) and not self.ring):
-      raise ValueError(f"l2_prefetch must be >= 0 and needs ring=True, got {self}")
-    if self.l2_prefetch_lhs and not self.l2_prefetch:
-      raise ValueError(f"l2_prefetch_lhs needs l2_prefetch > 0, got {self}")
     if self.zero_box_rows not in (8, 16, 32, 64):
       raise ValueError(f"zero_box_rows must be 8, 16, 32 or 64, got {self.zero_box_rows}")
 

@@ -159,7 +159,7 @@ def _producer_zero_boxes(z_smem, out_gmem, cta, num_ctas: int, num_zero_work, gr
 def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int, n: int,
           cfg: mf.MosaicFwdConfig, transpose_rhs: bool, num_ctas: int):
   bn, bk, stages, cn = cfg.block_n, cfg.block_k, cfg.num_stages, cfg.epilogue_n
-  skip, pf = cfg.skip_empty_halves, cfg.l2_prefetch
+  skip = cfg.skip_empty_halves
   tn = bn // 2  # tail columns per consumer
   tr = cfg.tail_rows
   grid_n = pl.cdiv(n, bn)
@@ -224,18 +224,6 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
         if skip:  # which 64-row halves hold rows (at least one does)
           full0 = mf._overlap(row_start, row_end, row0, row0 + _HALF)[1] > 0
           full1 = mf._overlap(row_start, row_end, row0 + _HALF, row0 + _ROWS)[1] > 0
-        if pf:  # the CTA's next item, for prefetches past this one's end
-          nxt = w + num_ctas
-          ni2, grp2, row02, _, _ = tile_of(jnp.minimum(nxt, num_work - 1))
-
-        def prefetch(g_, n_, r0, kt):
-          kc = pl.ds(kt * bk, bk)
-          if transpose_rhs:
-            plgpu.async_prefetch(rhs_gmem.at[g_, pl.ds(n_ * bn, bn), kc])
-          else:
-            plgpu.async_prefetch(rhs_gmem.at[g_, kc, pl.ds(n_ * bn, bn)])
-          if cfg.l2_prefetch_lhs:
-            plgpu.async_prefetch(lhs_gmem.at[pl.ds(r0, _ROWS), kc])
 
         @pl.loop(0, k_steps)
         def _(kk):
@@ -243,11 +231,6 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
           slot = lax.rem(step, stages)
           pl.when(step >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
           cols = pl.ds(kk * bk, bk)
-          if pf:
-            t = kk + pf
-            pl.when(t < k_steps)(lambda: prefetch(grp, ni, row0, t))
-            pl.when((t >= k_steps) & (t < 2 * k_steps) & (nxt < num_work))(
-                lambda: prefetch(grp2, ni2, row02, t - k_steps))
           if skip:  # only the halves with rows: one copy either way
             def rows(h0, count):
               plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(row0 + h0, count), cols],
