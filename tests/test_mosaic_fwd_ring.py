@@ -60,12 +60,6 @@ def test_attach_tails_folds_short_last_tiles():
     ([140, 10, 300, 0, 264], 768, 128, None, 5, False, dict(block_n=192, epilogue_split=3)),
     ([150, 20, 170, 30], 384, 64, 1, 2, True,
      dict(block_n=192, epilogue_split=3, producer_zeros=True)),
-    # skipped empty halves: tiles of 12, 10, 44, 8 rows (half 1 empty) beside full ones
-    ([140, 10, 300, 0, 264], 768, 128, None, 5, False, dict(skip_empty_halves=True)),
-    ([140, 10, 300, 0, 264], 768, 128, None, 5, True,
-     dict(skip_empty_halves=True, tail_rows=16)),
-    ([40, 300, 9, 200, 51], 640, 64, 3, 2, False,  # a shard, producer zeros
-     dict(skip_empty_halves=True, producer_zeros=True)),
     # an 8-row zero buffer: every 64-row box in pieces of at most 8 rows
     ([40, 300, 9, 200, 51], 640, 64, 3, 2, True,
      dict(producer_zeros=True, zero_box_rows=8, tail_rows=16)),
@@ -162,17 +156,14 @@ def test_zero_items_partition(num_ctas, num_work, num_zero, lead):
     assert all(z >= front for z in got[cta])
 
 
-@pytest.mark.parametrize("fields", [dict(tail_rows=16), dict(skip_empty_halves=True)],
-                         ids=["tails", "skip"])
-def test_no_races(fields):
+def test_no_races():
   from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret  # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
   sizes = [140, 7, 60, 136]
   x, w = oracle.random_inputs(jax.random.key(3), [(384, 128), (4, 128, 256)], jnp.bfloat16)
   out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), None, transpose_rhs=False,
                out_dtype=jnp.bfloat16, interpret=plgpu.InterpretGPUParams(detect_races=True),
-               config=dataclasses.replace(CFG, num_sms=2, **fields))
-  oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, None, False), jnp.bfloat16)
+               config=dataclasses.replace(CFG, tail_rows=16, num_sms=2))
   jax.block_until_ready(out)
   assert not gpu_interpret.get_races().races_found
 
@@ -299,15 +290,14 @@ def test_small_m_falls_back():
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
-@pytest.mark.parametrize("tail_rows,stages,split,width,pz,skip", [
-    (16, 4, 4, 1, False, False), (0, 4, 2, 1, False, False), (0, 4, 2, 4, False, False),
-    (0, 4, 4, 1, True, False), (16, 3, 4, 1, True, False), (0, 4, 2, 1, 8, False),
-    (0, 5, 3, 1, False, False), (0, 4, 2, 1, False, True), (16, 3, 4, 1, True, True)])
-def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, split, width, pz, skip):
+@pytest.mark.parametrize("tail_rows,stages,split,width,pz", [
+    (16, 4, 4, 1, False), (0, 4, 2, 1, False), (0, 4, 2, 4, False), (0, 4, 4, 1, True),
+    (16, 3, 4, 1, True), (0, 4, 2, 1, 8), (0, 5, 3, 1, False)])
+def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, split, width, pz):
   m, k, n, g = 4096, 2048, 1536, 128
   bn = 192 if split == 3 else CFG.block_n  # three 64-column chunks of 192-column tiles
   cfg = dataclasses.replace(CFG, block_n=bn, num_stages=stages, epilogue_split=split,
-                            tail_rows=tail_rows, skip_empty_halves=skip,
+                            tail_rows=tail_rows,
                             num_sms=132, grid_minor_dim=int(width > 1), grid_tile_width=width,
                             producer_zeros=bool(pz), zero_box_rows=64 if pz is True else pz or 64)
   go, local = (jnp.int32(16), 16) if pz else (None, g)  # producer zeros: a shard call

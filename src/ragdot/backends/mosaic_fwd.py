@@ -101,8 +101,6 @@ class MosaicFwdConfig:
   skip_empty_halves: with 2 compute warpgroups, a warpgroup whose 64 rows hold
     none of the tile's rows runs the tile's pipeline with a body that issues no
     wgmma (one branch per tile, outside the k loop); False: both always compute.
-    In the ring the producer then also loads only the 64-row halves that hold
-    rows (a group's last tile with at most 64 rows: 40 of 48 KB per k step).
   delay_release: 2 warpgroups only: 1 keeps one wgmma in flight per consumer
     across pipeline steps (a stage is released one step late); 0 waits for each
     step's wgmma before releasing its stage.
@@ -128,8 +126,8 @@ class MosaicFwdConfig:
     when the tile's k steps are a multiple of num_stages (otherwise per tile).
   ring: 2 warpgroups (block_m 128) only: run ``mosaic_fwd_ring``, one
     hand-written ring of stages through all of a CTA's items (in grid order,
-    see ``_work_item``), instead of a pipeline per tile; delay_release,
-    pipeline_across_tiles and guard_last_stage do not apply.
+    see ``_work_item``), instead of a pipeline per tile; skip_empty_halves,
+    delay_release, pipeline_across_tiles and guard_last_stage do not apply.
   tail_rows: ring only, 0, 8, 16 or 32: a group's last tile holding at most
     this many rows is folded into the tile before it, whose consumers compute
     those rows with swapped wgmma operands (see ``mosaic_fwd_ring``); needs

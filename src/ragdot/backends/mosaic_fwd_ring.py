@@ -159,7 +159,6 @@ def _producer_zero_boxes(z_smem, out_gmem, cta, num_ctas: int, num_zero_work, gr
 def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int, n: int,
           cfg: mf.MosaicFwdConfig, transpose_rhs: bool, num_ctas: int):
   bn, bk, stages, cn = cfg.block_n, cfg.block_k, cfg.num_stages, cfg.epilogue_n
-  skip = cfg.skip_empty_halves
   tn = bn // 2  # tail columns per consumer
   tr = cfg.tail_rows
   grid_n = pl.cdiv(n, bn)
@@ -219,11 +218,8 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
       boxes_due = lambda steps: _boxes_due(steps, my_boxes, my_steps, exact)
 
       def load(w, step0):
-        ni, grp, row0, row_start, row_end = tile_of(w)
+        ni, grp, row0, _, row_end = tile_of(w)
         has_tail = row_end > row0 + _ROWS
-        if skip:  # which 64-row halves hold rows (at least one does)
-          full0 = mf._overlap(row_start, row_end, row0, row0 + _HALF)[1] > 0
-          full1 = mf._overlap(row_start, row_end, row0 + _HALF, row0 + _ROWS)[1] > 0
 
         @pl.loop(0, k_steps)
         def _(kk):
@@ -231,16 +227,8 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
           slot = lax.rem(step, stages)
           pl.when(step >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
           cols = pl.ds(kk * bk, bk)
-          if skip:  # only the halves with rows: one copy either way
-            def rows(h0, count):
-              plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(row0 + h0, count), cols],
-                                      a_smem.at[slot].at[pl.ds(h0, count)], produced.at[slot])
-            pl.when(full0 & full1)(lambda: rows(0, _ROWS))
-            pl.when(full0 & ~full1)(lambda: rows(0, _HALF))
-            pl.when(~full0)(lambda: rows(_HALF, _HALF))
-          else:
-            plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(row0, _ROWS), cols], a_smem.at[slot],
-                                    produced.at[slot])
+          plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(row0, _ROWS), cols], a_smem.at[slot],
+                                  produced.at[slot])
           if tr:  # the tail's rows, or a bare arrival in their place
             pl.when(has_tail)(lambda: plgpu.copy_gmem_to_smem(
                 lhs_gmem.at[pl.ds(row0 + _ROWS, tr), cols], t_smem.at[slot], produced.at[slot]))
@@ -324,28 +312,12 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
             pl.when(col < n)(lambda: mf._store_rows(
                 my_tail, out_gmem, 0, ts, row_end - ts, col, max_rows=tr, width=tn))
 
-        def idle() -> None:
-          # No rows in this consumer's half: the producer loaded none; the
-          # stages are released untouched (the arrivals are the protocol).
-          @pl.loop(0, k_steps)
-          def _(kk):
-            slot = lax.rem(step0 + kk, stages)
-            plgpu.barrier_wait(produced.at[slot])
-            plgpu.barrier_arrive(consumed.at[slot])
-
-        def busy() -> None:
-          if tr:
-            has_tail = row_end > row0 + _ROWS
-            pl.when(has_tail)(lambda: tile(True))
-            pl.when(~has_tail)(lambda: tile(False))
-          else:
-            tile(False)
-
-        if skip:
-          pl.when(c > 0)(busy)
-          pl.when(c == 0)(idle)
+        if tr:
+          has_tail = row_end > row0 + _ROWS
+          pl.when(has_tail)(lambda: tile(True))
+          pl.when(~has_tail)(lambda: tile(False))
         else:
-          busy()
+          tile(False)
 
       works(compute)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
