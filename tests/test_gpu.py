@@ -176,6 +176,38 @@ def test_ring_real_sizes(shape, transpose_rhs, tail_rows, offset, zero_lead, str
   assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(again).view(np.uint16))
 
 
+SWAP_SHAPES = SHAPES + [(32768, 2048, 1536, 128, "routed")]  # ~256 rows per group: tails
+
+
+@pytest.mark.parametrize("shape", SWAP_SHAPES,
+                         ids=[f"{s[0]}x{s[1]}x{s[2]}g{s[3]}-{s[4]}" for s in SWAP_SHAPES])
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
+@pytest.mark.parametrize("tail_rows,stages,offset", [(0, 4, None), (32, 4, None), (64, 3, 8),
+                                                     (16, 4, 8)],
+                         ids=["t0", "t32", "t64-shard", "t16-shard"])
+def test_swap_real_sizes(shape, transpose_rhs, tail_rows, stages, offset):
+  """The forward / dX with the rows on wgmma's N axis (mosaic_fwd_swap): folded
+  tails of up to 64 rows, shards whose zero rows the consumers write."""
+  from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
+  m, k, n, g, layout = shape
+  sizes = _sizes(m, g, layout)
+  local = g if offset is None else g // 2
+  rshape = (local, n, k) if transpose_rhs else (local, k, n)
+  x, w = oracle.random_inputs(jax.random.key(m + k + n + 1), [(m, k), rshape], jnp.bfloat16)
+  cfg = mosaic_fwd.MosaicFwdConfig(128, 128, 64, stages, num_compute_wgs=2, ring=True,
+                                   swap=True, tail_rows=tail_rows)
+  go = None if offset is None else jnp.int32(offset)
+  fn = jax.jit(lambda x, w, gs: mosaic_fwd.gmm(
+      x, w, gs, go, transpose_rhs=transpose_rhs, out_dtype=jnp.bfloat16, config=cfg))
+  _poison(4 * m * max(n, k))
+  out = fn(x, w, jnp.asarray(sizes))
+  oracle.assert_close(out, oracle.np_ragged_dot(x, w, sizes, go, transpose_rhs=transpose_rhs),
+                      jnp.bfloat16)
+  oracle.assert_zero_rows(out, sizes, offset, local)
+  again = fn(x, w, jnp.asarray(sizes))
+  assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(again).view(np.uint16))
+
+
 @pytest.mark.parametrize("variant", ["1wg", "2wg", "2wg_chained", "2wg_split_n",
                                      "2wg_split_n_ntail"])
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])

@@ -152,6 +152,12 @@ class MosaicFwdConfig:
     (``resolve_producer_zeros``), off for the others.  Measured on the
     H200's EP=8 shard of Qwen3-30B gate_up: 0.927-0.937x the time of the
     zero_lead ring (docs/performance.md v16h, v17a, v17b).
+  swap: ring only: run ``mosaic_fwd_swap``, tiles of up to 256 rows x block_n
+    = 128 columns with the rows on wgmma's N axis (each consumer: 64 columns x
+    256 rows), so a folded tail (``tail_rows`` up to 64) rides on the weight
+    block in SMEM as a second wgmma of N = tail_rows.  A 16-bit output only;
+    the consumers write the rows outside the shard's window after the ring
+    (no ``producer_zeros``); epilogue_split does not apply (64-row stores).
   zero_box_rows: with producer_zeros, the rows of its zero buffer (8, 16, 32
     or 64): each 64-row half of a zero item goes out in stores of at most
     this many rows.  Fewer rows leave room for wider epilogue chunks (a
@@ -181,6 +187,7 @@ class MosaicFwdConfig:
   zero_lead: int | None = None
   producer_zeros: bool | None = None
   zero_box_rows: int = 64
+  swap: bool = False
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -222,8 +229,12 @@ class MosaicFwdConfig:
     if self.ring and (self.num_compute_wgs != 2 or self.split_n or self.ctas_per_sm != 1):
       raise ValueError(f"ring needs num_compute_wgs=2, split_n=False and ctas_per_sm=1, "
                        f"got {self}")
-    if self.tail_rows not in (0, 8, 16, 32):
-      raise ValueError(f"tail_rows must be 0, 8, 16 or 32, got {self.tail_rows}")
+    if self.tail_rows not in (0, 8, 16, 32) and not (self.swap and self.tail_rows == 64):
+      raise ValueError(f"tail_rows must be 0, 8, 16 or 32 (64 with swap), got {self.tail_rows}")
+    if self.swap and (not self.ring or self.block_n != 128 or self.producer_zeros
+                      or self.zero_lead is not None):
+      raise ValueError(f"swap needs ring=True, block_n=128, producer_zeros off and no "
+                       f"zero_lead, got {self}")
     if self.tail_rows and (not self.ring or self.block_n % 128):
       raise ValueError(f"tail_rows needs ring=True and block_n a multiple of 128, got {self}")
     if self.zero_lead is not None and (self.zero_lead < 0 or (self.zero_lead and not self.ring)):
@@ -249,6 +260,10 @@ class MosaicFwdConfig:
     lowering for the 2-warpgroup kernel): ``smem_budget`` keeps 1 KiB for them.
     """
     isz, osz = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
+    if self.swap:  # 256 + tail rows and 128 columns per stage; 64 x 64 staging per consumer
+      per_stage = (2 * self.block_m + self.tail_rows + self.block_n) * self.block_k * isz
+      staging = self.num_compute_wgs * _WG_ROWS * _WG_ROWS * osz
+      return self.num_stages * per_stage + staging
     per_stage = (self.block_m + self.block_n) * self.block_k * isz
     # One (64, epilogue_n) staging buffer per compute warpgroup.
     staging = self.num_compute_wgs * _WG_ROWS * self.epilogue_n * osz
@@ -272,7 +287,8 @@ def resolve_producer_zeros(cfg: MosaicFwdConfig, has_offset: bool, dtype: Any,
   the producer's zero buffer), off otherwise or where no split fits."""
   if cfg.producer_zeros is not None:
     return cfg
-  if cfg.ring and has_offset and cfg.zero_lead is None:  # (an explicit zero_lead: off)
+  if cfg.ring and not cfg.swap and has_offset and cfg.zero_lead is None:
+    # (an explicit zero_lead, or swap: off)
     fitted = _fit_split(dataclasses.replace(cfg, producer_zeros=True), dtype, out_dtype)
     if fitted is not None:
       return fitted
@@ -842,10 +858,12 @@ def gmm(
     return jnp.zeros((m, n), out_dtype)
   if config is None or (config.num_compute_wgs == 2 and not config.ring
                         and k <= config.block_k) or (
-      config.ring and m < config.block_m + config.tail_rows):
+      config.ring and m < config.block_m * (1 + config.swap) + config.tail_rows) or (
+      config.swap and out_dtype.itemsize != 2):
     # The warp-specialized pipeline never releases a tile's last slot: with a
     # single k step the producer could refill it early, so use one warpgroup
-    # (the ring releases every slot).  The ring's loads need 128 + tail_rows rows.
+    # (the ring releases every slot).  The ring's loads need 128 + tail_rows rows
+    # (swap: 256 + tail_rows), and swap's transposed stores a 16-bit output.
     config = default_config(m, k, n, g_local, lhs.dtype, transpose_rhs, out_dtype)
   config = resolve_producer_zeros(config, group_offset is not None, lhs.dtype, out_dtype)
   if config.smem_bytes(lhs.dtype, out_dtype) > config.smem_budget():
@@ -856,6 +874,11 @@ def gmm(
   if config.ring:
     if config.tail_rows and out_dtype.itemsize != 2:
       raise NotImplementedError(f"tail_rows needs a bf16/f16 output, got {out_dtype}")
+    if config.swap:
+      from ragdot.backends import mosaic_fwd_swap  # pylint: disable=g-import-not-at-top  (imports this module)
+      return mosaic_fwd_swap.gmm(lhs, rhs, group_sizes, group_offset,
+                                 transpose_rhs=transpose_rhs, out_dtype=out_dtype,
+                                 config=config, interpret=interpret)
     from ragdot.backends import mosaic_fwd_ring  # pylint: disable=g-import-not-at-top  (imports this module)
     return mosaic_fwd_ring.gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs=transpose_rhs,
                                out_dtype=out_dtype, config=config, interpret=interpret)

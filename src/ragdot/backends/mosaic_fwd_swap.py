@@ -1,0 +1,238 @@
+"""The forward / dX grouped matmul with the tokens on wgmma's N axis
+(``MosaicFwdConfig(ring=True, swap=True)``; ``mosaic_fwd.gmm`` calls here).
+
+Each item computes ``out[rows, cols]^T = W[:, cols]^T @ x[rows]^T`` for up to
+256 rows of one group and 128 output columns: each consumer warpgroup holds a
+(64 columns, 256 rows) f32 accumulator and feeds wgmma the weight block as its
+A operand (M = 64 columns) and the rows as its B operand (N = 256 rows).  Rows
+then come in steps of 8 instead of 64, so a group's last few rows ride along
+with the tile before them (``tail_rows``, up to 64) as a second wgmma of N =
+``tail_rows`` on the same A operand: the weight block is loaded once, and the
+fold costs that block's second read from SMEM (8 KB per consumer per k step)
+plus the rows themselves.  In the row-major ring (``mosaic_fwd_ring``) a fold
+re-reads 128 columns of weights per consumer and step, twice as much, and a tail
+left as its own item streams its whole weight block again.
+
+Group-aligned tiles: a group's rows start a new tile; a tile's rows past its
+group's end are computed and never stored.  Rows outside the shard's window
+(group_offset) and past the groups' end are written as zeros by the consumers
+after their compute items, 256-row blocks dealt round-robin.  One producer
+warpgroup runs one ring of stages through all of its CTA's items.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from ragdot import backends
+from ragdot.backends import mosaic_fwd as mf
+from ragdot.backends import mosaic_fwd_ring as ring
+from ragdot.backends import sm90
+from ragdot.manual_axes import make_varying, match_varying, out_struct, varying_axes
+
+ROWS = 256  # rows per tile: wgmma's largest N
+_COLS = 64  # output columns per consumer: wgmma's M
+_CHUNK = 64  # rows per epilogue store
+
+
+def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int, n: int,
+          cfg: mf.MosaicFwdConfig, transpose_rhs: bool, num_ctas: int):
+  bn, bk, stages, tr = cfg.block_n, cfg.block_k, cfg.num_stages, cfg.tail_rows
+  grid_n = pl.cdiv(n, bn)
+  k_steps = pl.cdiv(k, bk)
+  max_tiles = tiles_gmem.shape[0] // 4
+  num_tiles, lo, hi, za, zb, num_zero_work, _ = mf._work_counts(scal_gmem, grid_n)
+  num_work = num_tiles * grid_n
+  dtype, out_dtype = lhs_gmem.dtype, out_gmem.dtype
+  b_shape = (bn, bk) if transpose_rhs else (bk, bn)
+  cta = lax.axis_index("sm")
+  my_items = pl.cdiv(jnp.maximum(num_work - cta, 0), num_ctas)
+
+  scratch = dict(
+      x_smem=plgpu.SMEM((stages, ROWS, bk), dtype, transforms=sm90.swizzled(bk, dtype)),
+      w_smem=plgpu.SMEM((stages, *b_shape), dtype, transforms=sm90.swizzled(b_shape[1], dtype)),
+      produced=plgpu.Barrier(num_arrivals=3 if tr else 2, num_barriers=stages),
+      consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      # Row-major (rows, columns): stores start at any row.
+      o_smem=plgpu.SMEM((2, _CHUNK, _COLS), out_dtype),
+  )
+  if tr:  # (the tail's stores go through o_smem too)
+    scratch.update(t_smem=plgpu.SMEM((stages, tr, bk), dtype, transforms=sm90.swizzled(bk, dtype)))
+
+  @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
+  def _scope(x_smem, w_smem, produced, consumed, o_smem, t_smem=None):
+    wg = lax.axis_index("wg")
+
+    def tile_of(w):
+      """(n tile, group, row0, row_start, row_end) of work item w (row-major)."""
+      return mf._work_item(tiles_gmem, w, num_tiles, max_tiles, grid_n, cfg)
+
+    def works(body):
+      @pl.loop(0, my_items)
+      def _(j):
+        body(cta + j * num_ctas, j * k_steps)
+
+    @pl.when(wg == 2)
+    def _producer():
+      plgpu.set_max_registers(40, action="decrease")
+
+      def load(w, step0):
+        ni, grp, row0, _, row_end = tile_of(w)
+        has_tail = row_end > row0 + ROWS
+
+        @pl.loop(0, k_steps)
+        def _(kk):
+          step = step0 + kk
+          slot = lax.rem(step, stages)
+          pl.when(step >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
+          cols = pl.ds(kk * bk, bk)
+          plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(row0, ROWS), cols], x_smem.at[slot],
+                                  produced.at[slot])
+          if tr:  # the tail's rows, or a bare arrival in their place
+            pl.when(has_tail)(lambda: plgpu.copy_gmem_to_smem(
+                lhs_gmem.at[pl.ds(row0 + ROWS, tr), cols], t_smem.at[slot], produced.at[slot]))
+            pl.when(~has_tail)(lambda: plgpu.barrier_arrive(produced.at[slot]))
+          if transpose_rhs:
+            src = rhs_gmem.at[grp, pl.ds(ni * bn, bn), cols]
+          else:
+            src = rhs_gmem.at[grp, cols, pl.ds(ni * bn, bn)]
+          plgpu.copy_gmem_to_smem(src, w_smem.at[slot], produced.at[slot])
+
+      works(load)
+      total = my_items * k_steps
+
+      @pl.loop(jnp.maximum(total - stages, 0), total)
+      def _drain(step):
+        plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
+
+    @pl.when(wg < 2)
+    def _consumers():
+      plgpu.set_max_registers(232, action="increase")
+      my_smem = o_smem.at[wg]
+      my_tail = my_smem.at[pl.ds(0, tr)] if tr else None
+      mine = pl.ds(pl.multiple_of(wg * _COLS, _COLS), _COLS)
+
+      def compute(w, step0):
+        ni, _, row0, row_start, row_end = tile_of(w)
+        col = ni * bn + wg * _COLS
+
+        def tile(with_tail: bool) -> None:
+          # Two copies of the tile, chosen per tile outside the k loop: no
+          # accumulator crosses a branch while its wgmmas are in flight.
+          def acc_scope(acc_ref, *tail_ref):
+            @pl.loop(0, k_steps)
+            def _(kk):
+              step = step0 + kk
+              slot = lax.rem(step, stages)
+              plgpu.barrier_wait(produced.at[slot])
+              wb = w_smem.at[slot]
+              # A: this consumer's 64 columns of the weight block, (64, bk).
+              a = wb.at[mine] if transpose_rhs else wb.at[:, mine].transpose((1, 0))
+              plgpu.wgmma(acc_ref, a, x_smem.at[slot].transpose((1, 0)))
+              if with_tail:
+                plgpu.wgmma(tail_ref[0], a, t_smem.at[slot].transpose((1, 0)))
+              plgpu.wgmma_wait(2 if with_tail else 1)  # the previous step's are done
+              pl.when(kk > 0)(lambda: plgpu.barrier_arrive(
+                  consumed.at[lax.rem(step + stages - 1, stages)]))
+
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(consumed.at[lax.rem(step0 + k_steps - 1, stages)])
+            return acc_ref[...], tail_ref[0][...] if with_tail else None
+
+          scratch = [plgpu.ACC((_COLS, ROWS), jnp.float32)]
+          if with_tail:
+            scratch.append(plgpu.ACC((_COLS, tr), jnp.float32))
+          acc, tacc = pl.run_scoped(acc_scope, *scratch)
+
+          @pl.when(col < n)
+          def _store():
+            for c in range(ROWS // _CHUNK):
+              hs = row0 + c * _CHUNK
+              s, count = mf._overlap(row_start, row_end, hs, hs + _CHUNK)
+
+              @pl.when(count > 0)
+              def _():
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                # (columns, rows) registers into the (rows, columns) buffer.
+                my_smem.transpose((1, 0))[...] = sm90.column_chunk(acc, c, _CHUNK).astype(
+                    out_dtype)
+                plgpu.commit_smem()
+                mf._store_rows(my_smem, out_gmem, s - hs, s, count, col, max_rows=_CHUNK,
+                               width=_COLS)
+
+            if with_tail:
+              ts = row0 + ROWS
+              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+              my_tail.transpose((1, 0))[...] = tacc.astype(out_dtype)
+              plgpu.commit_smem()
+              mf._store_rows(my_tail, out_gmem, 0, ts, row_end - ts, col, max_rows=tr,
+                             width=_COLS)
+
+        if tr:
+          has_tail = row_end > row0 + ROWS
+          pl.when(has_tail)(lambda: tile(True))
+          pl.when(~has_tail)(lambda: tile(False))
+        else:
+          tile(False)
+
+      works(compute)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+      # Rows outside the shard's window (and past the groups), after the ring:
+      # zero items of one 256-row block and n tile, round-robin over the CTAs.
+      @pl.loop(0, pl.cdiv(jnp.maximum(num_zero_work - cta, 0), num_ctas))
+      def _zeros(j):
+        blk, ni = mf._zero_item(cta + j * num_ctas, grid_n, za, zb)
+        mf._zero_fill_once(my_smem, j == 0)
+        col = ni * bn + wg * _COLS
+
+        @pl.when(col < n)
+        def _():
+          for c in range(ROWS // _CHUNK):
+            hs = blk * ROWS + c * _CHUNK
+            for start, count in mf._outside_window(hs, jnp.minimum(hs + _CHUNK, m), lo, hi):
+              mf._store_rows(my_smem, out_gmem, 0, start, count, col, max_rows=_CHUNK,
+                             width=_COLS)
+
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: jax.Array | None,
+        *, transpose_rhs: bool, out_dtype: Any, config: mf.MosaicFwdConfig,
+        interpret: Any = False) -> jax.Array:
+  """``mosaic_fwd.gmm`` for a ``swap=True`` config (checked by ``mosaic_fwd.gmm``:
+  supported dtypes and alignments, non-empty operands, m >= 256 + tail_rows, a
+  config that fits SMEM, a 16-bit output)."""
+  m, k = lhs.shape
+  g_local = rhs.shape[0]
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  tiles, scalars = backends.flat_schedule(
+      group_sizes, group_offset, m=m, num_local=g_local, block_m=ROWS,
+      use_kernel=config.schedule_kernel, interpret=bool(interpret))
+  if config.tail_rows:
+    tiles, num_tiles = ring.attach_tails(tiles.reshape(4, -1), scalars[0], config.tail_rows)
+    tiles, scalars = tiles.reshape(-1), scalars.at[0].set(num_tiles)
+  tiles, scalars, lhs, rhs = match_varying(tiles, scalars, lhs, rhs)
+  num_ctas = mf._num_sms(config, bool(interpret))
+  if interpret is True:
+    interpret = plgpu.InterpretGPUParams()
+  kernel = plgpu.kernel(
+      functools.partial(_body, m=m, k=k, n=n, cfg=config, transpose_rhs=transpose_rhs,
+                        num_ctas=num_ctas),
+      out_type=out_struct((m, n), out_dtype, lhs),
+      grid=(num_ctas,),
+      grid_names=("sm",),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=interpret if interpret else None,
+  )
+  return make_varying(kernel(tiles, scalars, lhs, rhs), varying_axes(lhs))

@@ -1,0 +1,97 @@
+"""The forward / dX kernel with the rows on wgmma's N axis
+(``MosaicFwdConfig(ring=True, swap=True)``, ``mosaic_fwd_swap``) in Mosaic GPU
+interpret mode on CPU: against the f32 oracle, the race detector, the config
+checks and its lowering for sm90."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import oracle
+from ragdot.backends import mosaic_fwd as mf
+
+CFG = mf.MosaicFwdConfig(block_m=128, block_n=128, block_k=64, num_stages=2, num_compute_wgs=2,
+                         ring=True, swap=True, num_sms=3)
+
+
+@pytest.mark.parametrize("sizes,m,k,n,offset,num_local,transpose_rhs,tail_rows", [
+    # 300 = 256 + 44 (a tail item at 32, folded at 64), 10 (one short tile), 520 =
+    # 256 + 256 + 8 (folded), an empty group, 280 = 256 + 24; n: a 64-column half tile
+    ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, False, 0),
+    ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, False, 32),
+    ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, True, 64),    # dX
+    ([300, 10, 520, 0, 280], 1280, 192, 320, None, 5, True, 8),
+    ([150, 20, 300, 30], 768, 64, 256, 1, 2, False, 16),  # a shard: zero rows around it
+    ([40, 300, 9, 200], 768, 64, 128, 3, 1, True, 0),     # the last group: rows past the end
+    ([129, 7, 60, 136, 40], 400, 128, 128, None, 5, False, 16),  # rows past the groups, m % 256
+])
+def test_matches_oracle(sizes, m, k, n, offset, num_local, transpose_rhs, tail_rows):
+  rshape = (num_local, n, k) if transpose_rhs else (num_local, k, n)
+  x, w = oracle.random_inputs(jax.random.key(m + n + k), [(m, k), rshape], jnp.bfloat16)
+  go = None if offset is None else jnp.int32(offset)
+  out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), go, transpose_rhs=transpose_rhs,
+               out_dtype=jnp.bfloat16, interpret=True,
+               config=dataclasses.replace(CFG, tail_rows=tail_rows))
+  oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, go, transpose_rhs), jnp.bfloat16)
+  oracle.assert_zero_rows(out, sizes, offset, num_local)
+
+
+def test_no_races():
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  sizes = [280, 7, 60, 150]
+  x, w = oracle.random_inputs(jax.random.key(3), [(640, 128), (4, 128, 128)], jnp.bfloat16)
+  out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), None, transpose_rhs=False,
+               out_dtype=jnp.bfloat16, interpret=plgpu.InterpretGPUParams(detect_races=True),
+               config=dataclasses.replace(CFG, tail_rows=32, num_sms=2))
+  oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, None, False), jnp.bfloat16)
+  assert not gpu_interpret.get_races().races_found
+
+
+def test_f32_output_and_small_m_fall_back():
+  # A 32-bit output (the transposed stores take 16 bits) and m < 256 + tail_rows run
+  # the default config instead.
+  sizes = [100, 150]
+  x, w = oracle.random_inputs(jax.random.key(5), [(256, 64), (2, 64, 128)], jnp.bfloat16)
+  for out_dtype, tail in ((jnp.float32, 0), (jnp.bfloat16, 16)):
+    out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), None, transpose_rhs=False,
+                 out_dtype=out_dtype, interpret=True,
+                 config=dataclasses.replace(CFG, tail_rows=tail))
+    assert out.dtype == out_dtype
+    oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, None, False), out_dtype)
+
+
+def test_config_checks():
+  with pytest.raises(ValueError, match="swap needs"):
+    dataclasses.replace(CFG, block_n=256)
+  with pytest.raises(ValueError, match="swap needs"):
+    dataclasses.replace(CFG, producer_zeros=True)
+  with pytest.raises(ValueError, match="tail_rows must be"):
+    dataclasses.replace(CFG, swap=False, tail_rows=64)
+  # 64 tail rows fit 3 stages; 32 fit 4 (the tail's stores share the staging buffer).
+  assert dataclasses.replace(CFG, tail_rows=64, num_stages=3).smem_bytes(
+      jnp.bfloat16, jnp.bfloat16) <= CFG.smem_budget()
+  assert dataclasses.replace(CFG, tail_rows=32, num_stages=4).smem_bytes(
+      jnp.bfloat16, jnp.bfloat16) <= CFG.smem_budget()
+  assert dataclasses.replace(CFG, tail_rows=64, num_stages=4).smem_bytes(
+      jnp.bfloat16, jnp.bfloat16) > CFG.smem_budget()
+  # A shard call keeps the consumers' zero rows (no producer zeros for swap).
+  auto = dataclasses.replace(CFG, producer_zeros=None)
+  assert mf.resolve_producer_zeros(auto, True, jnp.bfloat16, jnp.bfloat16).producer_zeros is False
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
+@pytest.mark.parametrize("tail_rows,stages", [(0, 4), (32, 4), (64, 3)])
+def test_lowers_for_sm90(transpose_rhs, tail_rows, stages):
+  m, k, n, g = 4096, 2048, 1536, 128
+  cfg = dataclasses.replace(CFG, num_stages=stages, tail_rows=tail_rows, num_sms=132)
+  f = jax.jit(lambda x, w, gs: mf.gmm(x, w, gs, None, transpose_rhs=transpose_rhs,
+                                      out_dtype=jnp.bfloat16, config=cfg))
+  rshape = (g, n, k) if transpose_rhs else (g, k, n)
+  args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct(rshape, jnp.bfloat16),
+          jax.ShapeDtypeStruct((g,), jnp.int32))
+  assert "mosaic_gpu" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
