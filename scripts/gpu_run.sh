@@ -19,7 +19,8 @@
 #   ep     MoE block expert-parallel scaling over the local GPUs           EP_ARGS
 #   profile  ncu counters of the main kernels (scripts/profile_kernels.py)  PROFILE_ARGS
 #          (PROFILE_SECTIONS="SourceCounters ...": more ncu sections;
-#           PROFILE_METRICS="metric,metric ...": single ncu metrics)
+#           PROFILE_METRICS="metric metric ...": single ncu metrics, given to ncu
+#           as one comma-separated --metrics)
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -70,7 +71,7 @@ for stage in $STAGES; do
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
         --section WarpStateStats --section LaunchStats --section Occupancy \
         $(for sec in ${PROFILE_SECTIONS:-}; do printf -- '--section %s ' "$sec"; done) \
-        $(for met in ${PROFILE_METRICS:-}; do printf -- '--metrics %s ' "$met"; done) \
+        $([ -n "${PROFILE_METRICS:-}" ] && printf -- '--metrics %s' "$(echo ${PROFILE_METRICS} | tr ' ' ',')") \
         python3 scripts/profile_kernels.py ${PROFILE_ARGS:-} ;;
     *) echo "unknown stage $stage" >&2 ;;
   esac
