@@ -26,6 +26,9 @@ VARIANTS = {
     "2wg_chained": "MosaicFwdConfig(128, 256, 64, 4, grid_tile_width=4, num_compute_wgs=2, epilogue_split=2, delay_release=0, pipeline_across_tiles=True)",
     "2wg_split_n": "MosaicFwdConfig(64, 256, 64, 4, grid_tile_width=4, num_compute_wgs=2, epilogue_split=2, split_n=True)",
     "1wg_bn256": "MosaicFwdConfig(64, 256, 64, 4, grid_tile_width=4)",
+    "swap0": "MosaicFwdConfig(128, 128, 64, 4, num_compute_wgs=2, ring=True, swap=True)",
+    "swap32": "MosaicFwdConfig(128, 128, 64, 4, num_compute_wgs=2, ring=True, swap=True, tail_rows=32)",
+    "ring": "MosaicFwdConfig(128, 256, 64, 4, num_compute_wgs=2, epilogue_split=2, ring=True)",
 }
 
 CHILD = r"""

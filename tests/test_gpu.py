@@ -195,7 +195,7 @@ def test_swap_real_sizes(shape, transpose_rhs, tail_rows, stages, offset):
   rshape = (local, n, k) if transpose_rhs else (local, k, n)
   x, w = oracle.random_inputs(jax.random.key(m + k + n + 1), [(m, k), rshape], jnp.bfloat16)
   cfg = mosaic_fwd.MosaicFwdConfig(128, 128, 64, stages, num_compute_wgs=2, ring=True,
-                                   swap=True, tail_rows=tail_rows)
+                                   swap=True, tail_rows=tail_rows, producer_zeros=False)
   go = None if offset is None else jnp.int32(offset)
   fn = jax.jit(lambda x, w, gs: mosaic_fwd.gmm(
       x, w, gs, go, transpose_rhs=transpose_rhs, out_dtype=jnp.bfloat16, config=cfg))

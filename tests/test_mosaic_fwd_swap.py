@@ -33,9 +33,10 @@ def test_matches_oracle(sizes, m, k, n, offset, num_local, transpose_rhs, tail_r
   rshape = (num_local, n, k) if transpose_rhs else (num_local, k, n)
   x, w = oracle.random_inputs(jax.random.key(m + n + k), [(m, k), rshape], jnp.bfloat16)
   go = None if offset is None else jnp.int32(offset)
+  # producer_zeros=False: shard calls stay swap (None would run the row-major ring).
   out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), go, transpose_rhs=transpose_rhs,
                out_dtype=jnp.bfloat16, interpret=True,
-               config=dataclasses.replace(CFG, tail_rows=tail_rows))
+               config=dataclasses.replace(CFG, tail_rows=tail_rows, producer_zeros=False))
   oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, go, transpose_rhs), jnp.bfloat16)
   oracle.assert_zero_rows(out, sizes, offset, num_local)
 
@@ -79,9 +80,14 @@ def test_config_checks():
       jnp.bfloat16, jnp.bfloat16) <= CFG.smem_budget()
   assert dataclasses.replace(CFG, tail_rows=64, num_stages=4).smem_bytes(
       jnp.bfloat16, jnp.bfloat16) > CFG.smem_budget()
-  # A shard call keeps the consumers' zero rows (no producer zeros for swap).
-  auto = dataclasses.replace(CFG, producer_zeros=None)
-  assert mf.resolve_producer_zeros(auto, True, jnp.bfloat16, jnp.bfloat16).producer_zeros is False
+  # A shard call runs the row-major ring with producer zeros, unless told not to.
+  auto = dataclasses.replace(CFG, producer_zeros=None, tail_rows=32)
+  shard = mf.resolve_producer_zeros(auto, True, jnp.bfloat16, jnp.bfloat16)
+  assert shard.producer_zeros is True and not shard.swap and shard.block_n == 256
+  assert not shard.tail_rows and shard.ring
+  assert mf.resolve_producer_zeros(auto, False, jnp.bfloat16, jnp.bfloat16).swap
+  off = dataclasses.replace(auto, producer_zeros=False)
+  assert mf.resolve_producer_zeros(off, True, jnp.bfloat16, jnp.bfloat16) is off
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])

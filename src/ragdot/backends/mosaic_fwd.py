@@ -157,7 +157,9 @@ class MosaicFwdConfig:
     256 rows), so a folded tail (``tail_rows`` up to 64) rides on the weight
     block in SMEM as a second wgmma of N = tail_rows.  A 16-bit output only;
     the consumers write the rows outside the shard's window after the ring
-    (no ``producer_zeros``); epilogue_split does not apply (64-row stores).
+    (no ``producer_zeros``; with its default None a shard call runs the
+    row-major ring with producer zeros instead, see ``resolve_producer_zeros``);
+    epilogue_split does not apply (64-row stores).
   zero_box_rows: with producer_zeros, the rows of its zero buffer (8, 16, 32
     or 64): each 64-row half of a zero item goes out in stores of at most
     this many rows.  Fewer rows leave room for wider epilogue chunks (a
@@ -284,11 +286,16 @@ def resolve_producer_zeros(cfg: MosaicFwdConfig, has_offset: bool, dtype: Any,
                            out_dtype: Any) -> MosaicFwdConfig:
   """``cfg`` with ``producer_zeros=None`` made concrete for one call: on for a
   ring call with a group_offset (with the smallest epilogue_split that fits
-  the producer's zero buffer), off otherwise or where no split fits."""
+  the producer's zero buffer), off otherwise or where no split fits.  A swap
+  config with a group_offset becomes the row-major ring (block_n 256, no
+  tails) with producer zeros; ``producer_zeros=False`` keeps it swap."""
   if cfg.producer_zeros is not None:
     return cfg
-  if cfg.ring and not cfg.swap and has_offset and cfg.zero_lead is None:
-    # (an explicit zero_lead, or swap: off)
+  if cfg.swap and has_offset:
+    # swap has no producer zeros: a shard call runs the row-major ring with them
+    # (the EP=8 shard's measured best, v17), the same k steps and stages.
+    cfg = dataclasses.replace(cfg, swap=False, block_n=256, tail_rows=0)
+  if cfg.ring and has_offset and cfg.zero_lead is None:  # (an explicit zero_lead: off)
     fitted = _fit_split(dataclasses.replace(cfg, producer_zeros=True), dtype, out_dtype)
     if fitted is not None:
       return fitted
@@ -409,6 +416,12 @@ def gpu_sweep_configs(
                        dtype, out_dtype)
         if c is not None and c not in out:
           out.append(c)
+      # Rows on wgmma's N axis with 32 tail rows folded (v19: 0.95-0.98x the table on
+      # the Qwen3 gate_up forwards and Qwen3-235B's dX; tails 0, 16 and 64 lost).
+      swap = dataclasses.replace(base, ring=True, swap=True, block_n=128, tail_rows=32,
+                                 epilogue_split=2, grid_tile_width=1, num_stages=4)
+      if jnp.dtype(out_dtype).itemsize == 2 and _fits(swap, dtype, out_dtype):
+        out.append(swap)
     # 64-row tiles split by columns: half the padding of a group's last tile,
     # 1.67x the L2 -> SMEM bytes per FLOP (the default already runs the L2 at
     # 81% on Qwen3-30B gate_up), so after the likelier winners.
