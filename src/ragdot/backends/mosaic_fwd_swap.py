@@ -40,8 +40,6 @@ from ragdot.manual_axes import make_varying, match_varying, out_struct, varying_
 ROWS = 256  # rows per tile: wgmma's largest N
 _COLS = 64  # output columns per consumer: wgmma's M
 _CHUNK = 64  # rows per epilogue store
-import os
-REG_A = bool(int(os.environ.get("RAGDOT_SWAP_REG_A", "0")))
 
 
 def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int, n: int,
@@ -137,8 +135,6 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
               wb = w_smem.at[slot]
               # A: this consumer's 64 columns of the weight block, (64, bk).
               a = wb.at[mine] if transpose_rhs else wb.at[:, mine].transpose((1, 0))
-              if REG_A:
-                a = a[...]
               plgpu.wgmma(acc_ref, a, x_smem.at[slot].transpose((1, 0)))
               if with_tail:
                 plgpu.wgmma(tail_ref[0], a, t_smem.at[slot].transpose((1, 0)))
