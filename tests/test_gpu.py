@@ -182,10 +182,12 @@ SWAP_SHAPES = SHAPES + [(32768, 2048, 1536, 128, "routed")]  # ~256 rows per gro
 @pytest.mark.parametrize("shape", SWAP_SHAPES,
                          ids=[f"{s[0]}x{s[1]}x{s[2]}g{s[3]}-{s[4]}" for s in SWAP_SHAPES])
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
-@pytest.mark.parametrize("tail_rows,stages,offset", [(0, 4, None), (32, 4, None), (64, 3, 8),
-                                                     (16, 4, 8)],
-                         ids=["t0", "t32", "t64-shard", "t16-shard"])
-def test_swap_real_sizes(shape, transpose_rhs, tail_rows, stages, offset):
+@pytest.mark.parametrize("tail_rows,stages,offset,split", [
+    (0, 4, None, False), (32, 4, None, False), (64, 3, 8, False), (16, 4, 8, False),
+    (32, 4, None, True), (64, 3, 8, True)],
+                         ids=["t0", "t32", "t64-shard", "t16-shard", "t32-split",
+                              "t64-shard-split"])
+def test_swap_real_sizes(shape, transpose_rhs, tail_rows, stages, offset, split):
   """The forward / dX with the rows on wgmma's N axis (mosaic_fwd_swap): folded
   tails of up to 64 rows, shards whose zero rows the consumers write."""
   from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
@@ -195,7 +197,8 @@ def test_swap_real_sizes(shape, transpose_rhs, tail_rows, stages, offset):
   rshape = (local, n, k) if transpose_rhs else (local, k, n)
   x, w = oracle.random_inputs(jax.random.key(m + k + n + 1), [(m, k), rshape], jnp.bfloat16)
   cfg = mosaic_fwd.MosaicFwdConfig(128, 128, 64, stages, num_compute_wgs=2, ring=True,
-                                   swap=True, tail_rows=tail_rows, producer_zeros=False)
+                                   swap=True, tail_rows=tail_rows, producer_zeros=False,
+                                   tail_split=split)
   go = None if offset is None else jnp.int32(offset)
   fn = jax.jit(lambda x, w, gs: mosaic_fwd.gmm(
       x, w, gs, go, transpose_rhs=transpose_rhs, out_dtype=jnp.bfloat16, config=cfg))
@@ -348,7 +351,7 @@ def test_mosaic_dw_ring_across_items_real_size(bm, bk, bn, stages, k, out_dtype,
     (4096, 64, 64, None, "over"),           # sizes summing past m
     (65536, 2000, 600, 1500, "routed"),     # one tile per program, a 2-step prefix loop
 ])
-@pytest.mark.parametrize("block_m", [64, 128])
+@pytest.mark.parametrize("block_m", [64, 128, 256])
 def test_schedule_kernel_equals_xla_builders_real_sizes(m, g, g_local, offset, layout, block_m):
   """The compiled Triton schedule kernels (not their interpreter) against metadata's XLA ops."""
   from ragdot import metadata as md

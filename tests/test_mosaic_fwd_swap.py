@@ -18,25 +18,30 @@ CFG = mf.MosaicFwdConfig(block_m=128, block_n=128, block_k=64, num_stages=2, num
                          ring=True, swap=True, num_sms=3)
 
 
-@pytest.mark.parametrize("sizes,m,k,n,offset,num_local,transpose_rhs,tail_rows", [
+@pytest.mark.parametrize("sizes,m,k,n,offset,num_local,transpose_rhs,tail_rows,split", [
     # 300 = 256 + 44 (a tail item at 32, folded at 64), 10 (one short tile), 520 =
     # 256 + 256 + 8 (folded), an empty group, 280 = 256 + 24; n: a 64-column half tile
-    ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, False, 0),
-    ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, False, 32),
-    ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, True, 64),    # dX
-    ([300, 10, 520, 0, 280], 1280, 192, 320, None, 5, True, 8),
-    ([150, 20, 300, 30], 768, 64, 256, 1, 2, False, 16),  # a shard: zero rows around it
-    ([40, 300, 9, 200], 768, 64, 128, 3, 1, True, 0),     # the last group: rows past the end
-    ([129, 7, 60, 136, 40], 400, 128, 128, None, 5, False, 16),  # rows past the groups, m % 256
+    ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, False, 0, False),
+    ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, False, 32, False),
+    ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, True, 64, False),    # dX
+    ([300, 10, 520, 0, 280], 1280, 192, 320, None, 5, True, 8, False),
+    ([150, 20, 300, 30], 768, 64, 256, 1, 2, False, 16, False),  # a shard: zero rows around it
+    ([40, 300, 9, 200], 768, 64, 128, 3, 1, True, 0, False),     # the last group: rows past the end
+    ([129, 7, 60, 136, 40], 400, 128, 128, None, 5, False, 16, False),  # rows past the groups
+    # split folded tiles: two wgmmas of 144 (160, 136) rows, stores of 64 + 64 + 16 (32, 8)
+    ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, False, 32, True),
+    ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, True, 64, True),
+    ([150, 20, 270, 30], 768, 64, 256, 1, 2, False, 16, True),
 ])
-def test_matches_oracle(sizes, m, k, n, offset, num_local, transpose_rhs, tail_rows):
+def test_matches_oracle(sizes, m, k, n, offset, num_local, transpose_rhs, tail_rows, split):
   rshape = (num_local, n, k) if transpose_rhs else (num_local, k, n)
   x, w = oracle.random_inputs(jax.random.key(m + n + k), [(m, k), rshape], jnp.bfloat16)
   go = None if offset is None else jnp.int32(offset)
   # producer_zeros=False: shard calls stay swap (None would run the row-major ring).
   out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), go, transpose_rhs=transpose_rhs,
                out_dtype=jnp.bfloat16, interpret=True,
-               config=dataclasses.replace(CFG, tail_rows=tail_rows, producer_zeros=False))
+               config=dataclasses.replace(CFG, tail_rows=tail_rows, producer_zeros=False,
+                                          tail_split=split))
   oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, go, transpose_rhs), jnp.bfloat16)
   oracle.assert_zero_rows(out, sizes, offset, num_local)
 
@@ -73,6 +78,8 @@ def test_config_checks():
     dataclasses.replace(CFG, producer_zeros=True)
   with pytest.raises(ValueError, match="tail_rows must be"):
     dataclasses.replace(CFG, swap=False, tail_rows=64)
+  with pytest.raises(ValueError, match="tail_split needs"):
+    dataclasses.replace(CFG, tail_rows=8, tail_split=True)
   # 64 tail rows fit 3 stages; 32 fit 4 (the tail's stores share the staging buffer).
   assert dataclasses.replace(CFG, tail_rows=64, num_stages=3).smem_bytes(
       jnp.bfloat16, jnp.bfloat16) <= CFG.smem_budget()
@@ -91,10 +98,13 @@ def test_config_checks():
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
-@pytest.mark.parametrize("tail_rows,stages", [(0, 4), (32, 4), (64, 3)])
-def test_lowers_for_sm90(transpose_rhs, tail_rows, stages):
+@pytest.mark.parametrize("tail_rows,stages,split", [(0, 4, False), (32, 4, False),
+                                                    (64, 3, False), (32, 4, True),
+                                                    (16, 4, True)])
+def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, split):
   m, k, n, g = 4096, 2048, 1536, 128
-  cfg = dataclasses.replace(CFG, num_stages=stages, tail_rows=tail_rows, num_sms=132)
+  cfg = dataclasses.replace(CFG, num_stages=stages, tail_rows=tail_rows, num_sms=132,
+                            tail_split=split)
   f = jax.jit(lambda x, w, gs: mf.gmm(x, w, gs, None, transpose_rhs=transpose_rhs,
                                       out_dtype=jnp.bfloat16, config=cfg))
   rshape = (g, n, k) if transpose_rhs else (g, k, n)

@@ -49,7 +49,7 @@ def layouts(draw):
   if draw(st.booleans()):  # any offset, also before group 0 or past the last group
     num_local = draw(st.integers(1, g + 3))
     offset = draw(st.integers(-num_local - 2, g + 2))
-  block_m = draw(st.sampled_from([16, 24, 64, 128]))
+  block_m = draw(st.sampled_from([16, 24, 64, 128, 256]))
   return sizes, offset, m, num_local, block_m
 
 

@@ -160,6 +160,9 @@ class MosaicFwdConfig:
     (no ``producer_zeros``; with its default None a shard call runs the
     row-major ring with producer zeros instead, see ``resolve_producer_zeros``);
     epilogue_split does not apply (64-row stores).
+  tail_split: swap with tail_rows 16, 32 or 64: a tile with a folded tail runs
+    two wgmmas of (256 + tail_rows) / 2 rows each instead of 256 and tail_rows
+    (a small-N wgmma costs the tensor pipe far more than its FLOPs, v19e).
   zero_box_rows: with producer_zeros, the rows of its zero buffer (8, 16, 32
     or 64): each 64-row half of a zero item goes out in stores of at most
     this many rows.  Fewer rows leave room for wider epilogue chunks (a
@@ -190,6 +193,7 @@ class MosaicFwdConfig:
   producer_zeros: bool | None = None
   zero_box_rows: int = 64
   swap: bool = False
+  tail_split: bool = False
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -237,6 +241,8 @@ class MosaicFwdConfig:
                       or self.zero_lead is not None):
       raise ValueError(f"swap needs ring=True, block_n=128, producer_zeros off and no "
                        f"zero_lead, got {self}")
+    if self.tail_split and (not self.swap or self.tail_rows not in (16, 32, 64)):
+      raise ValueError(f"tail_split needs swap=True and tail_rows 16, 32 or 64, got {self}")
     if self.tail_rows and (not self.ring or self.block_n % 128):
       raise ValueError(f"tail_rows needs ring=True and block_n a multiple of 128, got {self}")
     if self.zero_lead is not None and (self.zero_lead < 0 or (self.zero_lead and not self.ring)):
@@ -294,7 +300,7 @@ def resolve_producer_zeros(cfg: MosaicFwdConfig, has_offset: bool, dtype: Any,
   if cfg.swap and has_offset:
     # swap has no producer zeros: a shard call runs the row-major ring with them
     # (the EP=8 shard's measured best, v17), the same k steps and stages.
-    cfg = dataclasses.replace(cfg, swap=False, block_n=256, tail_rows=0)
+    cfg = dataclasses.replace(cfg, swap=False, block_n=256, tail_rows=0, tail_split=False)
   if cfg.ring and has_offset and cfg.zero_lead is None:  # (an explicit zero_lead: off)
     fitted = _fit_split(dataclasses.replace(cfg, producer_zeros=True), dtype, out_dtype)
     if fitted is not None:

@@ -42,6 +42,17 @@ _COLS = 64  # output columns per consumer: wgmma's M
 _CHUNK = 64  # rows per epilogue store
 
 
+def _parts(cfg: mf.MosaicFwdConfig, with_tail: bool) -> tuple[tuple[int, int], ...]:
+  """(first row in the tile, rows) of each wgmma of a tile: one of 256 rows; with a
+  folded tail, 256 + tail_rows (``tail_split``: two halves of (256 + tail_rows) / 2)."""
+  if not with_tail:
+    return ((0, ROWS),)
+  if cfg.tail_split:
+    half = (ROWS + cfg.tail_rows) // 2
+    return ((0, half), (half, half))
+  return ((0, ROWS), (ROWS, cfg.tail_rows))
+
+
 def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int, n: int,
           cfg: mf.MosaicFwdConfig, transpose_rhs: bool, num_ctas: int):
   bn, bk, stages, tr = cfg.block_n, cfg.block_k, cfg.num_stages, cfg.tail_rows
@@ -56,18 +67,17 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
   my_items = pl.cdiv(jnp.maximum(num_work - cta, 0), num_ctas)
 
   scratch = dict(
-      x_smem=plgpu.SMEM((stages, ROWS, bk), dtype, transforms=sm90.swizzled(bk, dtype)),
+      # A stage's rows: 256, or 256 + tail_rows for a tile with a folded tail.
+      x_smem=plgpu.SMEM((stages, ROWS + tr, bk), dtype, transforms=sm90.swizzled(bk, dtype)),
       w_smem=plgpu.SMEM((stages, *b_shape), dtype, transforms=sm90.swizzled(b_shape[1], dtype)),
       produced=plgpu.Barrier(num_arrivals=3 if tr else 2, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       # Row-major (rows, columns): stores start at any row.
       o_smem=plgpu.SMEM((2, _CHUNK, _COLS), out_dtype),
   )
-  if tr:  # (the tail's stores go through o_smem too)
-    scratch.update(t_smem=plgpu.SMEM((stages, tr, bk), dtype, transforms=sm90.swizzled(bk, dtype)))
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-  def _scope(x_smem, w_smem, produced, consumed, o_smem, t_smem=None):
+  def _scope(x_smem, w_smem, produced, consumed, o_smem):
     wg = lax.axis_index("wg")
 
     def tile_of(w):
@@ -93,12 +103,20 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
           slot = lax.rem(step, stages)
           pl.when(step >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
           cols = pl.ds(kk * bk, bk)
-          plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(row0, ROWS), cols], x_smem.at[slot],
-                                  produced.at[slot])
-          if tr:  # the tail's rows, or a bare arrival in their place
-            pl.when(has_tail)(lambda: plgpu.copy_gmem_to_smem(
-                lhs_gmem.at[pl.ds(row0 + ROWS, tr), cols], t_smem.at[slot], produced.at[slot]))
-            pl.when(~has_tail)(lambda: plgpu.barrier_arrive(produced.at[slot]))
+
+          def rows(with_tail: bool) -> None:
+            parts = _parts(cfg, with_tail)
+            for r, count in parts:
+              plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(row0 + r, count), cols],
+                                      x_smem.at[slot].at[pl.ds(r, count)], produced.at[slot])
+            if tr and len(parts) == 1:  # a bare arrival for the copy a tail would make
+              plgpu.barrier_arrive(produced.at[slot])
+
+          if tr:
+            pl.when(has_tail)(lambda: rows(True))
+            pl.when(~has_tail)(lambda: rows(False))
+          else:
+            rows(False)
           if transpose_rhs:
             src = rhs_gmem.at[grp, pl.ds(ni * bn, bn), cols]
           else:
@@ -116,7 +134,6 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
     def _consumers():
       plgpu.set_max_registers(232, action="increase")
       my_smem = o_smem.at[wg]
-      my_tail = my_smem.at[pl.ds(0, tr)] if tr else None
       mine = pl.ds(pl.multiple_of(wg * _COLS, _COLS), _COLS)
 
       def compute(w, step0):
@@ -124,9 +141,11 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
         col = ni * bn + wg * _COLS
 
         def tile(with_tail: bool) -> None:
-          # Two copies of the tile, chosen per tile outside the k loop: no
-          # accumulator crosses a branch while its wgmmas are in flight.
-          def acc_scope(acc_ref, *tail_ref):
+          # A copy of the tile per layout of its wgmmas, chosen per tile outside
+          # the k loop: no accumulator crosses a branch while its wgmmas run.
+          parts = _parts(cfg, with_tail)
+
+          def acc_scope(*accs):
             @pl.loop(0, k_steps)
             def _(kk):
               step = step0 + kk
@@ -135,45 +154,37 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
               wb = w_smem.at[slot]
               # A: this consumer's 64 columns of the weight block, (64, bk).
               a = wb.at[mine] if transpose_rhs else wb.at[:, mine].transpose((1, 0))
-              plgpu.wgmma(acc_ref, a, x_smem.at[slot].transpose((1, 0)))
-              if with_tail:
-                plgpu.wgmma(tail_ref[0], a, t_smem.at[slot].transpose((1, 0)))
-              plgpu.wgmma_wait(2 if with_tail else 1)  # the previous step's are done
+              for acc_ref, (r, count) in zip(accs, parts):
+                plgpu.wgmma(acc_ref, a, x_smem.at[slot].at[pl.ds(r, count)].transpose((1, 0)))
+              plgpu.wgmma_wait(len(parts))  # the previous step's are done
               pl.when(kk > 0)(lambda: plgpu.barrier_arrive(
                   consumed.at[lax.rem(step + stages - 1, stages)]))
 
             plgpu.wgmma_wait(0)
             plgpu.barrier_arrive(consumed.at[lax.rem(step0 + k_steps - 1, stages)])
-            return acc_ref[...], tail_ref[0][...] if with_tail else None
+            return tuple(acc_ref[...] for acc_ref in accs)
 
-          scratch = [plgpu.ACC((_COLS, ROWS), jnp.float32)]
-          if with_tail:
-            scratch.append(plgpu.ACC((_COLS, tr), jnp.float32))
-          acc, tacc = pl.run_scoped(acc_scope, *scratch)
+          accs = pl.run_scoped(
+              acc_scope, *[plgpu.ACC((_COLS, count), jnp.float32) for _, count in parts])
 
           @pl.when(col < n)
           def _store():
-            for c in range(ROWS // _CHUNK):
-              hs = row0 + c * _CHUNK
-              s, count = mf._overlap(row_start, row_end, hs, hs + _CHUNK)
+            for acc, (r, count) in zip(accs, parts):
+              for c0 in range(0, count, _CHUNK):  # stores of at most 64 rows
+                width = min(_CHUNK, count - c0)
+                hs = row0 + r + c0
+                s, rows = mf._overlap(row_start, row_end, hs, hs + width)
+                chunk = acc if width == count else acc[:, c0:c0 + width]
 
-              @pl.when(count > 0)
-              def _():
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                # (columns, rows) registers into the (rows, columns) buffer.
-                my_smem.transpose((1, 0))[...] = sm90.column_chunk(acc, c, _CHUNK).astype(
-                    out_dtype)
-                plgpu.commit_smem()
-                mf._store_rows(my_smem, out_gmem, s - hs, s, count, col, max_rows=_CHUNK,
-                               width=_COLS)
-
-            if with_tail:
-              ts = row0 + ROWS
-              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-              my_tail.transpose((1, 0))[...] = tacc.astype(out_dtype)
-              plgpu.commit_smem()
-              mf._store_rows(my_tail, out_gmem, 0, ts, row_end - ts, col, max_rows=tr,
-                             width=_COLS)
+                @pl.when(rows > 0)
+                def _(chunk=chunk, width=width, hs=hs, s=s, rows=rows):
+                  buf = my_smem if width == _CHUNK else my_smem.at[pl.ds(0, width)]
+                  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                  # (columns, rows) registers into the (rows, columns) buffer.
+                  buf.transpose((1, 0))[...] = chunk.astype(out_dtype)
+                  plgpu.commit_smem()
+                  mf._store_rows(buf, out_gmem, s - hs, s, rows, col, max_rows=width,
+                                 width=_COLS)
 
         if tr:
           has_tail = row_end > row0 + ROWS
