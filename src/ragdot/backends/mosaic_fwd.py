@@ -422,10 +422,12 @@ def gpu_sweep_configs(
                        dtype, out_dtype)
         if c is not None and c not in out:
           out.append(c)
-      # Rows on wgmma's N axis with 32 tail rows folded (v19: 0.95-0.98x the table on
-      # the Qwen3 gate_up forwards and Qwen3-235B's dX; tails 0, 16 and 64 lost).
+      # Rows on wgmma's N axis with 32 tail rows folded as two 144-row wgmmas (v19:
+      # 0.93-0.96x the ring / pipeline entries on the Qwen3 gate_up forwards and
+      # Qwen3-235B's dX; tails 0, 16 and 64 lost).
       swap = dataclasses.replace(base, ring=True, swap=True, block_n=128, tail_rows=32,
-                                 epilogue_split=2, grid_tile_width=1, num_stages=4)
+                                 tail_split=True, epilogue_split=2, grid_tile_width=1,
+                                 num_stages=4)
       if jnp.dtype(out_dtype).itemsize == 2 and _fits(swap, dtype, out_dtype):
         out.append(swap)
     # 64-row tiles split by columns: half the padding of a group's last tile,
