@@ -46,14 +46,15 @@ def test_matches_oracle(sizes, m, k, n, offset, num_local, transpose_rhs, tail_r
   oracle.assert_zero_rows(out, sizes, offset, num_local)
 
 
-def test_no_races():
+@pytest.mark.parametrize("split", [False, True], ids=["fold", "split"])
+def test_no_races(split):
   from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret  # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
   sizes = [280, 7, 60, 150]
   x, w = oracle.random_inputs(jax.random.key(3), [(640, 128), (4, 128, 128)], jnp.bfloat16)
   out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), None, transpose_rhs=False,
                out_dtype=jnp.bfloat16, interpret=plgpu.InterpretGPUParams(detect_races=True),
-               config=dataclasses.replace(CFG, tail_rows=32, num_sms=2))
+               config=dataclasses.replace(CFG, tail_rows=32, num_sms=2, tail_split=split))
   oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, None, False), jnp.bfloat16)
   assert not gpu_interpret.get_races().races_found
 
