@@ -89,17 +89,18 @@ def _qwen_cases() -> dict:
 
 def _swap_cases() -> dict:
   """Qwen3-30B gate_up forward with the rows on wgmma's N axis
-  (``mosaic_fwd_swap``): no tails folded, and tails of up to 32 rows folded
-  (where does a folded item's extra time go?)."""
+  (``mosaic_fwd_swap``): no tails folded, tails of up to 32 rows folded, and
+  folded as two 144-row wgmmas (where does a folded item's extra time go?)."""
   from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
   qwen = bench.Shape("qwen3-30b gate_up", 32768, 2048, 1536, 128, 8)
   sizes = jnp.asarray(bench.routed_group_sizes(qwen, seed=0))
   x = jax.random.normal(jax.random.key(0), (qwen.m, qwen.k), jnp.bfloat16)
   w = jax.random.normal(jax.random.key(1), (qwen.g, qwen.k, qwen.n), jnp.bfloat16)
   out = {}
-  for name, tail in (("fwd_qwen_swap0", 0), ("fwd_qwen_swap32", 32)):
+  for name, tail, split in (("fwd_qwen_swap0", 0, False), ("fwd_qwen_swap32", 32, False),
+                            ("fwd_qwen_split32", 32, True)):
     cfg = mosaic_fwd.MosaicFwdConfig(128, 128, 64, 4, num_compute_wgs=2, ring=True, swap=True,
-                                     tail_rows=tail)
+                                     tail_rows=tail, tail_split=split)
     out[name] = (jax.jit(lambda x, w, gs, cfg=cfg: mosaic_fwd.gmm(
         x, w, gs, None, transpose_rhs=False, out_dtype=jnp.bfloat16, config=cfg)),
                  (x, w, sizes))
@@ -153,7 +154,7 @@ def _decode_cases() -> dict:
 _BUILDERS = (
     (_qwen_cases, ("fwd_qwen", "dw_qwen", "fwd_mixtral", "dense_qwen", "dw_qwen_p6",
                    "dw_qwen_masker", "dw_qwen_masker192", "dw_qwen_triton")),
-    (_swap_cases, ("fwd_qwen_swap0", "fwd_qwen_swap32")),
+    (_swap_cases, ("fwd_qwen_swap0", "fwd_qwen_swap32", "fwd_qwen_split32")),
     (_deepseek_cases, ("fwd_deepseek",)),
     (_ep_cases, ("fwd_ep", "fwd_ep_local", "fwd_ep_zeros")),
     (_decode_cases, ("fwd_down_decode", "fwd_deepseek_decode")),
