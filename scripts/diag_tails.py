@@ -5,8 +5,10 @@
 
 On the Qwen3 training shapes (m = 32768, 128 experts, top-8) times, interleaved
 with CUPTI, the table's forward config (and each ``--variants`` change of it,
-comma-separated FIELD=VALUE) on group-size layouts, and the dense matmul of the
-same (m, k, n):
+comma-separated FIELD=VALUE; on a swap entry, ``tail_rows=0`` needs
+``tail_split=False`` too) on group-size layouts, and the dense matmul of the
+same (m, k, n).  The tile counts below are the row-major ring's (128-row tiles,
+what the table held when this was written, v19a); a swap entry tiles by 256:
   routed   top-8 routing of random logits (the bench's sizes: 256 +- 15 rows);
   aligned  every group exactly 256 rows: two full 128-row tiles, no tail;
   halves   groups of 240 and 272 rows in turn: half the groups end in a tile

@@ -116,6 +116,19 @@ def test_group_offset_shard_uses_the_full_calls_entry():
     assert shard.config.producer_zeros is True and full.config.producer_zeros is None
 
 
+@pytest.mark.parametrize("has_offset", [False, True], ids=["full", "shard"])
+def test_f32_output_on_a_swap_entry_runs_the_row_major_ring(has_offset):
+  # Swap's transposed stores take 16 bits: an f32 output refits the entry to its
+  # row-major ring instead of failing (the Qwen3-30B gate_up forward entry is swap).
+  got = dispatch.choose("gmm", None, dtype=jnp.bfloat16, out_dtype=jnp.float32, device=H200,
+                        has_offset=has_offset,
+                        **(dict(GATE_UP, g=16, num_groups=128) if has_offset else GATE_UP))
+  full = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=H200, **GATE_UP)
+  assert full.config.swap, "the shipped entry is expected to be swap"
+  assert got.implementation == "mosaic" and not got.config.swap and got.config.ring
+  assert got.config.block_n == 256 and not got.config.tail_rows
+
+
 def test_explicit_triton_gets_the_table_config_where_the_table_names_triton():
   # DeepSeek-V3 down's dX: rhs read transposed, k = 7168 and n = 2048 as the backend sees them.
   deepseek_dx = dict(GATE_UP, k=7168, n=2048, g=256, num_groups=256, transpose_rhs=True)

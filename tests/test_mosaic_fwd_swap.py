@@ -59,17 +59,28 @@ def test_no_races(split):
   assert not gpu_interpret.get_races().races_found
 
 
-def test_f32_output_and_small_m_fall_back():
-  # A 32-bit output (the transposed stores take 16 bits) and m < 256 + tail_rows run
-  # the default config instead.
+def test_f32_output_and_small_m_do_not_run_swap(monkeypatch):
+  # A 32-bit output (the transposed stores take 16 bits) runs the row-major ring, and
+  # m < 256 + tail_rows the default config: the swap kernel is never entered.
+  from ragdot.backends import mosaic_fwd_swap  # pylint: disable=g-import-not-at-top
+
+  def refuse(*args, **kwargs):
+    raise AssertionError("the swap kernel ran")
+
+  monkeypatch.setattr(mosaic_fwd_swap, "gmm", refuse)
   sizes = [100, 150]
   x, w = oracle.random_inputs(jax.random.key(5), [(256, 64), (2, 64, 128)], jnp.bfloat16)
   for out_dtype, tail in ((jnp.float32, 0), (jnp.bfloat16, 16)):
     out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), None, transpose_rhs=False,
                  out_dtype=out_dtype, interpret=True,
-                 config=dataclasses.replace(CFG, tail_rows=tail))
+                 config=dataclasses.replace(CFG, tail_rows=tail, tail_split=bool(tail)))
     assert out.dtype == out_dtype
     oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, None, False), out_dtype)
+  # The f32 refit of a swap config is its row-major ring; the 16-bit one is unchanged.
+  split = dataclasses.replace(CFG, num_stages=4, tail_rows=32, tail_split=True)
+  assert mf.fit_config(split, jnp.bfloat16, jnp.float32) == mf.fit_config(
+      mf.row_major_ring(split), jnp.bfloat16, jnp.float32)
+  assert mf.fit_config(split, jnp.bfloat16, jnp.bfloat16) == split
 
 
 def test_config_checks():

@@ -59,6 +59,9 @@ def test_every_entry_names_a_config_the_kernel_accepts(table):
     if entry["backend"] == "mosaic":  # fits SMEM for 16-bit in and out
       module = importlib.import_module(dispatch.CONFIG_CLASSES[("mosaic", op)][0])
       assert module.fit_config(config, "bfloat16", "bfloat16") == config, text
+      # ... and refits to a valid config (or to None: the default) for an f32 output.
+      wide = module.fit_config(config, "bfloat16", "float32")
+      assert wide is None or isinstance(wide, cls), text
   for ops in table.data["defaults"].values():
     for op, default in ops.items():
       assert op in tables.OPS

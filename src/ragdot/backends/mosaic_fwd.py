@@ -64,6 +64,7 @@ _IN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _OUT_DTYPES = _IN_DTYPES + (jnp.dtype(jnp.float32),)
 _SMEM_RESERVE = 1024  # barriers and alignment (48 bytes measured for 2 warpgroups)
 _WG_ROWS = 64  # wgmma M per warpgroup
+SWAP_ROWS = 256  # rows per swap tile: wgmma's largest N
 _INTERPRET_SMS = 4
 
 
@@ -126,12 +127,14 @@ class MosaicFwdConfig:
     when the tile's k steps are a multiple of num_stages (otherwise per tile).
   ring: 2 warpgroups (block_m 128) only: run ``mosaic_fwd_ring``, one
     hand-written ring of stages through all of a CTA's items (in grid order,
-    see ``_work_item``), instead of a pipeline per tile; skip_empty_halves,
-    delay_release, pipeline_across_tiles and guard_last_stage do not apply.
-  tail_rows: ring only, 0, 8, 16 or 32: a group's last tile holding at most
-    this many rows is folded into the tile before it, whose consumers compute
-    those rows with swapped wgmma operands (see ``mosaic_fwd_ring``); needs
-    block_n a multiple of 128.
+    see ``_work_item``), instead of a pipeline per tile (``mosaic_fwd_swap``
+    with ``swap``); skip_empty_halves, delay_release, pipeline_across_tiles and
+    guard_last_stage do not apply.
+  tail_rows: ring only, 0, 8, 16 or 32 (or 64 with ``swap``): a group's last
+    tile holding at most this many rows is folded into the tile before it,
+    whose consumers compute those rows with swapped wgmma operands (see
+    ``mosaic_fwd_ring``), or with ``swap`` as more rows on wgmma's N axis;
+    needs block_n a multiple of 128.
   zero_lead: ring only, with producer_zeros off: the calls with a
     group_offset write the rows outside the shard as zero items after the
     compute items.  The CTAs whose item
@@ -155,14 +158,17 @@ class MosaicFwdConfig:
   swap: ring only: run ``mosaic_fwd_swap``, tiles of up to 256 rows x block_n
     = 128 columns with the rows on wgmma's N axis (each consumer: 64 columns x
     256 rows), so a folded tail (``tail_rows`` up to 64) rides on the weight
-    block in SMEM as a second wgmma of N = tail_rows.  A 16-bit output only;
-    the consumers write the rows outside the shard's window after the ring
-    (no ``producer_zeros``; with its default None a shard call runs the
-    row-major ring with producer zeros instead, see ``resolve_producer_zeros``);
-    epilogue_split does not apply (64-row stores).
+    block already in SMEM as more N.  A 16-bit output (a 32-bit one runs
+    ``row_major_ring``); the consumers write the rows outside the shard's
+    window after the ring (no ``producer_zeros``; with its default None a
+    shard call runs ``row_major_ring`` with producer zeros instead, see
+    ``resolve_producer_zeros``); epilogue_split does not apply (64-row stores).
   tail_split: swap with tail_rows 16, 32 or 64: a tile with a folded tail runs
-    two wgmmas of (256 + tail_rows) / 2 rows each instead of 256 and tail_rows
-    (a small-N wgmma costs the tensor pipe far more than its FLOPs, v19e).
+    two wgmmas of (256 + tail_rows) / 2 rows each instead of one of 256 and one
+    of tail_rows.  Measured 0.972-0.988x the unsplit fold on the Qwen3 shapes
+    (docs/performance.md v19g-h); by tensor-pipe time both cost ~1.47 plain
+    tiles (v19i: each wgmma instruction has a fixed cost of ~0.39 of an N = 256
+    one).
   zero_box_rows: with producer_zeros, the rows of its zero buffer (8, 16, 32
     or 64): each 64-row half of a zero item goes out in stores of at most
     this many rows.  Fewer rows leave room for wider epilogue chunks (a
@@ -269,7 +275,7 @@ class MosaicFwdConfig:
     """
     isz, osz = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
     if self.swap:  # 256 + tail rows and 128 columns per stage; 64 x 64 staging per consumer
-      per_stage = (2 * self.block_m + self.tail_rows + self.block_n) * self.block_k * isz
+      per_stage = (SWAP_ROWS + self.tail_rows + self.block_n) * self.block_k * isz
       staging = self.num_compute_wgs * _WG_ROWS * _WG_ROWS * osz
       return self.num_stages * per_stage + staging
     per_stage = (self.block_m + self.block_n) * self.block_k * isz
@@ -298,14 +304,21 @@ def resolve_producer_zeros(cfg: MosaicFwdConfig, has_offset: bool, dtype: Any,
   if cfg.producer_zeros is not None:
     return cfg
   if cfg.swap and has_offset:
-    # swap has no producer zeros: a shard call runs the row-major ring with them
-    # (the EP=8 shard's measured best, v17), the same k steps and stages.
-    cfg = dataclasses.replace(cfg, swap=False, block_n=256, tail_rows=0, tail_split=False)
+    # swap has no producer zeros: a shard call runs the row-major ring with them,
+    # the same k steps and stages (measured best for Qwen3-30B's EP=8 shard, v17;
+    # not measured on other shapes' shards).
+    cfg = row_major_ring(cfg)
   if cfg.ring and has_offset and cfg.zero_lead is None:  # (an explicit zero_lead: off)
     fitted = _fit_split(dataclasses.replace(cfg, producer_zeros=True), dtype, out_dtype)
     if fitted is not None:
       return fitted
   return dataclasses.replace(cfg, producer_zeros=False)
+
+
+def row_major_ring(cfg: MosaicFwdConfig) -> MosaicFwdConfig:
+  """A swap config's row-major ring counterpart (128 x 256 tiles, no tails):
+  what runs where swap cannot (shard calls with producer zeros, 32-bit outputs)."""
+  return dataclasses.replace(cfg, swap=False, block_n=256, tail_rows=0, tail_split=False)
 
 
 def _fits(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> bool:
@@ -325,10 +338,14 @@ def _fit_split(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> MosaicFwdCon
 
 def fit_config(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> MosaicFwdConfig | None:
   """``cfg`` made to fit SMEM: a larger epilogue split first, then fewer stages
-  (down to 2); None when nothing fits.  Folded tails need a 16-bit output
-  (their transposed store): dropped for f32."""
-  if cfg.tail_rows and jnp.dtype(out_dtype).itemsize != 2:
-    cfg = dataclasses.replace(cfg, tail_rows=0)
+  (down to 2); None when nothing fits.  Folded tails and swap need a 16-bit
+  output (their transposed stores): for f32 tails are dropped and swap becomes
+  the row-major ring (``row_major_ring``)."""
+  if jnp.dtype(out_dtype).itemsize != 2:
+    if cfg.swap:
+      cfg = row_major_ring(cfg)
+    elif cfg.tail_rows:
+      cfg = dataclasses.replace(cfg, tail_rows=0)
   while True:
     fitted = _fit_split(cfg, dtype, out_dtype)
     if fitted is not None:
@@ -428,7 +445,8 @@ def gpu_sweep_configs(
       swap = dataclasses.replace(base, ring=True, swap=True, block_n=128, tail_rows=32,
                                  tail_split=True, epilogue_split=2, grid_tile_width=1,
                                  num_stages=4)
-      if jnp.dtype(out_dtype).itemsize == 2 and _fits(swap, dtype, out_dtype):
+      if (m >= SWAP_ROWS + swap.tail_rows and jnp.dtype(out_dtype).itemsize == 2
+          and _fits(swap, dtype, out_dtype)):  # (else gmm would run another config)
         out.append(swap)
     # 64-row tiles split by columns: half the padding of a group's last tile,
     # 1.67x the L2 -> SMEM bytes per FLOP (the default already runs the L2 at
@@ -877,16 +895,20 @@ def gmm(
     return jnp.zeros((m, n), out_dtype)
   if g_local == 0 or k == 0 or group_sizes.shape[0] == 0:
     return jnp.zeros((m, n), out_dtype)
+  has_offset = group_offset is not None
+  if config is not None:
+    config = resolve_producer_zeros(config, has_offset, lhs.dtype, out_dtype)
+    if config.swap and out_dtype.itemsize != 2:  # swap's transposed stores: 16 bits
+      config = resolve_producer_zeros(row_major_ring(config), has_offset, lhs.dtype, out_dtype)
   if config is None or (config.num_compute_wgs == 2 and not config.ring
                         and k <= config.block_k) or (
-      config.ring and m < config.block_m * (1 + config.swap) + config.tail_rows) or (
-      config.swap and out_dtype.itemsize != 2):
+      config.ring and m < (SWAP_ROWS if config.swap else config.block_m) + config.tail_rows):
     # The warp-specialized pipeline never releases a tile's last slot: with a
     # single k step the producer could refill it early, so use one warpgroup
     # (the ring releases every slot).  The ring's loads need 128 + tail_rows rows
-    # (swap: 256 + tail_rows), and swap's transposed stores a 16-bit output.
+    # (swap: 256 + tail_rows).
     config = default_config(m, k, n, g_local, lhs.dtype, transpose_rhs, out_dtype)
-  config = resolve_producer_zeros(config, group_offset is not None, lhs.dtype, out_dtype)
+    config = resolve_producer_zeros(config, has_offset, lhs.dtype, out_dtype)
   if config.smem_bytes(lhs.dtype, out_dtype) > config.smem_budget():
     raise NotImplementedError(
         f"config {config} needs {config.smem_bytes(lhs.dtype, out_dtype)} bytes of SMEM"

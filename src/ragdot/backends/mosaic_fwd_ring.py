@@ -62,7 +62,8 @@ def attach_tails(tiles: jax.Array, num_tiles: jax.Array, tail_rows: int
 
   Returns ``(tiles, num_tiles)`` in the same layout: a group's last tile that
   holds at most ``tail_rows`` rows and is not its first tile is gone, and the
-  tile before it ends at the group's end (at most ``row0 + 128 + tail_rows``).
+  tile before it ends at the group's end (at most ``row0 + tile rows +
+  tail_rows``: 128 in the ring, 256 in ``mosaic_fwd_swap``).
   """
   t_max = tiles.shape[1]
   group, row0, row_end = tiles[0], tiles[1], tiles[3]
@@ -338,17 +339,17 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: jax.Array | None,
-        *, transpose_rhs: bool, out_dtype: Any, config: mf.MosaicFwdConfig,
-        interpret: Any = False) -> jax.Array:
-  """``mosaic_fwd.gmm`` for a ``ring=True`` config (checked by ``mosaic_fwd.gmm``:
-  supported dtypes and alignments, non-empty operands, m >= 128 + tail_rows, a
-  config that fits SMEM)."""
+def launch(body, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
+           group_offset: jax.Array | None, *, rows: int, transpose_rhs: bool, out_dtype: Any,
+           config: mf.MosaicFwdConfig, interpret: Any = False) -> jax.Array:
+  """Builds the group-aligned schedule of ``rows``-row tiles (tails folded per
+  ``config.tail_rows``) and runs ``body`` (a ring kernel body: producer and two
+  consumer warpgroups, one CTA per SM) over it."""
   m, k = lhs.shape
   g_local = rhs.shape[0]
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   tiles, scalars = backends.flat_schedule(
-      group_sizes, group_offset, m=m, num_local=g_local, block_m=_ROWS,
+      group_sizes, group_offset, m=m, num_local=g_local, block_m=rows,
       use_kernel=config.schedule_kernel, interpret=bool(interpret))
   if config.tail_rows:
     tiles, num_tiles = attach_tails(tiles.reshape(4, -1), scalars[0], config.tail_rows)
@@ -358,7 +359,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: ja
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
   kernel = plgpu.kernel(
-      functools.partial(_body, m=m, k=k, n=n, cfg=config, transpose_rhs=transpose_rhs,
+      functools.partial(body, m=m, k=k, n=n, cfg=config, transpose_rhs=transpose_rhs,
                         num_ctas=num_ctas),
       out_type=out_struct((m, n), out_dtype, lhs),
       grid=(num_ctas,),
@@ -370,3 +371,14 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: ja
       interpret=interpret if interpret else None,
   )
   return make_varying(kernel(tiles, scalars, lhs, rhs), varying_axes(lhs))
+
+
+def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: jax.Array | None,
+        *, transpose_rhs: bool, out_dtype: Any, config: mf.MosaicFwdConfig,
+        interpret: Any = False) -> jax.Array:
+  """``mosaic_fwd.gmm`` for a ``ring=True`` config (checked by ``mosaic_fwd.gmm``:
+  supported dtypes and alignments, non-empty operands, m >= 128 + tail_rows, a
+  config that fits SMEM)."""
+  return launch(_body, lhs, rhs, group_sizes, group_offset, rows=_ROWS,
+                transpose_rhs=transpose_rhs, out_dtype=out_dtype, config=config,
+                interpret=interpret)

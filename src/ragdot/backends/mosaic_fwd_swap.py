@@ -1,17 +1,17 @@
-"""The forward / dX grouped matmul with the tokens on wgmma's N axis
+"""The forward / dX grouped matmul with the rows on wgmma's N axis
 (``MosaicFwdConfig(ring=True, swap=True)``; ``mosaic_fwd.gmm`` calls here).
 
 Each item computes ``out[rows, cols]^T = W[:, cols]^T @ x[rows]^T`` for up to
 256 rows of one group and 128 output columns: each consumer warpgroup holds a
 (64 columns, 256 rows) f32 accumulator and feeds wgmma the weight block as its
-A operand (M = 64 columns) and the rows as its B operand (N = 256 rows).  Rows
-then come in steps of 8 instead of 64, so a group's last few rows ride along
-with the tile before them (``tail_rows``, up to 64) as a second wgmma of N =
-``tail_rows`` on the same A operand: the weight block is loaded once, and the
-fold costs that block's second read from SMEM (8 KB per consumer per k step)
-plus the rows themselves.  In the row-major ring (``mosaic_fwd_ring``) a fold
-re-reads 128 columns of weights per consumer and step, twice as much, and a tail
-left as its own item streams its whole weight block again.
+A operand (M = 64 columns) and the rows as its B operand (N = 256 rows).  A
+group's last few rows (``tail_rows``, up to 64) then ride along with the tile
+before them on the weight block already in SMEM, as more N: a second wgmma of
+N = tail_rows, or with ``tail_split`` two wgmmas of (256 + tail_rows) / 2 rows.
+No tail item streams its weight block again, as in the row-major ring; but
+each extra wgmma instruction costs the tensor pipe a fixed ~0.39 of an N = 256
+one whatever its N (docs/performance.md v19i), so a folded tile costs ~1.47
+plain ones, not the 1.125 its rows say.
 
 Group-aligned tiles: a group's rows start a new tile; a tile's rows past its
 group's end are computed and never stored.  Rows outside the shard's window
@@ -31,13 +31,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ragdot import backends
 from ragdot.backends import mosaic_fwd as mf
 from ragdot.backends import mosaic_fwd_ring as ring
 from ragdot.backends import sm90
-from ragdot.manual_axes import make_varying, match_varying, out_struct, varying_axes
 
-ROWS = 256  # rows per tile: wgmma's largest N
+ROWS = mf.SWAP_ROWS  # rows per tile: wgmma's largest N
 _COLS = 64  # output columns per consumer: wgmma's M
 _CHUNK = 64  # rows per epilogue store
 
@@ -221,29 +219,6 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: ja
   """``mosaic_fwd.gmm`` for a ``swap=True`` config (checked by ``mosaic_fwd.gmm``:
   supported dtypes and alignments, non-empty operands, m >= 256 + tail_rows, a
   config that fits SMEM, a 16-bit output)."""
-  m, k = lhs.shape
-  g_local = rhs.shape[0]
-  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-  tiles, scalars = backends.flat_schedule(
-      group_sizes, group_offset, m=m, num_local=g_local, block_m=ROWS,
-      use_kernel=config.schedule_kernel, interpret=bool(interpret))
-  if config.tail_rows:
-    tiles, num_tiles = ring.attach_tails(tiles.reshape(4, -1), scalars[0], config.tail_rows)
-    tiles, scalars = tiles.reshape(-1), scalars.at[0].set(num_tiles)
-  tiles, scalars, lhs, rhs = match_varying(tiles, scalars, lhs, rhs)
-  num_ctas = mf._num_sms(config, bool(interpret))
-  if interpret is True:
-    interpret = plgpu.InterpretGPUParams()
-  kernel = plgpu.kernel(
-      functools.partial(_body, m=m, k=k, n=n, cfg=config, transpose_rhs=transpose_rhs,
-                        num_ctas=num_ctas),
-      out_type=out_struct((m, n), out_dtype, lhs),
-      grid=(num_ctas,),
-      grid_names=("sm",),
-      num_threads=3,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=interpret if interpret else None,
-  )
-  return make_varying(kernel(tiles, scalars, lhs, rhs), varying_axes(lhs))
+  return ring.launch(_body, lhs, rhs, group_sizes, group_offset, rows=ROWS,
+                     transpose_rhs=transpose_rhs, out_dtype=out_dtype, config=config,
+                     interpret=interpret)
