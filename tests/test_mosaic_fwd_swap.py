@@ -68,12 +68,15 @@ def test_f32_output_and_small_m_do_not_run_swap(monkeypatch):
     raise AssertionError("the swap kernel ran")
 
   monkeypatch.setattr(mosaic_fwd_swap, "gmm", refuse)
-  sizes = [100, 150]
-  x, w = oracle.random_inputs(jax.random.key(5), [(256, 64), (2, 64, 128)], jnp.bfloat16)
-  for out_dtype, tail in ((jnp.float32, 0), (jnp.bfloat16, 16)):
+  # f32 with m = 384 >= 256 + 32 (only the dtype rules swap out; its 4-stage row-major
+  # ring is refitted to SMEM for the f32 staging); bf16 with m = 256 < 256 + 16.
+  for m, sizes, out_dtype, tail, stages in ((384, [100, 250], jnp.float32, 32, 4),
+                                            (256, [100, 150], jnp.bfloat16, 16, 2)):
+    x, w = oracle.random_inputs(jax.random.key(m), [(m, 64), (2, 64, 128)], jnp.bfloat16)
     out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), None, transpose_rhs=False,
                  out_dtype=out_dtype, interpret=True,
-                 config=dataclasses.replace(CFG, tail_rows=tail, tail_split=bool(tail)))
+                 config=dataclasses.replace(CFG, tail_rows=tail, tail_split=True,
+                                            num_stages=stages))
     assert out.dtype == out_dtype
     oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, None, False), out_dtype)
   # The f32 refit of a swap config is its row-major ring; the 16-bit one is unchanged.

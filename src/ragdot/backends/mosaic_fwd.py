@@ -896,10 +896,12 @@ def gmm(
   if g_local == 0 or k == 0 or group_sizes.shape[0] == 0:
     return jnp.zeros((m, n), out_dtype)
   has_offset = group_offset is not None
+  if config is not None and config.swap and out_dtype.itemsize != 2:
+    # swap's transposed stores take 16 bits: its row-major ring, fitted to SMEM
+    # for this output (None: the default below).
+    config = fit_config(config, lhs.dtype, out_dtype)
   if config is not None:
     config = resolve_producer_zeros(config, has_offset, lhs.dtype, out_dtype)
-    if config.swap and out_dtype.itemsize != 2:  # swap's transposed stores: 16 bits
-      config = resolve_producer_zeros(row_major_ring(config), has_offset, lhs.dtype, out_dtype)
   if config is None or (config.num_compute_wgs == 2 and not config.ring
                         and k <= config.block_k) or (
       config.ring and m < (SWAP_ROWS if config.swap else config.block_m) + config.tail_rows):
