@@ -157,6 +157,59 @@ def _producer_zero_boxes(z_smem, out_gmem, cta, num_ctas: int, num_zero_work, gr
   return zero_box, count
 
 
+# The ring's protocol, shared with ``mosaic_fwd_swap``: CTA ``cta`` takes items
+# ``cta + j * num_ctas``; ring step ``s`` uses slot ``s % stages``; the producer
+# fills a slot once both consumers have released it (``consumed``), and each
+# consumer releases a step's slot once the next step's wgmmas are issued.
+
+def for_each_item(my_items, cta, num_ctas: int, k_steps, body) -> None:
+  """``body(w, step0)`` for this CTA's items (step0: the ring step of item w's
+  first k step)."""
+  @pl.loop(0, my_items)
+  def _(j):
+    body(cta + j * num_ctas, j * k_steps)
+
+
+def free_slot(consumed, step, stages: int):
+  """The producer's slot for ring step ``step``, once both consumers released it."""
+  slot = lax.rem(step, stages)
+  pl.when(step >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
+  return slot
+
+
+def rhs_block(rhs_gmem, grp, ni, cols, bn: int, transpose_rhs: bool):
+  """rhs[grp]'s (k slice ``cols``, n tile ``ni``) block: (bk, bn), or (bn, bk)
+  from rhs [g, n, k] for dX."""
+  if transpose_rhs:
+    return rhs_gmem.at[grp, pl.ds(ni * bn, bn), cols]
+  return rhs_gmem.at[grp, cols, pl.ds(ni * bn, bn)]
+
+
+def drain(consumed, total_steps, stages: int) -> None:
+  """Waits for the consumers' last release of every slot (before the CTA exits)."""
+  @pl.loop(jnp.maximum(total_steps - stages, 0), total_steps)
+  def _(step):
+    plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
+
+
+def consume_item(produced, consumed, step0, k_steps, stages: int, mma, in_flight: int) -> None:
+  """A consumer's k steps of one item: ``mma(slot)`` issues a step's wgmmas
+  (``in_flight`` of them); the previous step's slot is released once they are
+  done, the item's last slot after its last wgmma."""
+  @pl.loop(0, k_steps)
+  def _(kk):
+    step = step0 + kk
+    slot = lax.rem(step, stages)
+    plgpu.barrier_wait(produced.at[slot])
+    mma(slot)
+    plgpu.wgmma_wait(in_flight)  # the previous step's are done
+    pl.when(kk > 0)(lambda: plgpu.barrier_arrive(
+        consumed.at[lax.rem(step + stages - 1, stages)]))
+
+  plgpu.wgmma_wait(0)
+  plgpu.barrier_arrive(consumed.at[lax.rem(step0 + k_steps - 1, stages)])
+
+
 def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int, n: int,
           cfg: mf.MosaicFwdConfig, transpose_rhs: bool, num_ctas: int):
   bn, bk, stages, cn = cfg.block_n, cfg.block_k, cfg.num_stages, cfg.epilogue_n
@@ -196,12 +249,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
       """(n tile, group, row0, row_start, row_end) of work item w."""
       return mf._work_item(tiles_gmem, w, num_tiles, max_tiles, grid_n, cfg)
 
-    def works(body):
-      """body(w, step0) for this CTA's items (step0: the ring step of the
-      item's first k step)."""
-      @pl.loop(0, my_items)
-      def _(j):
-        body(cta + j * num_ctas, j * k_steps)
+    works = functools.partial(for_each_item, my_items, cta, num_ctas, k_steps)
 
     @pl.when(wg == 2)
     def _producer():
@@ -225,8 +273,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
         @pl.loop(0, k_steps)
         def _(kk):
           step = step0 + kk
-          slot = lax.rem(step, stages)
-          pl.when(step >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
+          slot = free_slot(consumed, step, stages)
           cols = pl.ds(kk * bk, bk)
           plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(row0, _ROWS), cols], a_smem.at[slot],
                                   produced.at[slot])
@@ -234,11 +281,8 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
             pl.when(has_tail)(lambda: plgpu.copy_gmem_to_smem(
                 lhs_gmem.at[pl.ds(row0 + _ROWS, tr), cols], t_smem.at[slot], produced.at[slot]))
             pl.when(~has_tail)(lambda: plgpu.barrier_arrive(produced.at[slot]))
-          if transpose_rhs:
-            src = rhs_gmem.at[grp, pl.ds(ni * bn, bn), cols]
-          else:
-            src = rhs_gmem.at[grp, cols, pl.ds(ni * bn, bn)]
-          plgpu.copy_gmem_to_smem(src, b_smem.at[slot], produced.at[slot])
+          plgpu.copy_gmem_to_smem(rhs_block(rhs_gmem, grp, ni, cols, bn, transpose_rhs),
+                                  b_smem.at[slot], produced.at[slot])
           if pz:  # this step's share of the zero rows, after its loads
             pl.loop(boxes_due(step), boxes_due(step + 1))(zero_box)
 
@@ -247,10 +291,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
       if pz:  # a CTA without compute items writes all of its boxes here
         pl.loop(boxes_due(my_steps), my_boxes)(zero_box)
 
-      # Wait for the consumers' last release of every slot before the CTA exits.
-      @pl.loop(jnp.maximum(total - stages, 0), total)
-      def _drain(step):
-        plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
+      drain(consumed, total, stages)
 
       if pz:  # the zero buffer must outlive its stores
         plgpu.wait_smem_to_gmem(0)
@@ -271,11 +312,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
           # Two copies of the tile, chosen per tile outside the k loop: no
           # accumulator crosses a branch while its wgmmas are in flight.
           def acc_scope(acc_ref, *tail_ref):
-            @pl.loop(0, k_steps)
-            def _(kk):
-              step = step0 + kk
-              slot = lax.rem(step, stages)
-              plgpu.barrier_wait(produced.at[slot])
+            def mma(slot):
               b = b_smem.at[slot]
               plgpu.wgmma(acc_ref, a_smem.at[slot].at[pl.ds(wg * _HALF, _HALF)],
                           b.transpose((1, 0)) if transpose_rhs else b)
@@ -283,12 +320,9 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
                 # The tail's rows, operands swapped: (tn, tr) += W[:, half]^T @ x_tail^T.
                 w_t = b.at[half] if transpose_rhs else b.at[:, half].transpose((1, 0))
                 plgpu.wgmma(tail_ref[0], w_t, t_smem.at[slot].transpose((1, 0)))
-              plgpu.wgmma_wait(2 if with_tail else 1)  # the previous step's are done
-              pl.when(kk > 0)(lambda: plgpu.barrier_arrive(
-                  consumed.at[lax.rem(step + stages - 1, stages)]))
 
-            plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(consumed.at[lax.rem(step0 + k_steps - 1, stages)])
+            consume_item(produced, consumed, step0, k_steps, stages, mma,
+                         in_flight=2 if with_tail else 1)
             return acc_ref[...], tail_ref[0][...] if with_tail else None
 
           scratch = [plgpu.ACC((_HALF, bn), jnp.float32)]

@@ -82,10 +82,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
       """(n tile, group, row0, row_start, row_end) of work item w (row-major)."""
       return mf._work_item(tiles_gmem, w, num_tiles, max_tiles, grid_n, cfg)
 
-    def works(body):
-      @pl.loop(0, my_items)
-      def _(j):
-        body(cta + j * num_ctas, j * k_steps)
+    works = functools.partial(ring.for_each_item, my_items, cta, num_ctas, k_steps)
 
     @pl.when(wg == 2)
     def _producer():
@@ -97,9 +94,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
 
         @pl.loop(0, k_steps)
         def _(kk):
-          step = step0 + kk
-          slot = lax.rem(step, stages)
-          pl.when(step >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
+          slot = ring.free_slot(consumed, step0 + kk, stages)
           cols = pl.ds(kk * bk, bk)
 
           def rows(with_tail: bool) -> None:
@@ -115,18 +110,11 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
             pl.when(~has_tail)(lambda: rows(False))
           else:
             rows(False)
-          if transpose_rhs:
-            src = rhs_gmem.at[grp, pl.ds(ni * bn, bn), cols]
-          else:
-            src = rhs_gmem.at[grp, cols, pl.ds(ni * bn, bn)]
-          plgpu.copy_gmem_to_smem(src, w_smem.at[slot], produced.at[slot])
+          plgpu.copy_gmem_to_smem(ring.rhs_block(rhs_gmem, grp, ni, cols, bn, transpose_rhs),
+                                  w_smem.at[slot], produced.at[slot])
 
       works(load)
-      total = my_items * k_steps
-
-      @pl.loop(jnp.maximum(total - stages, 0), total)
-      def _drain(step):
-        plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
+      ring.drain(consumed, my_items * k_steps, stages)
 
     @pl.when(wg < 2)
     def _consumers():
@@ -144,22 +132,15 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
           parts = _parts(cfg, with_tail)
 
           def acc_scope(*accs):
-            @pl.loop(0, k_steps)
-            def _(kk):
-              step = step0 + kk
-              slot = lax.rem(step, stages)
-              plgpu.barrier_wait(produced.at[slot])
+            def mma(slot):
               wb = w_smem.at[slot]
               # A: this consumer's 64 columns of the weight block, (64, bk).
               a = wb.at[mine] if transpose_rhs else wb.at[:, mine].transpose((1, 0))
               for acc_ref, (r, count) in zip(accs, parts):
                 plgpu.wgmma(acc_ref, a, x_smem.at[slot].at[pl.ds(r, count)].transpose((1, 0)))
-              plgpu.wgmma_wait(len(parts))  # the previous step's are done
-              pl.when(kk > 0)(lambda: plgpu.barrier_arrive(
-                  consumed.at[lax.rem(step + stages - 1, stages)]))
 
-            plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(consumed.at[lax.rem(step0 + k_steps - 1, stages)])
+            ring.consume_item(produced, consumed, step0, k_steps, stages, mma,
+                              in_flight=len(parts))
             return tuple(acc_ref[...] for acc_ref in accs)
 
           accs = pl.run_scoped(
