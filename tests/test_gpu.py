@@ -127,6 +127,28 @@ def test_triton_real_sizes(shape):
   oracle.assert_close(dw, oracle.np_trans_ragged_dot(x, dy, sizes), jnp.bfloat16)
 
 
+def _check_mosaic_gmm(cfg, shape, transpose_rhs, offset, seed):
+  """mosaic_fwd.gmm with ``cfg`` at a real size on NaN-poisoned memory: against
+  the f32 oracle, exact zeros outside the shard (``offset``: half the groups),
+  bitwise the same on a second call."""
+  from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
+  m, k, n, g, layout = shape
+  sizes = _sizes(m, g, layout)
+  local = g if offset is None else g // 2
+  rshape = (local, n, k) if transpose_rhs else (local, k, n)
+  x, w = oracle.random_inputs(jax.random.key(seed), [(m, k), rshape], jnp.bfloat16)
+  go = None if offset is None else jnp.int32(offset)
+  fn = jax.jit(lambda x, w, gs: mosaic_fwd.gmm(
+      x, w, gs, go, transpose_rhs=transpose_rhs, out_dtype=jnp.bfloat16, config=cfg))
+  _poison(4 * m * max(n, k))
+  out = fn(x, w, jnp.asarray(sizes))
+  oracle.assert_close(out, oracle.np_ragged_dot(x, w, sizes, go, transpose_rhs=transpose_rhs),
+                      jnp.bfloat16)
+  oracle.assert_zero_rows(out, sizes, offset, local)
+  again = fn(x, w, jnp.asarray(sizes))
+  assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(again).view(np.uint16))
+
+
 RING_SHAPES = SHAPES + [(8192, 1024, 960, 32, "routed")]  # ~256 rows per group: tails
 _PZ = dict(producer_zeros=True)  # the producer writes the shard's zero rows
 _CZ = dict(producer_zeros=False)  # the consumers do, after the ring
@@ -155,25 +177,11 @@ def test_ring_real_sizes(shape, transpose_rhs, tail_rows, offset, zero_lead, str
   zero rows: ``fields``, replacing the 3-stage config's), and strips of n tiles."""
   import dataclasses  # pylint: disable=g-import-not-at-top
   from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
-  m, k, n, g, layout = shape
-  sizes = _sizes(m, g, layout)
-  local = g if offset is None else g // 2
-  rshape = (local, n, k) if transpose_rhs else (local, k, n)
-  x, w = oracle.random_inputs(jax.random.key(m + k + n), [(m, k), rshape], jnp.bfloat16)
   cfg = mosaic_fwd.MosaicFwdConfig(128, 256, 64, 3, num_compute_wgs=2, epilogue_split=2,
                                    ring=True, tail_rows=tail_rows, zero_lead=zero_lead,
                                    grid_minor_dim=int(strips > 1), grid_tile_width=strips)
-  cfg = dataclasses.replace(cfg, **fields)
-  go = None if offset is None else jnp.int32(offset)
-  fn = jax.jit(lambda x, w, gs: mosaic_fwd.gmm(
-      x, w, gs, go, transpose_rhs=transpose_rhs, out_dtype=jnp.bfloat16, config=cfg))
-  _poison(4 * m * max(n, k))
-  out = fn(x, w, jnp.asarray(sizes))
-  oracle.assert_close(out, oracle.np_ragged_dot(x, w, sizes, go, transpose_rhs=transpose_rhs),
-                      jnp.bfloat16)
-  oracle.assert_zero_rows(out, sizes, offset, local)
-  again = fn(x, w, jnp.asarray(sizes))
-  assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(again).view(np.uint16))
+  _check_mosaic_gmm(dataclasses.replace(cfg, **fields), shape, transpose_rhs, offset,
+                    seed=sum(shape[:3]))
 
 
 SWAP_SHAPES = SHAPES + [(32768, 2048, 1536, 128, "routed")]  # ~256 rows per group: tails
@@ -191,24 +199,10 @@ def test_swap_real_sizes(shape, transpose_rhs, tail_rows, stages, offset, split)
   """The forward / dX with the rows on wgmma's N axis (mosaic_fwd_swap): folded
   tails of up to 64 rows, shards whose zero rows the consumers write."""
   from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
-  m, k, n, g, layout = shape
-  sizes = _sizes(m, g, layout)
-  local = g if offset is None else g // 2
-  rshape = (local, n, k) if transpose_rhs else (local, k, n)
-  x, w = oracle.random_inputs(jax.random.key(m + k + n + 1), [(m, k), rshape], jnp.bfloat16)
   cfg = mosaic_fwd.MosaicFwdConfig(128, 128, 64, stages, num_compute_wgs=2, ring=True,
                                    swap=True, tail_rows=tail_rows, producer_zeros=False,
                                    tail_split=split)
-  go = None if offset is None else jnp.int32(offset)
-  fn = jax.jit(lambda x, w, gs: mosaic_fwd.gmm(
-      x, w, gs, go, transpose_rhs=transpose_rhs, out_dtype=jnp.bfloat16, config=cfg))
-  _poison(4 * m * max(n, k))
-  out = fn(x, w, jnp.asarray(sizes))
-  oracle.assert_close(out, oracle.np_ragged_dot(x, w, sizes, go, transpose_rhs=transpose_rhs),
-                      jnp.bfloat16)
-  oracle.assert_zero_rows(out, sizes, offset, local)
-  again = fn(x, w, jnp.asarray(sizes))
-  assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(again).view(np.uint16))
+  _check_mosaic_gmm(cfg, shape, transpose_rhs, offset, seed=sum(shape[:3]) + 1)
 
 
 @pytest.mark.parametrize("variant", ["1wg", "2wg", "2wg_chained", "2wg_split_n",
