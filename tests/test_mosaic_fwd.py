@@ -8,7 +8,6 @@ fills fresh buffers with NaN, so unwritten rows fail).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from sm90_lowering import assert_gmm_lowers
 
 from ragdot.backends import mosaic_fwd
 from ragdot.backends.mosaic_fwd import MosaicFwdConfig
@@ -366,18 +366,6 @@ def test_default_and_sweep_on_qwen_shapes():
   assert mosaic_fwd.default_config(4096, 64, 512, 8, jnp.bfloat16, False).num_compute_wgs == 1
 
 
-def _lower_for_sm90(m, k, n, g, config, transpose_rhs, out_dtype):
-  f = jax.jit(functools.partial(mosaic_fwd.gmm, transpose_rhs=transpose_rhs,
-                                out_dtype=out_dtype, precision=None, interpret=False,
-                                config=config))
-  rshape = (g, n, k) if transpose_rhs else (g, k, n)
-  args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
-          jax.ShapeDtypeStruct(rshape, jnp.bfloat16),
-          jax.ShapeDtypeStruct((g,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
-  text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert "mosaic_gpu" in text
-
-
 # Qwen3-30B gate_up and down, forward and dX (rhs read transposed), bf16 out;
 # f32 out (larger epilogue splits) on gate_up forward.
 @pytest.mark.parametrize(
@@ -389,19 +377,15 @@ def _lower_for_sm90(m, k, n, g, config, transpose_rhs, out_dtype):
 def test_sweep_lowers_for_sm90(k, n, transpose_rhs, out_dtype):
   m, g = 32768, 128
   for cfg in mosaic_fwd.gpu_sweep_configs(m, k, n, g, transpose_rhs, jnp.bfloat16, out_dtype):
-    _lower_for_sm90(m, k, n, g, cfg, transpose_rhs, out_dtype)
+    assert_gmm_lowers(cfg, m=m, k=k, n=n, g=g, transpose_rhs=transpose_rhs, with_offset=True,
+                      out_dtype=out_dtype)
 
 
 @pytest.mark.parametrize("m,k,n", [(4088, 192, 320), (5, 64, 64), (4096, 2048, 1536)])
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 def test_every_accepted_shape_lowers_for_sm90(m, k, n, transpose_rhs):
   """What _check_supported accepts must pass the real sm90 lowering (layout checks)."""
-  fn = jax.jit(functools.partial(mosaic_fwd.gmm, transpose_rhs=transpose_rhs,
-                                 out_dtype=jnp.bfloat16, precision=None, interpret=False))
-  rshape = (16, n, k) if transpose_rhs else (16, k, n)
-  args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct(rshape, jnp.bfloat16),
-          jax.ShapeDtypeStruct((16,), jnp.int32), None)
-  assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert_gmm_lowers(None, m=m, k=k, n=n, g=16, transpose_rhs=transpose_rhs)
 
 
 def test_two_ctas_per_sm_halves_the_smem_budget():

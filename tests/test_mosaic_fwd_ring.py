@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import oracle
+from sm90_lowering import assert_gmm_lowers
 import strategies as rst
 from ragdot import metadata as md
 from ragdot.backends import mosaic_fwd as mf
@@ -300,10 +301,6 @@ def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, split, width, pz):
                             tail_rows=tail_rows,
                             num_sms=132, grid_minor_dim=int(width > 1), grid_tile_width=width,
                             producer_zeros=bool(pz), zero_box_rows=64 if pz is True else pz or 64)
-  go, local = (jnp.int32(16), 16) if pz else (None, g)  # producer zeros: a shard call
-  f = jax.jit(lambda x, w, gs: mf.gmm(x, w, gs, go, transpose_rhs=transpose_rhs,
-                                      out_dtype=jnp.bfloat16, config=cfg))
-  rshape = (local, n, k) if transpose_rhs else (local, k, n)
-  args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct(rshape, jnp.bfloat16),
-          jax.ShapeDtypeStruct((g,), jnp.int32))
-  assert "mosaic_gpu" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  # producer zeros: a shard call of 16 local groups
+  assert_gmm_lowers(cfg, m=m, k=k, n=n, g=g, transpose_rhs=transpose_rhs,
+                    local=16 if pz else g, with_offset=bool(pz))

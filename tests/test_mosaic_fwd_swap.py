@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 import oracle
+from sm90_lowering import assert_gmm_lowers
 from ragdot.backends import mosaic_fwd as mf
 
 CFG = mf.MosaicFwdConfig(block_m=128, block_n=128, block_k=64, num_stages=2, num_compute_wgs=2,
@@ -120,9 +121,4 @@ def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, split):
   m, k, n, g = 4096, 2048, 1536, 128
   cfg = dataclasses.replace(CFG, num_stages=stages, tail_rows=tail_rows, num_sms=132,
                             tail_split=split)
-  f = jax.jit(lambda x, w, gs: mf.gmm(x, w, gs, None, transpose_rhs=transpose_rhs,
-                                      out_dtype=jnp.bfloat16, config=cfg))
-  rshape = (g, n, k) if transpose_rhs else (g, k, n)
-  args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct(rshape, jnp.bfloat16),
-          jax.ShapeDtypeStruct((g,), jnp.int32))
-  assert "mosaic_gpu" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert_gmm_lowers(cfg, m=m, k=k, n=n, g=g, transpose_rhs=transpose_rhs)
