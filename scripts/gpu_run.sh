@@ -52,7 +52,7 @@ for stage in $STAGES; do
         par="-n ${TESTS_WORKERS:-4}"
         export XLA_PYTHON_CLIENT_MEM_FRACTION=${TESTS_MEM_FRACTION:-0.18}
       fi
-      run tests "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu -v --maxfail=6 -p no:cacheprovider $par tests/test_gpu.py ${TESTS_ARGS:-}
+      run tests "${TESTS_TIMEOUT:-540}" python3 -m pytest -m gpu -v --maxfail=6 -p no:cacheprovider $par tests/test_gpu.py ${TESTS_ARGS:-}
       unset XLA_PYTHON_CLIENT_MEM_FRACTION ;;
     tune)
       cp src/ragdot/tables/nvidia_h200.json "$OUT/nvidia_h200.json"
