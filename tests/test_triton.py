@@ -141,16 +141,14 @@ def test_grid_is_tiles_times_n_tiles_plus_zero_blocks():
         ([0, 0, 0], None, 3),          # all empty
     ],
 )
-@pytest.mark.parametrize("tail_in_loop", [False, True])
-def test_tgmm_empty_groups_exact_zeros(sizes, offset, num_local, tail_in_loop):
+def test_tgmm_empty_groups_exact_zeros(sizes, offset, num_local):
   """Partial row chunks; rows outside local groups hold inf and never leak."""
   m, k, n = 45, 21, 35
   lhs, rhs = _inputs(11, [(m, k), (m, n)], jnp.float32)
   local = jnp.asarray(_local_rows(sizes, m, offset, num_local))[:, None]
   lhs_bad = jnp.where(local, lhs, jnp.inf)
   rhs_bad = jnp.where(local, rhs, jnp.nan)
-  config = dataclasses.replace(SMALL, tail_in_loop=tail_in_loop)
-  out = _tgmm(lhs_bad, rhs_bad, sizes, offset, num_local, config=config)
+  out = _tgmm(lhs_bad, rhs_bad, sizes, offset, num_local)
   assert out.shape == (num_local, k, n)
   ref = oracle.ref_trans_ragged_dot(jnp.where(local, lhs, 0), jnp.where(local, rhs, 0),
                                     sizes, None if offset is None else jnp.int32(offset),
@@ -165,14 +163,12 @@ def test_tgmm_empty_groups_exact_zeros(sizes, offset, num_local, tail_in_loop):
       assert np.all(np.asarray(out[j]) == 0)
 
 
-@pytest.mark.parametrize("tail_in_loop", [False, True])
-def test_tgmm_bf16_default_config_long_group(tail_in_loop):
+def test_tgmm_bf16_default_config_long_group():
   """Default config; one group spans many full row chunks plus a tail."""
   m, k, n = 150, 24, 40
   lhs, rhs = _inputs(12, [(m, k), (m, n)], jnp.bfloat16)
   sizes = [3, 140, 0]
-  config = dataclasses.replace(tr.default_config("tgmm", m, k, n, 3), tail_in_loop=tail_in_loop)
-  out = _tgmm(lhs, rhs, sizes, None, 3, out_dtype=jnp.float32, config=config)
+  out = _tgmm(lhs, rhs, sizes, None, 3, out_dtype=jnp.float32, config=None)
   ref = oracle.ref_trans_ragged_dot(lhs, rhs, sizes)
   oracle.assert_close(out, ref, jnp.bfloat16)
   assert np.all(np.asarray(out[2]) == 0)

@@ -76,9 +76,6 @@ class TritonConfig:
   ``num_warps`` and ``num_stages`` (software pipelining depth) go to Triton.
   ``schedule_kernel`` (gmm / dX): build the tile schedule with one kernel
   (``triton_schedule``) where it applies instead of several XLA kernels.
-  ``tail_in_loop`` (tgmm): a group's last, partial row chunk runs as the last
-  step of the pipelined row loop (every step masked) instead of one step after
-  it, whose loads Triton's software pipeline does not cover.
   """
 
   block_m: int = 128
@@ -87,7 +84,6 @@ class TritonConfig:
   num_warps: int = 4
   num_stages: int = 3
   schedule_kernel: bool = True
-  tail_in_loop: bool = False
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "block_k"):
@@ -414,7 +410,7 @@ def gmm(
 
 
 def _tgmm_kernel(bounds_ref, lhs_ref, rhs_ref, out_ref, *, k, n, bm, bn, bk,
-                 k_tiles, n_tiles, precision, tail_in_loop):
+                 k_tiles, n_tiles, precision):
   pid = pl.program_id(0)
   grp = pid // (k_tiles * n_tiles)
   rest = pid % (k_tiles * n_tiles)
@@ -426,25 +422,19 @@ def _tgmm_kernel(bounds_ref, lhs_ref, rhs_ref, out_ref, *, k, n, bm, bn, bk,
   k_row = None if k_mask is None else k_mask[None, :]
   n_row = None if n_mask is None else n_mask[None, :]
 
-  def chunk(r0, acc, row_mask):
+  # One pipelined loop over the group's row chunks, the last (partial) one
+  # included: rows past `end` load as 0 in both operands, so inf/NaN in a
+  # neighbour's rows cannot leak.  (A partial chunk run after the loop has
+  # loads Triton's software pipeline does not cover: 1.06-1.08x the time on
+  # the Qwen shapes, docs/performance.md v20b.)
+  def chunk(i, acc):
+    r0 = start + i * bm
+    row_mask = (_iota(bm, r0) < end)[:, None]
     x = _load(lhs_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)], _and(row_mask, k_row))
     y = _load(rhs_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], _and(row_mask, n_row))
     return acc + plgpu.dot(x, y, trans_a=True, precision=precision)
 
-  def masked(r0, acc):
-    # Rows past `end` load as 0 (both operands, so inf/NaN in a neighbour's
-    # rows cannot leak).
-    return chunk(r0, acc, (_iota(bm, r0) < end)[:, None])
-
-  zeros = jnp.zeros((bk, bn), jnp.float32)
-  if tail_in_loop:
-    acc = lax.fori_loop(0, pl.cdiv(end - start, bm),
-                        lambda i, acc: masked(start + i * bm, acc), zeros)
-  else:
-    full = (end - start) // bm
-    acc = lax.fori_loop(0, full, lambda i, acc: chunk(start + i * bm, acc, None), zeros)
-    # The group's last, partial chunk (all-masked when none is left).
-    acc = masked(start + full * bm, acc)
+  acc = lax.fori_loop(0, pl.cdiv(end - start, bm), chunk, jnp.zeros((bk, bn), jnp.float32))
   _store(out_ref.at[grp, pl.ds(k0, bk), pl.ds(n0, bn)], acc.astype(out_ref.dtype),
          _and(None if k_mask is None else k_mask[:, None], n_row))
 
@@ -477,7 +467,7 @@ def tgmm(
   k_tiles, n_tiles = pl.cdiv(k, bk), pl.cdiv(n, bn)
   kernel = functools.partial(
       _tgmm_kernel, k=k, n=n, bm=bm, bn=bn, bk=bk, k_tiles=k_tiles,
-      n_tiles=n_tiles, precision=prec, tail_in_loop=config.tail_in_loop)
+      n_tiles=n_tiles, precision=prec)
   bounds, lhs, rhs = match_varying(bounds, lhs, rhs)
   return pl.pallas_call(
       kernel,
