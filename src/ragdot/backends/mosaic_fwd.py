@@ -169,12 +169,6 @@ class MosaicFwdConfig:
     (docs/performance.md v19g-h); by tensor-pipe time both cost ~1.47 plain
     tiles (v19i: each wgmma instruction has a fixed cost of ~0.39 of an N = 256
     one).
-  tail_on_m: swap with tail_rows 8, 16 or 32, not split: the folded tail runs
-    row-major on the first consumer only, one wgmma of M = 64 rows (the tile's
-    last 64, so its first 64 - tail_rows are computed twice and not stored) by
-    N = 128 columns, beside the 256-row wgmma of each consumer.  By the v19i
-    tensor-pipe count a folded tile then costs ~1.35 plain tiles (one extra
-    instruction of N = 128 for both consumers' columns) instead of ~1.47.
   zero_box_rows: with producer_zeros, the rows of its zero buffer (8, 16, 32
     or 64): each 64-row half of a zero item goes out in stores of at most
     this many rows.  Fewer rows leave room for wider epilogue chunks (a
@@ -206,7 +200,6 @@ class MosaicFwdConfig:
   zero_box_rows: int = 64
   swap: bool = False
   tail_split: bool = False
-  tail_on_m: bool = False
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -256,9 +249,6 @@ class MosaicFwdConfig:
                        f"zero_lead, got {self}")
     if self.tail_split and (not self.swap or self.tail_rows not in (16, 32, 64)):
       raise ValueError(f"tail_split needs swap=True and tail_rows 16, 32 or 64, got {self}")
-    if self.tail_on_m and (not self.swap or self.tail_split or self.tail_rows not in (8, 16, 32)):
-      raise ValueError(f"tail_on_m needs swap=True, tail_split off and tail_rows 8, 16 or 32, "
-                       f"got {self}")
     if self.tail_rows and (not self.ring or self.block_n % 128):
       raise ValueError(f"tail_rows needs ring=True and block_n a multiple of 128, got {self}")
     if self.zero_lead is not None and (self.zero_lead < 0 or (self.zero_lead and not self.ring)):
@@ -328,8 +318,7 @@ def resolve_producer_zeros(cfg: MosaicFwdConfig, has_offset: bool, dtype: Any,
 def row_major_ring(cfg: MosaicFwdConfig) -> MosaicFwdConfig:
   """A swap config's row-major ring counterpart (128 x 256 tiles, no tails):
   what runs where swap cannot (shard calls with producer zeros, 32-bit outputs)."""
-  return dataclasses.replace(cfg, swap=False, block_n=256, tail_rows=0, tail_split=False,
-                             tail_on_m=False)
+  return dataclasses.replace(cfg, swap=False, block_n=256, tail_rows=0, tail_split=False)
 
 
 def _fits(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> bool:
