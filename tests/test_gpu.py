@@ -208,18 +208,20 @@ SWAP_SHAPES = SHAPES + [(32768, 2048, 1536, 128, "routed")]  # ~256 rows per gro
 @pytest.mark.parametrize("shape", SWAP_SHAPES,
                          ids=[f"{s[0]}x{s[1]}x{s[2]}g{s[3]}-{s[4]}" for s in SWAP_SHAPES])
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
-@pytest.mark.parametrize("tail_rows,stages,offset,split", [
-    (0, 4, None, False), (32, 4, None, False), (64, 3, 8, False), (16, 4, 8, False),
-    (32, 4, None, True), (64, 3, 8, True)],
+@pytest.mark.parametrize("tail_rows,stages,offset,tail", [
+    (0, 4, None, "fold"), (32, 4, None, "fold"), (64, 3, 8, "fold"), (16, 4, 8, "fold"),
+    (32, 4, None, "split"), (64, 3, 8, "split"), (32, 4, None, "m"), (16, 4, 8, "m"),
+    (8, 4, None, "m")],
                          ids=["t0", "t32", "t64-shard", "t16-shard", "t32-split",
-                              "t64-shard-split"])
-def test_swap_real_sizes(shape, transpose_rhs, tail_rows, stages, offset, split):
+                              "t64-shard-split", "t32-m", "t16-shard-m", "t8-m"])
+def test_swap_real_sizes(shape, transpose_rhs, tail_rows, stages, offset, tail):
   """The forward / dX with the rows on wgmma's N axis (mosaic_fwd_swap): folded
-  tails of up to 64 rows, shards whose zero rows the consumers write."""
+  tails of up to 64 rows (as more N, two halves, or row-major on wgmma's M),
+  shards whose zero rows the consumers write."""
   from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
   cfg = mosaic_fwd.MosaicFwdConfig(128, 128, 64, stages, num_compute_wgs=2, ring=True,
                                    swap=True, tail_rows=tail_rows, producer_zeros=False,
-                                   tail_split=split)
+                                   tail_split=tail == "split", tail_on_m=tail == "m")
   _check_mosaic_gmm(cfg, shape, transpose_rhs, offset, seed=sum(shape[:3]) + 1)
 
 

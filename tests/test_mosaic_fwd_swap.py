@@ -17,24 +17,31 @@ from ragdot.backends import mosaic_fwd as mf
 
 CFG = mf.MosaicFwdConfig(block_m=128, block_n=128, block_k=64, num_stages=2, num_compute_wgs=2,
                          ring=True, swap=True, num_sms=3)
+# How a folded tail runs: more wgmma N (one wgmma), two halves, or row-major on wgmma M.
+TAIL = {"fold": {}, "split": dict(tail_split=True), "m": dict(tail_on_m=True)}
 
 
-@pytest.mark.parametrize("sizes,m,k,n,offset,num_local,transpose_rhs,tail_rows,split", [
+@pytest.mark.parametrize("sizes,m,k,n,offset,num_local,transpose_rhs,tail_rows,tail", [
     # 300 = 256 + 44 (a tail item at 32, folded at 64), 10 (one short tile), 520 =
     # 256 + 256 + 8 (folded), an empty group, 280 = 256 + 24; n: a 64-column half tile
-    ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, False, 0, False),
-    ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, False, 32, False),
-    ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, True, 64, False),    # dX
-    ([300, 10, 520, 0, 280], 1280, 192, 320, None, 5, True, 8, False),
-    ([150, 20, 300, 30], 768, 64, 256, 1, 2, False, 16, False),  # a shard: zero rows around it
-    ([40, 300, 9, 200], 768, 64, 128, 3, 1, True, 0, False),     # the last group: rows past the end
-    ([129, 7, 60, 136, 40], 400, 128, 128, None, 5, False, 16, False),  # rows past the groups
+    ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, False, 0, "fold"),
+    ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, False, 32, "fold"),
+    ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, True, 64, "fold"),    # dX
+    ([300, 10, 520, 0, 280], 1280, 192, 320, None, 5, True, 8, "fold"),
+    ([150, 20, 300, 30], 768, 64, 256, 1, 2, False, 16, "fold"),  # a shard: zero rows around it
+    ([40, 300, 9, 200], 768, 64, 128, 3, 1, True, 0, "fold"),     # the last group: rows past the end
+    ([129, 7, 60, 136, 40], 400, 128, 128, None, 5, False, 16, "fold"),  # rows past the groups
     # split folded tiles: two wgmmas of 144 (160, 136) rows, stores of 64 + 64 + 16 (32, 8)
-    ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, False, 32, True),
-    ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, True, 64, True),
-    ([150, 20, 270, 30], 768, 64, 256, 1, 2, False, 16, True),
+    ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, False, 32, "split"),
+    ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, True, 64, "split"),
+    ([150, 20, 270, 30], 768, 64, 256, 1, 2, False, 16, "split"),
+    # the tail on wgmma's M axis (first consumer): 8, 16 and 32 rows, dX, a shard
+    ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, False, 32, "m"),
+    ([300, 10, 520, 0, 280], 1280, 192, 320, None, 5, True, 8, "m"),
+    ([150, 20, 270, 30], 768, 64, 256, 1, 2, True, 16, "m"),
+    ([129, 7, 60, 136, 40], 400, 128, 128, None, 5, False, 16, "m"),
 ])
-def test_matches_oracle(sizes, m, k, n, offset, num_local, transpose_rhs, tail_rows, split):
+def test_matches_oracle(sizes, m, k, n, offset, num_local, transpose_rhs, tail_rows, tail):
   rshape = (num_local, n, k) if transpose_rhs else (num_local, k, n)
   x, w = oracle.random_inputs(jax.random.key(m + n + k), [(m, k), rshape], jnp.bfloat16)
   go = None if offset is None else jnp.int32(offset)
@@ -42,20 +49,20 @@ def test_matches_oracle(sizes, m, k, n, offset, num_local, transpose_rhs, tail_r
   out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), go, transpose_rhs=transpose_rhs,
                out_dtype=jnp.bfloat16, interpret=True,
                config=dataclasses.replace(CFG, tail_rows=tail_rows, producer_zeros=False,
-                                          tail_split=split))
+                                          **TAIL[tail]))
   oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, go, transpose_rhs), jnp.bfloat16)
   oracle.assert_zero_rows(out, sizes, offset, num_local)
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["fold", "split"])
-def test_no_races(split):
+@pytest.mark.parametrize("tail", sorted(TAIL))
+def test_no_races(tail):
   from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret  # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
   sizes = [280, 7, 60, 150]
   x, w = oracle.random_inputs(jax.random.key(3), [(640, 128), (4, 128, 128)], jnp.bfloat16)
   out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), None, transpose_rhs=False,
                out_dtype=jnp.bfloat16, interpret=plgpu.InterpretGPUParams(detect_races=True),
-               config=dataclasses.replace(CFG, tail_rows=32, num_sms=2, tail_split=split))
+               config=dataclasses.replace(CFG, tail_rows=32, num_sms=2, **TAIL[tail]))
   oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, None, False), jnp.bfloat16)
   assert not gpu_interpret.get_races().races_found
 
@@ -96,6 +103,16 @@ def test_config_checks():
     dataclasses.replace(CFG, swap=False, tail_rows=64)
   with pytest.raises(ValueError, match="tail_split needs"):
     dataclasses.replace(CFG, tail_rows=8, tail_split=True)
+  with pytest.raises(ValueError, match="tail_on_m needs"):
+    dataclasses.replace(CFG, tail_rows=64, tail_on_m=True)
+  with pytest.raises(ValueError, match="tail_on_m needs"):
+    dataclasses.replace(CFG, tail_rows=32, tail_split=True, tail_on_m=True)
+  assert not mf.row_major_ring(dataclasses.replace(CFG, tail_rows=32, tail_on_m=True)).tail_on_m
+  # The tuner times both swap tails (split fold, row-major M tail) where swap runs.
+  sweep = mf.gpu_sweep_configs(32768, 2048, 1536, 128, False)
+  assert [(c.tail_split, c.tail_on_m) for c in sweep if c.swap] == [(True, False), (False, True)]
+  assert not any(c.swap for c in mf.gpu_sweep_configs(32768, 2048, 1536, 128, False,
+                                                      jnp.bfloat16, jnp.float32))
   # 64 tail rows fit 3 stages; 32 fit 4 (the tail's stores share the staging buffer).
   assert dataclasses.replace(CFG, tail_rows=64, num_stages=3).smem_bytes(
       jnp.bfloat16, jnp.bfloat16) <= CFG.smem_budget()
@@ -114,11 +131,11 @@ def test_config_checks():
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
-@pytest.mark.parametrize("tail_rows,stages,split", [(0, 4, False), (32, 4, False),
-                                                    (64, 3, False), (32, 4, True),
-                                                    (16, 4, True)])
-def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, split):
+@pytest.mark.parametrize("tail_rows,stages,tail", [(0, 4, "fold"), (32, 4, "fold"),
+                                                   (64, 3, "fold"), (32, 4, "split"),
+                                                   (16, 4, "split"), (32, 4, "m")])
+def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, tail):
   m, k, n, g = 4096, 2048, 1536, 128
   cfg = dataclasses.replace(CFG, num_stages=stages, tail_rows=tail_rows, num_sms=132,
-                            tail_split=split)
+                            **TAIL[tail])
   assert_gmm_lowers(cfg, m=m, k=k, n=n, g=g, transpose_rhs=transpose_rhs)

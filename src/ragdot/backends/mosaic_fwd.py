@@ -169,6 +169,13 @@ class MosaicFwdConfig:
     (docs/performance.md v19g-h); by tensor-pipe time both cost ~1.47 plain
     tiles (v19i: each wgmma instruction has a fixed cost of ~0.39 of an N = 256
     one).
+  tail_on_m: swap with tail_rows 8, 16 or 32, not split: the folded tail runs
+    row-major on the first consumer only, one wgmma of M = 64 rows (the tile's
+    last 64, so its first 64 - tail_rows are computed twice and not stored) by
+    N = 128 columns, beside the 256-row wgmma of each consumer.  Measured on
+    the H200 (docs/performance.md v20d, v20f): 0.95x / 0.97x the row-major ring
+    on the Qwen3-30B gate_up / down dX calls, 0.91x the split fold on the down
+    forward, a tie with it on the gate_up forwards.
   zero_box_rows: with producer_zeros, the rows of its zero buffer (8, 16, 32
     or 64): each 64-row half of a zero item goes out in stores of at most
     this many rows.  Fewer rows leave room for wider epilogue chunks (a
@@ -200,6 +207,7 @@ class MosaicFwdConfig:
   zero_box_rows: int = 64
   swap: bool = False
   tail_split: bool = False
+  tail_on_m: bool = False
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -249,6 +257,9 @@ class MosaicFwdConfig:
                        f"zero_lead, got {self}")
     if self.tail_split and (not self.swap or self.tail_rows not in (16, 32, 64)):
       raise ValueError(f"tail_split needs swap=True and tail_rows 16, 32 or 64, got {self}")
+    if self.tail_on_m and (not self.swap or self.tail_split or self.tail_rows not in (8, 16, 32)):
+      raise ValueError(f"tail_on_m needs swap=True, tail_split off and tail_rows 8, 16 or 32, "
+                       f"got {self}")
     if self.tail_rows and (not self.ring or self.block_n % 128):
       raise ValueError(f"tail_rows needs ring=True and block_n a multiple of 128, got {self}")
     if self.zero_lead is not None and (self.zero_lead < 0 or (self.zero_lead and not self.ring)):
@@ -318,7 +329,8 @@ def resolve_producer_zeros(cfg: MosaicFwdConfig, has_offset: bool, dtype: Any,
 def row_major_ring(cfg: MosaicFwdConfig) -> MosaicFwdConfig:
   """A swap config's row-major ring counterpart (128 x 256 tiles, no tails):
   what runs where swap cannot (shard calls with producer zeros, 32-bit outputs)."""
-  return dataclasses.replace(cfg, swap=False, block_n=256, tail_rows=0, tail_split=False)
+  return dataclasses.replace(cfg, swap=False, block_n=256, tail_rows=0, tail_split=False,
+                             tail_on_m=False)
 
 
 def _fits(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> bool:
@@ -445,9 +457,12 @@ def gpu_sweep_configs(
       swap = dataclasses.replace(base, ring=True, swap=True, block_n=128, tail_rows=32,
                                  tail_split=True, epilogue_split=2, grid_tile_width=1,
                                  num_stages=4)
+      # The same with the tail row-major on the first consumer (v20: 0.95 / 0.97x the
+      # ring on the Qwen3-30B dX calls, a tie with the split fold on the gate_up forwards).
+      swap_m = dataclasses.replace(swap, tail_split=False, tail_on_m=True)
       if (m >= SWAP_ROWS + swap.tail_rows and jnp.dtype(out_dtype).itemsize == 2
           and _fits(swap, dtype, out_dtype)):  # (else gmm would run another config)
-        out.append(swap)
+        out += [swap, swap_m]
     # 64-row tiles split by columns: half the padding of a group's last tile,
     # 1.67x the L2 -> SMEM bytes per FLOP (the default already runs the L2 at
     # 81% on Qwen3-30B gate_up), so after the likelier winners.

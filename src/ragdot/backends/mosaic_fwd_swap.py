@@ -126,10 +126,14 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
         ni, _, row0, row_start, row_end = tile_of(w)
         col = ni * bn + wg * _COLS
 
-        def tile(with_tail: bool) -> None:
+        def tile(with_tail: bool, tail_on_m: bool = False) -> None:
           # A copy of the tile per layout of its wgmmas, chosen per tile outside
           # the k loop: no accumulator crosses a branch while its wgmmas run.
-          parts = _parts(cfg, with_tail)
+          # tail_on_m: this consumer also runs the folded tail, row-major.
+          parts = _parts(cfg, with_tail and not tail_on_m)
+          shapes = [(_COLS, count) for _, count in parts]
+          if tail_on_m:  # the tile's last 64 rows x all bn columns
+            shapes.append((_COLS, bn))
 
           def acc_scope(*accs):
             def mma(slot):
@@ -138,13 +142,26 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
               a = wb.at[mine] if transpose_rhs else wb.at[:, mine].transpose((1, 0))
               for acc_ref, (r, count) in zip(accs, parts):
                 plgpu.wgmma(acc_ref, a, x_smem.at[slot].at[pl.ds(r, count)].transpose((1, 0)))
+              if tail_on_m:
+                plgpu.wgmma(accs[-1], x_smem.at[slot].at[pl.ds(ROWS + tr - _COLS, _COLS)],
+                            wb.transpose((1, 0)) if transpose_rhs else wb)
 
             ring.consume_item(produced, consumed, step0, k_steps, stages, mma,
-                              in_flight=len(parts))
+                              in_flight=len(shapes))
             return tuple(acc_ref[...] for acc_ref in accs)
 
-          accs = pl.run_scoped(
-              acc_scope, *[plgpu.ACC((_COLS, count), jnp.float32) for _, count in parts])
+          accs = pl.run_scoped(acc_scope, *[plgpu.ACC(sh, jnp.float32) for sh in shapes])
+
+          def store(chunk, buf, hs, s, rows, col, transposed):
+            """Registers -> buf -> out rows [s, s + rows) (buf's row 0 is row hs)."""
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            if transposed:  # (columns, rows) registers into the (rows, columns) buffer
+              buf.transpose((1, 0))[...] = chunk.astype(out_dtype)
+            else:
+              buf[...] = chunk.astype(out_dtype)
+            plgpu.commit_smem()
+            mf._store_rows(buf, out_gmem, s - hs, s, rows, col, max_rows=buf.shape[0],
+                           width=_COLS)
 
           @pl.when(col < n)
           def _store():
@@ -154,21 +171,26 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
                 hs = row0 + r + c0
                 s, rows = mf._overlap(row_start, row_end, hs, hs + width)
                 chunk = acc if width == count else acc[:, c0:c0 + width]
+                buf = my_smem if width == _CHUNK else my_smem.at[pl.ds(0, width)]
+                pl.when(rows > 0)(functools.partial(store, chunk, buf, hs, s, rows, col, True))
 
-                @pl.when(rows > 0)
-                def _(chunk=chunk, width=width, hs=hs, s=s, rows=rows):
-                  buf = my_smem if width == _CHUNK else my_smem.at[pl.ds(0, width)]
-                  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                  # (columns, rows) registers into the (rows, columns) buffer.
-                  buf.transpose((1, 0))[...] = chunk.astype(out_dtype)
-                  plgpu.commit_smem()
-                  mf._store_rows(buf, out_gmem, s - hs, s, rows, col, max_rows=width,
-                                 width=_COLS)
+          if tail_on_m:  # rows [row0 + 256, + tail_rows) of the row-major tail, by 64 columns
+            hs = row0 + ROWS + tr - _COLS
+            s, rows = mf._overlap(row_start, row_end, row0 + ROWS, row0 + ROWS + tr)
+            for c0 in range(0, bn, _COLS):
+              tcol = ni * bn + c0
+              pl.when((tcol < n) & (rows > 0))(functools.partial(
+                  store, accs[-1][:, c0:c0 + _COLS], my_smem, hs, s, rows, tcol, False))
 
         if tr:
           has_tail = row_end > row0 + ROWS
-          pl.when(has_tail)(lambda: tile(True))
-          pl.when(~has_tail)(lambda: tile(False))
+          if cfg.tail_on_m:  # the first consumer runs the tail; the other a plain tile
+            on_m = has_tail & (wg == 0)
+            pl.when(on_m)(lambda: tile(True, tail_on_m=True))
+            pl.when(~on_m)(lambda: tile(False))
+          else:
+            pl.when(has_tail)(lambda: tile(True))
+            pl.when(~has_tail)(lambda: tile(False))
         else:
           tile(False)
 
