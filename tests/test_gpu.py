@@ -14,7 +14,7 @@ import pytest
 
 import oracle
 import ragdot
-from ragdot.bench import Shape, routed_group_sizes
+from ragdot.bench import Shape, dispatch_choice, routed_group_sizes
 
 pytestmark = pytest.mark.gpu
 
@@ -143,6 +143,36 @@ def test_triton_dw_real_size(layout):
   got = run(x, dy)
   oracle.assert_close(got, oracle.np_trans_ragged_dot(x, dy, sizes), jnp.bfloat16)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(run(x, dy)))
+
+
+@pytest.mark.parametrize("op,shape", [
+    ("fwd", (32768, 2048, 1536)), ("dx", (32768, 2048, 1536)), ("dx", (32768, 768, 2048))],
+                         ids=["qwen30b_gate_up_fwd", "qwen30b_gate_up_dx", "qwen30b_down_dx"])
+@pytest.mark.parametrize("shard", [False, True], ids=["all", "shard"])
+def test_table_swap_entries_real_size(op, shape, shard):
+  """The automatic choice on the Qwen3-30B shapes whose table entries run the
+  swap kernel (split fold, M tail): a swap config is chosen, and the call
+  through ``ragdot`` (a shard call: the row-major ring the swap entry maps to)
+  matches the oracle on NaN-poisoned memory, zero rows outside, bitwise
+  repeatable."""
+  m, k, n = shape
+  g, local = 128, (16 if shard else 128)
+  sizes = _sizes(m, g, "routed")
+  choice = dispatch_choice(op, Shape("t", m, k, n, g, ep=8 if shard else 1))
+  assert choice.implementation == "mosaic" and choice.config.ring
+  assert choice.config.swap != shard  # a shard call: the entry's row-major ring
+  go = jnp.int32(16) if shard else None
+  dx = op == "dx"
+  x, w = oracle.random_inputs(jax.random.key(m + k + n + shard),
+                              [(m, n if dx else k), (local, k, n)], jnp.bfloat16)
+  gs = jnp.asarray(sizes)
+  dn = DN_DX if dx else ragdot.RaggedDotDimensionNumbers((([1], [1]), ([], [])), [0], [0])
+  run = jax.jit(lambda x, w: ragdot.ragged_dot_general(x, w, gs, dn, group_offset=go))
+  _poison(4 * m * max(n, k))
+  out = run(x, w)
+  oracle.assert_close(out, oracle.np_ragged_dot(x, w, sizes, go, transpose_rhs=dx), jnp.bfloat16)
+  oracle.assert_zero_rows(out, sizes, 16 if shard else None, local)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(run(x, w)))
 
 
 def _check_mosaic_gmm(cfg, shape, transpose_rhs, offset, seed):
