@@ -6,7 +6,7 @@
 On the Qwen3 training shapes (m = 32768, 128 experts, top-8) times, interleaved
 with CUPTI, the table's forward config (and each ``--variants`` change of it,
 comma-separated FIELD=VALUE; on a swap entry, ``tail_rows=0`` needs
-``tail_split=False`` too) on group-size layouts, and the dense matmul of the
+``tail_split=False`` and ``tail_on_m=False`` too) on group-size layouts, and the dense matmul of the
 same (m, k, n).  The tile counts below are the row-major ring's (128-row tiles,
 what the table held when this was written, v19a); a swap entry tiles by 256:
   routed   top-8 routing of random logits (the bench's sizes: 256 +- 15 rows);

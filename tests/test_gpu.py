@@ -129,9 +129,10 @@ def test_triton_real_sizes(shape):
 
 @pytest.mark.parametrize("layout", ["routed", "under"])
 def test_triton_dw_real_size(layout):
-  """Triton dW (the partial row chunk inside the pipelined loop) on NaN-poisoned
-  memory, with rows past the groups (``under``): against the oracle, bitwise
-  the same on a second call."""
+  """Triton dW (the partial row chunk inside the pipelined loop) at a real size,
+  with rows past the groups (``under``: a missing row mask would add them to the
+  last group): against the oracle, bitwise the same on a second call.  (That
+  inf / NaN in other groups' rows cannot leak is the CPU tests' job.)"""
   from ragdot.backends import triton as tr  # pylint: disable=g-import-not-at-top
   m, k, n, g = 8192, 512, 384, 32
   sizes = _sizes(m, g, layout)

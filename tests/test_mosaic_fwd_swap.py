@@ -22,12 +22,14 @@ TAIL = {"fold": {}, "split": dict(tail_split=True), "m": dict(tail_on_m=True)}
 
 
 @pytest.mark.parametrize("sizes,m,k,n,offset,num_local,transpose_rhs,tail_rows,tail", [
-    # 300 = 256 + 44 (a tail item at 32, folded at 64), 10 (one short tile), 520 =
-    # 256 + 256 + 8 (folded), an empty group, 280 = 256 + 24; n: a 64-column half tile
+    # 300 = 256 + 44 (a tail item at 32, folded at 64), 10 (one short tile), 520 (its
+    # tiles start at row 304, the 8-row granule: 256 + 256 + 14), an empty group,
+    # 280 = 256 + 24; n: a 64-column half tile
     ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, False, 0, "fold"),
     ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, False, 32, "fold"),
     ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, True, 64, "fold"),    # dX
-    ([300, 10, 520, 0, 280], 1280, 192, 320, None, 5, True, 8, "fold"),
+    # 296 = 256 + 40 (a tail item), 264 = 256 + 8 from row 296 (folded at 8)
+    ([296, 264, 0, 40], 640, 192, 320, None, 4, True, 8, "fold"),
     ([150, 20, 300, 30], 768, 64, 256, 1, 2, False, 16, "fold"),  # a shard: zero rows around it
     ([40, 300, 9, 200], 768, 64, 128, 3, 1, True, 0, "fold"),     # the last group: rows past the end
     ([129, 7, 60, 136, 40], 400, 128, 128, None, 5, False, 16, "fold"),  # rows past the groups
@@ -35,11 +37,12 @@ TAIL = {"fold": {}, "split": dict(tail_split=True), "m": dict(tail_on_m=True)}
     ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, False, 32, "split"),
     ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, True, 64, "split"),
     ([150, 20, 270, 30], 768, 64, 256, 1, 2, False, 16, "split"),
-    # the tail on wgmma's M axis (first consumer): 8, 16 and 32 rows, dX, a shard
+    # the tail on wgmma's M axis (first consumer): 32, 8 and 16 rows folded, dX, a
+    # shard, rows past the groups (272 = 256 + 16 and 270 = 256 + 14 from row 288)
     ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, False, 32, "m"),
-    ([300, 10, 520, 0, 280], 1280, 192, 320, None, 5, True, 8, "m"),
+    ([296, 264, 0, 40], 640, 192, 320, None, 4, True, 8, "m"),
     ([150, 20, 270, 30], 768, 64, 256, 1, 2, True, 16, "m"),
-    ([129, 7, 60, 136, 40], 400, 128, 128, None, 5, False, 16, "m"),
+    ([272, 16, 270, 30], 640, 128, 128, None, 4, False, 16, "m"),
 ])
 def test_matches_oracle(sizes, m, k, n, offset, num_local, transpose_rhs, tail_rows, tail):
   rshape = (num_local, n, k) if transpose_rhs else (num_local, k, n)

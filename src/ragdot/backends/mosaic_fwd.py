@@ -133,8 +133,8 @@ class MosaicFwdConfig:
   tail_rows: ring only, 0, 8, 16 or 32 (or 64 with ``swap``): a group's last
     tile holding at most this many rows is folded into the tile before it,
     whose consumers compute those rows with swapped wgmma operands (see
-    ``mosaic_fwd_ring``), or with ``swap`` as more rows on wgmma's N axis;
-    needs block_n a multiple of 128.
+    ``mosaic_fwd_ring``), or with ``swap`` as more rows on wgmma's N axis
+    (or row-major, ``tail_on_m``); needs block_n a multiple of 128.
   zero_lead: ring only, with producer_zeros off: the calls with a
     group_offset write the rows outside the shard as zero items after the
     compute items.  The CTAs whose item

@@ -7,7 +7,10 @@ Each item computes ``out[rows, cols]^T = W[:, cols]^T @ x[rows]^T`` for up to
 A operand (M = 64 columns) and the rows as its B operand (N = 256 rows).  A
 group's last few rows (``tail_rows``, up to 64) then ride along with the tile
 before them on the weight block already in SMEM, as more N: a second wgmma of
-N = tail_rows, or with ``tail_split`` two wgmmas of (256 + tail_rows) / 2 rows.
+N = tail_rows, or with ``tail_split`` two wgmmas of (256 + tail_rows) / 2 rows;
+or with ``tail_on_m`` (up to 32 rows) row-major on the first consumer: one wgmma
+of the tile's last 64 rows (M) by the block's 128 columns (N) into a second,
+(64, 128) accumulator, of which only the tail rows are stored.
 No tail item streams its weight block again, as in the row-major ring; but
 each extra wgmma instruction costs the tensor pipe a fixed ~0.39 of an N = 256
 one whatever its N (docs/performance.md v19i), so a folded tile costs ~1.47

@@ -425,7 +425,7 @@ def _tgmm_kernel(bounds_ref, lhs_ref, rhs_ref, out_ref, *, k, n, bm, bn, bk,
   # One pipelined loop over the group's row chunks, the last (partial) one
   # included: rows past `end` load as 0 in both operands, so inf/NaN in a
   # neighbour's rows cannot leak.  (A partial chunk run after the loop has
-  # loads Triton's software pipeline does not cover: 1.06-1.08x the time on
+  # loads Triton's software pipeline does not cover: 1.06-1.09x the time on
   # the Qwen shapes, docs/performance.md v20b.)
   def chunk(i, acc):
     r0 = start + i * bm
