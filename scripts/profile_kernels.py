@@ -90,20 +90,29 @@ def _qwen_cases() -> dict:
 def _swap_cases() -> dict:
   """Qwen3-30B gate_up forward with the rows on wgmma's N axis
   (``mosaic_fwd_swap``): no tails folded, tails of up to 32 rows folded, and
-  folded as two 144-row wgmmas (where does a folded item's extra time go?)."""
+  folded as two 144-row wgmmas (where does a folded item's extra time go?); the
+  tail row-major on the first consumer (``tail_on_m``), and the split and M-tail
+  folds on the dX call too (v20: the M tail ties the split fold on the forward
+  but runs 0.95x the ring on the dX, whose weight blocks are K-major)."""
   from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
   qwen = bench.Shape("qwen3-30b gate_up", 32768, 2048, 1536, 128, 8)
   sizes = jnp.asarray(bench.routed_group_sizes(qwen, seed=0))
   x = jax.random.normal(jax.random.key(0), (qwen.m, qwen.k), jnp.bfloat16)
   w = jax.random.normal(jax.random.key(1), (qwen.g, qwen.k, qwen.n), jnp.bfloat16)
   out = {}
-  for name, tail, split in (("fwd_qwen_swap0", 0, False), ("fwd_qwen_swap32", 32, False),
-                            ("fwd_qwen_split32", 32, True)):
+  dy = jax.random.normal(jax.random.key(2), (qwen.m, qwen.n), jnp.bfloat16)
+  for name, tail, fields, dx in (
+      ("fwd_qwen_swap0", 0, {}, False), ("fwd_qwen_swap32", 32, {}, False),
+      ("fwd_qwen_split32", 32, dict(tail_split=True), False),
+      ("fwd_qwen_mtail32", 32, dict(tail_on_m=True), False),
+      ("dx_qwen_split32", 32, dict(tail_split=True), True),
+      ("dx_qwen_mtail32", 32, dict(tail_on_m=True), True)):
     cfg = mosaic_fwd.MosaicFwdConfig(128, 128, 64, 4, num_compute_wgs=2, ring=True, swap=True,
-                                     tail_rows=tail, tail_split=split)
-    out[name] = (jax.jit(lambda x, w, gs, cfg=cfg: mosaic_fwd.gmm(
-        x, w, gs, None, transpose_rhs=False, out_dtype=jnp.bfloat16, config=cfg)),
-                 (x, w, sizes))
+                                     tail_rows=tail, **fields)
+    # dX: dy [m, n] against the weights read as [g, k, n] -> [m, k].
+    out[name] = (jax.jit(lambda x, w, gs, cfg=cfg, dx=dx: mosaic_fwd.gmm(
+        x, w, gs, None, transpose_rhs=dx, out_dtype=jnp.bfloat16, config=cfg)),
+                 (dy if dx else x, w, sizes))
   return out
 
 
@@ -154,7 +163,8 @@ def _decode_cases() -> dict:
 _BUILDERS = (
     (_qwen_cases, ("fwd_qwen", "dw_qwen", "fwd_mixtral", "dense_qwen", "dw_qwen_p6",
                    "dw_qwen_masker", "dw_qwen_masker192", "dw_qwen_triton")),
-    (_swap_cases, ("fwd_qwen_swap0", "fwd_qwen_swap32", "fwd_qwen_split32")),
+    (_swap_cases, ("fwd_qwen_swap0", "fwd_qwen_swap32", "fwd_qwen_split32",
+                   "fwd_qwen_mtail32", "dx_qwen_split32", "dx_qwen_mtail32")),
     (_deepseek_cases, ("fwd_deepseek",)),
     (_ep_cases, ("fwd_ep", "fwd_ep_local", "fwd_ep_zeros")),
     (_decode_cases, ("fwd_down_decode", "fwd_deepseek_decode")),
