@@ -33,7 +33,7 @@ where padding dominates (DeepSeek-V3) and not on the Qwen3 shapes.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -162,6 +162,41 @@ def _producer_zero_boxes(z_smem, out_gmem, cta, num_ctas: int, num_zero_work, gr
 # fills a slot once both consumers have released it (``consumed``), and each
 # consumer releases a step's slot once the next step's wgmmas are issued.
 
+class ItemSpace(NamedTuple):
+  """What a ring body reads off its schedule: n tiles, k steps, the schedule's
+  tile capacity and counts (``mf._work_counts``), the rhs block's shape, and
+  this CTA (``cta``) with its number of items (``for_each_item``)."""
+  grid_n: int
+  k_steps: int
+  max_tiles: int
+  num_tiles: Any
+  lo: Any
+  hi: Any
+  za: Any
+  zb: Any
+  num_zero_work: Any
+  num_work: Any
+  b_shape: tuple[int, int]
+  cta: Any
+  my_items: Any
+
+
+def item_space(tiles_gmem, scal_gmem, *, k: int, n: int, block_n: int, block_k: int,
+               transpose_rhs: bool, num_ctas: int) -> ItemSpace:
+  """The ``ItemSpace`` of a ring body (``launch``'s schedule): items are
+  (row tile, n tile) pairs, CTA ``cta`` takes ``cta + j * num_ctas``."""
+  grid_n = pl.cdiv(n, block_n)
+  k_steps = pl.cdiv(k, block_k)
+  max_tiles = tiles_gmem.shape[0] // 4
+  num_tiles, lo, hi, za, zb, num_zero_work, _ = mf._work_counts(scal_gmem, grid_n)
+  num_work = num_tiles * grid_n
+  b_shape = (block_n, block_k) if transpose_rhs else (block_k, block_n)
+  cta = lax.axis_index("sm")
+  my_items = pl.cdiv(jnp.maximum(num_work - cta, 0), num_ctas)
+  return ItemSpace(grid_n, k_steps, max_tiles, num_tiles, lo, hi, za, zb, num_zero_work,
+                   num_work, b_shape, cta, my_items)
+
+
 def for_each_item(my_items, cta, num_ctas: int, k_steps, body) -> None:
   """``body(w, step0)`` for this CTA's items (step0: the ring step of item w's
   first k step)."""
@@ -215,15 +250,10 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
   bn, bk, stages, cn = cfg.block_n, cfg.block_k, cfg.num_stages, cfg.epilogue_n
   tn = bn // 2  # tail columns per consumer
   tr = cfg.tail_rows
-  grid_n = pl.cdiv(n, bn)
-  k_steps = pl.cdiv(k, bk)
-  max_tiles = tiles_gmem.shape[0] // 4
-  num_tiles, lo, hi, za, zb, num_zero_work, _ = mf._work_counts(scal_gmem, grid_n)
-  num_work = num_tiles * grid_n
+  (grid_n, k_steps, max_tiles, num_tiles, lo, hi, za, zb, num_zero_work, num_work, b_shape, cta,
+   my_items) = item_space(tiles_gmem, scal_gmem, k=k, n=n, block_n=bn, block_k=bk,
+                          transpose_rhs=transpose_rhs, num_ctas=num_ctas)
   dtype, out_dtype = lhs_gmem.dtype, out_gmem.dtype
-  b_shape = (bn, bk) if transpose_rhs else (bk, bn)
-  cta = lax.axis_index("sm")
-  my_items = pl.cdiv(jnp.maximum(num_work - cta, 0), num_ctas)  # items w = cta + j * num_ctas
 
   scratch = dict(
       a_smem=plgpu.SMEM((stages, _ROWS, bk), dtype, transforms=sm90.swizzled(bk, dtype)),

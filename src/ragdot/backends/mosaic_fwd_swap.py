@@ -57,15 +57,10 @@ def _parts(cfg: mf.MosaicFwdConfig, with_tail: bool) -> tuple[tuple[int, int], .
 def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int, n: int,
           cfg: mf.MosaicFwdConfig, transpose_rhs: bool, num_ctas: int):
   bn, bk, stages, tr = cfg.block_n, cfg.block_k, cfg.num_stages, cfg.tail_rows
-  grid_n = pl.cdiv(n, bn)
-  k_steps = pl.cdiv(k, bk)
-  max_tiles = tiles_gmem.shape[0] // 4
-  num_tiles, lo, hi, za, zb, num_zero_work, _ = mf._work_counts(scal_gmem, grid_n)
-  num_work = num_tiles * grid_n
+  (grid_n, k_steps, max_tiles, num_tiles, lo, hi, za, zb, num_zero_work, _, b_shape, cta,
+   my_items) = ring.item_space(tiles_gmem, scal_gmem, k=k, n=n, block_n=bn, block_k=bk,
+                               transpose_rhs=transpose_rhs, num_ctas=num_ctas)
   dtype, out_dtype = lhs_gmem.dtype, out_gmem.dtype
-  b_shape = (bn, bk) if transpose_rhs else (bk, bn)
-  cta = lax.axis_index("sm")
-  my_items = pl.cdiv(jnp.maximum(num_work - cta, 0), num_ctas)
 
   scratch = dict(
       # A stage's rows: 256, or 256 + tail_rows for a tile with a folded tail.
