@@ -1,0 +1,160 @@
+"""Power draw and SM clock of the GPU while one call runs back to back (GPU machine).
+
+  python3 scripts/power_probe.py OUT_DIR [--shape "qwen3-30b gate_up"] [--op fwd]
+      [--variants "swap=True,tail_rows=32,tail_split=True" ...] [--seconds 3]
+
+Phases, each ``--seconds`` of the same call back to back on one set of fresh
+random inputs: a dense ``jnp.dot`` of the same (m, k, n), the dispatcher's
+choice ("table"), and one ``mosaic_fwd`` config per variant (the table's config
+with the variant's FIELD=VALUE changes), then dense again.  ``nvidia-smi``
+samples power, SM clock and the active clock-event reasons every 20 ms in the
+background; per phase the script prints the mean power, the mean SM clock, the
+share of samples throttled by the software power cap, and the time per call
+(wall time over calls: it includes launch gaps, so compare phases, not
+kernels).  Writes OUT_DIR/power_probe.json and the raw samples.
+
+Why: under ncu the ring and swap kernels run at 1.55-1.62 GHz, as does the
+dense matmul, far under the 1.98 GHz this GPU reaches when idle; if that is
+the power cap, every wasted tensor instruction (padding, folds) also lowers
+the clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import os
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+
+from ragdot import backends, bench, dispatch
+from ragdot.backends import mosaic_fwd
+
+from ab_fwd import parse_fields  # this folder (the script's sys.path[0])
+
+_QUERY = ("timestamp,power.draw,power.limit,clocks.sm,clocks.mem,temperature.gpu,"
+          "clocks_event_reasons.active,clocks_event_reasons.sw_power_cap,"
+          "clocks_event_reasons.hw_slowdown,clocks_event_reasons.sw_thermal_slowdown")
+
+
+def _phase(name: str, fn, args, seconds: float) -> dict:
+  jax.block_until_ready(fn(*args))  # compiled and warm before the clock starts
+  t0 = time.time()
+  calls = 0
+  while time.time() - t0 < seconds:
+    out = None
+    for _ in range(10):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    calls += 10
+  t1 = time.time()
+  print(f"  {name}: {calls} calls, {1e3 * (t1 - t0) / calls:.4f} ms per call", flush=True)
+  return dict(name=name, t0=t0, t1=t1, calls=calls, ms_per_call=1e3 * (t1 - t0) / calls)
+
+
+def _summarise(phases: list[dict], samples: list[dict]) -> None:
+  for ph in phases:
+    # Skip the phase's first 0.3 s: the clock needs a moment to settle.
+    rows = [s for s in samples if ph["t0"] + 0.3 <= s["t"] <= ph["t1"]]
+    ph["samples"] = len(rows)
+    if not rows:
+      continue
+    ph["power_w"] = sum(r["power"] for r in rows) / len(rows)
+    ph["power_limit_w"] = rows[0]["limit"]
+    ph["sm_mhz"] = sum(r["sm"] for r in rows) / len(rows)
+    ph["temp_c"] = max(r["temp"] for r in rows)
+    ph["power_capped"] = sum(r["sw_power_cap"] for r in rows) / len(rows)
+    ph["hw_slowdown"] = sum(r["hw_slowdown"] for r in rows) / len(rows)
+    print(f"{ph['name']:44s} {ph['ms_per_call']:.4f} ms/call  {ph['power_w']:6.1f} W "
+          f"(limit {ph['power_limit_w']:.0f})  SM {ph['sm_mhz']:6.0f} MHz  "
+          f"power-capped {100 * ph['power_capped']:5.1f}%  hw slowdown "
+          f"{100 * ph['hw_slowdown']:4.1f}%  max {ph['temp_c']:.0f} C  ({len(rows)} samples)",
+          flush=True)
+
+
+def _read_samples(path: str) -> list[dict]:
+  out = []
+  with open(path) as f:
+    for row in csv.reader(f):
+      if not row or row[0].startswith("timestamp"):
+        continue
+      try:
+        ts = time.mktime(time.strptime(row[0].strip().split(".")[0], "%Y/%m/%d %H:%M:%S"))
+        ts += float("0." + row[0].strip().split(".")[1])
+        num = lambda v: float(v.strip().split()[0])  # noqa: E731  "412.3 W" -> 412.3
+        out.append(dict(t=ts, power=num(row[1]), limit=num(row[2]), sm=num(row[3]),
+                        temp=num(row[5]), sw_power_cap="Not" not in row[7],
+                        hw_slowdown="Not" not in row[8]))
+      except (ValueError, IndexError):
+        continue
+  return out
+
+
+def main() -> None:
+  p = argparse.ArgumentParser()
+  p.add_argument("out_dir")
+  p.add_argument("--shape", default="qwen3-30b gate_up")
+  p.add_argument("--op", default="fwd", choices=["fwd", "dx"])
+  p.add_argument("--variants", nargs="*", default=[], metavar="F=V,F=V")
+  p.add_argument("--seconds", type=float, default=3.0)
+  args = p.parse_args()
+  os.makedirs(args.out_dir, exist_ok=True)
+  (s,) = [s for s in bench.PRESETS["training"] if s.name == args.shape]
+  call = dispatch.backend_call(args.op, s.k, s.n)
+  tr = call.transpose_rhs
+  kx, kw, kd = jax.random.split(jax.random.key(int(time.time())), 3)
+  x = jax.random.normal(kx, (s.m, call.k), jnp.bfloat16)
+  shape = (s.g, call.n, call.k) if tr else (s.g, call.k, call.n)
+  w = (jax.random.normal(kw, shape, jnp.float32) / 32).astype(jnp.bfloat16)
+  wd = (jax.random.normal(kd, (call.k, call.n), jnp.float32) / 32).astype(jnp.bfloat16)
+  gs = jnp.asarray(bench.routed_group_sizes(s))
+  choice = dispatch.choose("gmm", None, dtype=jnp.bfloat16, m=s.m, k=call.k, n=call.n,
+                           g=s.g, num_groups=s.g, transpose_rhs=tr)
+
+  def grouped(module, config):
+    return jax.jit(lambda x, w, gs: module.gmm(
+        x, w, gs, None, transpose_rhs=tr, out_dtype=jnp.bfloat16, precision=None,
+        config=config))
+
+  cases = [("dense", jax.jit(jnp.dot), (x, wd)),
+           ("table", grouped(backends.get_backend(choice.implementation), choice.config),
+            (x, w, gs))]
+  base = choice.config if isinstance(choice.config, mosaic_fwd.MosaicFwdConfig) else \
+      mosaic_fwd.default_config(s.m, call.k, call.n, s.g, jnp.bfloat16, tr, jnp.bfloat16)
+  for v in args.variants:
+    cfg = dataclasses.replace(base, **parse_fields([kv for kv in v.split(",") if kv]))
+    cases.append((v, grouped(mosaic_fwd, cfg), (x, w, gs)))
+  # Every group exactly m / g rows: no tails, the same FLOPs and weight bytes.
+  aligned = jnp.full((s.g,), s.m // s.g, jnp.int32)
+  cases.append(("table, groups of m / g rows", cases[1][1], (x, w, aligned)))
+  cases.append(("dense again", cases[0][1], cases[0][2]))
+  print(f"{s.name} {args.op}: table = {choice.implementation} {choice.config}", flush=True)
+  for _, fn, a in cases:  # compile everything before sampling starts
+    jax.block_until_ready(fn(*a))
+
+  raw = os.path.join(args.out_dir, "power_samples.csv")
+  with open(raw, "w") as f:
+    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={_QUERY}", "--format=csv",
+                            "-lms", "20"], stdout=f, stderr=subprocess.STDOUT)
+  try:
+    time.sleep(1.0)
+    phases = []
+    for name, fn, a in cases:
+      phases.append(_phase(name, fn, a, args.seconds))
+      time.sleep(0.5)  # a gap between phases
+  finally:
+    smi.terminate()
+    smi.wait()
+  _summarise(phases, _read_samples(raw))
+  with open(os.path.join(args.out_dir, "power_probe.json"), "w") as f:
+    json.dump(dict(device=jax.devices()[0].device_kind, shape=s.name, op=args.op,
+                   phases=phases), f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
