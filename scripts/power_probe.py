@@ -11,7 +11,8 @@ samples power, SM clock and the active clock-event reasons every 20 ms in the
 background; per phase the script prints the mean power, the mean SM clock, the
 share of samples throttled by the software power cap, and the time per call
 (wall time over calls: it includes launch gaps, so compare phases, not
-kernels).  Writes OUT_DIR/power_probe.json and the raw samples.
+kernels).  Writes OUT_DIR/power_probe.json.  (``ragdot bench --sustained-s``
+times whole presets the same way.)
 
 Why: under ncu the ring and swap kernels run at 1.55-1.62 GHz, as does the
 dense matmul, far under the 1.98 GHz this GPU reaches when idle; if that is
@@ -22,77 +23,44 @@ the clock.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import json
 import os
-import subprocess
 import time
 
 import jax
 import jax.numpy as jnp
 
-from ragdot import backends, bench, dispatch
+from ragdot import backends, bench, dispatch, gpu_power
 from ragdot.backends import mosaic_fwd
 
 from ab_fwd import parse_fields  # this folder (the script's sys.path[0])
-
-_QUERY = ("timestamp,power.draw,power.limit,clocks.sm,clocks.mem,temperature.gpu,"
-          "clocks_event_reasons.active,clocks_event_reasons.sw_power_cap,"
-          "clocks_event_reasons.hw_slowdown,clocks_event_reasons.sw_thermal_slowdown")
 
 
 def _phase(name: str, fn, args, seconds: float) -> dict:
   jax.block_until_ready(fn(*args))  # compiled and warm before the clock starts
   t0 = time.time()
   calls = 0
-  while time.time() - t0 < seconds:
-    out = None
-    for _ in range(10):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    calls += 10
+  with gpu_power.PowerSampler() as sampler:
+    while time.time() - t0 < seconds:
+      out = None
+      for _ in range(10):
+        out = fn(*args)
+      jax.block_until_ready(out)
+      calls += 10
   t1 = time.time()
-  print(f"  {name}: {calls} calls, {1e3 * (t1 - t0) / calls:.4f} ms per call", flush=True)
-  return dict(name=name, t0=t0, t1=t1, calls=calls, ms_per_call=1e3 * (t1 - t0) / calls)
-
-
-def _summarise(phases: list[dict], samples: list[dict]) -> None:
-  for ph in phases:
-    # Skip the phase's first 0.3 s: the clock needs a moment to settle.
-    rows = [s for s in samples if ph["t0"] + 0.3 <= s["t"] <= ph["t1"]]
-    ph["samples"] = len(rows)
-    if not rows:
-      continue
-    ph["power_w"] = sum(r["power"] for r in rows) / len(rows)
-    ph["power_limit_w"] = rows[0]["limit"]
-    ph["sm_mhz"] = sum(r["sm"] for r in rows) / len(rows)
-    ph["temp_c"] = max(r["temp"] for r in rows)
-    ph["power_capped"] = sum(r["sw_power_cap"] for r in rows) / len(rows)
-    ph["hw_slowdown"] = sum(r["hw_slowdown"] for r in rows) / len(rows)
-    print(f"{ph['name']:44s} {ph['ms_per_call']:.4f} ms/call  {ph['power_w']:6.1f} W "
+  # The phase's first 0.3 s left out: the clock needs a moment to settle.
+  ph = dict(name=name, calls=calls, ms_per_call=1e3 * (t1 - t0) / calls,
+            **gpu_power.summarise([s for s in sampler.samples if s["t"] >= t0 + 0.3]))
+  if "sm_mhz" in ph:
+    print(f"{name:44s} {ph['ms_per_call']:.4f} ms/call  {ph['power_w']:6.1f} W "
           f"(limit {ph['power_limit_w']:.0f})  SM {ph['sm_mhz']:6.0f} MHz  "
           f"power-capped {100 * ph['power_capped']:5.1f}%  hw slowdown "
-          f"{100 * ph['hw_slowdown']:4.1f}%  max {ph['temp_c']:.0f} C  ({len(rows)} samples)",
+          f"{100 * ph['hw_slowdown']:4.1f}%  max {ph['temp_c']:.0f} C  ({ph['samples']} samples)",
           flush=True)
-
-
-def _read_samples(path: str) -> list[dict]:
-  out = []
-  with open(path) as f:
-    for row in csv.reader(f):
-      if not row or row[0].startswith("timestamp"):
-        continue
-      try:
-        ts = time.mktime(time.strptime(row[0].strip().split(".")[0], "%Y/%m/%d %H:%M:%S"))
-        ts += float("0." + row[0].strip().split(".")[1])
-        num = lambda v: float(v.strip().split()[0])  # noqa: E731  "412.3 W" -> 412.3
-        out.append(dict(t=ts, power=num(row[1]), limit=num(row[2]), sm=num(row[3]),
-                        temp=num(row[5]), sw_power_cap="Not" not in row[7],
-                        hw_slowdown="Not" not in row[8]))
-      except (ValueError, IndexError):
-        continue
-  return out
+  else:
+    print(f"{name:44s} {ph['ms_per_call']:.4f} ms/call (no nvidia-smi)", flush=True)
+  return ph
 
 
 def main() -> None:
@@ -137,20 +105,10 @@ def main() -> None:
   for _, fn, a in cases:  # compile everything before sampling starts
     jax.block_until_ready(fn(*a))
 
-  raw = os.path.join(args.out_dir, "power_samples.csv")
-  with open(raw, "w") as f:
-    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={_QUERY}", "--format=csv",
-                            "-lms", "20"], stdout=f, stderr=subprocess.STDOUT)
-  try:
-    time.sleep(1.0)
-    phases = []
-    for name, fn, a in cases:
-      phases.append(_phase(name, fn, a, args.seconds))
-      time.sleep(0.5)  # a gap between phases
-  finally:
-    smi.terminate()
-    smi.wait()
-  _summarise(phases, _read_samples(raw))
+  phases = []
+  for name, fn, a in cases:
+    phases.append(_phase(name, fn, a, args.seconds))
+    time.sleep(0.5)  # a gap between phases
   with open(os.path.join(args.out_dir, "power_probe.json"), "w") as f:
     json.dump(dict(device=jax.devices()[0].device_kind, shape=s.name, op=args.op,
                    phases=phases), f, indent=1)

@@ -55,6 +55,15 @@ def test_bench_tiny_shape(tmp_path, capsys):
   assert "auto-choice check" in out and "compile: slowest ragdot call" in out
 
 
+def test_bench_sustained_rows(tmp_path):
+  path = tmp_path / "rows.json"
+  assert cli.main(["bench", "--shape", "256,64,64,4", "--ops", "fwd", "--sustained-s", "0.2",
+                   "--json", str(path)]) == 0
+  rows = json.loads(path.read_text())
+  assert {"ragdot", "dense"} <= {r["impl"] for r in rows}
+  assert all(r["ms"] > 0 and r["method"].startswith("sustained 0.2 s, wall") for r in rows)
+
+
 def test_bench_only_picks_preset_shapes_by_name(tmp_path, monkeypatch):
   from ragdot import bench  # pylint: disable=g-import-not-at-top
 

@@ -95,3 +95,41 @@ def test_cupti_timing_splits_iterations_by_output_size(monkeypatch):
 
   monkeypatch.setattr(mgpu, "profiler", NoKernels, raising=False)
   assert timing._cupti_median_ms(lambda a: a + 1, (x,), 7, 1024) is None  # pylint: disable=protected-access
+
+
+def test_sustained_time_ms_times_the_second_half_with_a_full_queue(monkeypatch):
+  # A fake device: each call takes 10 ms of clock when its output is waited on;
+  # the queue keeps `depth` calls in flight, and only completions after the
+  # window's midpoint are counted.
+  clock = [0.0]
+  waited = []
+
+  class Out:
+    def __init__(self, i):
+      self.i = i
+
+  issued = []
+
+  def fn(x):
+    issued.append(len(issued))
+    return Out(issued[-1])
+
+  def block(out):
+    if isinstance(out, Out):
+      clock[0] += 0.01
+      waited.append(out.i)
+    return out
+
+  monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+  monkeypatch.setattr(timing.jax, "block_until_ready", block)
+  ms, power = timing.sustained_time_ms(fn, 0, seconds=1.0, depth=4)
+  assert ms == pytest.approx(10.0)
+  assert power == {}  # no nvidia-smi here
+  assert waited == sorted(waited) and len(waited) == len(issued)  # every call waited on, in order
+  assert clock[0] >= 1.0 and len(issued) >= 100
+
+
+def test_sustained_time_ms_real_calls():
+  x = jnp.ones((128, 128), jnp.float32)
+  ms, _ = timing.sustained_time_ms(jax.jit(lambda x: x @ x), x, seconds=0.2)
+  assert 0 < ms < 200

@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 
 import ragdot
-from ragdot.timing import SETTLE_S, device_time_ms
+from ragdot.timing import SETTLE_S, device_time_ms, sustained_time_ms
 from ragdot.watchdog import Watchdog
 
 DN_DX = lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), [0], [0])
@@ -398,7 +398,14 @@ def shape_inputs(shape: Shape, seed: int = 0) -> tuple[np.ndarray, tuple[jax.Arr
 def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
                 seed: int = 0, impls: list[str] | None = None,
                 baselines: bool = True, watchdog: Watchdog | None = None,
-                warmup_s: float = 0.0) -> list[dict[str, Any]]:
+                warmup_s: float = 0.0, sustained_s: float = 0.0) -> list[dict[str, Any]]:
+  """Rows of one shape: per op, every candidate's time, ratios and compile time.
+
+  ``sustained_s`` > 0 times each candidate back to back for that many seconds
+  (``timing.sustained_time_ms``: the power-limited clock of a training step)
+  instead of CUPTI over a short burst; its rows carry the GPU's mean SM clock
+  and power over the timed half.
+  """
   sizes, (x, w, dy, gs) = shape_inputs(shape, seed)
   rows = []
   for op in ([o for o in ops if o in EP_OPS] if shape.ep > 1 else ops):
@@ -419,11 +426,12 @@ def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
       same_as_auto = {name for name, i in ragdot_names(impls, None).items()
                       if i is not None and name in fns
                       and resolved_kernels(op, shape, i) == auto_kernels}
-    results = {}
+    results, power = {}, {}
     for name, fn in fns.items():
       if name in same_as_auto and "ragdot" in results:
         ms, method, peak, compile_s = results["ragdot"]
         results[name] = (ms, f"{method}; the automatic choice's kernels", peak, compile_s)
+        power[name] = power.get("ragdot", {})
         continue
       # Progress on stderr: a run cut by a time limit shows where it stopped.
       print(f"# {shape.name} {op} {name}", file=sys.stderr, flush=True)
@@ -434,8 +442,12 @@ def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
         compiled = jax.jit(fn).lower(x, w, dy, gs).compile()
         compile_s = time.perf_counter() - start
         peak = peak_bytes(compiled)
-        ms, method = device_time_ms(compiled, x, w, dy, gs, iterations=iterations,
-                                    warmup_s=warmup_s)
+        if sustained_s > 0:
+          ms, power[name] = sustained_time_ms(compiled, x, w, dy, gs, seconds=sustained_s)
+          method = sustained_method(sustained_s, power[name])
+        else:
+          ms, method = device_time_ms(compiled, x, w, dy, gs, iterations=iterations,
+                                      warmup_s=warmup_s)
         results[name] = (ms, method, peak, compile_s)
       except Exception as e:  # pylint: disable=broad-except
         results[name] = (float("nan"), f"error: {type(e).__name__}: {str(e)[:160]}", None,
@@ -454,6 +466,9 @@ def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
           vs_tokamax=tok / ms if ms == ms else float("nan"),
           peak_mib=None if peak is None else peak / 2**20, compile_s=compile_s,
           method=method, routing="skewed" if shape.skewed else "routed")
+      if power.get(name):
+        row.update(sm_mhz=power[name]["sm_mhz"], power_w=power[name]["power_w"],
+                   power_capped=power[name]["power_capped"])
       if name == "ragdot" and choice is not None:
         row["choice"] = choice
       elif name.startswith("ragdot:") and op != "fwdbwd" and shape.ep == 1:
@@ -462,6 +477,16 @@ def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
         row.update(choice_fields(dispatch_choice(op, shape, name.split(":", 1)[1])))
       rows.append(row)
   return rows
+
+
+def sustained_method(seconds: float, power: dict[str, float]) -> str:
+  """The method column of a sustained row: the window and, with nvidia-smi,
+  the clock and power it ran at."""
+  method = f"sustained {seconds:g} s, wall"
+  if power:
+    method += (f"; {power['sm_mhz']:.0f} MHz, {power['power_w']:.0f} W, power-capped "
+               f"{100 * power['power_capped']:.0f}%")
+  return method
 
 
 def copy_bandwidth_tbps(iterations: int = 10, gib: float = 1.0) -> float:
@@ -609,6 +634,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--warmup-ms", type=float, default=1e3 * SETTLE_S,
                       help="each row's calls before its timed ones, in milliseconds of"
                            " wall clock (at least 2 calls): the GPU's clocks settle")
+  parser.add_argument("--sustained-s", type=float, default=0.0,
+                      help="time each row back to back for this many seconds (wall clock"
+                           " over the second half) instead of CUPTI over a short burst: the"
+                           " power-limited clock of a training step (docs/performance.md v21)")
   parser.add_argument("--json", default=None, help="write rows to this file")
   parser.add_argument("--plot", default=None, help="write a PNG bar chart here")
   parser.add_argument("--from-json", default=None, help="re-plot/print saved rows")
@@ -655,7 +684,8 @@ def run(args: argparse.Namespace) -> int:
   for shape in shapes:
     shape_rows = bench_shape(shape, args.ops, args.implementation, args.iterations,
                              impls=impls, baselines=not args.no_baselines,
-                             watchdog=watchdog, warmup_s=args.warmup_ms / 1e3)
+                             watchdog=watchdog, warmup_s=args.warmup_ms / 1e3,
+                             sustained_s=args.sustained_s)
     if copy_tbps:
       add_copy_ratio(shape_rows, copy_tbps)
     for r in shape_rows:

@@ -6,16 +6,23 @@ iterations.  CUPTI adds up kernels of *all* devices, so for a call whose
 outputs live on several devices (expert parallelism over GPUs) that sum is not
 the step time: such calls, and any call where CUPTI is unavailable, are timed
 by the host clock around back-to-back calls instead (``method`` says which).
+
+``sustained_time_ms`` times a call under sustained load instead: back to back
+for seconds, as in a training step, where the GPU runs at its power limit and a
+lower clock than in the short bursts ``device_time_ms`` measures.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import statistics
 import time
 from typing import Any, Callable
 
 import jax
+
+from ragdot.gpu_power import PowerSampler
 
 
 def _num_devices(out: Any) -> int:
@@ -73,6 +80,44 @@ def device_time_ms(fn: Callable[..., Any], *args: Any, iterations: int = 20,
       return ms, "cupti"
   method = "host" if ndev == 1 else f"host: {ndev} devices"
   return host_time_ms(fn, *args, iterations=iterations), method
+
+
+def sustained_time_ms(fn: Callable[..., Any], *args: Any, seconds: float = 2.0,
+                      depth: int = 4) -> tuple[float, dict[str, float]]:
+  """(wall milliseconds per call, power summary) of ``fn(*args)`` run back to
+  back for ``seconds``, timed over the second half of that window.
+
+  ``depth`` calls stay queued at all times (each new call waits for the one
+  ``depth`` before it), so the device never idles and at most ``depth + 1``
+  calls' outputs are alive.  Between two completions the device ran exactly
+  the calls completed, so the time per call is that of the device, not of the
+  dispatch, as long as one call takes longer than its dispatch (~20 us).  The
+  first half of the window lets the clock settle at what the load allows (the
+  H200 reaches its power limit within ~0.2 s).  The power summary
+  (``ragdot.gpu_power``) covers the timed half; {} without ``nvidia-smi``.
+  """
+  jax.block_until_ready(fn(*args))
+  queue: collections.deque = collections.deque()
+  start = time.perf_counter()
+  t0, done, sampler = None, 0, PowerSampler()
+  while True:
+    queue.append(fn(*args))
+    if len(queue) <= depth:
+      continue
+    jax.block_until_ready(queue.popleft())
+    now = time.perf_counter()
+    if t0 is None:
+      if now - start >= seconds / 2:
+        t0 = now
+        sampler.__enter__()
+    else:
+      done += 1
+      if now - start >= seconds and done >= 3:
+        break
+  sampler.__exit__(None, None, None)
+  while queue:
+    jax.block_until_ready(queue.popleft())
+  return (now - t0) * 1e3 / done, sampler.summary()
 
 
 def interleaved_median_ms(cases: dict[str, tuple[Callable[..., Any], tuple]], *,
