@@ -215,3 +215,21 @@ def test_reading_tables_imports_no_kernel_module():
           "('ragdot.backends.mosaic', 'jax.experimental.pallas'))]; assert not bad, bad")
   env = dict(os.environ, PYTHONPATH=SRC, JAX_PLATFORMS="cpu")
   subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+@pytest.mark.parametrize("sustained_s", [0.0, 0.1])
+def test_tune_task_times_candidates_burst_or_sustained(monkeypatch, sustained_s):
+  # On CPU only the xla backend runs; the entry records how it was timed.
+  import time as time_mod  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from ragdot import tune  # pylint: disable=g-import-not-at-top
+
+  from ragdot.backends import xla  # pylint: disable=g-import-not-at-top
+
+  monkeypatch.setattr(tune, "candidates",
+                      lambda task, dtype: [("xla", xla.default_config(task.m, task.g))])
+  task = tune.Task("fwd", "tiny", 256, 64, 64, 4, top_k=2)
+  entry = tune.tune_task(task, jnp.bfloat16, time_mod.time() + 60, iterations=2, repeats=1,
+                         jobs=1, sustained_s=sustained_s)
+  assert entry["backend"] == "xla" and entry["ms"] > 0 and entry["measured"]
+  assert entry["method"].startswith("sustained 0.1 s") == (sustained_s > 0)

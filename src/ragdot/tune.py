@@ -177,8 +177,13 @@ def _done(table: tables.Table, task: Task, dtype_name: str) -> bool:
 
 def tune_task(task: Task, dtype, deadline: float, *, iterations: int, repeats: int,
               jobs: int, progress=None, log=None,
-              watchdog: Watchdog | None = None) -> dict[str, Any] | None:
+              watchdog: Watchdog | None = None,
+              sustained_s: float = 0.0) -> dict[str, Any] | None:
   """Measures every candidate of ``task`` until ``deadline``; the best as an entry.
+
+  ``sustained_s`` > 0 times each candidate back to back for that many seconds
+  (``timing.sustained_time_ms``, the power-limited clock of a training step)
+  instead of CUPTI bursts; ``repeats`` windows, median.
 
   ``log``, when given, is called with one dict per candidate tried (backend,
   config, ms or error, rel_err): the A/B record behind the table entry.
@@ -186,7 +191,14 @@ def tune_task(task: Task, dtype, deadline: float, *, iterations: int, repeats: i
   """
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from ragdot.timing import device_time_ms  # pylint: disable=g-import-not-at-top
+  from ragdot import bench as bench_mod  # pylint: disable=g-import-not-at-top
+  from ragdot.timing import device_time_ms, sustained_time_ms  # pylint: disable=g-import-not-at-top
+
+  def time_one(compiled):
+    if sustained_s > 0:
+      ms, power = sustained_time_ms(compiled, lhs, rhs, gs, seconds=sustained_s)
+      return ms, bench_mod.sustained_method(sustained_s, power)
+    return device_time_ms(compiled, lhs, rhs, gs, iterations=iterations)
 
   lhs, rhs, gs = _inputs(task, dtype)
   ref = _fn(task, "xla", None, jnp.float32)(lhs, rhs, gs)
@@ -215,8 +227,7 @@ def tune_task(task: Task, dtype, deadline: float, *, iterations: int, repeats: i
         out = jax.block_until_ready(compiled(lhs, rhs, gs))
         row["rel_err"] = _rel_err(out, ref)
         if row["rel_err"] < REL_TOL:
-          times = [device_time_ms(compiled, lhs, rhs, gs, iterations=iterations)
-                   for _ in range(repeats)]
+          times = [time_one(compiled) for _ in range(repeats)]
           row["ms"] = statistics.median(t for t, _ in times)
           row["method"] = times[0][1]
       except Exception as e:  # pylint: disable=broad-except
@@ -381,6 +392,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--budget-s", type=float, default=60.0, help="seconds per (op, shape)")
   parser.add_argument("--iterations", type=int, default=10)
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--sustained-s", type=float, default=0.0,
+                      help="time candidates back to back for this many seconds each"
+                           " (the power-limited clock of training) instead of CUPTI bursts")
   parser.add_argument("--jobs", type=int, default=4, help="parallel compile threads")
   parser.add_argument("--hang-s", type=float, default=60.0,
                       help="a candidate whose device runs (check + timing) take longer than"
@@ -471,6 +485,7 @@ def run(args: argparse.Namespace) -> int:
         deadline = time.time() + args.budget_s
         entry = tune_task(task, dtype, deadline, iterations=args.iterations,
                           repeats=args.repeats, jobs=args.jobs, progress=progress,
+                          sustained_s=args.sustained_s,
                           log=log, watchdog=watchdog)
         if entry is None:
           progress.console.print(
