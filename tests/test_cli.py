@@ -61,7 +61,8 @@ def test_bench_sustained_rows(tmp_path):
                    "--json", str(path)]) == 0
   rows = json.loads(path.read_text())
   assert {"ragdot", "dense"} <= {r["impl"] for r in rows}
-  assert all(r["ms"] > 0 and r["method"].startswith("sustained 0.2 s, wall") for r in rows)
+  assert all(r["ms"] > 0 and r["method"].startswith("sustained 0.2 s, wall; dispatch ")
+             and r["dispatch_ms"] >= 0 for r in rows)
 
 
 def test_bench_only_picks_preset_shapes_by_name(tmp_path, monkeypatch):

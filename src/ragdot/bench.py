@@ -467,8 +467,8 @@ def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
           peak_mib=None if peak is None else peak / 2**20, compile_s=compile_s,
           method=method, routing="skewed" if shape.skewed else "routed")
       if power.get(name):
-        row.update(sm_mhz=power[name]["sm_mhz"], power_w=power[name]["power_w"],
-                   power_capped=power[name]["power_capped"])
+        row.update({k: power[name][k] for k in ("sm_mhz", "power_w", "power_capped",
+                                                "dispatch_ms") if k in power[name]})
       if name == "ragdot" and choice is not None:
         row["choice"] = choice
       elif name.startswith("ragdot:") and op != "fwdbwd" and shape.ep == 1:
@@ -483,7 +483,9 @@ def sustained_method(seconds: float, power: dict[str, float]) -> str:
   """The method column of a sustained row: the window and, with nvidia-smi,
   the clock and power it ran at."""
   method = f"sustained {seconds:g} s, wall"
-  if power:
+  if "dispatch_ms" in power:
+    method += f"; dispatch {1e3 * power['dispatch_ms']:.0f} us"
+  if "sm_mhz" in power:
     method += (f"; {power['sm_mhz']:.0f} MHz, {power['power_w']:.0f} W, power-capped "
                f"{100 * power['power_capped']:.0f}%")
   return method

@@ -93,15 +93,22 @@ def sustained_time_ms(fn: Callable[..., Any], *args: Any, seconds: float = 2.0,
   the calls completed, so the time per call is that of the device, not of the
   dispatch, as long as one call takes longer than its dispatch (~20 us).  The
   first half of the window lets the clock settle at what the load allows (the
-  H200 reaches its power limit within ~0.2 s).  The power summary
-  (``ragdot.gpu_power``) covers the timed half; {} without ``nvidia-smi``.
+  H200 reaches its power limit within ~0.2 s).  The summary holds
+  ``dispatch_ms``, the host's mean time per call to enqueue it: a call whose
+  time per call is near it is paced by the host, not the device (small
+  calls, ~0.1 ms and under), and the power summary (``ragdot.gpu_power``) of
+  the timed half (none without ``nvidia-smi``).
   """
   jax.block_until_ready(fn(*args))
   queue: collections.deque = collections.deque()
   start = time.perf_counter()
   t0, done, sampler = None, 0, PowerSampler()
+  enqueue_s = 0.0  # host time spent issuing the timed calls
   while True:
+    t_issue = time.perf_counter()
     queue.append(fn(*args))
+    if t0 is not None:
+      enqueue_s += time.perf_counter() - t_issue
     if len(queue) <= depth:
       continue
     jax.block_until_ready(queue.popleft())
@@ -117,7 +124,7 @@ def sustained_time_ms(fn: Callable[..., Any], *args: Any, seconds: float = 2.0,
   sampler.__exit__(None, None, None)
   while queue:
     jax.block_until_ready(queue.popleft())
-  return (now - t0) * 1e3 / done, sampler.summary()
+  return (now - t0) * 1e3 / done, dict(sampler.summary(), dispatch_ms=enqueue_s * 1e3 / done)
 
 
 def interleaved_median_ms(cases: dict[str, tuple[Callable[..., Any], tuple]], *,
