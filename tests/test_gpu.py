@@ -256,6 +256,22 @@ def test_swap_real_sizes(shape, transpose_rhs, tail_rows, stages, offset, tail):
   _check_mosaic_gmm(cfg, shape, transpose_rhs, offset, seed=sum(shape[:3]) + 1)
 
 
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
+@pytest.mark.parametrize("swap_rows,tail_rows,offset,tail", [
+    (160, 0, None, "fold"), (144, 16, 8, "m"), (144, 16, None, "split")],
+                         ids=["r160", "r144-t16-shard-m", "r144-t16-split"])
+def test_swap_rows_real_size(transpose_rhs, swap_rows, tail_rows, offset, tail):
+  """Swap tiles of fewer than 256 rows on groups of ~128 rows (DeepSeek-V3's
+  layout), folded tails, a shard; NaN-poisoned memory."""
+  from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
+  cfg = mosaic_fwd.MosaicFwdConfig(128, 128, 64, 4, num_compute_wgs=2, ring=True, swap=True,
+                                   swap_rows=swap_rows, tail_rows=tail_rows,
+                                   producer_zeros=False, tail_split=tail == "split",
+                                   tail_on_m=tail == "m")
+  _check_mosaic_gmm(cfg, (16384, 2048, 1792, 128, "routed"), transpose_rhs, offset,
+                    seed=swap_rows + tail_rows)
+
+
 @pytest.mark.parametrize("variant", ["1wg", "2wg", "2wg_chained", "2wg_split_n",
                                      "2wg_split_n_ntail"])
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])

@@ -44,7 +44,8 @@ TAIL = {"fold": {}, "split": dict(tail_split=True), "m": dict(tail_on_m=True)}
     ([150, 20, 270, 30], 768, 64, 256, 1, 2, True, 16, "m"),
     ([272, 16, 270, 30], 640, 128, 128, None, 4, False, 16, "m"),
 ])
-def test_matches_oracle(sizes, m, k, n, offset, num_local, transpose_rhs, tail_rows, tail):
+def test_matches_oracle(sizes, m, k, n, offset, num_local, transpose_rhs, tail_rows, tail,
+                       swap_rows=256):
   rshape = (num_local, n, k) if transpose_rhs else (num_local, k, n)
   x, w = oracle.random_inputs(jax.random.key(m + n + k), [(m, k), rshape], jnp.bfloat16)
   go = None if offset is None else jnp.int32(offset)
@@ -52,20 +53,43 @@ def test_matches_oracle(sizes, m, k, n, offset, num_local, transpose_rhs, tail_r
   out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), go, transpose_rhs=transpose_rhs,
                out_dtype=jnp.bfloat16, interpret=True,
                config=dataclasses.replace(CFG, tail_rows=tail_rows, producer_zeros=False,
-                                          **TAIL[tail]))
+                                          swap_rows=swap_rows, **TAIL[tail]))
   oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, go, transpose_rhs), jnp.bfloat16)
   oracle.assert_zero_rows(out, sizes, offset, num_local)
 
 
-@pytest.mark.parametrize("tail", sorted(TAIL))
-def test_no_races(tail):
+@pytest.mark.parametrize("sizes,m,k,n,offset,num_local,transpose_rhs,tail_rows,tail,swap_rows", [
+    # Tiles of 144 rows (wgmma N = 144; stores of 64 + 64 + 16): 130 rows from row 0 and
+    # 140 from row 130 (its tile starts at 128: 142 rows), 150 = 144 + 6 (a tail item),
+    # an empty group; the zero blocks of a shard are 144 rows too (3 chunks, the last cut).
+    ([130, 140, 150, 0, 60], 640, 128, 192, None, 5, False, 0, "fold", 144),
+    ([130, 140, 150, 0, 60], 640, 128, 192, None, 5, True, 0, "fold", 144),   # dX
+    ([100, 150, 20, 140], 512, 64, 128, 1, 2, False, 0, "fold", 144),   # a shard
+    # 144 + 16 folded: 150 and 158 rows (from rows 130 and 280) fold their last rows
+    ([130, 150, 158, 40], 640, 128, 128, None, 4, False, 16, "m", 144),
+    ([130, 150, 158, 40], 640, 128, 128, None, 4, True, 16, "split", 144),  # halves of 80
+    ([100, 150, 20, 140], 512, 64, 128, 0, 3, True, 16, "m", 144),   # a shard, dX
+    # 160-row tiles (64 + 64 + 32 stores) and the smallest, 64 (one chunk; 8 folded rows)
+    ([130, 140, 150, 0, 60], 640, 128, 192, None, 5, False, 0, "fold", 160),
+    ([70, 60, 0, 75, 9], 320, 64, 128, None, 5, False, 8, "fold", 64),
+    ([70, 60, 0, 75, 9], 320, 64, 128, 1, 3, True, 0, "fold", 64),
+])
+def test_fewer_rows_per_tile_match_oracle(sizes, m, k, n, offset, num_local, transpose_rhs,
+                                          tail_rows, tail, swap_rows):
+  test_matches_oracle(sizes, m, k, n, offset, num_local, transpose_rhs, tail_rows, tail,
+                      swap_rows)
+
+
+@pytest.mark.parametrize("tail,swap_rows", [(t, 256) for t in sorted(TAIL)] + [("m", 144)])
+def test_no_races(tail, swap_rows):
   from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret  # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
   sizes = [280, 7, 60, 150]
   x, w = oracle.random_inputs(jax.random.key(3), [(640, 128), (4, 128, 128)], jnp.bfloat16)
   out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), None, transpose_rhs=False,
                out_dtype=jnp.bfloat16, interpret=plgpu.InterpretGPUParams(detect_races=True),
-               config=dataclasses.replace(CFG, tail_rows=32, num_sms=2, **TAIL[tail]))
+               config=dataclasses.replace(CFG, tail_rows=32 if swap_rows == 256 else 16,
+                                          num_sms=2, swap_rows=swap_rows, **TAIL[tail]))
   oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, None, False), jnp.bfloat16)
   assert not gpu_interpret.get_races().races_found
 
@@ -111,6 +135,16 @@ def test_config_checks():
   with pytest.raises(ValueError, match="tail_on_m needs"):
     dataclasses.replace(CFG, tail_rows=32, tail_split=True, tail_on_m=True)
   assert not mf.row_major_ring(dataclasses.replace(CFG, tail_rows=32, tail_on_m=True)).tail_on_m
+  for bad in (48, 136, 272):
+    with pytest.raises(ValueError, match="swap_rows needs"):
+      dataclasses.replace(CFG, swap_rows=bad)
+  with pytest.raises(ValueError, match="swap_rows needs"):
+    dataclasses.replace(CFG, swap=False, block_n=256, swap_rows=144)
+  # The row-major counterpart of a 144-row swap config is the plain ring.
+  assert mf.row_major_ring(dataclasses.replace(CFG, swap_rows=144)).swap_rows == 256
+  # SMEM follows the tile's rows.
+  assert dataclasses.replace(CFG, swap_rows=144).smem_bytes(jnp.bfloat16, jnp.bfloat16) == (
+      CFG.smem_bytes(jnp.bfloat16, jnp.bfloat16) - 2 * 112 * 64 * 2)
   # The tuner times both swap tails (split fold, row-major M tail) where swap runs.
   sweep = mf.gpu_sweep_configs(32768, 2048, 1536, 128, False)
   assert [(c.tail_split, c.tail_on_m) for c in sweep if c.swap] == [(True, False), (False, True)]
@@ -134,11 +168,12 @@ def test_config_checks():
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
-@pytest.mark.parametrize("tail_rows,stages,tail", [(0, 4, "fold"), (32, 4, "fold"),
-                                                   (64, 3, "fold"), (32, 4, "split"),
-                                                   (16, 4, "split"), (32, 4, "m")])
-def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, tail):
+@pytest.mark.parametrize("tail_rows,stages,tail,swap_rows", [
+    (0, 4, "fold", 256), (32, 4, "fold", 256), (64, 3, "fold", 256), (32, 4, "split", 256),
+    (16, 4, "split", 256), (32, 4, "m", 256), (0, 4, "fold", 160), (16, 4, "m", 144),
+    (16, 4, "split", 144)])
+def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, tail, swap_rows):
   m, k, n, g = 4096, 2048, 1536, 128
   cfg = dataclasses.replace(CFG, num_stages=stages, tail_rows=tail_rows, num_sms=132,
-                            **TAIL[tail])
+                            swap_rows=swap_rows, **TAIL[tail])
   assert_gmm_lowers(cfg, m=m, k=k, n=n, g=g, transpose_rhs=transpose_rhs)

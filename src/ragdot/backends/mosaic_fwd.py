@@ -176,6 +176,11 @@ class MosaicFwdConfig:
     the H200 (docs/performance.md v20d, v20f): 0.95x / 0.97x the row-major ring
     on the Qwen3-30B gate_up / down dX calls, 0.91x the split fold on the down
     forward, a tie with it on the gate_up forwards.
+  swap_rows: swap only: rows per tile (wgmma's N), a multiple of 16 from 64
+    to 256.  Fewer than 256 fit groups of fewer rows with less padding (e.g.
+    144 or 160 for groups of 128 +- 11 rows, DeepSeek-V3's): every group of at
+    most swap_rows - 7 rows is one tile that streams its weight block once.
+    Not measured on a GPU yet (docs/performance.md v21).
   zero_box_rows: with producer_zeros, the rows of its zero buffer (8, 16, 32
     or 64): each 64-row half of a zero item goes out in stores of at most
     this many rows.  Fewer rows leave room for wider epilogue chunks (a
@@ -208,6 +213,7 @@ class MosaicFwdConfig:
   swap: bool = False
   tail_split: bool = False
   tail_on_m: bool = False
+  swap_rows: int = SWAP_ROWS
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -260,6 +266,10 @@ class MosaicFwdConfig:
     if self.tail_on_m and (not self.swap or self.tail_split or self.tail_rows not in (8, 16, 32)):
       raise ValueError(f"tail_on_m needs swap=True, tail_split off and tail_rows 8, 16 or 32, "
                        f"got {self}")
+    if self.swap_rows != SWAP_ROWS and (not self.swap or self.swap_rows % 16
+                                        or not 64 <= self.swap_rows <= SWAP_ROWS):
+      raise ValueError(f"swap_rows needs swap=True and a multiple of 16 from 64 to 256, "
+                       f"got {self}")
     if self.tail_rows and (not self.ring or self.block_n % 128):
       raise ValueError(f"tail_rows needs ring=True and block_n a multiple of 128, got {self}")
     if self.zero_lead is not None and (self.zero_lead < 0 or (self.zero_lead and not self.ring)):
@@ -285,8 +295,8 @@ class MosaicFwdConfig:
     lowering for the 2-warpgroup kernel): ``smem_budget`` keeps 1 KiB for them.
     """
     isz, osz = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
-    if self.swap:  # 256 + tail rows and 128 columns per stage; 64 x 64 staging per consumer
-      per_stage = (SWAP_ROWS + self.tail_rows + self.block_n) * self.block_k * isz
+    if self.swap:  # swap_rows + tail rows and 128 columns per stage; 64 x 64 staging per consumer
+      per_stage = (self.swap_rows + self.tail_rows + self.block_n) * self.block_k * isz
       staging = self.num_compute_wgs * _WG_ROWS * _WG_ROWS * osz
       return self.num_stages * per_stage + staging
     per_stage = (self.block_m + self.block_n) * self.block_k * isz
@@ -330,7 +340,7 @@ def row_major_ring(cfg: MosaicFwdConfig) -> MosaicFwdConfig:
   """A swap config's row-major ring counterpart (128 x 256 tiles, no tails):
   what runs where swap cannot (shard calls with producer zeros, 32-bit outputs)."""
   return dataclasses.replace(cfg, swap=False, block_n=256, tail_rows=0, tail_split=False,
-                             tail_on_m=False)
+                             tail_on_m=False, swap_rows=SWAP_ROWS)
 
 
 def _fits(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> bool:
@@ -919,11 +929,12 @@ def gmm(
     config = resolve_producer_zeros(config, has_offset, lhs.dtype, out_dtype)
   if config is None or (config.num_compute_wgs == 2 and not config.ring
                         and k <= config.block_k) or (
-      config.ring and m < (SWAP_ROWS if config.swap else config.block_m) + config.tail_rows):
+      config.ring and m < (config.swap_rows if config.swap else config.block_m)
+      + config.tail_rows):
     # The warp-specialized pipeline never releases a tile's last slot: with a
     # single k step the producer could refill it early, so use one warpgroup
     # (the ring releases every slot).  The ring's loads need 128 + tail_rows rows
-    # (swap: 256 + tail_rows).
+    # (swap: swap_rows + tail_rows).
     config = default_config(m, k, n, g_local, lhs.dtype, transpose_rhs, out_dtype)
     config = resolve_producer_zeros(config, has_offset, lhs.dtype, out_dtype)
   if config.smem_bytes(lhs.dtype, out_dtype) > config.smem_budget():

@@ -2,9 +2,10 @@
 (``MosaicFwdConfig(ring=True, swap=True)``; ``mosaic_fwd.gmm`` calls here).
 
 Each item computes ``out[rows, cols]^T = W[:, cols]^T @ x[rows]^T`` for up to
-256 rows of one group and 128 output columns: each consumer warpgroup holds a
-(64 columns, 256 rows) f32 accumulator and feeds wgmma the weight block as its
-A operand (M = 64 columns) and the rows as its B operand (N = 256 rows).  A
+``swap_rows`` (R: 256 by default, wgmma's largest N) rows of one group and 128
+output columns: each consumer warpgroup holds a (64 columns, R rows) f32
+accumulator and feeds wgmma the weight block as its A operand (M = 64 columns)
+and the rows as its B operand (N = R rows).  A
 group's last few rows (``tail_rows``, up to 64) then ride along with the tile
 before them on the weight block already in SMEM, as more N: a second wgmma of
 N = tail_rows, or with ``tail_split`` two wgmmas of (256 + tail_rows) / 2 rows;
@@ -19,7 +20,7 @@ plain ones, not the 1.125 its rows say.
 Group-aligned tiles: a group's rows start a new tile; a tile's rows past its
 group's end are computed and never stored.  Rows outside the shard's window
 (group_offset) and past the groups' end are written as zeros by the consumers
-after their compute items, 256-row blocks dealt round-robin.  One producer
+after their compute items, R-row blocks dealt round-robin.  One producer
 warpgroup runs one ring of stages through all of its CTA's items.
 """
 
@@ -38,33 +39,35 @@ from ragdot.backends import mosaic_fwd as mf
 from ragdot.backends import mosaic_fwd_ring as ring
 from ragdot.backends import sm90
 
-ROWS = mf.SWAP_ROWS  # rows per tile: wgmma's largest N
 _COLS = 64  # output columns per consumer: wgmma's M
 _CHUNK = 64  # rows per epilogue store
 
 
 def _parts(cfg: mf.MosaicFwdConfig, with_tail: bool) -> tuple[tuple[int, int], ...]:
-  """(first row in the tile, rows) of each wgmma of a tile: one of 256 rows; with a
-  folded tail, 256 + tail_rows (``tail_split``: two halves of (256 + tail_rows) / 2)."""
+  """(first row in the tile, rows) of each wgmma of a tile: one of R = swap_rows
+  rows; with a folded tail, R + tail_rows (``tail_split``: two halves of
+  (R + tail_rows) / 2)."""
+  rows = cfg.swap_rows
   if not with_tail:
-    return ((0, ROWS),)
+    return ((0, rows),)
   if cfg.tail_split:
-    half = (ROWS + cfg.tail_rows) // 2
+    half = (rows + cfg.tail_rows) // 2
     return ((0, half), (half, half))
-  return ((0, ROWS), (ROWS, cfg.tail_rows))
+  return ((0, rows), (rows, cfg.tail_rows))
 
 
 def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int, n: int,
           cfg: mf.MosaicFwdConfig, transpose_rhs: bool, num_ctas: int):
   bn, bk, stages, tr = cfg.block_n, cfg.block_k, cfg.num_stages, cfg.tail_rows
+  rows_t = cfg.swap_rows  # R, rows per tile
   (grid_n, k_steps, max_tiles, num_tiles, lo, hi, za, zb, num_zero_work, _, b_shape, cta,
    my_items) = ring.item_space(tiles_gmem, scal_gmem, k=k, n=n, block_n=bn, block_k=bk,
                                transpose_rhs=transpose_rhs, num_ctas=num_ctas)
   dtype, out_dtype = lhs_gmem.dtype, out_gmem.dtype
 
   scratch = dict(
-      # A stage's rows: 256, or 256 + tail_rows for a tile with a folded tail.
-      x_smem=plgpu.SMEM((stages, ROWS + tr, bk), dtype, transforms=sm90.swizzled(bk, dtype)),
+      # A stage's rows: R, or R + tail_rows for a tile with a folded tail.
+      x_smem=plgpu.SMEM((stages, rows_t + tr, bk), dtype, transforms=sm90.swizzled(bk, dtype)),
       w_smem=plgpu.SMEM((stages, *b_shape), dtype, transforms=sm90.swizzled(b_shape[1], dtype)),
       produced=plgpu.Barrier(num_arrivals=3 if tr else 2, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
@@ -88,7 +91,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
 
       def load(w, step0):
         ni, grp, row0, _, row_end = tile_of(w)
-        has_tail = row_end > row0 + ROWS
+        has_tail = row_end > row0 + rows_t
 
         @pl.loop(0, k_steps)
         def _(kk):
@@ -141,7 +144,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
               for acc_ref, (r, count) in zip(accs, parts):
                 plgpu.wgmma(acc_ref, a, x_smem.at[slot].at[pl.ds(r, count)].transpose((1, 0)))
               if tail_on_m:
-                plgpu.wgmma(accs[-1], x_smem.at[slot].at[pl.ds(ROWS + tr - _COLS, _COLS)],
+                plgpu.wgmma(accs[-1], x_smem.at[slot].at[pl.ds(rows_t + tr - _COLS, _COLS)],
                             wb.transpose((1, 0)) if transpose_rhs else wb)
 
             ring.consume_item(produced, consumed, step0, k_steps, stages, mma,
@@ -172,16 +175,16 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
                 buf = my_smem if width == _CHUNK else my_smem.at[pl.ds(0, width)]
                 pl.when(rows > 0)(functools.partial(store, chunk, buf, hs, s, rows, col, True))
 
-          if tail_on_m:  # rows [row0 + 256, + tail_rows) of the row-major tail, by 64 columns
-            hs = row0 + ROWS + tr - _COLS
-            s, rows = mf._overlap(row_start, row_end, row0 + ROWS, row0 + ROWS + tr)
+          if tail_on_m:  # rows [row0 + R, + tail_rows) of the row-major tail, by 64 columns
+            hs = row0 + rows_t + tr - _COLS
+            s, rows = mf._overlap(row_start, row_end, row0 + rows_t, row0 + rows_t + tr)
             for c0 in range(0, bn, _COLS):
               tcol = ni * bn + c0
               pl.when((tcol < n) & (rows > 0))(functools.partial(
                   store, accs[-1][:, c0:c0 + _COLS], my_smem, hs, s, rows, tcol, False))
 
         if tr:
-          has_tail = row_end > row0 + ROWS
+          has_tail = row_end > row0 + rows_t
           if cfg.tail_on_m:  # the first consumer runs the tail; the other a plain tile
             on_m = has_tail & (wg == 0)
             pl.when(on_m)(lambda: tile(True, tail_on_m=True))
@@ -196,7 +199,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
       # Rows outside the shard's window (and past the groups), after the ring:
-      # zero items of one 256-row block and n tile, round-robin over the CTAs.
+      # zero items of one R-row block and n tile, round-robin over the CTAs.
       @pl.loop(0, pl.cdiv(jnp.maximum(num_zero_work - cta, 0), num_ctas))
       def _zeros(j):
         blk, ni = mf._zero_item(cta + j * num_ctas, grid_n, za, zb)
@@ -208,10 +211,12 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
         # inference).
         @pl.when(col < n)
         def _():
-          @pl.loop(0, ROWS // _CHUNK)
+          @pl.loop(0, pl.cdiv(rows_t, _CHUNK))
           def _(c):
-            hs = blk * ROWS + c * _CHUNK
-            for start, count in mf._outside_window(hs, jnp.minimum(hs + _CHUNK, m), lo, hi):
+            hs = blk * rows_t + c * _CHUNK
+            # (the block's last chunk ends at the block's end: R need not divide by 64)
+            he = jnp.minimum(jnp.minimum(hs + _CHUNK, (blk + 1) * rows_t), m)
+            for start, count in mf._outside_window(hs, he, lo, hi):
               mf._store_rows(my_smem, out_gmem, 0, start, count, col, max_rows=_CHUNK,
                              width=_COLS)
 
@@ -222,8 +227,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: ja
         *, transpose_rhs: bool, out_dtype: Any, config: mf.MosaicFwdConfig,
         interpret: Any = False) -> jax.Array:
   """``mosaic_fwd.gmm`` for a ``swap=True`` config (checked by ``mosaic_fwd.gmm``:
-  supported dtypes and alignments, non-empty operands, m >= 256 + tail_rows, a
-  config that fits SMEM, a 16-bit output)."""
-  return ring.launch(_body, lhs, rhs, group_sizes, group_offset, rows=ROWS,
+  supported dtypes and alignments, non-empty operands, m >= swap_rows + tail_rows,
+  a config that fits SMEM, a 16-bit output)."""
+  return ring.launch(_body, lhs, rhs, group_sizes, group_offset, rows=config.swap_rows,
                      transpose_rhs=transpose_rhs, out_dtype=out_dtype, config=config,
                      interpret=interpret)
