@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -180,7 +181,9 @@ class MosaicFwdConfig:
     to 256.  Fewer than 256 fit groups of fewer rows with less padding (e.g.
     144 or 160 for groups of 128 +- 11 rows, DeepSeek-V3's): every group of at
     most swap_rows - 7 rows is one tile that streams its weight block once.
-    Not measured on a GPU yet (docs/performance.md v21).
+    Measured on the H200 (docs/performance.md v21h, one A/B): DeepSeek-V3
+    down dX 0.932-0.942x its Triton entry with 144 (+ 16 tail rows) or 160
+    rows; its forward 1.02-1.05x the row-major ring.
   zero_box_rows: with producer_zeros, the rows of its zero buffer (8, 16, 32
     or 64): each 64-row half of a zero item goes out in stores of at most
     this many rows.  Fewer rows leave room for wider epilogue chunks (a
@@ -473,6 +476,15 @@ def gpu_sweep_configs(
       if (m >= SWAP_ROWS + swap.tail_rows and jnp.dtype(out_dtype).itemsize == 2
           and _fits(swap, dtype, out_dtype)):  # (else gmm would run another config)
         out += [swap, swap_m]
+      # Groups of fewer rows on average (<= 192): swap tiles of ~9/8 the mean, 16
+      # tail rows split (v21h: DeepSeek-V3 down dX, groups of 128 +- 11 rows, 144 + 16
+      # rows 0.932x its Triton entry in one A/B; the forward lost, 1.02-1.05x the ring).
+      mean = m // max(g, 1)
+      rows = min(SWAP_ROWS, max(64, 16 * math.ceil(mean * 9 / 8 / 16)))
+      small = dataclasses.replace(swap, swap_rows=rows, tail_rows=16)
+      if (mean <= 192 and m >= rows + 16
+          and jnp.dtype(out_dtype).itemsize == 2 and _fits(small, dtype, out_dtype)):
+        out.append(small)
     # 64-row tiles split by columns: half the padding of a group's last tile,
     # 1.67x the L2 -> SMEM bytes per FLOP (the default already runs the L2 at
     # 81% on Qwen3-30B gate_up), so after the likelier winners.
