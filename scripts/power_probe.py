@@ -3,16 +3,17 @@
   python3 scripts/power_probe.py OUT_DIR [--shape "qwen3-30b gate_up"] [--op fwd]
       [--variants "swap=True,tail_rows=32,tail_split=True" ...] [--seconds 3]
 
-Phases, each ``--seconds`` of the same call back to back on one set of fresh
-random inputs: a dense ``jnp.dot`` of the same (m, k, n), the dispatcher's
-choice ("table"), and one ``mosaic_fwd`` config per variant (the table's config
-with the variant's FIELD=VALUE changes), then dense again.  ``nvidia-smi``
-samples power, SM clock and the active clock-event reasons every 20 ms in the
-background; per phase the script prints the mean power, the mean SM clock, the
-share of samples throttled by the software power cap, and the time per call
-(wall time over calls: it includes launch gaps, so compare phases, not
-kernels).  Writes OUT_DIR/power_probe.json.  (``ragdot bench --sustained-s``
-times whole presets the same way.)
+Phases of the same call on one set of fresh random inputs: a dense ``jnp.dot``
+of the same (m, k, n), the dispatcher's choice ("table"), one ``mosaic_fwd``
+config per variant (the table's config with the variant's FIELD=VALUE
+changes), the table's choice on groups of exactly m / g rows, and dense again.
+Each phase runs ``--seconds`` back to back and is timed as ``ragdot bench
+--sustained-s`` times a row (``timing.sustained_time_ms``: four calls queued,
+wall clock over the second half); per phase the script prints the time per
+call, the mean power and SM clock over the timed half, the share of samples
+under the software power cap, and the host's enqueue time per call.  Writes
+OUT_DIR/power_probe.json.  (v21b ran an earlier loop that waited every 10
+calls, leaving the device briefly idle: its times ran 3-4% above 21d's.)
 
 Why: under ncu the ring and swap kernels run at 1.55-1.62 GHz, as does the
 dense matmul, far under the 1.98 GHz this GPU reaches when idle; if that is
@@ -31,35 +32,23 @@ import time
 import jax
 import jax.numpy as jnp
 
-from ragdot import backends, bench, dispatch, gpu_power
+from ragdot import backends, bench, dispatch, timing
 from ragdot.backends import mosaic_fwd
 
 from ab_fwd import parse_fields  # this folder (the script's sys.path[0])
 
 
 def _phase(name: str, fn, args, seconds: float) -> dict:
-  jax.block_until_ready(fn(*args))  # compiled and warm before the clock starts
-  t0 = time.time()
-  calls = 0
-  with gpu_power.PowerSampler() as sampler:
-    while time.time() - t0 < seconds:
-      out = None
-      for _ in range(10):
-        out = fn(*args)
-      jax.block_until_ready(out)
-      calls += 10
-  t1 = time.time()
-  # The phase's first 0.3 s left out: the clock needs a moment to settle.
-  ph = dict(name=name, calls=calls, ms_per_call=1e3 * (t1 - t0) / calls,
-            **gpu_power.summarise([s for s in sampler.samples if s["t"] >= t0 + 0.3]))
+  ms, power = timing.sustained_time_ms(fn, *args, seconds=seconds)
+  ph = dict(name=name, ms_per_call=ms, **power)
   if "sm_mhz" in ph:
-    print(f"{name:44s} {ph['ms_per_call']:.4f} ms/call  {ph['power_w']:6.1f} W "
+    print(f"{name:44s} {ms:.4f} ms/call  {ph['power_w']:6.1f} W "
           f"(limit {ph['power_limit_w']:.0f})  SM {ph['sm_mhz']:6.0f} MHz  "
           f"power-capped {100 * ph['power_capped']:5.1f}%  hw slowdown "
-          f"{100 * ph['hw_slowdown']:4.1f}%  max {ph['temp_c']:.0f} C  ({ph['samples']} samples)",
-          flush=True)
+          f"{100 * ph['hw_slowdown']:4.1f}%  max {ph['temp_c']:.0f} C  ({ph['samples']} samples)"
+          f"  dispatch {1e3 * ph['dispatch_ms']:.0f} us", flush=True)
   else:
-    print(f"{name:44s} {ph['ms_per_call']:.4f} ms/call (no nvidia-smi)", flush=True)
+    print(f"{name:44s} {ms:.4f} ms/call (no nvidia-smi)", flush=True)
   return ph
 
 

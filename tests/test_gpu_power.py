@@ -35,3 +35,30 @@ def test_sampler_without_nvidia_smi_is_empty(monkeypatch):
   with gpu_power.PowerSampler() as p:
     pass
   assert p.samples == [] and p.summary() == {}
+
+
+def test_sampler_runs_a_sampling_process_and_keeps_its_window(tmp_path, monkeypatch):
+  # A stand-in nvidia-smi: the header, then one sample every 20 ms until stopped.
+  fake = tmp_path / "nvidia-smi"
+  fake.write_text(
+      "#!/usr/bin/env bash\n"
+      "echo 'timestamp, power.draw [W], power.limit [W], clocks.current.sm [MHz], "
+      "temperature.gpu, clocks_event_reasons.sw_power_cap, clocks_event_reasons.hw_slowdown'\n"
+      "while true; do\n"
+      "  echo \"$(date +'%Y/%m/%d %H:%M:%S.%3N'), 650.00 W, 700.00 W, 1500 MHz, 60, Active, "
+      "Not Active\"\n"
+      "  sleep 0.02\n"
+      "done\n")
+  fake.chmod(0o755)
+  monkeypatch.setattr(gpu_power.shutil, "which", lambda name: str(fake))
+  import time  # pylint: disable=g-import-not-at-top
+  with gpu_power.PowerSampler() as p:
+    time.sleep(0.5)
+    mid = time.time()
+    time.sleep(0.3)
+  assert p._proc is None  # stopped on exit
+  assert len(p.samples) >= 5
+  s = p.summary()
+  assert s["power_w"] == 650.0 and s["sm_mhz"] == 1500.0 and s["power_capped"] == 1.0
+  later = p.since(mid)
+  assert 0 < len(later) < len(p.samples) and all(x["t"] >= mid for x in later)

@@ -60,7 +60,8 @@ def test_matches_oracle(sizes, m, k, n, offset, num_local, transpose_rhs, tail_r
 
 @pytest.mark.parametrize("sizes,m,k,n,offset,num_local,transpose_rhs,tail_rows,tail,swap_rows", [
     # Tiles of 144 rows (wgmma N = 144; stores of 64 + 64 + 16): 130 rows from row 0 and
-    # 140 from row 130 (its tile starts at 128: 142 rows), 150 = 144 + 6 (a tail item),
+    # 140 from row 130 (its tile starts at 128: 142 rows), 150 from row 270 (its tiles
+    # start at 264: 144 + 12, a tail item),
     # an empty group; the zero blocks of a shard are 144 rows too (3 chunks, the last cut).
     ([130, 140, 150, 0, 60], 640, 128, 192, None, 5, False, 0, "fold", 144),
     ([130, 140, 150, 0, 60], 640, 128, 192, None, 5, True, 0, "fold", 144),   # dX

@@ -98,36 +98,38 @@ def test_cupti_timing_splits_iterations_by_output_size(monkeypatch):
 
 
 def test_sustained_time_ms_times_the_second_half_with_a_full_queue(monkeypatch):
-  # A fake device: each call takes 10 ms of clock when its output is waited on;
-  # the queue keeps `depth` calls in flight, and only completions after the
-  # window's midpoint are counted.
+  # A fake device: a call takes 30 ms of clock in the window's first half and
+  # 10 ms after it (the clock settling), charged when its output is waited on.
+  # Only completions after the midpoint count, and `depth` calls stay queued.
   clock = [0.0]
-  waited = []
+  waited, issued, queued = [], [], []
 
   class Out:
     def __init__(self, i):
       self.i = i
 
-  issued = []
-
   def fn(x):
     issued.append(len(issued))
+    queued.append(len(issued) - len(waited))
     return Out(issued[-1])
 
   def block(out):
     if isinstance(out, Out):
-      clock[0] += 0.01
+      clock[0] += 0.03 if clock[0] < 0.5 else 0.01
       waited.append(out.i)
     return out
 
+  from ragdot import gpu_power  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(gpu_power.shutil, "which", lambda name: None)  # no nvidia-smi
   monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
   monkeypatch.setattr(timing.jax, "block_until_ready", block)
   ms, power = timing.sustained_time_ms(fn, 0, seconds=1.0, depth=4)
-  assert ms == pytest.approx(10.0)
-  assert set(power) == {"dispatch_ms"}  # no nvidia-smi here
+  assert ms == pytest.approx(10.0)  # the slow first half is not timed
+  assert set(power) == {"dispatch_ms"}  # no power samples without nvidia-smi
   assert power["dispatch_ms"] == 0.0  # the fake clock only moves while waiting
   assert waited == sorted(waited) and len(waited) == len(issued)  # every call waited on, in order
-  assert clock[0] >= 1.0 and len(issued) >= 100
+  assert max(queued[1:]) == 5  # depth + the one just issued, never more
+  assert clock[0] >= 1.0 and len(issued) >= 60
 
 
 def test_sustained_time_ms_real_calls():

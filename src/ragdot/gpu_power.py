@@ -18,6 +18,7 @@ import csv
 import io
 import shutil
 import subprocess
+import tempfile
 import time
 from typing import Any
 
@@ -62,21 +63,28 @@ def summarise(samples: list[dict[str, Any]]) -> dict[str, float]:
 
 
 class PowerSampler:
-  """Samples the first GPU every ``period_ms`` while the ``with`` block runs."""
+  """Samples the first GPU every ``period_ms`` while the ``with`` block runs.
+
+  ``samples`` holds what was sampled inside the block; ``since(t)`` the part
+  from POSIX time ``t`` on.  nvidia-smi writes to a temporary file (a pipe
+  read only at the end would fill and stall it on long blocks).
+  """
 
   def __init__(self, period_ms: int = 20, gpu: int = 0):
     self.period_ms = period_ms
     self.gpu = gpu
     self._proc: subprocess.Popen | None = None
+    self._out = None
     self.samples: list[dict[str, Any]] = []
 
   def __enter__(self) -> "PowerSampler":
     exe = shutil.which("nvidia-smi")
     if exe is not None:
+      self._out = tempfile.TemporaryFile("w+")
       self._proc = subprocess.Popen(
           [exe, f"--id={self.gpu}", f"--query-gpu={QUERY}", "--format=csv",
            "-lms", str(self.period_ms)],
-          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+          stdout=self._out, stderr=subprocess.DEVNULL, text=True)
     self._t0 = time.time()
     return self
 
@@ -85,9 +93,20 @@ class PowerSampler:
     if self._proc is None:
       return
     self._proc.terminate()
-    text, _ = self._proc.communicate()
+    try:
+      self._proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:  # stuck in the driver: do not wait for it
+      self._proc.kill()
+    self._out.seek(0)
+    text = self._out.read()
+    self._out.close()
+    self._proc = None
     # Only what was sampled inside the block (nvidia-smi's first line may predate it).
     self.samples = [s for s in parse_samples(text) if self._t0 - 0.05 <= s["t"] <= t1 + 0.05]
+
+  def since(self, t: float) -> list[dict[str, Any]]:
+    """The samples taken at or after POSIX time ``t``."""
+    return [s for s in self.samples if s["t"] >= t]
 
   def summary(self) -> dict[str, float]:
     return summarise(self.samples)

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import jax
 
-from ragdot.gpu_power import PowerSampler
+from ragdot.gpu_power import PowerSampler, summarise
 
 
 def _num_devices(out: Any) -> int:
@@ -101,30 +101,34 @@ def sustained_time_ms(fn: Callable[..., Any], *args: Any, seconds: float = 2.0,
   """
   jax.block_until_ready(fn(*args))
   queue: collections.deque = collections.deque()
-  start = time.perf_counter()
-  t0, done, sampler = None, 0, PowerSampler()
+  t0, t0_wall, done = None, 0.0, 0
   enqueue_s = 0.0  # host time spent issuing the timed calls
-  while True:
-    t_issue = time.perf_counter()
-    queue.append(fn(*args))
-    if t0 is not None:
-      enqueue_s += time.perf_counter() - t_issue
-    if len(queue) <= depth:
-      continue
-    jax.block_until_ready(queue.popleft())
-    now = time.perf_counter()
-    if t0 is None:
-      if now - start >= seconds / 2:
-        t0 = now
-        sampler.__enter__()
-    else:
-      done += 1
-      if now - start >= seconds and done >= 3:
-        break
-  sampler.__exit__(None, None, None)
-  while queue:
-    jax.block_until_ready(queue.popleft())
-  return (now - t0) * 1e3 / done, dict(sampler.summary(), dispatch_ms=enqueue_s * 1e3 / done)
+  # The sampler runs through the whole window (its start-up is not in the
+  # timed half); only the timed half's samples are kept.
+  with PowerSampler() as sampler:
+    try:
+      start = time.perf_counter()
+      while True:
+        t_issue = time.perf_counter()
+        queue.append(fn(*args))
+        if t0 is not None:
+          enqueue_s += time.perf_counter() - t_issue
+        if len(queue) <= depth:
+          continue
+        jax.block_until_ready(queue.popleft())
+        now = time.perf_counter()
+        if t0 is None:
+          if now - start >= seconds / 2:
+            t0, t0_wall = now, time.time()
+        else:
+          done += 1
+          if now - start >= seconds and done >= 3:
+            break
+    finally:
+      while queue:  # (also on an error: no call left running past the window)
+        jax.block_until_ready(queue.popleft())
+  power = summarise(sampler.since(t0_wall))
+  return (now - t0) * 1e3 / done, dict(power, dispatch_ms=enqueue_s * 1e3 / done)
 
 
 def interleaved_median_ms(cases: dict[str, tuple[Callable[..., Any], tuple]], *,

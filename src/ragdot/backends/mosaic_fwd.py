@@ -65,7 +65,7 @@ _IN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _OUT_DTYPES = _IN_DTYPES + (jnp.dtype(jnp.float32),)
 _SMEM_RESERVE = 1024  # barriers and alignment (48 bytes measured for 2 warpgroups)
 _WG_ROWS = 64  # wgmma M per warpgroup
-SWAP_ROWS = 256  # rows per swap tile: wgmma's largest N
+SWAP_ROWS = 256  # wgmma's largest N: the default and largest swap_rows
 _INTERPRET_SMS = 4
 
 
@@ -156,16 +156,16 @@ class MosaicFwdConfig:
     (``resolve_producer_zeros``), off for the others.  Measured on the
     H200's EP=8 shard of Qwen3-30B gate_up: 0.927-0.937x the time of the
     zero_lead ring (docs/performance.md v16h, v17a, v17b).
-  swap: ring only: run ``mosaic_fwd_swap``, tiles of up to 256 rows x block_n
-    = 128 columns with the rows on wgmma's N axis (each consumer: 64 columns x
-    256 rows), so a folded tail (``tail_rows`` up to 64) rides on the weight
+  swap: ring only: run ``mosaic_fwd_swap``, tiles of up to ``swap_rows`` (R,
+    256 by default) rows x block_n = 128 columns with the rows on wgmma's N
+    axis (each consumer: 64 columns x R rows), so a folded tail (``tail_rows`` up to 64) rides on the weight
     block already in SMEM as more N.  A 16-bit output (a 32-bit one runs
     ``row_major_ring``); the consumers write the rows outside the shard's
     window after the ring (no ``producer_zeros``; with its default None a
     shard call runs ``row_major_ring`` with producer zeros instead, see
     ``resolve_producer_zeros``); epilogue_split does not apply (64-row stores).
   tail_split: swap with tail_rows 16, 32 or 64: a tile with a folded tail runs
-    two wgmmas of (256 + tail_rows) / 2 rows each instead of one of 256 and one
+    two wgmmas of (R + tail_rows) / 2 rows each instead of one of R and one
     of tail_rows.  Measured 0.972-0.988x the unsplit fold on the Qwen3 shapes
     (docs/performance.md v19g-h); by tensor-pipe time both cost ~1.47 plain
     tiles (v19i: each wgmma instruction has a fixed cost of ~0.39 of an N = 256
@@ -173,7 +173,7 @@ class MosaicFwdConfig:
   tail_on_m: swap with tail_rows 8, 16 or 32, not split: the folded tail runs
     row-major on the first consumer only, one wgmma of M = 64 rows (the tile's
     last 64, so its first 64 - tail_rows are computed twice and not stored) by
-    N = 128 columns, beside the 256-row wgmma of each consumer.  Measured on
+    N = 128 columns, beside the R-row wgmma of each consumer.  Measured on
     the H200 (docs/performance.md v20d, v20f): 0.95x / 0.97x the row-major ring
     on the Qwen3-30B gate_up / down dX calls, 0.91x the split fold on the down
     forward, a tie with it on the gate_up forwards.
@@ -476,13 +476,13 @@ def gpu_sweep_configs(
       if (m >= SWAP_ROWS + swap.tail_rows and jnp.dtype(out_dtype).itemsize == 2
           and _fits(swap, dtype, out_dtype)):  # (else gmm would run another config)
         out += [swap, swap_m]
-      # Groups of fewer rows on average (<= 192): swap tiles of ~9/8 the mean, 16
+      # Groups of 96-192 rows on average: swap tiles of ~9/8 the mean, 16
       # tail rows split (v21h: DeepSeek-V3 down dX, groups of 128 +- 11 rows, 144 + 16
       # rows 0.932x its Triton entry in one A/B; the forward lost, 1.02-1.05x the ring).
       mean = m // max(g, 1)
       rows = min(SWAP_ROWS, max(64, 16 * math.ceil(mean * 9 / 8 / 16)))
       small = dataclasses.replace(swap, swap_rows=rows, tail_rows=16)
-      if (mean <= 192 and m >= rows + 16
+      if (96 <= mean <= 192 and m >= rows + 16
           and jnp.dtype(out_dtype).itemsize == 2 and _fits(small, dtype, out_dtype)):
         out.append(small)
     # 64-row tiles split by columns: half the padding of a group's last tile,

@@ -63,7 +63,7 @@ def attach_tails(tiles: jax.Array, num_tiles: jax.Array, tail_rows: int
   Returns ``(tiles, num_tiles)`` in the same layout: a group's last tile that
   holds at most ``tail_rows`` rows and is not its first tile is gone, and the
   tile before it ends at the group's end (at most ``row0 + tile rows +
-  tail_rows``: 128 in the ring, 256 in ``mosaic_fwd_swap``).
+  tail_rows``: 128 in the ring, ``swap_rows`` in ``mosaic_fwd_swap``).
   """
   t_max = tiles.shape[1]
   group, row0, row_end = tiles[0], tiles[1], tiles[3]

@@ -8,7 +8,7 @@ accumulator and feeds wgmma the weight block as its A operand (M = 64 columns)
 and the rows as its B operand (N = R rows).  A
 group's last few rows (``tail_rows``, up to 64) then ride along with the tile
 before them on the weight block already in SMEM, as more N: a second wgmma of
-N = tail_rows, or with ``tail_split`` two wgmmas of (256 + tail_rows) / 2 rows;
+N = tail_rows, or with ``tail_split`` two wgmmas of (R + tail_rows) / 2 rows;
 or with ``tail_on_m`` (up to 32 rows) row-major on the first consumer: one wgmma
 of the tile's last 64 rows (M) by the block's 128 columns (N) into a second,
 (64, 128) accumulator, of which only the tail rows are stored.
