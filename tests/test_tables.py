@@ -233,3 +233,23 @@ def test_tune_task_times_candidates_burst_or_sustained(monkeypatch, sustained_s)
                          jobs=1, sustained_s=sustained_s)
   assert entry["backend"] == "xla" and entry["ms"] > 0 and entry["measured"]
   assert entry["method"].startswith("sustained 0.1 s") == (sustained_s > 0)
+
+
+def test_tune_task_rearms_the_watchdog_for_each_sustained_window(monkeypatch):
+  # Two 0.6 s windows under a 1 s hang limit: each timing gets the full limit, so no
+  # false "hang" (the watchdog's exit is recorded here instead of ending the process).
+  import time as time_mod  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from ragdot import tune, watchdog as wd  # pylint: disable=g-import-not-at-top
+  from ragdot.backends import xla  # pylint: disable=g-import-not-at-top
+
+  exits = []
+  monkeypatch.setattr(wd.os, "_exit", exits.append)
+  monkeypatch.setattr(tune, "candidates",
+                      lambda task, dtype: [("xla", xla.default_config(task.m, task.g))])
+  task = tune.Task("fwd", "tiny", 256, 64, 64, 4, top_k=2)
+  dog = wd.Watchdog(1.0, "test")
+  entry = tune.tune_task(task, jnp.bfloat16, time_mod.time() + 60, iterations=2, repeats=2,
+                         jobs=1, sustained_s=0.6, watchdog=dog)
+  time_mod.sleep(0.3)  # one more look by the watchdog after the last window
+  assert entry["ms"] > 0 and exits == []
