@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 
 import ragdot
-from ragdot.timing import SETTLE_S, device_time_ms, sustained_time_ms
+from ragdot.timing import SETTLE_S, device_time_ms, sustained_method, sustained_time_ms
 from ragdot.watchdog import Watchdog
 
 DN_DX = lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), [0], [0])
@@ -477,18 +477,6 @@ def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
         row.update(choice_fields(dispatch_choice(op, shape, name.split(":", 1)[1])))
       rows.append(row)
   return rows
-
-
-def sustained_method(seconds: float, power: dict[str, float]) -> str:
-  """The method column of a sustained row: the window and, with nvidia-smi,
-  the clock and power it ran at."""
-  method = f"sustained {seconds:g} s, wall"
-  if "dispatch_ms" in power:
-    method += f"; dispatch {1e3 * power['dispatch_ms']:.0f} us"
-  if "sm_mhz" in power:
-    method += (f"; {power['sm_mhz']:.0f} MHz, {power['power_w']:.0f} W, power-capped "
-               f"{100 * power['power_capped']:.0f}%")
-  return method
 
 
 def copy_bandwidth_tbps(iterations: int = 10, gib: float = 1.0) -> float:

@@ -131,6 +131,19 @@ def sustained_time_ms(fn: Callable[..., Any], *args: Any, seconds: float = 2.0,
   return (now - t0) * 1e3 / done, dict(power, dispatch_ms=enqueue_s * 1e3 / done)
 
 
+def sustained_method(seconds: float, power: dict[str, float]) -> str:
+  """The method string of a ``sustained_time_ms`` measurement (a bench row's
+  method column): the window, the enqueue time and, with nvidia-smi, the
+  clock and power it ran at."""
+  method = f"sustained {seconds:g} s, wall"
+  if "dispatch_ms" in power:
+    method += f"; dispatch {1e3 * power['dispatch_ms']:.0f} us"
+  if "sm_mhz" in power:
+    method += (f"; {power['sm_mhz']:.0f} MHz, {power['power_w']:.0f} W, power-capped "
+               f"{100 * power['power_capped']:.0f}%")
+  return method
+
+
 def interleaved_median_ms(cases: dict[str, tuple[Callable[..., Any], tuple]], *,
                           rounds: int = 3, iterations: int = 10) -> dict[str, float]:
   """Median ``device_time_ms`` of each ``name: (fn, args)`` over ``rounds``

@@ -191,13 +191,12 @@ def tune_task(task: Task, dtype, deadline: float, *, iterations: int, repeats: i
   """
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from ragdot import bench as bench_mod  # pylint: disable=g-import-not-at-top
-  from ragdot.timing import device_time_ms, sustained_time_ms  # pylint: disable=g-import-not-at-top
+  from ragdot.timing import device_time_ms, sustained_method, sustained_time_ms  # pylint: disable=g-import-not-at-top
 
   def time_one(compiled):
     if sustained_s > 0:
       ms, power = sustained_time_ms(compiled, lhs, rhs, gs, seconds=sustained_s)
-      return ms, bench_mod.sustained_method(sustained_s, power)
+      return ms, sustained_method(sustained_s, power)
     return device_time_ms(compiled, lhs, rhs, gs, iterations=iterations)
 
   lhs, rhs, gs = _inputs(task, dtype)
