@@ -79,6 +79,20 @@ def test_bench_only_picks_preset_shapes_by_name(tmp_path, monkeypatch):
     cli.main(["bench", "--preset", "small", "--only", "no such shape", "--ops", "fwd"])
 
 
+@pytest.mark.parametrize("op", ["fwd", "dx", "dw", "fwdbwd"])
+def test_bench_baselines_select_their_rows(op, monkeypatch):
+  from ragdot import bench  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(bench, "_tokamax", lambda: object())  # as if tokamax were installed
+  s = bench.Shape("t", 64, 32, 16, 4)
+  names = lambda b: set(bench._candidates(op, s, None, ["xla"], baselines=b))  # pylint: disable=protected-access
+  every = names(True)
+  assert {"dense", "tokamax"} <= every and ("lax" in every) == (op == "fwd")
+  own = names(False)
+  assert own and not own & set(bench.BASELINES) and names(()) == own
+  assert names(("dense",)) == own | {"dense"}
+  assert names(("tokamax",)) == own | {"tokamax"}
+
+
 def test_dense_fwdbwd_reference_is_three_matmuls():
   # The reference differentiates w.r.t. the [k, n] weight it multiplies, not
   # all of w[g, k, n] (whose zero-padded gradient once cost a third of its time).

@@ -20,6 +20,7 @@ import functools
 import json
 import sys
 import time
+from collections.abc import Collection
 from typing import Any, Callable
 
 import jax
@@ -31,6 +32,7 @@ import ragdot
 from ragdot.timing import SETTLE_S, device_time_ms, sustained_method, sustained_time_ms
 from ragdot.watchdog import Watchdog
 
+BASELINES = ("dense", "lax", "tokamax")  # what ragdot is timed against
 DN_DX = lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), [0], [0])
 DN_DW = lax.RaggedDotDimensionNumbers((([0], [0]), ([], [])), [0], [])
 
@@ -185,16 +187,22 @@ def ragdot_names(impls: list[str] | None, impl: str | None) -> dict[str, str | N
 
 
 def _candidates(op: str, shape: Shape, impl: str | None,
-                impls: list[str] | None = None, baselines: bool = True) -> dict[str, Callable]:
-  """name -> fn(x, w, dy, gs) for one op (fwd, dx, dw, fwdbwd)."""
+                impls: list[str] | None = None,
+                baselines: bool | Collection[str] = True) -> dict[str, Callable]:
+  """name -> fn(x, w, dy, gs) for one op (fwd, dx, dw, fwdbwd).
+
+  ``baselines``: True (all of BASELINES), False, or the names to time.
+  """
   fns: dict[str, Callable] = {
       name: _ragdot_fns(op, i) for name, i in ragdot_names(impls, impl).items()}
-  if not baselines:
+  wanted = set(BASELINES if baselines is True else baselines or ())
+  if not wanted:
     return fns
-  tk = _tokamax()
+  tk = _tokamax() if "tokamax" in wanted else None
   if op == "fwd":
     fns["dense"] = lambda x, w, dy, gs: jnp.dot(x, w[0])
-    if shape.g * shape.m * shape.n * 2 < 16 * 2**30:  # lax's dense rewrite must fit
+    # lax's dense rewrite must fit
+    if "lax" in wanted and shape.g * shape.m * shape.n * 2 < 16 * 2**30:
       fns["lax"] = lambda x, w, dy, gs: lax.ragged_dot(x, w, gs)
     if tk:
       fns["tokamax"] = lambda x, w, dy, gs: tk.ragged_dot(x, w, gs)
@@ -215,6 +223,8 @@ def _candidates(op: str, shape: Shape, impl: str | None,
     fns["dense"] = lambda x, w, dy, gs: dense(x, w[0], dy, gs)
     if tk:
       fns["tokamax"] = _value_and_grads(lambda x, w, gs: tk.ragged_dot(x, w, gs))
+  if "dense" not in wanted:
+    del fns["dense"]
   return fns
 
 
@@ -397,7 +407,7 @@ def shape_inputs(shape: Shape, seed: int = 0) -> tuple[np.ndarray, tuple[jax.Arr
 
 def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
                 seed: int = 0, impls: list[str] | None = None,
-                baselines: bool = True, watchdog: Watchdog | None = None,
+                baselines: bool | Collection[str] = True, watchdog: Watchdog | None = None,
                 warmup_s: float = 0.0, sustained_s: float = 0.0) -> list[dict[str, Any]]:
   """Rows of one shape: per op, every candidate's time, ratios and compile time.
 
@@ -620,6 +630,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            " (default: mosaic triton on a GPU, xla on CPU)")
   parser.add_argument("--no-baselines", action="store_true",
                       help="skip dense / lax / tokamax")
+  parser.add_argument("--baselines", nargs="+", default=list(BASELINES), choices=BASELINES,
+                      help="which baselines to time (e.g. only dense, where tokamax's"
+                           " allocation retries take minutes)")
   parser.add_argument("--iterations", type=int, default=20)
   parser.add_argument("--warmup-ms", type=float, default=1e3 * SETTLE_S,
                       help="each row's calls before its timed ones, in milliseconds of"
@@ -660,7 +673,8 @@ def run(args: argparse.Namespace) -> int:
   shapes += list(args.shape)
   print(f"devices: {jax.devices()}  tokamax: {'yes' if _tokamax() else 'no'}", flush=True)
   copy_tbps = None
-  if jax.default_backend() == "gpu" and not args.no_baselines:
+  baselines = () if args.no_baselines else tuple(args.baselines)
+  if jax.default_backend() == "gpu" and baselines:
     copy_tbps = copy_bandwidth_tbps(args.iterations)
     print(f"copy bandwidth (1 GiB f32 a + 1, read + write): {copy_tbps:.2f} TB/s", flush=True)
   rows = []
@@ -673,7 +687,7 @@ def run(args: argparse.Namespace) -> int:
   watchdog = Watchdog(args.hang_s, "ragdot bench", on_hang=save) if args.hang_s > 0 else None
   for shape in shapes:
     shape_rows = bench_shape(shape, args.ops, args.implementation, args.iterations,
-                             impls=impls, baselines=not args.no_baselines,
+                             impls=impls, baselines=baselines,
                              watchdog=watchdog, warmup_s=args.warmup_ms / 1e3,
                              sustained_s=args.sustained_s)
     if copy_tbps:
