@@ -130,13 +130,13 @@ def test_f32_output_on_a_swap_entry_runs_the_row_major_ring(has_offset):
 
 
 def test_explicit_triton_gets_the_table_config_where_the_table_names_triton():
-  # DeepSeek-V3 down's dX: rhs read transposed, k = 7168 and n = 2048 as the backend sees them.
-  deepseek_dx = dict(GATE_UP, k=7168, n=2048, g=256, num_groups=256, transpose_rhs=True)
-  dx = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=H200, **deepseek_dx)
-  if dx.implementation != "triton":
-    pytest.fail(f"the shipped H200 table should pick Triton for DeepSeek-V3 down dX, got {dx}")
-  explicit = dispatch.choose("gmm", "triton", dtype=jnp.bfloat16, device=H200, **deepseek_dx)
-  assert explicit.config == dx.config and not explicit.automatic
+  # Qwen3-30B gate_up's decode forward (64 tokens x top-8 rows).
+  decode = dict(GATE_UP, m=512)
+  auto = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=H200, **decode)
+  if auto.implementation != "triton":
+    pytest.fail(f"the shipped H200 table should pick Triton for the gate_up decode, got {auto}")
+  explicit = dispatch.choose("gmm", "triton", dtype=jnp.bfloat16, device=H200, **decode)
+  assert explicit.config == auto.config and not explicit.automatic
 
 
 def test_explicit_implementation_on_gpu_gets_the_table_config():
