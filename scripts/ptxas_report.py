@@ -29,7 +29,6 @@ VARIANTS = {
     "swap0": "MosaicFwdConfig(128, 128, 64, 4, num_compute_wgs=2, ring=True, swap=True)",
     "swap32": "MosaicFwdConfig(128, 128, 64, 4, num_compute_wgs=2, ring=True, swap=True, tail_rows=32)",
     "ring": "MosaicFwdConfig(128, 256, 64, 4, num_compute_wgs=2, epilogue_split=2, ring=True)",
-    "ring_defer": "MosaicFwdConfig(128, 256, 64, 4, num_compute_wgs=2, epilogue_split=2, ring=True, defer_epilogue=True)",
 }
 
 CHILD = r"""

@@ -216,15 +216,10 @@ _CZ = dict(producer_zeros=False)  # the consumers do, after the ring
     (0, 8, None, 1, dict(_PZ, zero_box_rows=8, num_stages=4)),  # SMEM full to the byte
     # automatic: 3 stages leave room for a 64 x 128 zero buffer beside 128-column chunks
     (0, 8, None, 1, dict(producer_zeros=None)),
-    # each tile stored under the next one's first wgmmas
-    (0, None, None, 1, dict(defer_epilogue=True, num_stages=4)),
-    (0, 8, None, 1, dict(_PZ, defer_epilogue=True, epilogue_split=4, num_stages=4)),
-    (0, 8, None, 1, dict(_CZ, defer_epilogue=True)),
 ], ids=["t16", "t32-shard", "t0", "t0-shard-lead12", "t16-shard-strips4",
         "t0-shard-producer-zeros", "t16-shard-producer-zeros", "t0-shard-producer-zeros-8-rows",
         "t0-shard-producer-zeros-4-stages", "t0-shard-producer-zeros-8-rows-4-stages",
-        "t0-shard-producer-zeros-auto", "t0-defer", "t0-shard-producer-zeros-defer",
-        "t0-shard-defer"])
+        "t0-shard-producer-zeros-auto"])
 def test_ring_real_sizes(shape, transpose_rhs, tail_rows, offset, zero_lead, strips, fields):
   """The ring forward / dX (mosaic_fwd_ring), with and without folded tails, a
   shard whose short CTAs take zero items first (or whose producers write the

@@ -64,18 +64,6 @@ def test_attach_tails_folds_short_last_tiles():
     # an 8-row zero buffer: every 64-row box in pieces of at most 8 rows
     ([40, 300, 9, 200, 51], 640, 64, 3, 2, True,
      dict(producer_zeros=True, zero_box_rows=8, tail_rows=16)),
-    # defer_epilogue: a tile is stored during the next one's first k steps
-    ([140, 10, 300, 0, 264], 768, 128, None, 5, False, dict(defer_epilogue=True)),
-    ([140, 10, 300, 0, 264], 768, 128, None, 5, True, dict(defer_epilogue=True)),
-    # one k step: all four chunks under it; a shard, the producer's zeros
-    ([150, 20, 170, 30], 384, 64, 1, 2, False,
-     dict(defer_epilogue=True, producer_zeros=True, epilogue_split=4)),
-    # the consumers' zero rows after the last deferred tile; a CTA without items
-    ([129, 7, 60, 136, 40], 400, 128, 1, 3, False,
-     dict(defer_epilogue=True, producer_zeros=False, num_sms=4)),
-    # three chunks over two k steps (the last two under the second)
-    ([140, 10, 300, 0, 264], 768, 128, None, 5, False,
-     dict(block_n=192, epilogue_split=3, defer_epilogue=True)),
 ])
 def test_matches_oracle(sizes, m, k, offset, num_local, transpose_rhs, fields):
   n = 384  # an n tile and a half
@@ -181,19 +169,6 @@ def test_no_races():
   assert not gpu_interpret.get_races().races_found
 
 
-def test_no_races_deferred_epilogue():
-  # A tile's stores under the next tile's wgmmas, from the one staging buffer.
-  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret  # pylint: disable=g-import-not-at-top
-  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
-  sizes = [140, 7, 60, 136]
-  x, w = oracle.random_inputs(jax.random.key(6), [(384, 128), (4, 128, 256)], jnp.bfloat16)
-  out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), None, transpose_rhs=False,
-               out_dtype=jnp.bfloat16, interpret=plgpu.InterpretGPUParams(detect_races=True),
-               config=dataclasses.replace(CFG, defer_epilogue=True, num_sms=2))
-  oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, None, False), jnp.bfloat16)
-  assert not gpu_interpret.get_races().races_found
-
-
 def test_no_races_producer_zeros():
   # The producer's zero stores beside its loads and the consumers' stores.
   from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret  # pylint: disable=g-import-not-at-top
@@ -275,9 +250,6 @@ def test_config_checks():
   assert pz8.smem_bytes(jnp.bfloat16, jnp.bfloat16) <= pz8.smem_budget()
   with pytest.raises(ValueError, match="zero_box_rows"):
     dataclasses.replace(CFG, zero_box_rows=12)
-  for bad in (dict(tail_rows=16), dict(ring=False), dict(swap=True, block_n=128)):
-    with pytest.raises(ValueError, match="defer_epilogue needs"):
-      dataclasses.replace(CFG, defer_epilogue=True, **bad)
   with pytest.raises(ValueError, match="producer_zeros must be"):
     dataclasses.replace(CFG, producer_zeros=8)
   with pytest.raises(ValueError, match="zero_lead does not apply"):
@@ -297,14 +269,12 @@ def test_config_checks():
            out_dtype=jnp.float32, interpret=True, config=dataclasses.replace(CFG, tail_rows=16))
 
 
-@pytest.mark.parametrize("defer", [False, True], ids=["", "defer_epilogue"])
-def test_f32_output_bare_ring(defer):
-  # (defer_epilogue stores an f32 output at once)
+def test_f32_output_bare_ring():
   sizes = [140, 10, 300, 0, 264]
   x, w = oracle.random_inputs(jax.random.key(9), [(768, 128), (5, 128, 256)], jnp.bfloat16)
   out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), None, transpose_rhs=False,
                out_dtype=jnp.float32, interpret=True,
-               config=dataclasses.replace(CFG, epilogue_split=4, defer_epilogue=defer))
+               config=dataclasses.replace(CFG, epilogue_split=4))
   assert out.dtype == jnp.float32
   oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, None, False), jnp.float32)
   oracle.assert_zero_rows(out, sizes, None, 5)
@@ -323,15 +293,12 @@ def test_small_m_falls_back():
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
 @pytest.mark.parametrize("tail_rows,stages,split,width,pz", [
     (16, 4, 4, 1, False), (0, 4, 2, 1, False), (0, 4, 2, 4, False), (0, 4, 4, 1, True),
-    (16, 3, 4, 1, True), (0, 4, 2, 1, 8), (0, 5, 3, 1, False), (0, 4, 2, 1, "defer"),
-    (0, 4, 4, 1, "defer-pz")])
+    (16, 3, 4, 1, True), (0, 4, 2, 1, 8), (0, 5, 3, 1, False)])
 def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, split, width, pz):
   m, k, n, g = 4096, 2048, 1536, 128
-  defer = isinstance(pz, str)  # defer_epilogue, with or without producer zeros
-  pz = pz == "defer-pz" if defer else pz
   bn = 192 if split == 3 else CFG.block_n  # three 64-column chunks of 192-column tiles
   cfg = dataclasses.replace(CFG, block_n=bn, num_stages=stages, epilogue_split=split,
-                            tail_rows=tail_rows, defer_epilogue=defer,
+                            tail_rows=tail_rows,
                             num_sms=132, grid_minor_dim=int(width > 1), grid_tile_width=width,
                             producer_zeros=bool(pz), zero_box_rows=64 if pz is True else pz or 64)
   # producer zeros: a shard call of 16 local groups

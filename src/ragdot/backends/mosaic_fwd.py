@@ -184,12 +184,6 @@ class MosaicFwdConfig:
     Measured on the H200 (docs/performance.md v21h, one A/B): DeepSeek-V3
     down dX 0.932-0.942x its Triton entry with 144 (+ 16 tail rows) or 160
     rows; its forward 1.02-1.05x the row-major ring.
-  defer_epilogue: ring only, without swap or tails: a consumer keeps its
-    finished tile in registers as the output dtype and stores it during the
-    next tile's first k steps (epilogue chunk c after step c's wgmmas are
-    issued), so the staging writes and the waits for the stores run under
-    wgmmas instead of between tiles.  A 16-bit output only (a 32-bit one
-    stores at once: its copy would not fit beside the accumulator).
   zero_box_rows: with producer_zeros, the rows of its zero buffer (8, 16, 32
     or 64): each 64-row half of a zero item goes out in stores of at most
     this many rows.  Fewer rows leave room for wider epilogue chunks (a
@@ -223,7 +217,6 @@ class MosaicFwdConfig:
   tail_split: bool = False
   tail_on_m: bool = False
   swap_rows: int = SWAP_ROWS
-  defer_epilogue: bool = False
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -280,8 +273,6 @@ class MosaicFwdConfig:
                                         or not 64 <= self.swap_rows <= SWAP_ROWS):
       raise ValueError(f"swap_rows needs swap=True and a multiple of 16 from 64 to 256, "
                        f"got {self}")
-    if self.defer_epilogue and (not self.ring or self.swap or self.tail_rows):
-      raise ValueError(f"defer_epilogue needs ring=True, swap=False and tail_rows=0, got {self}")
     if self.tail_rows and (not self.ring or self.block_n % 128):
       raise ValueError(f"tail_rows needs ring=True and block_n a multiple of 128, got {self}")
     if self.zero_lead is not None and (self.zero_lead < 0 or (self.zero_lead and not self.ring)):

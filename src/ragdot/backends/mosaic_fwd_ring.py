@@ -227,20 +227,16 @@ def drain(consumed, total_steps, stages: int) -> None:
     plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
 
 
-def consume_item(produced, consumed, step0, k_steps, stages: int, mma, in_flight: int,
-                 after_issue=None) -> None:
+def consume_item(produced, consumed, step0, k_steps, stages: int, mma, in_flight: int) -> None:
   """A consumer's k steps of one item: ``mma(slot)`` issues a step's wgmmas
   (``in_flight`` of them); the previous step's slot is released once they are
-  done, the item's last slot after its last wgmma.  ``after_issue(kk)``, if
-  given, runs after step kk's wgmmas are issued, while they run."""
+  done, the item's last slot after its last wgmma."""
   @pl.loop(0, k_steps)
   def _(kk):
     step = step0 + kk
     slot = lax.rem(step, stages)
     plgpu.barrier_wait(produced.at[slot])
     mma(slot)
-    if after_issue is not None:
-      after_issue(kk)
     plgpu.wgmma_wait(in_flight)  # the previous step's are done
     pl.when(kk > 0)(lambda: plgpu.barrier_arrive(
         consumed.at[lax.rem(step + stages - 1, stages)]))
@@ -258,8 +254,6 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
    my_items) = item_space(tiles_gmem, scal_gmem, k=k, n=n, block_n=bn, block_k=bk,
                           transpose_rhs=transpose_rhs, num_ctas=num_ctas)
   dtype, out_dtype = lhs_gmem.dtype, out_gmem.dtype
-  # (a 32-bit copy of a finished tile would not fit beside the next accumulator)
-  defer = cfg.defer_epilogue and jnp.dtype(out_dtype).itemsize == 2
 
   scratch = dict(
       a_smem=plgpu.SMEM((stages, _ROWS, bk), dtype, transforms=sm90.swizzled(bk, dtype)),
@@ -390,12 +384,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
         else:
           tile(False)
 
-      if defer:
-        _deferred_tiles(cfg, tile_of, my_items, cta, num_ctas, k_steps, stages, a_smem,
-                        b_smem, produced, consumed, my_smem, out_gmem, wg=wg, m=m, n=n,
-                        transpose_rhs=transpose_rhs)
-      else:
-        works(compute)
+      works(compute)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       if pz:  # the producer writes the rows outside the shard's window
         return
@@ -412,60 +401,6 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
                             _HALF, lo, hi)
 
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
-def _deferred_tiles(cfg: mf.MosaicFwdConfig, tile_of, my_items, cta, num_ctas: int,
-                    k_steps: int, stages: int, a_smem, b_smem, produced, consumed, my_smem,
-                    out_gmem, *, wg, m: int, n: int, transpose_rhs: bool) -> None:
-  """A consumer's items with ``defer_epilogue``: each finished tile is carried
-  to the next item in registers (as the output dtype) and stored while that
-  item's first wgmmas run: epilogue chunk c after k step min(c, k_steps - 1)
-  is issued.  The CTA's last tile is stored after the loop."""
-  bn, cn = cfg.block_n, cfg.epilogue_n
-  out_dtype = out_gmem.dtype
-
-  def store_chunk(pending, ci: int) -> None:
-    """Epilogue chunk ``ci`` of a carried tile (nothing when it has no rows)."""
-    vals, ni, hs, s, c = pending
-
-    def one(cj, col):
-      if cj != ci:
-        return
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      my_smem[...] = sm90.column_chunk(vals, cj, cn)
-      plgpu.commit_smem()
-      mf._store_rows(my_smem, out_gmem, s - hs, s, c, col, max_rows=min(_HALF, m), width=cn)
-
-    pl.when(c > 0)(lambda: mf._for_each_chunk(cfg, n, ni, one))
-
-  def item(j, pending):
-    ni, _, row0, row_start, row_end = tile_of(cta + j * num_ctas)
-    hs = row0 + wg * _HALF
-    s, c = mf._overlap(row_start, row_end, hs, hs + _HALF)
-
-    def acc_scope(acc_ref):
-      def mma(slot):
-        b = b_smem.at[slot]
-        plgpu.wgmma(acc_ref, a_smem.at[slot].at[pl.ds(wg * _HALF, _HALF)],
-                    b.transpose((1, 0)) if transpose_rhs else b)
-
-      def after_issue(kk):  # the previous tile's chunks, one per k step
-        for ci in range(cfg.epilogue_split):
-          pl.when((j > 0) & (kk == min(ci, k_steps - 1)))(
-              functools.partial(store_chunk, pending, ci))
-
-      consume_item(produced, consumed, j * k_steps, k_steps, stages, mma, in_flight=1,
-                   after_issue=after_issue)
-      return acc_ref[...]
-
-    acc = pl.run_scoped(acc_scope, plgpu.ACC((_HALF, bn), jnp.float32))
-    return acc.astype(out_dtype), ni, hs, s, c
-
-  zero = jnp.int32(0)
-  empty = plgpu.layout_cast(jnp.zeros((_HALF, bn), out_dtype), plgpu.Layout.WGMMA)
-  last = pl.loop(0, my_items, init_carry=(empty, zero, zero, zero, zero))(item)
-  for ci in range(cfg.epilogue_split):
-    pl.when(my_items > 0)(functools.partial(store_chunk, last, ci))
 
 
 def launch(body, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
