@@ -436,7 +436,7 @@ def gpu_sweep_configs(
     m: int, k: int, n: int, g: int, transpose_rhs: bool, dtype: Any = jnp.bfloat16,
     out_dtype: Any = None,
 ) -> list[MosaicFwdConfig]:
-  """Candidate configs for a GPU sweep (default first; SMEM-feasible only, <= 21).
+  """Candidate configs for a GPU sweep (default first; SMEM-feasible only, <= 22).
 
   An f32 output gets a larger epilogue split where that makes a candidate fit.
   """
@@ -476,15 +476,21 @@ def gpu_sweep_configs(
       if (m >= SWAP_ROWS + swap.tail_rows and jnp.dtype(out_dtype).itemsize == 2
           and _fits(swap, dtype, out_dtype)):  # (else gmm would run another config)
         out += [swap, swap_m]
-      # Groups of 96-192 rows on average: swap tiles of ~9/8 the mean, 16
-      # tail rows split (v21h: DeepSeek-V3 down dX, groups of 128 +- 11 rows, 144 + 16
-      # rows 0.932x its Triton entry in one A/B; the forward lost, 1.02-1.05x the ring).
+      # Groups of 96-192 rows on average: swap tiles of ~9/8 the mean with 16
+      # tail rows split, and of ~5/4 the mean without a tail (DeepSeek-V3 down dX,
+      # groups of 128 +- 11 rows: 144 + 16 rows 0.932 / 0.921x its Triton entry, 160
+      # rows 0.942 / 0.924x in two A/Bs, v21h / v22a, and half the lowering time; the
+      # forward lost, 1.02-1.05x the ring).
       mean = m // max(g, 1)
       rows = min(SWAP_ROWS, max(64, 16 * math.ceil(mean * 9 / 8 / 16)))
       small = dataclasses.replace(swap, swap_rows=rows, tail_rows=16)
-      if (96 <= mean <= 192 and m >= rows + 16
-          and jnp.dtype(out_dtype).itemsize == 2 and _fits(small, dtype, out_dtype)):
-        out.append(small)
+      plain = dataclasses.replace(
+          swap, swap_rows=min(SWAP_ROWS, max(64, 16 * math.ceil(mean * 5 / 4 / 16))),
+          tail_rows=0, tail_split=False)
+      for c in (small, plain):
+        if (96 <= mean <= 192 and m >= c.swap_rows + c.tail_rows
+            and jnp.dtype(out_dtype).itemsize == 2 and _fits(c, dtype, out_dtype)):
+          out.append(c)
     # 64-row tiles split by columns: half the padding of a group's last tile,
     # 1.67x the L2 -> SMEM bytes per FLOP (the default already runs the L2 at
     # 81% on Qwen3-30B gate_up), so after the likelier winners.
@@ -505,7 +511,7 @@ def gpu_sweep_configs(
     c = _fit_split(c, dtype, out_dtype)
     if c is not None and c not in out:
       out.append(c)
-  return out[:21]
+  return out[:22]
 
 
 def _check_supported(lhs, rhs, out_dtype, transpose_rhs) -> None:
