@@ -994,9 +994,7 @@ def tgmm(
       scratch_types=scratch_types,
       grid=(num_sms,),
       grid_names=("sm",),
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup
-      ),
+      compiler_params=sm90.compiler_params(),
       interpret=_interpret_params(interpret),
       **extra,
   )

@@ -988,9 +988,7 @@ def gmm(
       out_type=out_struct((m, n), out_dtype, lhs),
       grid=(num_ctas,),
       grid_names=("sm",),
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup
-      ),
+      compiler_params=sm90.compiler_params(plgpu.LoweringSemantics.Warpgroup),
       interpret=interpret if interpret else None,
       **extra,
   )
