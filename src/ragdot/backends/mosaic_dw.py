@@ -994,7 +994,9 @@ def tgmm(
       scratch_types=scratch_types,
       grid=(num_sms,),
       grid_names=("sm",),
-      compiler_params=sm90.compiler_params(),
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+      ),
       interpret=_interpret_params(interpret),
       **extra,
   )

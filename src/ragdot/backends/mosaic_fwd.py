@@ -988,7 +988,9 @@ def gmm(
       out_type=out_struct((m, n), out_dtype, lhs),
       grid=(num_ctas,),
       grid_names=("sm",),
-      compiler_params=sm90.compiler_params(plgpu.LoweringSemantics.Warpgroup),
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+      ),
       interpret=interpret if interpret else None,
       **extra,
   )

@@ -430,7 +430,8 @@ def launch(body, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
       grid_names=("sm",),
       num_threads=3,
       thread_name="wg",
-      compiler_params=sm90.compiler_params(),
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=interpret if interpret else None,
   )
   return make_varying(kernel(tiles, scalars, lhs, rhs), varying_axes(lhs))

@@ -11,20 +11,6 @@ SMEM_PER_CTA = 227 * 1024  # the most dynamic SMEM one CTA may opt into
 _DRIVER_RESERVE = 1024  # the driver keeps 1 KiB per resident CTA
 H200_SMS = 132
 
-# How Pallas lowers the ring / swap and dW kernels: Lane semantics (layouts
-# fixed by the lowering rules) lowers Qwen3-30B gate_up's forward 3x faster
-# than Warpgroup semantics, whose layout inference was ~60% of the Python
-# lowering time (docs/performance.md v22).  A module value, read at trace time,
-# so that an A/B can compile both.  (The per-tile pipeline body of
-# ``mosaic_fwd`` needs Warpgroup semantics: under Lane, wgmma does not see its
-# pipeline stages' swizzle transforms.)
-LOWERING_SEMANTICS = plgpu.LoweringSemantics.Lane
-
-
-def compiler_params(semantics: plgpu.LoweringSemantics | None = None) -> plgpu.CompilerParams:
-  """Mosaic compiler params with ``semantics`` (None: ``LOWERING_SEMANTICS``)."""
-  return plgpu.CompilerParams(lowering_semantics=semantics or LOWERING_SEMANTICS)
-
 
 def smem_budget(ctas_per_sm: int, reserve: int) -> int:
   """Dynamic SMEM one CTA may allocate when ``ctas_per_sm`` CTAs share an SM,
