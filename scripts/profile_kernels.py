@@ -159,6 +159,20 @@ def _decode_cases() -> dict:
   return out
 
 
+def _down_cases() -> dict:
+  """Qwen3-30B down forward (k = 768: the Qwen shape furthest from 0.75x dense):
+  the automatic choice on routed groups and on groups of exactly 256 rows (no
+  tails), and its dense matmul."""
+  s = bench.Shape("qwen3-30b down", 32768, 768, 2048, 128, 8)
+  x = jax.random.normal(jax.random.key(20), (s.m, s.k), jnp.bfloat16)
+  w = (jax.random.normal(jax.random.key(21), (s.g, s.k, s.n), jnp.float32) / 32
+       ).astype(jnp.bfloat16)
+  fwd = jax.jit(lambda x, w, gs: ragdot.ragged_dot(x, w, gs))
+  return {"fwd_down": (fwd, (x, w, jnp.asarray(bench.routed_group_sizes(s)))),
+          "fwd_down_aligned": (fwd, (x, w, jnp.full((s.g,), s.m // s.g, jnp.int32))),
+          "dense_down": (jax.jit(jnp.dot), (x, w[0]))}
+
+
 # Each builder's case names: only the builders of the requested cases allocate.
 _BUILDERS = (
     (_qwen_cases, ("fwd_qwen", "dw_qwen", "fwd_mixtral", "dense_qwen", "dw_qwen_p6",
@@ -168,6 +182,7 @@ _BUILDERS = (
     (_deepseek_cases, ("fwd_deepseek",)),
     (_ep_cases, ("fwd_ep", "fwd_ep_local", "fwd_ep_zeros")),
     (_decode_cases, ("fwd_down_decode", "fwd_deepseek_decode")),
+    (_down_cases, ("fwd_down", "fwd_down_aligned", "dense_down")),
 )
 
 
