@@ -118,9 +118,13 @@ def random_inputs(key, shapes, dtype):
 
 
 def np_ragged_dot(lhs, rhs, group_sizes, group_offset=None, transpose_rhs=False):
-  """Host numpy f32 reference (a loop over groups): cheap at real sizes."""
-  lhs = np.asarray(jnp.asarray(lhs, jnp.float32))
-  rhs = np.asarray(jnp.asarray(rhs, jnp.float32))
+  """Host numpy f32 reference (a loop over groups): cheap at real sizes.
+
+  The operands come to the host in their own dtype and each group's slices are
+  widened to f32 there (exact for 16-bit floats), so a real-size rhs (e.g.
+  DeepSeek-V3's 7.5 GB of bf16 experts) is never held as f32 whole.
+  """
+  lhs, rhs = np.asarray(lhs), np.asarray(rhs)
   if transpose_rhs:
     rhs = np.swapaxes(rhs, 1, 2)
   m = lhs.shape[0]
@@ -130,7 +134,7 @@ def np_ragged_dot(lhs, rhs, group_sizes, group_offset=None, transpose_rhs=False)
   for gidx, size in enumerate(np.maximum(np.asarray(group_sizes), 0)):
     end = min(start + int(size), m)
     if 0 <= gidx - o < rhs.shape[0] and end > start:
-      out[start:end] = lhs[start:end] @ rhs[gidx - o]
+      out[start:end] = lhs[start:end].astype(np.float32) @ rhs[gidx - o].astype(np.float32)
     start = end
   return out
 

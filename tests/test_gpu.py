@@ -147,22 +147,24 @@ def test_triton_dw_real_size(layout):
 
 
 @pytest.mark.parametrize("op,shape", [
-    ("fwd", (32768, 2048, 1536)), ("dx", (32768, 2048, 1536)), ("dx", (32768, 768, 2048))],
-                         ids=["qwen30b_gate_up_fwd", "qwen30b_gate_up_dx", "qwen30b_down_dx"])
+    ("fwd", (32768, 2048, 1536, 128)), ("dx", (32768, 2048, 1536, 128)),
+    ("dx", (32768, 768, 2048, 128)), ("dx", (32768, 2048, 7168, 256))],
+                         ids=["qwen30b_gate_up_fwd", "qwen30b_gate_up_dx", "qwen30b_down_dx",
+                              "deepseek_down_dx"])
 @pytest.mark.parametrize("shard", [False, True], ids=["all", "shard"])
 def test_table_swap_entries_real_size(op, shape, shard):
-  """The automatic choice on the Qwen3-30B shapes whose table entries run the
-  swap kernel (split fold, M tail): a swap config is chosen, and the call
-  through ``ragdot`` (a shard call: the row-major ring the swap entry maps to)
-  matches the oracle on NaN-poisoned memory, zero rows outside, bitwise
-  repeatable."""
-  m, k, n = shape
-  g, local = 128, (16 if shard else 128)
+  """The automatic choice on the shapes whose table entries run the swap kernel
+  (Qwen3-30B: split fold, M tail; DeepSeek-V3's dX: 160-row tiles): a swap
+  config is chosen, and the call through ``ragdot`` (a shard call: the
+  row-major ring the swap entry maps to) matches the oracle on NaN-poisoned
+  memory, zero rows outside, bitwise repeatable."""
+  m, k, n, g = shape
+  local = g // 8 if shard else g
   sizes = _sizes(m, g, "routed")
   choice = dispatch_choice(op, Shape("t", m, k, n, g, ep=8 if shard else 1))
   assert choice.implementation == "mosaic" and choice.config.ring
   assert choice.config.swap != shard  # a shard call: the entry's row-major ring
-  go = jnp.int32(16) if shard else None
+  go = jnp.int32(local) if shard else None
   dx = op == "dx"
   x, w = oracle.random_inputs(jax.random.key(m + k + n + shard),
                               [(m, n if dx else k), (local, k, n)], jnp.bfloat16)
@@ -172,7 +174,7 @@ def test_table_swap_entries_real_size(op, shape, shard):
   _poison(4 * m * max(n, k))
   out = run(x, w)
   oracle.assert_close(out, oracle.np_ragged_dot(x, w, sizes, go, transpose_rhs=dx), jnp.bfloat16)
-  oracle.assert_zero_rows(out, sizes, 16 if shard else None, local)
+  oracle.assert_zero_rows(out, sizes, local if shard else None, local)
   np.testing.assert_array_equal(np.asarray(out), np.asarray(run(x, w)))
 
 
