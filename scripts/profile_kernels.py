@@ -162,25 +162,14 @@ def _decode_cases() -> dict:
 def _down_cases() -> dict:
   """Qwen3-30B down forward (k = 768: the Qwen shape furthest from 0.75x dense):
   the automatic choice on routed groups and on groups of exactly 256 rows (no
-  tails), and its dense matmul; the same two layouts on the table's 128 x 256
-  ring in 2-CTA clusters sharing each group's weight block by multicast
-  (``cluster_pairs``)."""
-  from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
+  tails), and its dense matmul."""
   s = bench.Shape("qwen3-30b down", 32768, 768, 2048, 128, 8)
   x = jax.random.normal(jax.random.key(20), (s.m, s.k), jnp.bfloat16)
   w = (jax.random.normal(jax.random.key(21), (s.g, s.k, s.n), jnp.float32) / 32
        ).astype(jnp.bfloat16)
   fwd = jax.jit(lambda x, w, gs: ragdot.ragged_dot(x, w, gs))
-  cfg = mosaic_fwd.MosaicFwdConfig(128, 256, 64, 4, num_compute_wgs=2, epilogue_split=2,
-                                   ring=True, cluster_pairs=True)
-  pairs = jax.jit(lambda x, w, gs: mosaic_fwd.gmm(x, w, gs, None, transpose_rhs=False,
-                                                  out_dtype=jnp.bfloat16, config=cfg))
-  routed = jnp.asarray(bench.routed_group_sizes(s))
-  aligned = jnp.full((s.g,), s.m // s.g, jnp.int32)
-  return {"fwd_down": (fwd, (x, w, routed)),
-          "fwd_down_aligned": (fwd, (x, w, aligned)),
-          "fwd_down_pairs": (pairs, (x, w, routed)),
-          "fwd_down_aligned_pairs": (pairs, (x, w, aligned)),
+  return {"fwd_down": (fwd, (x, w, jnp.asarray(bench.routed_group_sizes(s)))),
+          "fwd_down_aligned": (fwd, (x, w, jnp.full((s.g,), s.m // s.g, jnp.int32))),
           "dense_down": (jax.jit(jnp.dot), (x, w[0]))}
 
 
@@ -193,8 +182,7 @@ _BUILDERS = (
     (_deepseek_cases, ("fwd_deepseek",)),
     (_ep_cases, ("fwd_ep", "fwd_ep_local", "fwd_ep_zeros")),
     (_decode_cases, ("fwd_down_decode", "fwd_deepseek_decode")),
-    (_down_cases, ("fwd_down", "fwd_down_aligned", "fwd_down_pairs", "fwd_down_aligned_pairs",
-                   "dense_down")),
+    (_down_cases, ("fwd_down", "fwd_down_aligned", "dense_down")),
 )
 
 

@@ -258,20 +258,6 @@ def test_swap_real_sizes(shape, transpose_rhs, tail_rows, stages, offset, tail):
   _check_mosaic_gmm(cfg, shape, transpose_rhs, offset, seed=sum(shape[:3]) + 1)
 
 
-@pytest.mark.parametrize("shape", SWAP_SHAPES,
-                         ids=[f"{s[0]}x{s[1]}x{s[2]}g{s[3]}-{s[4]}" for s in SWAP_SHAPES])
-@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
-@pytest.mark.parametrize("offset", [None, 8], ids=["all", "shard"])
-def test_cluster_pairs_real_sizes(shape, transpose_rhs, offset):
-  """The ring in 2-CTA clusters sharing a group's weight block by TMA multicast
-  (mosaic_fwd_pairs): the multicast itself only runs on the GPU (interpret
-  mode loads the whole block per CTA)."""
-  from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
-  cfg = mosaic_fwd.MosaicFwdConfig(128, 256, 64, 4, num_compute_wgs=2, epilogue_split=2,
-                                   ring=True, cluster_pairs=True)
-  _check_mosaic_gmm(cfg, shape, transpose_rhs, offset, seed=sum(shape[:3]) + 2)
-
-
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
 @pytest.mark.parametrize("swap_rows,tail_rows,offset,tail", [
     (160, 0, None, "fold"), (144, 16, 8, "m"), (144, 16, None, "split")],

@@ -190,10 +190,6 @@ class MosaicFwdConfig:
     128 x 256 ring in 4 stages fits 8 rows beside 128-column chunks, 64 rows
     only beside 64-column ones) at the price of more, smaller TMA stores
     (v17a: 8 rows cost 1.15-1.83x where 64 rows saved 6%).
-  cluster_pairs: ring only, no tails, no swap, producer zeros off: run
-    ``mosaic_fwd_pairs``, the ring on clusters of two CTAs that take two row
-    tiles of one group where they can and share its weight block by TMA
-    multicast (half the weight bytes from L2 per CTA); needs an even num_sms.
   """
 
   block_m: int = 64
@@ -221,7 +217,6 @@ class MosaicFwdConfig:
   tail_split: bool = False
   tail_on_m: bool = False
   swap_rows: int = SWAP_ROWS
-  cluster_pairs: bool = False
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -290,11 +285,6 @@ class MosaicFwdConfig:
       raise ValueError(f"zero_lead does not apply with producer_zeros=True, got {self}")
     if self.zero_box_rows not in (8, 16, 32, 64):
       raise ValueError(f"zero_box_rows must be 8, 16, 32 or 64, got {self.zero_box_rows}")
-    if self.cluster_pairs and (not self.ring or self.swap or self.tail_rows
-                               or self.producer_zeros or self.zero_lead is not None
-                               or (self.num_sms or 2) % 2):
-      raise ValueError(f"cluster_pairs needs ring=True, swap off, tail_rows=0, producer_zeros "
-                       f"off, no zero_lead and an even num_sms, got {self}")
 
   @property
   def epilogue_n(self) -> int:
@@ -337,8 +327,6 @@ def resolve_producer_zeros(cfg: MosaicFwdConfig, has_offset: bool, dtype: Any,
   tails) with producer zeros; ``producer_zeros=False`` keeps it swap."""
   if cfg.producer_zeros is not None:
     return cfg
-  if cfg.cluster_pairs:  # the consumers write the zero rows after the ring
-    return dataclasses.replace(cfg, producer_zeros=False)
   if cfg.swap and has_offset:
     # swap has no producer zeros: a shard call runs the row-major ring with them,
     # the same k steps and stages (measured best for Qwen3-30B's EP=8 shard, v17;

@@ -443,10 +443,6 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: ja
   """``mosaic_fwd.gmm`` for a ``ring=True`` config (checked by ``mosaic_fwd.gmm``:
   supported dtypes and alignments, non-empty operands, m >= 128 + tail_rows, a
   config that fits SMEM)."""
-  if config.cluster_pairs:
-    from ragdot.backends import mosaic_fwd_pairs  # pylint: disable=g-import-not-at-top  (imports this module)
-    return mosaic_fwd_pairs.gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs=transpose_rhs,
-                                out_dtype=out_dtype, config=config, interpret=interpret)
   return launch(_body, lhs, rhs, group_sizes, group_offset, rows=_ROWS,
                 transpose_rhs=transpose_rhs, out_dtype=out_dtype, config=config,
                 interpret=interpret)
