@@ -289,42 +289,6 @@ def test_all_zero_sizes_give_exact_zeros():
   assert not ref.any() and not out.any()
 
 
-@pytest.mark.parametrize("fields", [
-    dict(pingpong=True, tail_copy_rows=8),
-    # 192 columns in 64-column slices (32-row bands over 16-row pieces)
-    dict(pingpong=True, block_n=192, epilogue_split=3, num_stages=2, tail_copy_rows=16),
-    # 16-row lhs bands over 32-row pieces: a band past the end inside a piece
-    # that starts before it is still zeroed by the consumers
-    dict(pingpong=True, tail_copy_rows=32),
-    dict(tail_copy_rows=8),  # the shared ring (both consumers mask a stage)
-    dict(pingpong=True, mask_warpgroup=True, tail_copy_rows=8),
-], ids=["pingpong_8", "pingpong_192_16", "pingpong_32", "shared_8", "masker_8"])
-def test_tail_copy_rows(fields):
-  # A block past its group's end loads its pieces past the end from rows >= m
-  # (TMA zeros). Ends at every offset of a piece and a band, groups ending past
-  # m; NaN / Inf in the rows past sum(sizes), with race detection.
-  cfg = dataclasses.replace(FLAT3_BANDED, num_sms=2, **fields)
-  sizes = [3, 9, 1, 8, 17, 5, 30, 16, 33, 7, 64, 2, 41, 40]  # sum 276 < m = 296
-  k, n = cfg.block_k, cfg.block_n * 2
-  lhs, rhs = inputs(296, k, n, jnp.bfloat16, 31)
-  past = np.arange(296)[:, None] >= sum(sizes)
-  lhs, rhs = jnp.where(past, jnp.nan, lhs), jnp.where(past, jnp.inf, rhs)
-  params = plgpu.InterpretGPUParams(detect_races=True)
-  out = mosaic_dw.tgmm(lhs, rhs, jnp.asarray(sizes, jnp.int32), None, num_groups=len(sizes),
-                       out_dtype=jnp.float32, precision=None, interpret=params, config=cfg)
-  check(np.asarray(out), reference(lhs, rhs, sizes, None, len(sizes)), jnp.float32)
-  assert not interpret_pallas_call.get_races().races_found
-
-
-def test_tail_copy_rows_needs_the_banded_ring():
-  with pytest.raises(ValueError, match="tail_copy_rows"):
-    dataclasses.replace(FLAT3, tail_copy_rows=8)  # no banded_mask
-  with pytest.raises(ValueError, match="tail_copy_rows"):
-    dataclasses.replace(FLAT3_BANDED, tail_copy_rows=24)
-  with pytest.raises(ValueError, match="tail_copy_rows"):
-    dataclasses.replace(SMALL, banded_mask=True, tail_copy_rows=8)  # no ring
-
-
 SHARD_SIZES = [10, 20, 0, 0, 25, 15]  # G = 6, sum 70 < m = 96
 
 
@@ -577,18 +541,6 @@ def test_lowers_for_sm90(out_dtype, shape):
   for cfg in configs:
     lower_for_sm90(m, k, n, g, cfg, out_dtype=out_dtype)
   lower_for_sm90(1000, 192, 320, 16, None, dtype=jnp.float16, out_dtype=out_dtype)
-
-
-@pytest.mark.parametrize("tail", [8, 16])
-def test_tail_copy_rows_lowers_for_sm90(tail):
-  # The 8/16-row pieces at static offsets of a swizzled stage (Mosaic's TMA
-  # slice checks run in this lowering, not in interpret mode).
-  base = dataclasses.replace(PINGPONG, num_sms=None, num_stages=4, block_n=192,
-                             epilogue_split=3)
-  for cfg in (base, dataclasses.replace(base, block_n=128, num_stages=6, epilogue_split=2,
-                                        mask_warpgroup=True),
-              dataclasses.replace(FLAT3_BANDED, num_sms=None, block_n=256)):
-    lower_for_sm90(32768, 2048, 1536, 128, dataclasses.replace(cfg, tail_copy_rows=tail))
 
 
 def test_fit_config_drops_stages_for_a_bigger_staging_tile():

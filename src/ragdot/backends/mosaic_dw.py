@@ -143,13 +143,6 @@ class MosaicDwConfig:
       instead of the previous one's.  Measured on the 128 x 192 pingpong ring
       (H200, 2026-11-30): 0.987-1.003x the time with one buffer on the Qwen and
       Mixtral shapes, 0.957x on DeepSeek-V3 down.
-    tail_copy_rows: with the ring across items and ``banded_mask``, a row block
-      that runs past its group's end is loaded as block_m / tail_copy_rows
-      copies (8, 16 or 32 rows each) instead of one, and those lying wholly
-      past the end are read from rows >= m: the TMA fills them with zeros
-      without reading memory, so they need no zeroing in SMEM and cost no L2
-      reads; only the band the end cuts is still read, masked and rewritten.
-      0: one copy per block, the outside rows zeroed by the consumers.
     schedule_kernel: build the groups' row blocks with one Pallas-Triton
       kernel (``triton_schedule.build_bounds``) where it applies, instead of
       several small XLA kernels; the same values either way.
@@ -170,7 +163,6 @@ class MosaicDwConfig:
   pingpong: bool = False
   mask_warpgroup: bool = False
   epilogue_buffers: int = 1
-  tail_copy_rows: int = 0
   schedule_kernel: bool = True
 
   def __post_init__(self):
@@ -231,13 +223,6 @@ class MosaicDwConfig:
                        f" got {self.epilogue_buffers}")
     if self.mask_warpgroup and (not self.pingpong or not self.banded_mask):
       raise ValueError(f"mask_warpgroup needs pingpong and banded_mask, got {self}")
-    if self.tail_copy_rows and (
-        self.tail_copy_rows not in (8, 16, 32) or self.block_m % self.tail_copy_rows
-        or not (self.pipeline_across_items and self.banded_mask)):
-      raise ValueError(
-          "tail_copy_rows must be 0, or 8, 16 or 32 dividing block_m with"
-          f" pipeline_across_items and banded_mask, got {self.tail_copy_rows}"
-          f" (block_m={self.block_m})")
     if self.epilogue_rows is not None and (
         self.num_compute_wgs != 2 or self.epilogue_rows <= 0 or self.epilogue_rows % 64
         or self.consumer_rows % self.epilogue_rows
@@ -492,14 +477,12 @@ def _straddles(row0, rows: int, start, end):
   return (row0 < start) | (row0 + rows > end)
 
 
-def _mask_stage(tiles, wg, num_wgs: int, row0, start, end, banded: bool,
-                tail: int = 0) -> None:
+def _mask_stage(tiles, wg, num_wgs: int, row0, start, end, banded: bool) -> None:
   """Zeroes the rows outside [start, end) of a stage's SMEM tiles, split among
   ``num_wgs`` warpgroups (``wg`` is this one): by row bands (``banded``), else
-  whole tiles for one warpgroup or 64-column chunks for several.  ``tail``:
-  the block's ``tail_copy_rows`` (its pieces wholly past ``end`` hold zeros)."""
+  whole tiles for one warpgroup or 64-column chunks for several."""
   if banded:
-    _mask_bands(tiles, wg, num_wgs, row0, start, end, tail)
+    _mask_bands(tiles, wg, num_wgs, row0, start, end)
   elif num_wgs == 1:
     for tile in tiles:
       _mask_rows(tile, row0, start, end)
@@ -510,21 +493,21 @@ def _mask_stage(tiles, wg, num_wgs: int, row0, start, end, banded: bool,
           _mask_rows, ref.at[:, pl.ds(col, 64)], row0, start, end))
 
 
-def _mask_own_stage(lhs_t, rhs_t, row0, start, end, banded: bool, tail: int = 0) -> None:
+def _mask_own_stage(lhs_t, rhs_t, row0, start, end, banded: bool) -> None:
   """One warpgroup zeroes the rows outside [start, end) of a stage's tiles
   when the row block at ``row0`` holds any, and makes its writes visible to
   the wgmma (async proxy) that reads the stage next."""
   @pl.when(_straddles(row0, lhs_t.shape[0], start, end))
   def _():
-    _mask_stage((lhs_t, rhs_t), 0, 1, row0, start, end, banded, tail)
+    _mask_stage((lhs_t, rhs_t), 0, 1, row0, start, end, banded)
     plgpu.commit_smem()
 
 
 def _consumers_mask(lhs_t, rhs_t, wg, row0, start, end, mask_barrier,
-                    banded: bool = False, tail: int = 0) -> None:
+                    banded: bool = False) -> None:
   """The two consumers split the masking of a shared stage, then both wait
   until all of it is masked before their wgmmas read it."""
-  _mask_stage((lhs_t, rhs_t), wg, 2, row0, start, end, banded, tail)
+  _mask_stage((lhs_t, rhs_t), wg, 2, row0, start, end, banded)
   plgpu.commit_smem()
   plgpu.barrier_arrive(mask_barrier)
   plgpu.barrier_wait(mask_barrier)
@@ -537,7 +520,7 @@ def _band_rows(cols: int) -> int:
   return 8 * (4 // (cols // 64))
 
 
-def _mask_bands(tiles, wg, num_wgs: int, row0, start, end, tail: int = 0) -> None:
+def _mask_bands(tiles, wg, num_wgs: int, row0, start, end) -> None:
   """Zeroes the rows outside [start, end) of SMEM tiles (each [rows, cols],
   swizzled, rows from ``row0``) band by band: a band wholly outside is
   overwritten with zeros, one that straddles a boundary is read, masked and
@@ -546,9 +529,7 @@ def _mask_bands(tiles, wg, num_wgs: int, row0, start, end, tail: int = 0) -> Non
 
   Each group boundary in a block cuts at most one band per tile, so on a
   typical boundary block this moves a fraction of the bytes of masking the
-  whole tiles.  With ``tail`` (``tail_copy_rows``) the producer loaded the
-  pieces of ``tail`` rows lying wholly past ``end`` as zeros: the bands in
-  them are left alone.
+  whole tiles.
   """
   i = 0
   # A 192-column tile is masked as three 64-column slices: its own bands would
@@ -563,11 +544,8 @@ def _mask_bands(tiles, wg, num_wgs: int, row0, start, end, tail: int = 0) -> Non
     for b0 in range(0, rows, band):
       ref = tile.at[pl.ds(b0, band)]
       r0 = row0 + b0
-      wholly_out = (r0 + band <= start) | (r0 >= end)
-      outside = wholly_out
-      if tail:  # zeros already if the piece holding the band's first row is past the end
-        outside = outside & (row0 + b0 // tail * tail < end)
-      straddles = jnp.logical_not(wholly_out) & ((r0 < start) | (r0 + band > end))
+      outside = (r0 + band <= start) | (r0 >= end)
+      straddles = jnp.logical_not(outside) & ((r0 < start) | (r0 + band > end))
 
       def zero(ref=ref):
         ref[...] = plgpu.layout_cast(jnp.zeros(ref.shape, ref.dtype), layout)
@@ -752,8 +730,6 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
   hk = bk if pingpong else bk // 2  # rows of a consumer's accumulator
   stages = config.num_stages
   regs_producer, regs_consumer, regs_masker = register_split(masker, hk * bn)
-  tail = config.tail_copy_rows
-  arrivals = 2 * (bm // tail if tail else 1)
 
   def items(body, init):
     """Runs ``body(item, carry) -> carry`` over this CTA's items in order; the
@@ -788,10 +764,8 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
       pl.run_scoped,
       lhs_smem=plgpu.SMEM((stages, bm, bk), lhs_gmem.dtype, transforms=in_transforms_lhs),
       rhs_smem=plgpu.SMEM((stages, bm, bn), rhs_gmem.dtype, transforms=in_transforms_rhs),
-      # Two TMA arrivals (lhs, rhs) per step, or two per piece with
-      # tail_copy_rows; pingpong: one set per consumer.
-      produced=plgpu.Barrier(num_arrivals=arrivals,
-                             num_barriers=stages * (2 if pingpong else 1)),
+      # Two TMA arrivals (lhs, rhs) per step; pingpong: one set per consumer.
+      produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages * (2 if pingpong else 1)),
       consumed=plgpu.Barrier(num_arrivals=1 if pingpong else 2, num_barriers=stages),
       o_smem=plgpu.SMEM((2, config.epilogue_buffers, config.epilogue_m, config.epilogue_n),
                         out_dtype, transforms=out_transforms),
@@ -814,7 +788,7 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
           _, _, _, start, end, first, _ = it
           plgpu.barrier_wait(produced.at[owner + slot])
           _mask_own_stage(lhs_smem.at[slot], rhs_smem.at[slot], first + i * bm, start, end,
-                          config.banded_mask, tail)
+                          config.banded_mask)
           plgpu.barrier_arrive(masked.at[owner + slot])
 
         ring_steps(mask_step)
@@ -824,38 +798,14 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
       plgpu.set_max_registers(regs_producer, action="decrease")
 
       def load(it, i, step, slot, owner):
-        _, ki, ni, _, end, first, _ = it
+        _, ki, ni, _, _, first, _ = it
         # The slot's previous use (step - stages) must be consumed first.
         pl.when(step >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
-        row0 = first + i * bm
-        pairs = ((lhs_gmem, pl.ds(ki * bk, bk), lhs_smem.at[slot]),
-                 (rhs_gmem, pl.ds(ni * bn, bn), rhs_smem.at[slot]))
-        barrier = produced.at[owner + slot]
-
-        def whole():
-          rows = pl.ds(pl.multiple_of(row0, _ROW_ALIGN), bm)
-          for src, cols, dst in pairs:
-            plgpu.copy_gmem_to_smem(src.at[rows, cols], dst, barrier)
-
-        if not tail:
-          whole()
-          return
-        past = row0 + bm > end
-
-        @pl.when(~past)
-        def _():
-          whole()
-          for _ in range(arrivals - 2):  # the copies a block past the end makes
-            plgpu.barrier_arrive(barrier)
-
-        @pl.when(past)
-        def _():
-          for q in range(0, bm, tail):
-            # A piece wholly past the end is read from row m on: zeros.
-            r = jnp.where(row0 + q < end, row0 + q, lhs_gmem.shape[0])
-            rows = pl.ds(pl.multiple_of(r, _ROW_ALIGN), tail)
-            for src, cols, dst in pairs:
-              plgpu.copy_gmem_to_smem(src.at[rows, cols], dst.at[pl.ds(q, tail)], barrier)
+        rows = pl.ds(pl.multiple_of(first + i * bm, _ROW_ALIGN), bm)
+        plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, pl.ds(ki * bk, bk)],
+                                lhs_smem.at[slot], produced.at[owner + slot])
+        plgpu.copy_gmem_to_smem(rhs_gmem.at[rows, pl.ds(ni * bn, bn)],
+                                rhs_smem.at[slot], produced.at[owner + slot])
 
       total = ring_steps(load)
 
@@ -882,11 +832,11 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
             plgpu.barrier_wait(ready.at[(wg * stages if pingpong else 0) + slot])
             row0 = first + i * bm
             if pingpong and not masker:  # this consumer's own stage
-              _mask_own_stage(lhs_t, rhs_t, row0, start, end, config.banded_mask, tail)
+              _mask_own_stage(lhs_t, rhs_t, row0, start, end, config.banded_mask)
             elif not pingpong:
               pl.when(_straddles(row0, bm, start, end))(functools.partial(
                   _consumers_mask, lhs_t, rhs_t, wg, row0, start, end, mask_barrier,
-                  config.banded_mask, tail))
+                  config.banded_mask))
 
             lhs_rows = lhs_t if pingpong else lhs_t.at[:, pl.ds(wg * hk, hk)]
             plgpu.wgmma(acc_ref, lhs_rows.T, rhs_t)
