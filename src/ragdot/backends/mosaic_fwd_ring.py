@@ -362,7 +362,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
 
           def chunk(ci, col):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            my_smem[...] = sm90.column_chunk(acc, ci, cn).astype(out_dtype)
+            sm90.stage(my_smem, sm90.column_chunk(acc, ci, cn))
             plgpu.commit_smem()
             mf._store_rows(my_smem, out_gmem, s - hs, s, c, col, max_rows=min(_HALF, m),
                            width=cn)
@@ -372,7 +372,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
             ts = row0 + _ROWS
             col = ni * bn + wg * tn
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            my_tail.transpose((1, 0))[...] = tacc.astype(out_dtype)
+            sm90.stage(my_tail, tacc, transposed=True)
             plgpu.commit_smem()
             pl.when(col < n)(lambda: mf._store_rows(
                 my_tail, out_gmem, 0, ts, row_end - ts, col, max_rows=tr, width=tn))

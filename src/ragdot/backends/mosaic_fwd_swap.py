@@ -156,10 +156,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
           def store(chunk, buf, hs, s, rows, col, transposed):
             """Registers -> buf -> out rows [s, s + rows) (buf's row 0 is row hs)."""
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            if transposed:  # (columns, rows) registers into the (rows, columns) buffer
-              buf.transpose((1, 0))[...] = chunk.astype(out_dtype)
-            else:
-              buf[...] = chunk.astype(out_dtype)
+            sm90.stage(buf, chunk, transposed)
             plgpu.commit_smem()
             mf._store_rows(buf, out_gmem, s - hs, s, rows, col, max_rows=buf.shape[0],
                            width=_COLS)

@@ -37,6 +37,15 @@ def swizzled(minor: int, dtype) -> tuple:
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
+def stage(buf, value, transposed: bool = False) -> None:
+  """Writes a register tile into an SMEM staging buffer in the buffer's dtype
+  (``transposed``: the (columns, rows) tile into the (rows, columns) buffer)."""
+  if transposed:
+    buf.transpose((1, 0))[...] = value.astype(buf.dtype)
+  else:
+    buf[...] = value.astype(buf.dtype)
+
+
 def column_chunk(acc, c: int, cols: int):
   """Columns [c * cols, (c + 1) * cols) of a register tile (the tile itself when
   it is one chunk wide): one epilogue chunk."""
