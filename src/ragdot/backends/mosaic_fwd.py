@@ -184,6 +184,13 @@ class MosaicFwdConfig:
     Measured on the H200 (docs/performance.md v21h, one A/B): DeepSeek-V3
     down dX 0.932-0.942x its Triton entry with 144 (+ 16 tail rows) or 160
     rows; its forward 1.02-1.05x the row-major ring.
+  swap_stage_rows: swap only: 0 stages each 64-row epilogue chunk through one
+    unswizzled 64 x 64 buffer per consumer, written transposed (the registers
+    hold (columns, rows)); 64 or 32 stage it through a 128-byte-swizzled
+    buffer (the transposed writes spread over the banks), one of 64 rows or
+    two of 32 that alternate, so a chunk's staging overlaps the previous
+    chunk's store.  The same SMEM either way.  32 does not take ``tail_on_m``
+    (its row-major tail leaves in 64-row chunks).
   zero_box_rows: with producer_zeros, the rows of its zero buffer (8, 16, 32
     or 64): each 64-row half of a zero item goes out in stores of at most
     this many rows.  Fewer rows leave room for wider epilogue chunks (a
@@ -217,6 +224,7 @@ class MosaicFwdConfig:
   tail_split: bool = False
   tail_on_m: bool = False
   swap_rows: int = SWAP_ROWS
+  swap_stage_rows: int = 0
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -273,6 +281,10 @@ class MosaicFwdConfig:
                                         or not 64 <= self.swap_rows <= SWAP_ROWS):
       raise ValueError(f"swap_rows needs swap=True and a multiple of 16 from 64 to 256, "
                        f"got {self}")
+    if self.swap_stage_rows not in (0, 32, 64) or (self.swap_stage_rows and not self.swap) or (
+        self.swap_stage_rows == 32 and self.tail_on_m):
+      raise ValueError(f"swap_stage_rows must be 0, 32 or 64, needs swap=True, and 32 does not"
+                       f" take tail_on_m, got {self}")
     if self.tail_rows and (not self.ring or self.block_n % 128):
       raise ValueError(f"tail_rows needs ring=True and block_n a multiple of 128, got {self}")
     if self.zero_lead is not None and (self.zero_lead < 0 or (self.zero_lead and not self.ring)):
@@ -343,7 +355,7 @@ def row_major_ring(cfg: MosaicFwdConfig) -> MosaicFwdConfig:
   """A swap config's row-major ring counterpart (128 x 256 tiles, no tails):
   what runs where swap cannot (shard calls with producer zeros, 32-bit outputs)."""
   return dataclasses.replace(cfg, swap=False, block_n=256, tail_rows=0, tail_split=False,
-                             tail_on_m=False, swap_rows=SWAP_ROWS)
+                             tail_on_m=False, swap_rows=SWAP_ROWS, swap_stage_rows=0)
 
 
 def _fits(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> bool:
@@ -745,17 +757,22 @@ def _gmm_kernel_1wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _zero_fill_once(smem, first) -> None:
+def _zero_fill_once(smem, first, swizzle: int = 0) -> None:
   """Zeroes the staging buffer on this CTA's first zero item (``first``).
 
   A CTA's zero items run back to back (before its compute tiles here, after
   them in ``mosaic_fwd_ring``, which waits for the compute stores first), so a
   zero item that is not the first follows another one and the buffer still
   holds zeros: no refill, and no wait for in-flight stores, which only read it.
+  ``swizzle``: the buffer's swizzle in bytes (0: none).
   """
   @pl.when(first)
   def _():
-    smem[...] = jnp.zeros(smem.shape, smem.dtype)
+    zeros = jnp.zeros(smem.shape, smem.dtype)
+    if swizzle:  # a swizzled buffer takes the zeros in its copy layout
+      zeros = plgpu.layout_cast(zeros, plgpu.Layout.SMEM_GMEM_COPY(smem.shape, smem.dtype,
+                                                                   swizzle))
+    smem[...] = zeros
     plgpu.commit_smem()
 
 
