@@ -45,7 +45,7 @@ TAIL = {"fold": {}, "split": dict(tail_split=True), "m": dict(tail_on_m=True)}
     ([272, 16, 270, 30], 640, 128, 128, None, 4, False, 16, "m"),
 ])
 def test_matches_oracle(sizes, m, k, n, offset, num_local, transpose_rhs, tail_rows, tail,
-                       swap_rows=256, stage_rows=0):
+                       swap_rows=256, swizzled=False):
   rshape = (num_local, n, k) if transpose_rhs else (num_local, k, n)
   x, w = oracle.random_inputs(jax.random.key(m + n + k), [(m, k), rshape], jnp.bfloat16)
   go = None if offset is None else jnp.int32(offset)
@@ -53,7 +53,7 @@ def test_matches_oracle(sizes, m, k, n, offset, num_local, transpose_rhs, tail_r
   out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), go, transpose_rhs=transpose_rhs,
                out_dtype=jnp.bfloat16, interpret=True,
                config=dataclasses.replace(CFG, tail_rows=tail_rows, producer_zeros=False,
-                                          swap_rows=swap_rows, swap_stage_rows=stage_rows,
+                                          swap_rows=swap_rows, swizzle_staging=swizzled,
                                           **TAIL[tail]))
   oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, go, transpose_rhs), jnp.bfloat16)
   oracle.assert_zero_rows(out, sizes, offset, num_local)
@@ -82,44 +82,26 @@ def test_fewer_rows_per_tile_match_oracle(sizes, m, k, n, offset, num_local, tra
                       swap_rows)
 
 
-@pytest.mark.parametrize("stage_rows", [32, 64])
 @pytest.mark.parametrize("sizes,m,k,n,offset,num_local,transpose_rhs,tail_rows,tail,swap_rows", [
     ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, False, 32, "split", 256),
     ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, True, 64, "fold", 256),   # dX
-    ([296, 264, 0, 40], 640, 192, 320, None, 4, True, 8, "fold", 256),  # 8-row fold: 1-7 row boxes
+    ([296, 264, 0, 40], 640, 192, 320, None, 4, True, 8, "fold", 256),  # 8-row fold
     ([150, 20, 300, 30], 768, 64, 256, 1, 2, False, 16, "split", 256),  # a shard: zero rows
     ([129, 7, 60, 136, 40], 400, 128, 128, None, 5, False, 16, "fold", 256),  # rows past the groups
-    ([130, 150, 158, 40], 640, 128, 128, None, 4, True, 16, "split", 144),  # 16-row chunks
+    ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, False, 32, "m", 256),
+    ([272, 16, 270, 30], 640, 128, 128, None, 4, True, 16, "m", 256),
+    ([130, 150, 158, 40], 640, 128, 128, None, 4, True, 16, "split", 144),
     ([100, 150, 20, 140], 512, 64, 128, 1, 2, False, 0, "fold", 144),   # a shard, 144-row blocks
 ])
 def test_swizzled_staging_matches_oracle(sizes, m, k, n, offset, num_local, transpose_rhs,
-                                         tail_rows, tail, swap_rows, stage_rows):
-  # Swizzled staging (32: two buffers per consumer), chunks cut at every kind of
-  # group end; test_matches_oracle checks the values and the zero rows.
+                                         tail_rows, tail, swap_rows):
+  # The swizzled staging buffer: stores of 1-64 rows from any of its rows (tiles
+  # start up to 7 rows before their group), zero rows of a shard.
   test_matches_oracle(sizes, m, k, n, offset, num_local, transpose_rhs, tail_rows, tail,
-                      swap_rows, stage_rows)
+                      swap_rows, swizzled=True)
 
 
-@pytest.mark.parametrize("sizes,transpose_rhs,tail_rows", [
-    ([300, 10, 520, 0, 280], False, 32), ([296, 264, 0, 40, 120], True, 8),
-    ([272, 16, 270, 30, 52], False, 16)])
-def test_swizzled_staging_tail_on_m(sizes, transpose_rhs, tail_rows):
-  # The row-major tail leaves through the one swizzled 64-row buffer (its last rows).
-  m, k, n = 640 if sum(sizes) <= 640 else 1280, 128, 192
-  rshape = (5, n, k) if transpose_rhs else (5, k, n)
-  x, w = oracle.random_inputs(jax.random.key(m + tail_rows), [(m, k), rshape], jnp.bfloat16)
-  cfg = dataclasses.replace(CFG, tail_rows=tail_rows, tail_on_m=True, swap_stage_rows=64)
-  out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), None, transpose_rhs=transpose_rhs,
-               out_dtype=jnp.bfloat16, interpret=True, config=cfg)
-  oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, None, transpose_rhs),
-                      jnp.bfloat16)
-  oracle.assert_zero_rows(out, sizes, None, 5)
-
-
-@pytest.mark.parametrize("stage_rows", [32, 64])
-def test_swizzled_staging_no_races(stage_rows):
-  # Two staging buffers per consumer (32): a chunk's staging must not overwrite
-  # the buffer whose store is still reading it.
+def test_swizzled_staging_no_races():
   from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret  # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
   sizes = [280, 7, 0, 60, 150]
@@ -127,19 +109,17 @@ def test_swizzled_staging_no_races(stage_rows):
   out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), jnp.int32(0), transpose_rhs=False,
                out_dtype=jnp.bfloat16, interpret=plgpu.InterpretGPUParams(detect_races=True),
                config=dataclasses.replace(CFG, tail_rows=32, num_sms=2, tail_split=True,
-                                          producer_zeros=False, swap_stage_rows=stage_rows))
+                                          producer_zeros=False, swizzle_staging=True))
   oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, jnp.int32(0), False),
                       jnp.bfloat16)
   assert not gpu_interpret.get_races().races_found
 
 
-def test_swap_stage_rows_checks():
-  with pytest.raises(ValueError, match="swap_stage_rows"):
-    dataclasses.replace(CFG, swap_stage_rows=16)
-  with pytest.raises(ValueError, match="swap_stage_rows"):
-    dataclasses.replace(CFG, swap=False, block_n=256, swap_stage_rows=32)
-  with pytest.raises(ValueError, match="swap_stage_rows"):
-    dataclasses.replace(CFG, tail_rows=32, tail_on_m=True, swap_stage_rows=32)
+def test_swizzle_staging_needs_swap():
+  with pytest.raises(ValueError, match="swizzle_staging"):
+    dataclasses.replace(CFG, swap=False, block_n=256, swizzle_staging=True)
+  # The row-major ring that runs a swap config's shard calls drops it.
+  assert not mf.row_major_ring(dataclasses.replace(CFG, swizzle_staging=True)).swizzle_staging
 
 
 @pytest.mark.parametrize("tail,swap_rows", [(t, 256) for t in sorted(TAIL)] + [("m", 144)])
@@ -245,8 +225,8 @@ def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, tail, swap_rows):
   cfg = dataclasses.replace(CFG, num_stages=stages, tail_rows=tail_rows, num_sms=132,
                             swap_rows=swap_rows, **TAIL[tail])
   assert_gmm_lowers(cfg, m=m, k=k, n=n, g=g, transpose_rhs=transpose_rhs)
-  # Swizzled staging: the sub-8-row boxes at 8-row offsets of a swizzled buffer
-  # (and the zero rows of a shard) pass Mosaic's slice checks.
-  for stage_rows in (32, 64) if tail != "m" else (64,):
-    assert_gmm_lowers(dataclasses.replace(cfg, swap_stage_rows=stage_rows), m=m, k=k, n=n,
-                      g=g, transpose_rhs=transpose_rhs, with_offset=stage_rows == 32)
+  # Swizzled staging: boxes of 1-64 rows from any row of a swizzled buffer pass
+  # Mosaic's slice checks; a shard call (with_offset) runs the row-major ring.
+  for with_offset in (False, True):
+    assert_gmm_lowers(dataclasses.replace(cfg, swizzle_staging=True), m=m, k=k, n=n, g=g,
+                      transpose_rhs=transpose_rhs, with_offset=with_offset)

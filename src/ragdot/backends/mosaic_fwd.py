@@ -184,13 +184,15 @@ class MosaicFwdConfig:
     Measured on the H200 (docs/performance.md v21h, one A/B): DeepSeek-V3
     down dX 0.932-0.942x its Triton entry with 144 (+ 16 tail rows) or 160
     rows; its forward 1.02-1.05x the row-major ring.
-  swap_stage_rows: swap only: 0 stages each 64-row epilogue chunk through one
-    unswizzled 64 x 64 buffer per consumer, written transposed (the registers
-    hold (columns, rows)); 64 or 32 stage it through a 128-byte-swizzled
-    buffer (the transposed writes spread over the banks), one of 64 rows or
-    two of 32 that alternate, so a chunk's staging overlaps the previous
-    chunk's store.  The same SMEM either way.  32 does not take ``tail_on_m``
-    (its row-major tail leaves in 64-row chunks).
+  swizzle_staging: swap only: each 64-row epilogue chunk (the consumer's
+    (columns, rows) registers, written transposed into a (rows, columns)
+    buffer) is staged through a 128-byte-swizzled buffer instead of a plain
+    one, so the transposed writes spread over the shared-memory banks.  The
+    TMA stores of its rows start at any row, as from the plain buffer (the
+    swizzle follows the address bits).  Measured on the H200
+    (docs/performance.md v24c-d): 0.95-0.97x the time on the Qwen3-30B calls
+    with the split fold, 0.97x Qwen3-235B's dX; two alternating 32-row buffers
+    were no faster.
   zero_box_rows: with producer_zeros, the rows of its zero buffer (8, 16, 32
     or 64): each 64-row half of a zero item goes out in stores of at most
     this many rows.  Fewer rows leave room for wider epilogue chunks (a
@@ -224,7 +226,7 @@ class MosaicFwdConfig:
   tail_split: bool = False
   tail_on_m: bool = False
   swap_rows: int = SWAP_ROWS
-  swap_stage_rows: int = 0
+  swizzle_staging: bool = False
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -281,10 +283,8 @@ class MosaicFwdConfig:
                                         or not 64 <= self.swap_rows <= SWAP_ROWS):
       raise ValueError(f"swap_rows needs swap=True and a multiple of 16 from 64 to 256, "
                        f"got {self}")
-    if self.swap_stage_rows not in (0, 32, 64) or (self.swap_stage_rows and not self.swap) or (
-        self.swap_stage_rows == 32 and self.tail_on_m):
-      raise ValueError(f"swap_stage_rows must be 0, 32 or 64, needs swap=True, and 32 does not"
-                       f" take tail_on_m, got {self}")
+    if self.swizzle_staging and not self.swap:
+      raise ValueError(f"swizzle_staging needs swap=True, got {self}")
     if self.tail_rows and (not self.ring or self.block_n % 128):
       raise ValueError(f"tail_rows needs ring=True and block_n a multiple of 128, got {self}")
     if self.zero_lead is not None and (self.zero_lead < 0 or (self.zero_lead and not self.ring)):
@@ -355,7 +355,7 @@ def row_major_ring(cfg: MosaicFwdConfig) -> MosaicFwdConfig:
   """A swap config's row-major ring counterpart (128 x 256 tiles, no tails):
   what runs where swap cannot (shard calls with producer zeros, 32-bit outputs)."""
   return dataclasses.replace(cfg, swap=False, block_n=256, tail_rows=0, tail_split=False,
-                             tail_on_m=False, swap_rows=SWAP_ROWS, swap_stage_rows=0)
+                             tail_on_m=False, swap_rows=SWAP_ROWS, swizzle_staging=False)
 
 
 def _fits(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> bool:
@@ -479,9 +479,10 @@ def gpu_sweep_configs(
       # Rows on wgmma's N axis with 32 tail rows folded as two 144-row wgmmas (v19:
       # 0.93-0.96x the ring / pipeline entries on the Qwen3 gate_up forwards and
       # Qwen3-235B's dX; tails 0, 16 and 64 lost).
+      # Staged through a swizzled buffer (v24c-d: 0.95-0.97x the unswizzled one).
       swap = dataclasses.replace(base, ring=True, swap=True, block_n=128, tail_rows=32,
                                  tail_split=True, epilogue_split=2, grid_tile_width=1,
-                                 num_stages=4)
+                                 num_stages=4, swizzle_staging=True)
       # The same with the tail row-major on the first consumer (v20: 0.95 / 0.97x the
       # ring on the Qwen3-30B dX calls, a tie with the split fold on the gate_up forwards).
       swap_m = dataclasses.replace(swap, tail_split=False, tail_on_m=True)

@@ -17,6 +17,11 @@ each extra wgmma instruction costs the tensor pipe a fixed ~0.39 of an N = 256
 one whatever its N (docs/performance.md v19i), so a folded tile costs ~1.47
 plain ones, not the 1.125 its rows say.
 
+The epilogue writes each consumer's (columns, rows) tile transposed into a
+(rows, columns) staging buffer, 64 rows at a time, and stores its rows with TMA;
+``swizzle_staging`` swizzles that buffer (spreading the transposed writes over
+the shared-memory banks).
+
 Group-aligned tiles: a group's rows start a new tile; a tile's rows past its
 group's end are computed and never stored.  Rows outside the shard's window
 (group_offset) and past the groups' end are written as zeros by the consumers
@@ -60,7 +65,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
           cfg: mf.MosaicFwdConfig, transpose_rhs: bool, num_ctas: int):
   bn, bk, stages, tr = cfg.block_n, cfg.block_k, cfg.num_stages, cfg.tail_rows
   rows_t = cfg.swap_rows  # R, rows per tile
-  cs = cfg.swap_stage_rows  # 0: the unswizzled 64-row staging buffer
+  swizzled = cfg.swizzle_staging
   (grid_n, k_steps, max_tiles, num_tiles, lo, hi, za, zb, num_zero_work, _, b_shape, cta,
    my_items) = ring.item_space(tiles_gmem, scal_gmem, k=k, n=n, block_n=bn, block_k=bk,
                                transpose_rhs=transpose_rhs, num_ctas=num_ctas)
@@ -72,11 +77,10 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
       w_smem=plgpu.SMEM((stages, *b_shape), dtype, transforms=sm90.swizzled(b_shape[1], dtype)),
       produced=plgpu.Barrier(num_arrivals=3 if tr else 2, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      # Row-major (rows, columns), per consumer: unswizzled (stores start at
-      # any row), or with swap_stage_rows swizzled, as 64 // cs buffers of cs rows.
-      o_smem=(plgpu.SMEM((2, 64 // cs, cs, _COLS), out_dtype,
-                         transforms=(plgpu.SwizzleTransform(128),)) if cs
-              else plgpu.SMEM((2, _CHUNK, _COLS), out_dtype)),
+      # Row-major (rows, columns), one per consumer; stores start at any row
+      # (swizzled too: the swizzle follows the address bits).
+      o_smem=plgpu.SMEM((2, _CHUNK, _COLS), out_dtype,
+                        transforms=(plgpu.SwizzleTransform(128),) if swizzled else ()),
   )
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
@@ -124,8 +128,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
     @pl.when(wg < 2)
     def _consumers():
       plgpu.set_max_registers(232, action="increase")
-      my_smem = o_smem.at[wg]  # with cs: (64 // cs, cs, 64)
-      zero_smem = my_smem.at[0] if cs else my_smem
+      my_smem = o_smem.at[wg]
       mine = pl.ds(pl.multiple_of(wg * _COLS, _COLS), _COLS)
 
       def compute(w, step0):
@@ -166,36 +169,14 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
             mf._store_rows(buf, out_gmem, s - hs, s, rows, col, max_rows=buf.shape[0],
                            width=_COLS)
 
-          def staged(chunk, buf, hs, s, rows, col, stored):
-            """``store`` through a swizzled buffer (cs).  With two buffers a
-            chunk waits only for the store before the previous one (for all,
-            after a chunk that stored nothing)."""
-            if stored is None or 64 // cs == 1:
-              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            else:
-              pl.when(stored)(lambda: plgpu.wait_smem_to_gmem(1, wait_read_only=True))
-              pl.when(~stored)(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
-            sm90.stage(buf, chunk, transposed=True)
-            plgpu.commit_smem()
-            mf._store_rows(buf, out_gmem, s - hs, s, rows, col, max_rows=buf.shape[0],
-                           width=_COLS)
-
           @pl.when(col < n)
           def _store():
-            t, stored = 0, None  # chunks so far; whether the last one stored rows
             for acc, (r, count) in zip(accs, parts):
-              for c0 in range(0, count, cs or _CHUNK):  # stores of at most 64 (cs) rows
-                width = min(cs or _CHUNK, count - c0)
+              for c0 in range(0, count, _CHUNK):  # stores of at most 64 rows
+                width = min(_CHUNK, count - c0)
                 hs = row0 + r + c0
                 s, rows = mf._overlap(row_start, row_end, hs, hs + width)
                 chunk = acc if width == count else acc[:, c0:c0 + width]
-                if cs:
-                  buf = my_smem.at[t % (64 // cs)]
-                  buf = buf if width == cs else buf.at[pl.ds(0, width)]
-                  pl.when(rows > 0)(functools.partial(staged, chunk, buf, hs, s, rows, col,
-                                                      stored))
-                  stored, t = rows > 0, t + 1
-                  continue
                 buf = my_smem if width == _CHUNK else my_smem.at[pl.ds(0, width)]
                 pl.when(rows > 0)(functools.partial(store, chunk, buf, hs, s, rows, col, True))
 
@@ -205,8 +186,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
             for c0 in range(0, bn, _COLS):
               tcol = ni * bn + c0
               pl.when((tcol < n) & (rows > 0))(functools.partial(
-                  store, accs[-1][:, c0:c0 + _COLS], my_smem.at[0] if cs else my_smem, hs, s,
-                  rows, tcol, False))
+                  store, accs[-1][:, c0:c0 + _COLS], my_smem, hs, s, rows, tcol, False))
 
         if tr:
           has_tail = row_end > row0 + rows_t
@@ -228,7 +208,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
       @pl.loop(0, pl.cdiv(jnp.maximum(num_zero_work - cta, 0), num_ctas))
       def _zeros(j):
         blk, ni = mf._zero_item(cta + j * num_ctas, grid_n, za, zb)
-        mf._zero_fill_once(zero_smem, j == 0, 128 if cs else 0)
+        mf._zero_fill_once(my_smem, j == 0, 128 if swizzled else 0)
         col = ni * bn + wg * _COLS
 
         # A loop, not unrolled: the stores' code once instead of per chunk (this
@@ -236,15 +216,13 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
         # inference).
         @pl.when(col < n)
         def _():
-          zc = cs or _CHUNK  # rows of the zero buffer
-
-          @pl.loop(0, pl.cdiv(rows_t, zc))
+          @pl.loop(0, pl.cdiv(rows_t, _CHUNK))
           def _(c):
-            hs = blk * rows_t + c * zc
-            # (the block's last chunk ends at the block's end: R need not divide by zc)
-            he = jnp.minimum(jnp.minimum(hs + zc, (blk + 1) * rows_t), m)
+            hs = blk * rows_t + c * _CHUNK
+            # (the block's last chunk ends at the block's end: R need not divide by 64)
+            he = jnp.minimum(jnp.minimum(hs + _CHUNK, (blk + 1) * rows_t), m)
             for start, count in mf._outside_window(hs, he, lo, hi):
-              mf._store_rows(zero_smem, out_gmem, 0, start, count, col, max_rows=zc,
+              mf._store_rows(my_smem, out_gmem, 0, start, count, col, max_rows=_CHUNK,
                              width=_COLS)
 
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
