@@ -4,8 +4,9 @@
       [--swap-on-down] [--rounds 3]
 
 For each call (preset shape, op) times the table's Mosaic config (and with
-``--swap-on-down`` also Qwen3-30B down's forward and dX with the table's swap
-split config of Qwen3-30B gate_up's forward) three ways, interleaved (CUPTI):
+``--swap-on-down`` also Qwen3-30B down's forward and dX with the config of
+Qwen3-30B gate_up's forward entry: a swap split one, unswizzled when 24b ran it,
+swizzled since) three ways, interleaved (CUPTI):
   A  as shipped,
   S  without the TMA stores of the output (``mosaic_fwd._store_rows`` traced
      out: the registers are still staged in SMEM),
