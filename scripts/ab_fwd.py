@@ -30,6 +30,16 @@ def parse_fields(items: list[str]) -> dict:
   return {k: ast.literal_eval(v) for k, v in (kv.split("=", 1) for kv in items)}
 
 
+def gmm_inputs(s: bench.Shape, call, key) -> tuple[jax.Array, jax.Array]:
+  """Fresh bf16 operands of preset shape ``s``'s forward or dX call ``call``
+  (``backend_call``): lhs [m, k] and rhs [g, k, n] ([g, n, k] for dX), the
+  weights scaled by 1/32."""
+  kx, kw = jax.random.split(key)
+  x = jax.random.normal(kx, (s.m, call.k), jnp.bfloat16)
+  shape = (s.g, call.n, call.k) if call.transpose_rhs else (s.g, call.k, call.n)
+  return x, (jax.random.normal(kw, shape, jnp.float32) / 32).astype(jnp.bfloat16)
+
+
 def case_rows(shape: str, op: str, choice, med: dict, equal: dict, configs: dict,
               flops: int, equal_key: str) -> list[dict]:
   """One row per timed case (``med``: name -> ms, "table" among them), each
@@ -66,10 +76,7 @@ def main() -> None:
       # transposed), as in a training step: the call's k and n are swapped.
       call = backend_call(op, s.k, s.n)
       tr = call.transpose_rhs
-      kx, kw = jax.random.split(jax.random.key(len(rows)))
-      x = jax.random.normal(kx, (s.m, call.k), jnp.bfloat16)
-      wshape = (s.g, call.n, call.k) if tr else (s.g, call.k, call.n)
-      w = (jax.random.normal(kw, wshape, jnp.float32) / 32).astype(jnp.bfloat16)
+      x, w = gmm_inputs(s, call, jax.random.key(len(rows)))
       a = mosaic_fwd.default_config(s.m, call.k, call.n, s.g, jnp.bfloat16, tr, jnp.bfloat16)
       try:
         b = mosaic_fwd.fit_config(dataclasses.replace(a, **changes), jnp.bfloat16,

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from ragdot import backends, bench, dispatch, timing
 from ragdot.backends import mosaic_fwd
 
-from ab_fwd import case_rows, parse_fields  # this folder (the script's sys.path[0])
+from ab_fwd import case_rows, gmm_inputs, parse_fields  # this folder (the script's sys.path[0])
 
 
 def main() -> None:
@@ -55,10 +55,7 @@ def main() -> None:
     for op in args.ops:
       call = dispatch.backend_call(op, s.k, s.n)
       tr = call.transpose_rhs
-      kx, kw = jax.random.split(jax.random.key(len(rows) + 7))
-      x = jax.random.normal(kx, (s.m, call.k), jnp.bfloat16)
-      shape = (s.g, call.n, call.k) if tr else (s.g, call.k, call.n)
-      w = (jax.random.normal(kw, shape, jnp.float32) / 32).astype(jnp.bfloat16)
+      x, w = gmm_inputs(s, call, jax.random.key(len(rows) + 7))
       choice = dispatch.choose("gmm", None, dtype=jnp.bfloat16, m=s.m, k=call.k, n=call.n,
                                g=s.g, num_groups=s.g, transpose_rhs=tr)
       mod = backends.get_backend(choice.implementation)

@@ -31,6 +31,8 @@ import jax.numpy as jnp
 from ragdot import bench, dispatch, timing
 from ragdot.backends import mosaic_fwd, sm90
 
+from ab_fwd import gmm_inputs  # this folder (the script's sys.path[0])
+
 
 def main() -> None:
   p = argparse.ArgumentParser()
@@ -43,11 +45,7 @@ def main() -> None:
   args = p.parse_args()
   os.makedirs(args.out_dir, exist_ok=True)
   shapes = {s.name: s for s in bench.PRESETS["training"]}
-  swap_cfg = None
-  todo = []
-  for call_name in args.calls:
-    name, op = call_name.rsplit(" ", 1)
-    todo.append((name, op, None))
+  todo = [(*call.rsplit(" ", 1), None) for call in args.calls]  # (shape, op, config)
   if args.swap_on_down:
     s = shapes["qwen3-30b gate_up"]
     swap_cfg = dispatch.choose("gmm", None, dtype=jnp.bfloat16, m=s.m, k=s.k, n=s.n, g=s.g,
@@ -59,10 +57,7 @@ def main() -> None:
     gs = jnp.asarray(bench.routed_group_sizes(s))
     call = dispatch.backend_call(op, s.k, s.n)
     tr = call.transpose_rhs
-    kx, kw = jax.random.split(jax.random.key(len(rows) + 11))
-    x = jax.random.normal(kx, (s.m, call.k), jnp.bfloat16)
-    shape = (s.g, call.n, call.k) if tr else (s.g, call.k, call.n)
-    w = (jax.random.normal(kw, shape, jnp.float32) / 32).astype(jnp.bfloat16)
+    x, w = gmm_inputs(s, call, jax.random.key(len(rows) + 11))
     cfg = override or dispatch.choose("gmm", None, dtype=jnp.bfloat16, m=s.m, k=call.k,
                                       n=call.n, g=s.g, num_groups=s.g,
                                       transpose_rhs=tr).config
