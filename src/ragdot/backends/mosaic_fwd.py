@@ -184,15 +184,17 @@ class MosaicFwdConfig:
     Measured on the H200 (docs/performance.md v21h, one A/B): DeepSeek-V3
     down dX 0.932-0.942x its Triton entry with 144 (+ 16 tail rows) or 160
     rows; its forward 1.02-1.05x the row-major ring.
-  swizzle_staging: swap only: each 64-row epilogue chunk (the consumer's
-    (columns, rows) registers, written transposed into a (rows, columns)
-    buffer) is staged through a 128-byte-swizzled buffer instead of a plain
-    one, so the transposed writes spread over the shared-memory banks.  The
-    TMA stores of its rows start at any row, as from the plain buffer (the
-    swizzle follows the address bits).  Measured on the H200
-    (docs/performance.md v24c-d): 0.95-0.97x the time on the Qwen3-30B calls
-    with the split fold, 0.97x Qwen3-235B's dX; two alternating 32-row buffers
-    were no faster.
+  swizzle_staging: ring only, 16-bit outputs (``fit_config`` drops it for
+    others).  Swap: each 64-row epilogue chunk (the consumer's (columns, rows)
+    registers, written transposed into a (rows, columns) buffer) is staged
+    through a 128-byte-swizzled buffer instead of a plain one, so the
+    transposed writes spread over the shared-memory banks.  The TMA stores of
+    its rows start at any row, as from the plain buffer (the swizzle follows
+    the address bits).  Measured on the H200 (docs/performance.md v24c-d):
+    0.95-0.97x the time on the Qwen3-30B calls with the split fold, 0.97x
+    Qwen3-235B's dX; two alternating 32-row buffers were no faster.
+    Row-major ring: each (64, epilogue_n) chunk is staged as swizzled pieces
+    of 64 columns, one TMA store each.
   zero_box_rows: with producer_zeros, the rows of its zero buffer (8, 16, 32
     or 64): each 64-row half of a zero item goes out in stores of at most
     this many rows.  Fewer rows leave room for wider epilogue chunks (a
@@ -283,8 +285,8 @@ class MosaicFwdConfig:
                                         or not 64 <= self.swap_rows <= SWAP_ROWS):
       raise ValueError(f"swap_rows needs swap=True and a multiple of 16 from 64 to 256, "
                        f"got {self}")
-    if self.swizzle_staging and not self.swap:
-      raise ValueError(f"swizzle_staging needs swap=True, got {self}")
+    if self.swizzle_staging and not self.ring:
+      raise ValueError(f"swizzle_staging needs ring=True, got {self}")
     if self.tail_rows and (not self.ring or self.block_n % 128):
       raise ValueError(f"tail_rows needs ring=True and block_n a multiple of 128, got {self}")
     if self.zero_lead is not None and (self.zero_lead < 0 or (self.zero_lead and not self.ring)):
@@ -381,8 +383,7 @@ def fit_config(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> MosaicFwdCon
   if jnp.dtype(out_dtype).itemsize != 2:
     if cfg.swap:
       cfg = row_major_ring(cfg)
-    elif cfg.tail_rows:
-      cfg = dataclasses.replace(cfg, tail_rows=0)
+    cfg = dataclasses.replace(cfg, tail_rows=0, swizzle_staging=False)
   while True:
     fitted = _fit_split(cfg, dtype, out_dtype)
     if fitted is not None:
@@ -957,9 +958,10 @@ def gmm(
   if g_local == 0 or k == 0 or group_sizes.shape[0] == 0:
     return jnp.zeros((m, n), out_dtype)
   has_offset = group_offset is not None
-  if config is not None and config.swap and out_dtype.itemsize != 2:
-    # swap's transposed stores take 16 bits: its row-major ring, fitted to SMEM
-    # for this output (None: the default below).
+  if (config is not None and (config.swap or config.swizzle_staging)
+      and out_dtype.itemsize != 2):
+    # swap's transposed stores and the swizzled staging take 16 bits: the
+    # row-major ring, fitted to SMEM for this output (None: the default below).
     config = fit_config(config, lhs.dtype, out_dtype)
   if config is not None:
     config = resolve_producer_zeros(config, has_offset, lhs.dtype, out_dtype)
