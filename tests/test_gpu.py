@@ -218,16 +218,10 @@ _CZ = dict(producer_zeros=False)  # the consumers do, after the ring
     (0, 8, None, 1, dict(_PZ, zero_box_rows=8, num_stages=4)),  # SMEM full to the byte
     # automatic: 3 stages leave room for a 64 x 128 zero buffer beside 128-column chunks
     (0, 8, None, 1, dict(producer_zeros=None)),
-    # swizzled staging: 128-column chunks in two pieces (n 960: a piece past n),
-    # the consumers' zeros, 64-column chunks beside the producer's zeros
-    (16, None, None, 1, dict(swizzle_staging=True)),
-    (0, 8, 12, 1, dict(swizzle_staging=True)),
-    (16, 8, None, 1, dict(_PZ, epilogue_split=4, swizzle_staging=True)),
 ], ids=["t16", "t32-shard", "t0", "t0-shard-lead12", "t16-shard-strips4",
         "t0-shard-producer-zeros", "t16-shard-producer-zeros", "t0-shard-producer-zeros-8-rows",
         "t0-shard-producer-zeros-4-stages", "t0-shard-producer-zeros-8-rows-4-stages",
-        "t0-shard-producer-zeros-auto", "t16-swizzled", "t0-shard-lead12-swizzled",
-        "t16-shard-producer-zeros-swizzled"])
+        "t0-shard-producer-zeros-auto"])
 def test_ring_real_sizes(shape, transpose_rhs, tail_rows, offset, zero_lead, strips, fields):
   """The ring forward / dX (mosaic_fwd_ring), with and without folded tails, a
   shard whose short CTAs take zero items first (or whose producers write the

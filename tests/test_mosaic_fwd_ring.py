@@ -64,13 +64,6 @@ def test_attach_tails_folds_short_last_tiles():
     # an 8-row zero buffer: every 64-row box in pieces of at most 8 rows
     ([40, 300, 9, 200, 51], 640, 64, 3, 2, True,
      dict(producer_zeros=True, zero_box_rows=8, tail_rows=16)),
-    # swizzled staging: 128-column chunks in two 64-column pieces (consumers' zeros
-    # from the first piece), 64-column chunks with folded tails and producer zeros
-    ([140, 10, 300, 0, 264], 768, 128, None, 5, False, dict(swizzle_staging=True)),
-    ([129, 7, 60, 136, 40], 400, 128, 1, 3, True,
-     dict(swizzle_staging=True, producer_zeros=False, tail_rows=8)),
-    ([40, 300, 9, 200, 51], 640, 64, 3, 2, False,
-     dict(swizzle_staging=True, producer_zeros=True, epilogue_split=4, tail_rows=16)),
 ])
 def test_matches_oracle(sizes, m, k, offset, num_local, transpose_rhs, fields):
   n = 384  # an n tile and a half
@@ -100,20 +93,22 @@ def test_192_column_tiles_with_a_partial_last_tile(transpose_rhs):
   oracle.assert_zero_rows(out, sizes, None, 5)
 
 
-@pytest.mark.parametrize("offset", [None, 1])
-def test_swizzled_pieces_past_n(offset):
-  """swizzle_staging with 128-column chunks, n 320: the last n tile's only chunk
-  has one piece in bounds and one wholly past n (skipped); a shard's zero rows
-  by the consumers, 64 columns at a time."""
-  sizes, m, k, n = [140, 10, 300, 0, 264], 768, 128, 320
-  go = None if offset is None else jnp.int32(offset)
-  local = 5 if offset is None else 2
-  x, w = oracle.random_inputs(jax.random.key(23), [(m, k), (local, k, n)], jnp.bfloat16)
-  out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), go, transpose_rhs=False,
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
+def test_one_row_stores_past_n(transpose_rhs):
+  """n 448 (a last n tile of 192 columns): folded tails of odd row counts end in
+  1-row stores of 128 columns that run past n, sent as 64-column pieces."""
+  sizes, m, k, n = [239, 250, 242, 133], 864, 64, 448
+  rshape = (4, n, k) if transpose_rhs else (4, k, n)
+  x, w = oracle.random_inputs(jax.random.key(29), [(m, k), rshape], jnp.bfloat16)
+  out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), None, transpose_rhs=transpose_rhs,
                out_dtype=jnp.bfloat16, interpret=True,
-               config=dataclasses.replace(CFG, swizzle_staging=True, producer_zeros=False))
-  oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, go, False), jnp.bfloat16)
-  oracle.assert_zero_rows(out, sizes, offset, local)
+               config=dataclasses.replace(CFG, tail_rows=16))
+  oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, None, transpose_rhs),
+                      jnp.bfloat16)
+  oracle.assert_zero_rows(out, sizes, None, 4)
+  # ... and they lower for sm90
+  assert_gmm_lowers(dataclasses.replace(CFG, tail_rows=16, num_sms=132), m=4096, k=1024,
+                    n=960, g=32, transpose_rhs=transpose_rhs)
 
 
 @st.composite
@@ -189,22 +184,6 @@ def test_no_races():
                out_dtype=jnp.bfloat16, interpret=plgpu.InterpretGPUParams(detect_races=True),
                config=dataclasses.replace(CFG, tail_rows=16, num_sms=2))
   jax.block_until_ready(out)
-  assert not gpu_interpret.get_races().races_found
-
-
-def test_no_races_swizzled_staging():
-  # Two swizzled pieces per chunk, folded tails, the consumers' zero rows.
-  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret  # pylint: disable=g-import-not-at-top
-  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
-  sizes = [30, 140, 7, 200]
-  x, w = oracle.random_inputs(jax.random.key(6), [(512, 128), (2, 128, 256)], jnp.bfloat16)
-  go = jnp.int32(1)
-  out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), go, transpose_rhs=False,
-               out_dtype=jnp.bfloat16, interpret=plgpu.InterpretGPUParams(detect_races=True),
-               config=dataclasses.replace(CFG, swizzle_staging=True, tail_rows=8,
-                                          producer_zeros=False, num_sms=2))
-  oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, go, False), jnp.bfloat16)
-  oracle.assert_zero_rows(out, sizes, 1, 2)
   assert not gpu_interpret.get_races().races_found
 
 
@@ -306,22 +285,14 @@ def test_config_checks():
   with pytest.raises(NotImplementedError, match="tail_rows"):
     mf.gmm(x, w, jnp.array([100, 150], jnp.int32), None, transpose_rhs=False,
            out_dtype=jnp.float32, interpret=True, config=dataclasses.replace(CFG, tail_rows=16))
-  # Swizzled staging: the ring's (16-bit outputs; dropped when fitting for f32).
-  with pytest.raises(ValueError, match="swizzle_staging needs ring"):
-    dataclasses.replace(CFG, ring=False, swizzle_staging=True)
-  swz = dataclasses.replace(CFG, swizzle_staging=True)
-  assert not mf.fit_config(swz, jnp.bfloat16, jnp.float32).swizzle_staging
-  assert mf.fit_config(swz, jnp.bfloat16, jnp.bfloat16).swizzle_staging
 
 
-@pytest.mark.parametrize("swizzled", [False, True])
-def test_f32_output_bare_ring(swizzled):
-  # (a swizzled config runs unswizzled: its 64-column pieces hold 16-bit rows)
+def test_f32_output_bare_ring():
   sizes = [140, 10, 300, 0, 264]
   x, w = oracle.random_inputs(jax.random.key(9), [(768, 128), (5, 128, 256)], jnp.bfloat16)
   out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), None, transpose_rhs=False,
                out_dtype=jnp.float32, interpret=True,
-               config=dataclasses.replace(CFG, epilogue_split=4, swizzle_staging=swizzled))
+               config=dataclasses.replace(CFG, epilogue_split=4))
   assert out.dtype == jnp.float32
   oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, None, False), jnp.float32)
   oracle.assert_zero_rows(out, sizes, None, 5)
@@ -338,17 +309,14 @@ def test_small_m_falls_back():
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
-@pytest.mark.parametrize("tail_rows,stages,split,width,pz,swz", [
-    (16, 4, 4, 1, False, False), (0, 4, 2, 1, False, False), (0, 4, 2, 4, False, False),
-    (0, 4, 4, 1, True, False), (16, 3, 4, 1, True, False), (0, 4, 2, 1, 8, False),
-    (0, 5, 3, 1, False, False),
-    # swizzled staging: boxes of 1-64 rows from any row of a swizzled piece
-    (16, 4, 4, 1, False, True), (0, 4, 4, 1, True, True), (0, 4, 2, 1, False, True)])
-def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, split, width, pz, swz):
+@pytest.mark.parametrize("tail_rows,stages,split,width,pz", [
+    (16, 4, 4, 1, False), (0, 4, 2, 1, False), (0, 4, 2, 4, False), (0, 4, 4, 1, True),
+    (16, 3, 4, 1, True), (0, 4, 2, 1, 8), (0, 5, 3, 1, False)])
+def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, split, width, pz):
   m, k, n, g = 4096, 2048, 1536, 128
   bn = 192 if split == 3 else CFG.block_n  # three 64-column chunks of 192-column tiles
   cfg = dataclasses.replace(CFG, block_n=bn, num_stages=stages, epilogue_split=split,
-                            tail_rows=tail_rows, swizzle_staging=swz,
+                            tail_rows=tail_rows,
                             num_sms=132, grid_minor_dim=int(width > 1), grid_tile_width=width,
                             producer_zeros=bool(pz), zero_box_rows=64 if pz is True else pz or 64)
   # producer zeros: a shard call of 16 local groups

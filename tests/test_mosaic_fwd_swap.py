@@ -115,7 +115,9 @@ def test_swizzled_staging_no_races():
   assert not gpu_interpret.get_races().races_found
 
 
-def test_row_major_ring_drops_swizzle_staging():
+def test_swizzle_staging_needs_swap():
+  with pytest.raises(ValueError, match="swizzle_staging"):
+    dataclasses.replace(CFG, swap=False, block_n=256, swizzle_staging=True)
   # The row-major ring that runs a swap config's shard calls drops it.
   assert not mf.row_major_ring(dataclasses.replace(CFG, swizzle_staging=True)).swizzle_staging
 

@@ -184,17 +184,15 @@ class MosaicFwdConfig:
     Measured on the H200 (docs/performance.md v21h, one A/B): DeepSeek-V3
     down dX 0.932-0.942x its Triton entry with 144 (+ 16 tail rows) or 160
     rows; its forward 1.02-1.05x the row-major ring.
-  swizzle_staging: ring only, 16-bit outputs (``fit_config`` drops it for
-    others).  Swap: each 64-row epilogue chunk (the consumer's (columns, rows)
-    registers, written transposed into a (rows, columns) buffer) is staged
-    through a 128-byte-swizzled buffer instead of a plain one, so the
-    transposed writes spread over the shared-memory banks.  The TMA stores of
-    its rows start at any row, as from the plain buffer (the swizzle follows
-    the address bits).  Measured on the H200 (docs/performance.md v24c-d):
-    0.95-0.97x the time on the Qwen3-30B calls with the split fold, 0.97x
-    Qwen3-235B's dX; two alternating 32-row buffers were no faster.
-    Row-major ring: each (64, epilogue_n) chunk is staged as swizzled pieces
-    of 64 columns, one TMA store each.
+  swizzle_staging: swap only: each 64-row epilogue chunk (the consumer's
+    (columns, rows) registers, written transposed into a (rows, columns)
+    buffer) is staged through a 128-byte-swizzled buffer instead of a plain
+    one, so the transposed writes spread over the shared-memory banks.  The
+    TMA stores of its rows start at any row, as from the plain buffer (the
+    swizzle follows the address bits).  Measured on the H200
+    (docs/performance.md v24c-d): 0.95-0.97x the time on the Qwen3-30B calls
+    with the split fold, 0.97x Qwen3-235B's dX; two alternating 32-row buffers
+    were no faster.
   zero_box_rows: with producer_zeros, the rows of its zero buffer (8, 16, 32
     or 64): each 64-row half of a zero item goes out in stores of at most
     this many rows.  Fewer rows leave room for wider epilogue chunks (a
@@ -285,8 +283,8 @@ class MosaicFwdConfig:
                                         or not 64 <= self.swap_rows <= SWAP_ROWS):
       raise ValueError(f"swap_rows needs swap=True and a multiple of 16 from 64 to 256, "
                        f"got {self}")
-    if self.swizzle_staging and not self.ring:
-      raise ValueError(f"swizzle_staging needs ring=True, got {self}")
+    if self.swizzle_staging and not self.swap:
+      raise ValueError(f"swizzle_staging needs swap=True, got {self}")
     if self.tail_rows and (not self.ring or self.block_n % 128):
       raise ValueError(f"tail_rows needs ring=True and block_n a multiple of 128, got {self}")
     if self.zero_lead is not None and (self.zero_lead < 0 or (self.zero_lead and not self.ring)):
@@ -383,7 +381,8 @@ def fit_config(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> MosaicFwdCon
   if jnp.dtype(out_dtype).itemsize != 2:
     if cfg.swap:
       cfg = row_major_ring(cfg)
-    cfg = dataclasses.replace(cfg, tail_rows=0, swizzle_staging=False)
+    elif cfg.tail_rows:
+      cfg = dataclasses.replace(cfg, tail_rows=0)
   while True:
     fitted = _fit_split(cfg, dtype, out_dtype)
     if fitted is not None:
@@ -574,17 +573,27 @@ def _store_rows(src_smem, out_gmem, src_row, dst_row, count, col, *, max_rows: i
   """Stores ``count`` (dynamic, 0..max_rows) rows src_smem[src_row:] -> out[dst_row:].
 
   TMA boxes are static, so the count is split into its binary digits: one
-  predicated store of 2**i rows per set bit, largest first.
+  predicated store of 2**i rows per set bit, largest first.  A 1-row box that
+  may run past the output's last column goes out in 64-column pieces, each
+  only where it starts before n: on the H200 the hardware did not clip such a
+  box at the row's end, and its columns past n landed at the start of the next
+  row (docs/performance.md v25c; n is a multiple of 64, so no piece crosses it).
   """
+  n = out_gmem.shape[-1]
   done = 0
   p = 1 << (max_rows.bit_length() - 1)
   while p >= 1:
     @pl.when((count & p) != 0)
     def _():
-      plgpu.copy_smem_to_gmem(
-          src_smem.at[pl.ds(src_row + done, p)],
-          out_gmem.at[pl.ds(dst_row + done, p), pl.ds(col, width)],
-      )
+      src = src_smem.at[pl.ds(src_row + done, p)]
+      dst_rows = pl.ds(dst_row + done, p)
+      if p == 1 and n % width:
+        for j in range(0, width, 64):
+          pl.when(col + j < n)(functools.partial(
+              plgpu.copy_smem_to_gmem, src.at[:, pl.ds(j, 64)],
+              out_gmem.at[dst_rows, pl.ds(col + j, 64)]))
+      else:
+        plgpu.copy_smem_to_gmem(src, out_gmem.at[dst_rows, pl.ds(col, width)])
     done = done + (count & p)
     p //= 2
 
@@ -958,10 +967,9 @@ def gmm(
   if g_local == 0 or k == 0 or group_sizes.shape[0] == 0:
     return jnp.zeros((m, n), out_dtype)
   has_offset = group_offset is not None
-  if (config is not None and (config.swap or config.swizzle_staging)
-      and out_dtype.itemsize != 2):
-    # swap's transposed stores and the swizzled staging take 16 bits: the
-    # row-major ring, fitted to SMEM for this output (None: the default below).
+  if config is not None and config.swap and out_dtype.itemsize != 2:
+    # swap's transposed stores take 16 bits: its row-major ring, fitted to SMEM
+    # for this output (None: the default below).
     config = fit_config(config, lhs.dtype, out_dtype)
   if config is not None:
     config = resolve_producer_zeros(config, has_offset, lhs.dtype, out_dtype)

@@ -28,15 +28,10 @@ already in SMEM, and stores it transposed.  Each swapped wgmma reads a
 (block_n / 2 x block_k) weight slice from SMEM for a few rows, so a folded tile
 costs SMEM bandwidth: measured on the H200 (docs/performance.md v14) it pays
 where padding dominates (DeepSeek-V3) and not on the Qwen3 shapes.
-
-The epilogue stages each consumer's (64, epilogue_n) chunk in SMEM and stores
-its rows with TMA; ``swizzle_staging`` stages it as 128-byte-swizzled pieces of
-64 columns, one TMA store each.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, NamedTuple
 
@@ -53,7 +48,6 @@ from ragdot.manual_axes import make_varying, match_varying, out_struct, varying_
 
 _ROWS = 128  # two consumers x 64 rows
 _HALF = _ROWS // 2
-_PIECE = 64  # columns of one swizzled staging piece (128-byte rows of 16-bit outputs)
 
 
 def attach_tails(tiles: jax.Array, num_tiles: jax.Array, tail_rows: int
@@ -260,20 +254,14 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
    my_items) = item_space(tiles_gmem, scal_gmem, k=k, n=n, block_n=bn, block_k=bk,
                           transpose_rhs=transpose_rhs, num_ctas=num_ctas)
   dtype, out_dtype = lhs_gmem.dtype, out_gmem.dtype
-  swizzled = cfg.swizzle_staging
-  if swizzled and jnp.dtype(out_dtype).itemsize != 2:
-    raise ValueError(f"swizzle_staging needs a 16-bit output, got {out_dtype}")
 
   scratch = dict(
       a_smem=plgpu.SMEM((stages, _ROWS, bk), dtype, transforms=sm90.swizzled(bk, dtype)),
       b_smem=plgpu.SMEM((stages, *b_shape), dtype, transforms=sm90.swizzled(b_shape[1], dtype)),
       produced=plgpu.Barrier(num_arrivals=3 if tr else 2, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      # Row-major: stores start at any row.  Swizzled: 64-column pieces of
-      # 128-byte rows (the swizzle follows the address bits: still any row).
-      o_smem=(plgpu.SMEM((2, cn // _PIECE, _HALF, _PIECE), out_dtype,
-                         transforms=(plgpu.SwizzleTransform(128),)) if swizzled
-              else plgpu.SMEM((2, _HALF, cn), out_dtype)),
+      # Row-major: stores start at any row.
+      o_smem=plgpu.SMEM((2, _HALF, cn), out_dtype),
   )
   if tr:  # tail_rows 0: the same ring without tails (a baseline)
     scratch.update(t_smem=plgpu.SMEM((stages, tr, bk), dtype, transforms=sm90.swizzled(bk, dtype)),
@@ -342,8 +330,6 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
     def _consumers():
       plgpu.set_max_registers(232, action="increase")
       my_smem = o_smem.at[wg]
-      # The chunk's staging buffers: one, or its swizzled 64-column pieces.
-      pieces = [my_smem.at[p] for p in range(cn // _PIECE)] if swizzled else [my_smem]
       my_tail = None if to_smem is None else to_smem.at[wg]
 
       def compute(w, step0):
@@ -376,17 +362,10 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
 
           def chunk(ci, col):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            width = cn // len(pieces)
-            for p, buf in enumerate(pieces):
-              sm90.stage(buf, sm90.column_chunk(acc, ci * len(pieces) + p, width))
+            sm90.stage(my_smem, sm90.column_chunk(acc, ci, cn))
             plgpu.commit_smem()
-            for p, buf in enumerate(pieces):
-              store = functools.partial(mf._store_rows, buf, out_gmem, s - hs, s, c,
-                                        col + p * width, max_rows=min(_HALF, m), width=width)
-              if p and n % bn:  # a piece past n in the last n tile: its box is wholly out
-                pl.when(col + p * width < n)(store)
-              else:
-                store()
+            mf._store_rows(my_smem, out_gmem, s - hs, s, c, col, max_rows=min(_HALF, m),
+                           width=cn)
 
           pl.when(c > 0)(lambda: mf._for_each_chunk(cfg, n, ni, chunk))
           if with_tail:
@@ -414,14 +393,11 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
       lead = k_steps // 2 if cfg.zero_lead is None else cfg.zero_lead
       zero_item, num_zero_items = _zero_items(cta, num_ctas, num_work, num_zero_work, lead)
 
-      # (swizzled: the first piece's zeros go out 64 columns at a time)
-      zcfg = dataclasses.replace(cfg, epilogue_split=bn // _PIECE) if swizzled else cfg
-
       @pl.loop(0, num_zero_items)
       def _zeros(j):
         blk, ni = mf._zero_item(zero_item(j), grid_n, za, zb)
-        mf._zero_fill_once(pieces[0], j == 0, 128 if swizzled else 0)
-        mf._store_zero_rows(pieces[0], out_gmem, zcfg, n, m, ni, blk * _ROWS + wg * _HALF,
+        mf._zero_fill_once(my_smem, j == 0)
+        mf._store_zero_rows(my_smem, out_gmem, cfg, n, m, ni, blk * _ROWS + wg * _HALF,
                             _HALF, lo, hi)
 
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
