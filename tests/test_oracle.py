@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -78,3 +79,16 @@ def test_numpy_oracles_match_lax_oracles():
                              oracle.ref_ragged_dot(lhs, np.swapaxes(rhs, 1, 2), sizes, 2, True), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(oracle.np_trans_ragged_dot(lhs, d, sizes, 1, 2),
                              oracle.ref_trans_ragged_dot(lhs, d, sizes, 1, 2), rtol=1e-5, atol=1e-5)
+
+
+def test_assert_close_catches_a_few_wrong_elements():
+  """63 zeros in a 4096 x 960 output pass the whole-output norm (25c's miss);
+  the per-element bound fails them, and bf16 rounding passes it."""
+  ref = np.random.default_rng(0).standard_normal((4096, 960)).astype(np.float32) * 32
+  rounded = np.asarray(jnp.asarray(ref, jnp.bfloat16).astype(jnp.float32))
+  oracle.assert_close(rounded, ref, jnp.bfloat16)
+  bad = rounded.copy()
+  bad[489, 1:64] = 0
+  assert oracle.rel_error(bad, ref) < oracle.TOLERANCE["bfloat16"]
+  with pytest.raises(AssertionError, match="elements off"):
+    oracle.assert_close(bad, ref, jnp.bfloat16)
