@@ -421,6 +421,29 @@ def test_mosaic_dw_ring_across_items_real_size(bm, bk, bn, stages, k, out_dtype,
     assert np.all(np.isfinite(np.asarray(out, np.float32)))
 
 
+@pytest.mark.parametrize("fields", [
+    dict(block_k=128, block_n=128, num_stages=3),
+    dict(block_k=128, block_n=128, num_stages=3, num_compute_wgs=2, pipeline_across_items=True,
+         banded_mask=True, pingpong=True),
+    dict(block_k=256, block_n=128, num_stages=3, num_compute_wgs=2, pipeline_across_items=True)],
+                         ids=["1wg", "pingpong", "2wg_256"])
+def test_mosaic_dw_full_width_boxes_past_k(fields):
+  """dW tiles as wide as the output (n = block_n = 128) on k = 2880, whose last k
+  tile runs 64 rows past k: every element of every expert.  (From a plain SMEM
+  buffer such a box was not clipped at k, v25d; dW's swizzle-tiled staging is.)"""
+  from ragdot.backends import mosaic_dw  # pylint: disable=g-import-not-at-top
+  m, k, n, g = 8192, 2880, 128, 32
+  sizes = _sizes(m, g, "routed")
+  cfg = mosaic_dw.MosaicDwConfig(block_m=64, **fields)
+  x, dy = oracle.random_inputs(jax.random.key(13), [(m, k), (m, n)], jnp.bfloat16)
+  run = jax.jit(lambda x, d: mosaic_dw.tgmm(x, d, jnp.asarray(sizes), None, num_groups=g,
+                                            out_dtype=jnp.bfloat16, config=cfg))
+  _poison(4 * g * k * n)
+  out = run(x, dy)
+  oracle.assert_close(out, oracle.np_trans_ragged_dot(x, dy, sizes), jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(run(x, dy)))
+
+
 @pytest.mark.parametrize("m,g,g_local,offset,layout", [
     (32768, 128, 128, None, "routed"),
     (32768, 128, 16, 0, "routed"),

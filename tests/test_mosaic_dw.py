@@ -620,3 +620,21 @@ def test_two_warpgroups_k_tile_wider_than_k(flat):
                        num_compute_wgs=2, pipeline_across_items=flat)
   out, ref = run(96, 64, 64, [30, 0, 50], config=cfg, seed=4)
   check(out, ref, jnp.float32)
+
+
+# Boxes as wide as the output's rows (block_n == n) on a k tile that runs past k
+# (k % block_k == 64): the kind of box the hardware did not clip from a plain
+# SMEM buffer (v25d); dW's staging is swizzle-tiled and clips (v25e).
+FULL_WIDTH_PAST_K = [
+    MosaicDwConfig(block_m=64, block_k=128, block_n=128, num_stages=2, num_sms=3),
+    dataclasses.replace(PINGPONG, block_k=128, block_n=128),
+    dataclasses.replace(FLAT3, block_k=256, block_n=128),
+]
+
+
+@pytest.mark.parametrize("config", FULL_WIDTH_PAST_K, ids=["1wg", "pingpong", "2wg_256"])
+def test_full_width_boxes_past_k(config):
+  sizes = [100, 0, 250, 130]
+  out, ref = run(480, 320, 128, sizes, config=config, out_dtype=jnp.bfloat16)
+  check(out, ref, jnp.bfloat16)
+  lower_for_sm90(4096, 320, 128, 16, dataclasses.replace(config, num_sms=None))
