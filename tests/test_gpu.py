@@ -293,17 +293,19 @@ def test_swap_rows_real_size(transpose_rhs, swap_rows, tail_rows, offset, tail):
 
 
 @pytest.mark.parametrize("variant", ["1wg", "2wg", "2wg_chained", "2wg_split_n",
-                                     "2wg_split_n_ntail"])
+                                     "2wg_split_n_ntail", "1wg_ntail", "2wg_ntail"])
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
 def test_mosaic_fwd_both_bodies_real_size(variant, transpose_rhs):
   """Both kernel bodies (1 and 2 compute warpgroups; the latter skipping the
   wgmmas of empty 64-row halves, per tile or with one pipeline through each
   CTA's tiles, or with 64-row tiles split by columns, also with a last n tile
-  whose second half lies past n) on group-aligned tiles, with a shard."""
+  whose second half lies past n; ``ntail`` without split_n: an epilogue chunk
+  that runs 128 (1wg, n 640) or 64 (2wg, n 704) columns past n, whose 1-row
+  stores go in 64-column pieces, v25c) on group-aligned tiles, with a shard."""
   from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
-  wgs = 1 if variant == "1wg" else 2
+  wgs = 1 if variant.startswith("1wg") else 2
   chained, split_n = variant.startswith("2wg_chained"), variant.startswith("2wg_split_n")
-  n = 640 if variant.endswith("ntail") else 768
+  n = {"2wg_ntail": 704}.get(variant, 640 if variant.endswith("ntail") else 768)
   m, k, g = 4096, 1024, 64
   sizes = _sizes(m, g, "routed")
   cfg = mosaic_fwd.MosaicFwdConfig(block_m=64 if split_n else 64 * wgs, block_n=256,
