@@ -205,6 +205,22 @@ _PZ = dict(producer_zeros=True)  # the producer writes the shard's zero rows
 _CZ = dict(producer_zeros=False)  # the consumers do, after the ring
 
 
+def test_auto_choice_with_n_past_a_128_column_box():
+  """The automatic forward on 32768 x 2048 x 7104 with 256 experts (n % 128 == 64):
+  DeepSeek-V3's entry, the ring with 16-row tails 128 columns wide, whose 1-row
+  tail stores in the last n tile ran past n (v25c); every element checked."""
+  m, k, n, g = 32768, 2048, 7104, 256
+  choice = dispatch_choice("fwd", Shape("t", m, k, n, g))
+  assert choice.implementation == "mosaic" and choice.config.ring and choice.config.tail_rows
+  sizes = _sizes(m, g, "routed")
+  x, w = oracle.random_inputs(jax.random.key(71), [(m, k), (g, k, n)], jnp.bfloat16)
+  run = jax.jit(lambda x, w: ragdot.ragged_dot(x, w, jnp.asarray(sizes)))
+  _poison(4 * m * n)
+  out = run(x, w)
+  oracle.assert_close(out, oracle.np_ragged_dot(x, w, sizes), jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(run(x, w)))
+
+
 @pytest.mark.parametrize("shape", RING_SHAPES,
                          ids=[f"{s[0]}x{s[1]}x{s[2]}g{s[3]}-{s[4]}" for s in RING_SHAPES])
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
