@@ -1,0 +1,481 @@
+"""The forward / dX kernels' configuration (``MosaicFwdConfig``) and how it is
+chosen and fitted: the heuristic default, the GPU sweep's candidates, fitting
+SMEM and the output dtype, and resolving ``producer_zeros`` for one call.
+``mosaic_fwd`` (the kernels) re-exports the public names."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from ragdot.backends import sm90
+
+_SMEM_RESERVE = 1024  # barriers and alignment (48 bytes measured for 2 warpgroups)
+_WG_ROWS = 64  # wgmma M per warpgroup
+SWAP_ROWS = 256  # wgmma's largest N: the default and largest swap_rows
+
+_EPILOGUE_SPLITS = (1, 2, 3, 4)
+
+
+def _split_ok(block_n: int, split: int) -> bool:
+  """Whether ``block_n`` columns leave in ``split`` chunks of a multiple of 64."""
+  return (split in _EPILOGUE_SPLITS and block_n % split == 0
+          and (split == 1 or (block_n // split) % 64 == 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicFwdConfig:
+  """Tiling of the forward / dX kernel.
+
+  block_m: rows per tile (64 per compute warpgroup; 64 with ``split_n``).
+  block_n, block_k: output columns per tile, contraction step per pipeline stage.
+  num_stages: TMA pipeline depth (buffers in flight).
+  grid_minor_dim: 0 walks ``grid_tile_width`` row tiles across all n tiles
+    before moving on (one expert's rows stay together); 1 walks
+    ``grid_tile_width`` n tiles down all row tiles.  Snake order either way
+    (``plgpu.planar_snake``).
+  grid_tile_width: width of the snake strips.
+  num_compute_wgs: 1 (plain pipeline) or 2 (warp-specialized, block_m 128).
+  epilogue_split: the epilogue stages the (rows, block_n) result through SMEM
+    in this many column chunks of block_n / epilogue_split (a multiple of 64),
+    one chunk buffer per compute warpgroup, reused chunk after chunk.  Frees
+    SMEM for pipeline stages (e.g. 2 warpgroups x 128x256 with 4 stages).
+  num_sms: persistent CTAs; None = ctas_per_sm x the device's SM count (132 on
+    H200), or 4 in interpret mode.
+  ctas_per_sm: 1, or 2 resident CTAs per SM (one warpgroup only, SMEM halved):
+    the hardware overlaps one CTA's pipeline fill and epilogue with the other's
+    wgmmas.
+  skip_empty_halves: with 2 compute warpgroups, a warpgroup whose 64 rows hold
+    none of the tile's rows runs the tile's pipeline with a body that issues no
+    wgmma (one branch per tile, outside the k loop); False: both always compute.
+  delay_release: 2 warpgroups only: 1 keeps one wgmma in flight per consumer
+    across pipeline steps (a stage is released one step late); 0 waits for each
+    step's wgmma before releasing its stage.
+  split_n: 2 warpgroups with block_m 64: both consumers read the tile's 64
+    lhs rows and each computes half of its block_n columns (64 x block_n / 2).
+    A group's last tile pads to 64 rows instead of 128 (Qwen3-30B routing:
+    1.12 computed rows per real row instead of 1.24), at the price of half the
+    rows per rhs block loaded.  Needs block_n 128 or 256 and epilogue_split 2
+    or 4 (each consumer stores its own chunks).
+  guard_last_stage: 2 warpgroups with delay_release=1 and per-tile pipelines:
+    the producer starts a tile's loads only after both consumers' last wgmma
+    of the previous tile is done.  The pipeline releases every stage but a
+    tile's last one, so without this the next tile's first loads could
+    overwrite that stage while the last wgmma still reads it (in practice
+    the metadata read and TMA latency come first).  False only for A/B runs.
+  schedule_kernel: build the tile schedule with one Pallas-Triton kernel
+    (``triton_schedule``) where it applies, instead of the five to nine small
+    XLA kernels of ``metadata``; the same entries either way.
+  pipeline_across_tiles: 2 warpgroups only (needs delay_release=0): the
+    producer runs one pipeline through all of its CTA's tiles, loading the
+    next tile's first stages while the consumers finish a tile and run its
+    epilogue, instead of draining and refilling the pipeline per tile.  Used
+    when the tile's k steps are a multiple of num_stages (otherwise per tile).
+  ring: 2 warpgroups (block_m 128) only: run ``mosaic_fwd_ring``, one
+    hand-written ring of stages through all of a CTA's items (in grid order,
+    see ``_work_item``), instead of a pipeline per tile (``mosaic_fwd_swap``
+    with ``swap``); skip_empty_halves, delay_release, pipeline_across_tiles and
+    guard_last_stage do not apply.
+  tail_rows: ring only, 0, 8, 16 or 32 (or 64 with ``swap``): a group's last
+    tile holding at most this many rows is folded into the tile before it,
+    whose consumers compute those rows with swapped wgmma operands (see
+    ``mosaic_fwd_ring``), or with ``swap`` as more rows on wgmma's N axis
+    (or row-major, ``tail_on_m``); needs block_n a multiple of 128.
+  zero_lead: ring only, with producer_zeros off: the calls with a
+    group_offset write the rows outside the shard as zero items after the
+    compute items.  The CTAs whose item
+    list is one item shorter than others' (the last round of items is
+    partial) first take up to this many zero items each, while the others
+    still compute; the rest of the zero items go round-robin over all CTAs.
+    0: round-robin only; None: half the k steps of an item (measured on the
+    H200's EP=8 shard of Qwen3-30B gate_up, 32 k steps: lead 15 saved 5.5%,
+    25 and more lost, docs/performance.md v15).
+  producer_zeros: ring only: the TMA producer warpgroup writes those zero
+    rows instead, from a zeroed (zero_box_rows, epilogue_n) buffer, its share
+    of them spread over its k steps, while the consumers compute: the zeros go out
+    while the compute leaves DRAM bandwidth unused (the local rows' call reads
+    the shard's weights at ~2.4 TB/s of ~4.2), and the consumers skip the
+    zero items after the ring.  (zero_lead does not apply.)  None (the
+    default): on for ring calls with a group_offset and no explicit
+    zero_lead, with the epilogue chunks narrowed until the buffer fits
+    (``resolve_producer_zeros``), off for the others.  Measured on the
+    H200's EP=8 shard of Qwen3-30B gate_up: 0.927-0.937x the time of the
+    zero_lead ring (docs/performance.md v16h, v17a, v17b).
+  swap: ring only: run ``mosaic_fwd_swap``, tiles of up to ``swap_rows`` (R,
+    256 by default) rows x block_n = 128 columns with the rows on wgmma's N
+    axis (each consumer: 64 columns x R rows), so a folded tail (``tail_rows`` up to 64) rides on the weight
+    block already in SMEM as more N.  A 16-bit output (a 32-bit one runs
+    ``row_major_ring``); the consumers write the rows outside the shard's
+    window after the ring (no ``producer_zeros``; with its default None a
+    shard call runs ``row_major_ring`` with producer zeros instead, see
+    ``resolve_producer_zeros``); epilogue_split does not apply (64-row stores).
+  tail_split: swap with tail_rows 16, 32 or 64: a tile with a folded tail runs
+    two wgmmas of (R + tail_rows) / 2 rows each instead of one of R and one
+    of tail_rows.  Measured 0.972-0.988x the unsplit fold on the Qwen3 shapes
+    (docs/performance.md v19g-h); by tensor-pipe time both cost ~1.47 plain
+    tiles (v19i: each wgmma instruction has a fixed cost of ~0.39 of an N = 256
+    one).
+  tail_on_m: swap with tail_rows 8, 16 or 32, not split: the folded tail runs
+    row-major on the first consumer only, one wgmma of M = 64 rows (the tile's
+    last 64, so its first 64 - tail_rows are computed twice and not stored) by
+    N = 128 columns, beside the R-row wgmma of each consumer.  Measured on
+    the H200 (docs/performance.md v20d, v20f): 0.95x / 0.97x the row-major ring
+    on the Qwen3-30B gate_up / down dX calls, 0.91x the split fold on the down
+    forward, a tie with it on the gate_up forwards.
+  swap_rows: swap only: rows per tile (wgmma's N), a multiple of 16 from 64
+    to 256.  Fewer than 256 fit groups of fewer rows with less padding (e.g.
+    144 or 160 for groups of 128 +- 11 rows, DeepSeek-V3's): every group of at
+    most swap_rows - 7 rows is one tile that streams its weight block once.
+    Measured on the H200 (docs/performance.md v21h, one A/B): DeepSeek-V3
+    down dX 0.932-0.942x its Triton entry with 144 (+ 16 tail rows) or 160
+    rows; its forward 1.02-1.05x the row-major ring.
+  swizzle_staging: swap only: each 64-row epilogue chunk (the consumer's
+    (columns, rows) registers, written transposed into a (rows, columns)
+    buffer) is staged through a 128-byte-swizzled buffer instead of a plain
+    one, so the transposed writes spread over the shared-memory banks.  The
+    TMA stores of its rows start at any row, as from the plain buffer (the
+    swizzle follows the address bits).  Measured on the H200
+    (docs/performance.md v24c-d): 0.95-0.97x the time on the Qwen3-30B calls
+    with the split fold, 0.97x Qwen3-235B's dX; two alternating 32-row buffers
+    were no faster.
+  zero_box_rows: with producer_zeros, the rows of its zero buffer (8, 16, 32
+    or 64): each 64-row half of a zero item goes out in stores of at most
+    this many rows.  Fewer rows leave room for wider epilogue chunks (a
+    128 x 256 ring in 4 stages fits 8 rows beside 128-column chunks, 64 rows
+    only beside 64-column ones) at the price of more, smaller TMA stores
+    (v17a: 8 rows cost 1.15-1.83x where 64 rows saved 6%).
+  """
+
+  block_m: int = 64
+  block_n: int = 256
+  block_k: int = 64
+  num_stages: int = 4
+  grid_minor_dim: int = 0
+  grid_tile_width: int = 1
+  num_compute_wgs: int = 1
+  num_sms: int | None = None
+  epilogue_split: int = 1
+  ctas_per_sm: int = 1
+  skip_empty_halves: bool = False
+  delay_release: int = 1
+  pipeline_across_tiles: bool = False
+  split_n: bool = False
+  guard_last_stage: bool = True
+  schedule_kernel: bool = True
+  ring: bool = False
+  tail_rows: int = 0
+  zero_lead: int | None = None
+  producer_zeros: bool | None = None
+  zero_box_rows: int = 64
+  swap: bool = False
+  tail_split: bool = False
+  tail_on_m: bool = False
+  swap_rows: int = SWAP_ROWS
+  swizzle_staging: bool = False
+
+  def __post_init__(self):
+    if self.num_compute_wgs not in (1, 2):
+      raise ValueError(f"num_compute_wgs must be 1 or 2, got {self.num_compute_wgs}")
+    rows = _WG_ROWS if self.split_n else _WG_ROWS * self.num_compute_wgs
+    if self.block_m != rows:
+      raise ValueError(
+          f"block_m must be {rows} (64 per compute warpgroup, 64 with split_n),"
+          f" got {self.block_m}"
+      )
+    if self.split_n and (self.num_compute_wgs != 2 or self.block_n % 128
+                         or self.epilogue_split not in (2, 4) or self.skip_empty_halves):
+      raise ValueError(
+          "split_n needs num_compute_wgs=2, block_n 128 or 256, epilogue_split 2 or 4"
+          f" and skip_empty_halves=False, got {self}"
+      )
+    if not (self.block_n % 64 == 0 and 64 <= self.block_n <= 256):
+      raise ValueError(f"block_n must be a multiple of 64 in [64, 256], got {self.block_n}")
+    if self.block_k not in (32, 64, 128):
+      raise ValueError(f"block_k must be 32, 64 or 128, got {self.block_k}")
+    if not 2 <= self.num_stages <= 8:
+      raise ValueError(f"num_stages must be in [2, 8], got {self.num_stages}")
+    if self.grid_minor_dim not in (0, 1):
+      raise ValueError(f"grid_minor_dim must be 0 or 1, got {self.grid_minor_dim}")
+    if self.grid_tile_width < 1:
+      raise ValueError(f"grid_tile_width must be >= 1, got {self.grid_tile_width}")
+    if self.num_sms is not None and self.num_sms < 1:
+      raise ValueError(f"num_sms must be >= 1, got {self.num_sms}")
+    sm90.check_ctas_per_sm(self.ctas_per_sm, self.num_compute_wgs)
+    if self.delay_release not in (0, 1):
+      raise ValueError(f"delay_release must be 0 or 1, got {self.delay_release}")
+    if self.pipeline_across_tiles and (self.num_compute_wgs != 2 or self.delay_release):
+      raise ValueError("pipeline_across_tiles needs num_compute_wgs=2 and delay_release=0")
+    if not _split_ok(self.block_n, self.epilogue_split):
+      raise ValueError(
+          f"epilogue_split must be 1 to 4 with block_n / epilogue_split a multiple"
+          f" of 64, got {self.epilogue_split} (block_n={self.block_n})"
+      )
+    if self.ring and (self.num_compute_wgs != 2 or self.split_n or self.ctas_per_sm != 1):
+      raise ValueError(f"ring needs num_compute_wgs=2, split_n=False and ctas_per_sm=1, "
+                       f"got {self}")
+    if self.tail_rows not in (0, 8, 16, 32) and not (self.swap and self.tail_rows == 64):
+      raise ValueError(f"tail_rows must be 0, 8, 16 or 32 (64 with swap), got {self.tail_rows}")
+    if self.swap and (not self.ring or self.block_n != 128 or self.producer_zeros
+                      or self.zero_lead is not None):
+      raise ValueError(f"swap needs ring=True, block_n=128, producer_zeros off and no "
+                       f"zero_lead, got {self}")
+    if self.tail_split and (not self.swap or self.tail_rows not in (16, 32, 64)):
+      raise ValueError(f"tail_split needs swap=True and tail_rows 16, 32 or 64, got {self}")
+    if self.tail_on_m and (not self.swap or self.tail_split or self.tail_rows not in (8, 16, 32)):
+      raise ValueError(f"tail_on_m needs swap=True, tail_split off and tail_rows 8, 16 or 32, "
+                       f"got {self}")
+    if self.swap_rows != SWAP_ROWS and (not self.swap or self.swap_rows % 16
+                                        or not 64 <= self.swap_rows <= SWAP_ROWS):
+      raise ValueError(f"swap_rows needs swap=True and a multiple of 16 from 64 to 256, "
+                       f"got {self}")
+    if self.swizzle_staging and not self.swap:
+      raise ValueError(f"swizzle_staging needs swap=True, got {self}")
+    if self.tail_rows and (not self.ring or self.block_n % 128):
+      raise ValueError(f"tail_rows needs ring=True and block_n a multiple of 128, got {self}")
+    if self.zero_lead is not None and (self.zero_lead < 0 or (self.zero_lead and not self.ring)):
+      raise ValueError(f"zero_lead must be >= 0 and needs ring=True, got {self}")
+    if self.producer_zeros not in (True, False, None):
+      raise ValueError(f"producer_zeros must be True, False or None, got {self.producer_zeros}")
+    if self.producer_zeros and not self.ring:
+      raise ValueError(f"producer_zeros needs ring=True, got {self}")
+    if self.producer_zeros and self.zero_lead is not None:
+      raise ValueError(f"zero_lead does not apply with producer_zeros=True, got {self}")
+    if self.zero_box_rows not in (8, 16, 32, 64):
+      raise ValueError(f"zero_box_rows must be 8, 16, 32 or 64, got {self.zero_box_rows}")
+
+  @property
+  def epilogue_n(self) -> int:
+    """Columns of one epilogue chunk (the staging buffer's width)."""
+    return self.block_n // self.epilogue_split
+
+  def smem_bytes(self, in_dtype: Any, out_dtype: Any) -> int:
+    """Static SMEM footprint (pipeline buffers + output staging chunk).
+
+    Barriers and alignment add a few dozen bytes on top (48 measured at
+    lowering for the 2-warpgroup kernel): ``smem_budget`` keeps 1 KiB for them.
+    """
+    isz, osz = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
+    if self.swap:  # swap_rows + tail rows and 128 columns per stage; 64 x 64 staging per consumer
+      per_stage = (self.swap_rows + self.tail_rows + self.block_n) * self.block_k * isz
+      staging = self.num_compute_wgs * _WG_ROWS * _WG_ROWS * osz
+      return self.num_stages * per_stage + staging
+    per_stage = (self.block_m + self.block_n) * self.block_k * isz
+    # One (64, epilogue_n) staging buffer per compute warpgroup.
+    staging = self.num_compute_wgs * _WG_ROWS * self.epilogue_n * osz
+    # Tails: their lhs rows in every stage, a (tail_rows, block_n / 2) buffer each.
+    per_stage += self.tail_rows * self.block_k * isz
+    staging += self.num_compute_wgs * self.tail_rows * (self.block_n // 2) * osz
+    if self.producer_zeros:  # the producer's zero buffer
+      staging += self.zero_box_rows * self.epilogue_n * osz
+    return self.num_stages * per_stage + staging
+
+
+  def smem_budget(self) -> int:
+    """SMEM this config may use (per CTA, with ``ctas_per_sm`` CTAs on an SM)."""
+    return sm90.smem_budget(self.ctas_per_sm, _SMEM_RESERVE)
+
+
+def resolve_producer_zeros(cfg: MosaicFwdConfig, has_offset: bool, dtype: Any,
+                           out_dtype: Any) -> MosaicFwdConfig:
+  """``cfg`` with ``producer_zeros=None`` made concrete for one call: on for a
+  ring call with a group_offset (with the smallest epilogue_split that fits
+  the producer's zero buffer), off otherwise or where no split fits.  A swap
+  config with a group_offset becomes the row-major ring (block_n 256, no
+  tails) with producer zeros; ``producer_zeros=False`` keeps it swap."""
+  if cfg.producer_zeros is not None:
+    return cfg
+  if cfg.swap and has_offset:
+    # swap has no producer zeros: a shard call runs the row-major ring with them,
+    # the same k steps and stages (measured best for Qwen3-30B's EP=8 shard, v17;
+    # not measured on other shapes' shards).
+    cfg = row_major_ring(cfg)
+  if cfg.ring and has_offset and cfg.zero_lead is None:  # (an explicit zero_lead: off)
+    fitted = _fit_split(dataclasses.replace(cfg, producer_zeros=True), dtype, out_dtype)
+    if fitted is not None:
+      return fitted
+  return dataclasses.replace(cfg, producer_zeros=False)
+
+
+def row_major_ring(cfg: MosaicFwdConfig) -> MosaicFwdConfig:
+  """A swap config's row-major ring counterpart (128 x 256 tiles, no tails):
+  what runs where swap cannot (shard calls with producer zeros, 32-bit outputs)."""
+  return dataclasses.replace(cfg, swap=False, block_n=256, tail_rows=0, tail_split=False,
+                             tail_on_m=False, swap_rows=SWAP_ROWS, swizzle_staging=False)
+
+
+def _fits(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> bool:
+  return cfg.smem_bytes(dtype, out_dtype) <= cfg.smem_budget()
+
+
+def _fit_split(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> MosaicFwdConfig | None:
+  """``cfg`` with the smallest epilogue_split >= its own that fits SMEM, or None."""
+  for split in _EPILOGUE_SPLITS:
+    if split < cfg.epilogue_split or not _split_ok(cfg.block_n, split):
+      continue
+    c = dataclasses.replace(cfg, epilogue_split=split)
+    if _fits(c, dtype, out_dtype):
+      return c
+  return None
+
+
+def fit_config(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> MosaicFwdConfig | None:
+  """``cfg`` made to fit SMEM: a larger epilogue split first, then fewer stages
+  (down to 2); None when nothing fits.  Folded tails and swap need a 16-bit
+  output (their transposed stores): for f32 tails are dropped and swap becomes
+  the row-major ring (``row_major_ring``)."""
+  if jnp.dtype(out_dtype).itemsize != 2:
+    if cfg.swap:
+      cfg = row_major_ring(cfg)
+    elif cfg.tail_rows:
+      cfg = dataclasses.replace(cfg, tail_rows=0)
+  while True:
+    fitted = _fit_split(cfg, dtype, out_dtype)
+    if fitted is not None:
+      return fitted
+    if cfg.num_stages <= 2:
+      return None
+    cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+
+
+def default_config(
+    m: int, k: int, n: int, g_local: int, dtype: Any, transpose_rhs: bool,
+    out_dtype: Any = None,
+) -> MosaicFwdConfig:
+  """Heuristic default: 2 warpgroups, 128 x 256 x 64 tiles, 4 stages, split 2.
+
+  The best measured H200 point on group-aligned tiles for Qwen3-30B gate_up
+  and down (forward and dX); both consumers always compute (skipping an empty
+  64-row half measured 2-3% slower on gate_up, in the k loop and hoisted).
+  One warpgroup (64 x 256) when k fits one k step (the 2-warpgroup pipeline
+  needs two) or m < 128.  block_n is the candidate in
+  (256, 192, 128, 64) that wastes the fewest padded columns; if SMEM does not
+  fit (f32 output) the epilogue is split further, then stages drop.
+  """
+  del g_local, transpose_rhs
+  out_dtype = dtype if out_dtype is None else out_dtype
+  block_n = min((256, 192, 128, 64), key=lambda b: (pl.cdiv(n, b) * b, -b))
+  block_k = 64 if k > 32 else 32
+  wgs = 2 if k > block_k and m >= 2 * _WG_ROWS else 1
+  split = 2 if block_n % 128 == 0 else 1
+  cfg = MosaicFwdConfig(block_m=_WG_ROWS * wgs, block_n=block_n, block_k=block_k,
+                        num_stages=4, grid_tile_width=4, num_compute_wgs=wgs,
+                        epilogue_split=split if wgs == 2 else 1)
+  return fit_config(cfg, dtype, out_dtype) or cfg
+
+
+# (block_m, block_n, block_k (None = the default's), stages, tile width, epilogue split,
+#  CTAs per SM)
+_SWEEP = (
+    # Two consumer warpgroups + TMA producer, bm 128 (first: the likely winners
+    # when a tuning budget cuts the list short).
+    (128, 256, None, 4, 1, 2, 1),  # 192 + 32 KiB
+    (128, 256, None, 4, 4, 2, 1),
+    (128, 256, None, 4, 8, 2, 1),
+    (128, 256, None, 4, 4, 4, 1),  # 192 + 16 KiB
+    (128, 256, None, 3, 4, 1, 1),
+    (128, 256, 32, 8, 4, 2, 1),  # 192 + 32 KiB
+    (128, 128, None, 4, 4, 1, 1),
+    (128, 128, None, 6, 4, 1, 1),  # 192 + 32 KiB
+    # One compute warpgroup, bm 64.
+    (64, 256, None, 4, 4, 1, 1),
+    (64, 256, None, 4, 1, 1, 1),
+    (64, 256, None, 5, 4, 2, 1),  # 200 + 16 KiB
+    (64, 256, 32, 8, 4, 2, 1),  # 160 + 16 KiB
+    (64, 128, None, 6, 4, 1, 1),  # small-n fallback
+    # Two resident CTAs per SM (<= 113 KiB each): one CTA's fill and epilogue
+    # under the other's wgmmas (short k loops, decode).
+    (64, 256, 32, 4, 4, 2, 2),  # 80 + 16 KiB
+    (64, 128, None, 3, 4, 1, 2),  # 72 + 16 KiB
+)
+
+
+def gpu_sweep_configs(
+    m: int, k: int, n: int, g: int, transpose_rhs: bool, dtype: Any = jnp.bfloat16,
+    out_dtype: Any = None,
+) -> list[MosaicFwdConfig]:
+  """Candidate configs for a GPU sweep (default first; SMEM-feasible only, <= 22).
+
+  An f32 output gets a larger epilogue split where that makes a candidate fit.
+  """
+  out_dtype = dtype if out_dtype is None else out_dtype
+  base = default_config(m, k, n, g, dtype, transpose_rhs, out_dtype)
+  out = [base]
+  if base.num_compute_wgs == 2:
+    # Next to the default: skipping empty 64-row halves, one pipeline across
+    # tiles, and the per-step release that needs on its own.
+    out.append(dataclasses.replace(base, skip_empty_halves=True))
+    per_step = dataclasses.replace(base, delay_release=0)
+    if _chains_tiles(dataclasses.replace(per_step, pipeline_across_tiles=True), k):
+      out.append(dataclasses.replace(per_step, pipeline_across_tiles=True))
+    out.append(per_step)
+    # Walk n-tile strips down the row tiles: each expert's weight block is read
+    # from DRAM once per strip instead of once per row-tile strip (ncu: Mixtral
+    # gate_up moved ~6x its minimal DRAM bytes with grid_minor_dim=0).
+    out += [dataclasses.replace(base, grid_minor_dim=1, grid_tile_width=w) for w in (4, 8)]
+    # The hand-written ring, bare and with folded tails (v14: DeepSeek-V3's
+    # 128 +- 11-row groups 0.89x the table with 16; the bare ring 0.94-0.98x on
+    # Qwen3-30B).
+    if base.block_n % 128 == 0:
+      for tail in (0, 16, 32):  # fit_config drops tails for f32 (a duplicate then)
+        c = fit_config(dataclasses.replace(base, ring=True, tail_rows=tail, grid_tile_width=1),
+                       dtype, out_dtype)
+        if c is not None and c not in out:
+          out.append(c)
+      # Rows on wgmma's N axis with 32 tail rows folded as two 144-row wgmmas (v19:
+      # 0.93-0.96x the ring / pipeline entries on the Qwen3 gate_up forwards and
+      # Qwen3-235B's dX; tails 0, 16 and 64 lost).
+      # Staged through a swizzled buffer (v24c-d: 0.95-0.97x the unswizzled one).
+      swap = dataclasses.replace(base, ring=True, swap=True, block_n=128, tail_rows=32,
+                                 tail_split=True, epilogue_split=2, grid_tile_width=1,
+                                 num_stages=4, swizzle_staging=True)
+      # The same with the tail row-major on the first consumer (v20: 0.95 / 0.97x the
+      # ring on the Qwen3-30B dX calls, a tie with the split fold on the gate_up forwards).
+      swap_m = dataclasses.replace(swap, tail_split=False, tail_on_m=True)
+      if (m >= SWAP_ROWS + swap.tail_rows and jnp.dtype(out_dtype).itemsize == 2
+          and _fits(swap, dtype, out_dtype)):  # (else gmm would run another config)
+        out += [swap, swap_m]
+      # Groups of 96-192 rows on average: swap tiles of ~9/8 the mean with 16
+      # tail rows split, and of ~5/4 the mean without a tail (DeepSeek-V3 down dX,
+      # groups of 128 +- 11 rows: 144 + 16 rows 0.932 / 0.921x its Triton entry, 160
+      # rows 0.942 / 0.924x in two A/Bs, v21h / v22a, and half the lowering time; the
+      # forward lost, 1.02-1.05x the ring).
+      mean = m // max(g, 1)
+      rows = min(SWAP_ROWS, max(64, 16 * math.ceil(mean * 9 / 8 / 16)))
+      small = dataclasses.replace(swap, swap_rows=rows, tail_rows=16)
+      plain = dataclasses.replace(
+          swap, swap_rows=min(SWAP_ROWS, max(64, 16 * math.ceil(mean * 5 / 4 / 16))),
+          tail_rows=0, tail_split=False)
+      for c in (small, plain):
+        if (96 <= mean <= 192 and m >= c.swap_rows + c.tail_rows
+            and jnp.dtype(out_dtype).itemsize == 2 and _fits(c, dtype, out_dtype)):
+          out.append(c)
+    # 64-row tiles split by columns: half the padding of a group's last tile,
+    # 1.67x the L2 -> SMEM bytes per FLOP (the default already runs the L2 at
+    # 81% on Qwen3-30B gate_up), so after the likelier winners.
+    if base.block_n % 128 == 0:
+      for stages, split, width in ((4, 2, 4), (5, 4, 8)):
+        split = min(split, base.block_n // 64)  # chunks of >= 64 columns
+        c = fit_config(dataclasses.replace(
+            base, block_m=_WG_ROWS, split_n=True, num_stages=stages,
+            epilogue_split=split, grid_tile_width=width), dtype, out_dtype)
+        if c is not None and c not in out:
+          out.append(c)
+  for bm, bn, bk, stages, width, split, ctas in _SWEEP:
+    if bn > max(base.block_n, 64):
+      continue
+    c = MosaicFwdConfig(bm, bn, bk or base.block_k, stages, 0, width,
+                        num_compute_wgs=bm // _WG_ROWS, epilogue_split=split,
+                        ctas_per_sm=ctas)
+    c = _fit_split(c, dtype, out_dtype)
+    if c is not None and c not in out:
+      out.append(c)
+  return out[:22]
+
+
+def _chains_tiles(cfg: MosaicFwdConfig, k: int) -> bool:
+  """Whether the 2-warpgroup kernel runs one pipeline across its tiles."""
+  return cfg.pipeline_across_tiles and pl.cdiv(k, cfg.block_k) % cfg.num_stages == 0
