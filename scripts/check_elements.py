@@ -29,18 +29,12 @@ from ragdot import backends, bench, dispatch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import oracle  # noqa: E402  (tests/: the f32 host oracle)
-
-
-def _poison(nbytes: int) -> None:
-  """Fills freed device memory with NaN bytes, so unwritten outputs show."""
-  jax.block_until_ready(jnp.full((nbytes // 4,), jnp.nan, jnp.float32))
+from test_gpu import _poison, _sizes  # noqa: E402  (NaN-poisoned memory; test group sizes)
 
 
 def wrong_elements(out: np.ndarray, ref: np.ndarray) -> np.ndarray:
-  """Mask of elements outside bf16's rounding of the f32 reference (NaN: wrong)."""
-  rms = float(np.sqrt(np.mean(np.square(ref, dtype=np.float64))))
-  err = np.abs(out - ref)
-  return ~(err <= np.abs(ref) / 64 + rms / 32)
+  """Elements outside bf16's rounding of the f32 reference (NaN: wrong)."""
+  return oracle.off_elements(out, ref, 1 / 64, 1 / 32)
 
 
 def describe(mask: np.ndarray, sizes: np.ndarray, out, ref) -> dict:
@@ -92,7 +86,6 @@ def main() -> None:
 
   if args.ring_t16:
     from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
-    from test_gpu import _sizes  # pylint: disable=g-import-not-at-top
     m, k, n, g = 8192, 1024, 960, 32
     sizes = _sizes(m, g, "routed")
     x, w = oracle.random_inputs(jax.random.key(m + k + n), [(m, k), (g, k, n)], jnp.bfloat16)

@@ -87,8 +87,23 @@ TOLERANCE = {  # relative Frobenius error allowed against the f32 oracle
 }
 
 
+def _f64(out) -> np.ndarray:
+  """A kernel output (any float dtype, device or host) as a host float64 array."""
+  if isinstance(out, np.ndarray) and out.dtype == np.float64:
+    return out
+  return np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+
+
+def off_elements(out, ref, rel: float, floor: float) -> np.ndarray:
+  """Mask of the elements with |out - ref| > rel * |ref| + floor * rms(ref)
+  (NaN counts as off)."""
+  out, ref = _f64(out), np.asarray(ref, np.float64)
+  rms = np.sqrt(np.mean(np.square(ref))) if ref.size else 0.0
+  return ~(np.abs(out - ref) <= rel * np.abs(ref) + floor * rms)
+
+
 def rel_error(out, ref) -> float:
-  out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+  out = _f64(out)
   ref = np.asarray(ref, np.float64)
   assert out.shape == ref.shape, (out.shape, ref.shape)
   assert np.all(np.isfinite(out)), "non-finite values in the output"
@@ -100,13 +115,11 @@ def assert_close(out, ref, dtype, factor: float = 1.0) -> None:
   """Relative (Frobenius) error within the dtype's tolerance, and every element
   within 4x that tolerance of (its own magnitude + the output's rms): a few
   wrong elements (a row's 64 columns left 0, v25c) hide in the whole-output norm."""
+  out, ref = _f64(out), np.asarray(ref, np.float64)  # converted once for both checks
   err = rel_error(out, ref)
   tol = TOLERANCE[jnp.dtype(dtype).name] * factor
   assert err <= tol, f"relative error {err:.3g} > {tol:.3g} ({jnp.dtype(dtype).name})"
-  out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
-  ref = np.asarray(ref, np.float64)
-  rms = np.sqrt(np.mean(np.square(ref))) if ref.size else 0.0
-  wrong = np.abs(out - ref) > 4 * tol * (np.abs(ref) + rms)
+  wrong = off_elements(out, ref, 4 * tol, 4 * tol)
   if wrong.any():
     where = np.argwhere(wrong)
     raise AssertionError(f"{int(wrong.sum())} elements off by more than 4 x {tol:.3g} x "
