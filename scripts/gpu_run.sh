@@ -12,6 +12,8 @@
 # stages (each with its own timeout, <NAME>_TIMEOUT seconds):
 #   tests  GPU-marked tests (kernels at real sizes, NaN-poisoned memory)    TESTS_ARGS
 #          (*_ARGS are split on spaces: a -k expression must have none, e.g. -k schedule)
+#          TESTS_PART=i/k: only every k-th collected test from the i-th (1-based), so a
+#          suite longer than one device call (10 min) runs in k calls
 #   tune   ragdot tune into $OUT/nvidia_h200.json (copy of the shipped table) TUNE_ARGS
 #          (USE_TUNED=1: the stages after it use that table)
 #   bench  ragdot bench table + JSON + PNG                                 BENCH_ARGS
@@ -52,7 +54,14 @@ for stage in $STAGES; do
         par="-n ${TESTS_WORKERS:-4}"
         export XLA_PYTHON_CLIENT_MEM_FRACTION=${TESTS_MEM_FRACTION:-0.18}
       fi
-      run tests "${TESTS_TIMEOUT:-540}" python3 -m pytest -m gpu -v --maxfail=6 -p no:cacheprovider $par tests/test_gpu.py ${TESTS_ARGS:-}
+      targets=tests/test_gpu.py
+      if [ -n "${TESTS_PART:-}" ]; then
+        python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider tests/test_gpu.py ${TESTS_ARGS:-} \
+          | grep '::' | awk -v i="${TESTS_PART%/*}" -v k="${TESTS_PART#*/}" '(NR - i) % k == 0' > "$OUT/tests_part.txt"
+        echo "TESTS_PART $TESTS_PART: $(wc -l < "$OUT/tests_part.txt") tests"
+        targets=$(cat "$OUT/tests_part.txt")
+      fi
+      run tests "${TESTS_TIMEOUT:-540}" python3 -m pytest -m gpu -v --maxfail=6 -p no:cacheprovider $par $targets ${TESTS_ARGS:-}
       unset XLA_PYTHON_CLIENT_MEM_FRACTION ;;
     tune)
       cp src/ragdot/tables/nvidia_h200.json "$OUT/nvidia_h200.json"
