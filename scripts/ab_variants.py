@@ -3,10 +3,12 @@ bench preset's shapes (training by default), side by side (GPU machine).
 
   python3 scripts/ab_variants.py OUT_DIR [--ops fwd dx] [--preset training] [--shapes NAME ...]
       [--variants "ring=True" "ring=True,tail_rows=16,epilogue_split=4" ...] [--rounds 3]
+      [--triton]
 
 Per (shape, op): "table" = the dispatcher's automatic choice (backend and
 config from the shipped table), "mosaic" = ``mosaic_fwd.gmm`` with its default
-config, and one case per variant: the default config (``--base table``: the
+config, (``--triton``) "triton" = the Triton kernel with its table config, and one
+case per variant: the default config (``--base table``: the
 table's config, where it is a Mosaic one) with the variant's comma-separated
 FIELD=VALUE changes (Python literals).  The calls have no group_offset: variants
 of the shard path (``producer_zeros``) belong in ``diag_ep.py``.  Interleaved
@@ -42,6 +44,8 @@ def main() -> None:
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--iterations", type=int, default=10)
   p.add_argument("--preset", default="training", choices=sorted(bench.PRESETS))
+  p.add_argument("--triton", action="store_true",
+                 help="also the Triton kernel with the table's Triton config for the shape")
   args = p.parse_args()
   os.makedirs(args.out_dir, exist_ok=True)
   fields = {v: parse_fields([kv for kv in v.split(",") if kv]) for v in args.variants}
@@ -68,6 +72,11 @@ def main() -> None:
       base = mosaic_fwd.default_config(s.m, call.k, call.n, s.g, jnp.bfloat16, tr, jnp.bfloat16)
       cases = {"table": run(mod, choice.config), "mosaic": run(mosaic_fwd, base)}
       configs = {"table": choice.config, "mosaic": base}
+      if args.triton:
+        triton = dispatch.choose("gmm", "triton", dtype=jnp.bfloat16, m=s.m, k=call.k,
+                                 n=call.n, g=s.g, num_groups=s.g, transpose_rhs=tr)
+        cases["triton"] = run(backends.get_backend("triton"), triton.config)
+        configs["triton"] = triton.config
       if args.base == "table" and isinstance(choice.config, mosaic_fwd.MosaicFwdConfig):
         base = choice.config
       for v in args.variants:

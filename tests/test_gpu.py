@@ -308,6 +308,24 @@ def test_swap_rows_real_size(transpose_rhs, swap_rows, tail_rows, offset, tail):
                     seed=swap_rows + tail_rows)
 
 
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
+@pytest.mark.parametrize("short,tail_rows,offset,tail", [
+    (128, 32, None, "split"), (64, 32, None, "split"), (128, 32, 8, "m"), (64, 0, None, "fold")],
+                         ids=["s128-t32-split", "s64-t32-split", "s128-t32-shard-m", "s64-t0"])
+def test_swap_short_tiles_real_size(transpose_rhs, short, tail_rows, offset, tail):
+  """Swap tiles of at most 64 / 128 rows run as wgmmas of that N
+  (short_tile_rows) on Qwen3-30B gate_up's size with skewed routing (many groups
+  far below 256 rows, a few above 1000), swizzled staging, a shard;
+  NaN-poisoned memory, every element checked."""
+  from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
+  cfg = mosaic_fwd.MosaicFwdConfig(128, 128, 64, 4, num_compute_wgs=2, ring=True, swap=True,
+                                   tail_rows=tail_rows, producer_zeros=False,
+                                   tail_split=tail == "split", tail_on_m=tail == "m",
+                                   swizzle_staging=True, short_tile_rows=short)
+  _check_mosaic_gmm(cfg, (32768, 2048, 1536, 128, "skewed"), transpose_rhs, offset,
+                    seed=short + tail_rows)
+
+
 @pytest.mark.parametrize("variant", ["1wg", "2wg", "2wg_chained", "2wg_split_n",
                                      "2wg_split_n_ntail", "1wg_ntail", "2wg_ntail"])
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])

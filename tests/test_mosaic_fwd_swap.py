@@ -45,7 +45,7 @@ TAIL = {"fold": {}, "split": dict(tail_split=True), "m": dict(tail_on_m=True)}
     ([272, 16, 270, 30], 640, 128, 128, None, 4, False, 16, "m"),
 ])
 def test_matches_oracle(sizes, m, k, n, offset, num_local, transpose_rhs, tail_rows, tail,
-                       swap_rows=256, swizzled=False):
+                       swap_rows=256, swizzled=False, short_tile_rows=0):
   rshape = (num_local, n, k) if transpose_rhs else (num_local, k, n)
   x, w = oracle.random_inputs(jax.random.key(m + n + k), [(m, k), rshape], jnp.bfloat16)
   go = None if offset is None else jnp.int32(offset)
@@ -54,7 +54,7 @@ def test_matches_oracle(sizes, m, k, n, offset, num_local, transpose_rhs, tail_r
                out_dtype=jnp.bfloat16, interpret=True,
                config=dataclasses.replace(CFG, tail_rows=tail_rows, producer_zeros=False,
                                           swap_rows=swap_rows, swizzle_staging=swizzled,
-                                          **TAIL[tail]))
+                                          short_tile_rows=short_tile_rows, **TAIL[tail]))
   oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, go, transpose_rhs), jnp.bfloat16)
   oracle.assert_zero_rows(out, sizes, offset, num_local)
 
@@ -101,6 +101,40 @@ def test_swizzled_staging_matches_oracle(sizes, m, k, n, offset, num_local, tran
                       swap_rows, swizzled=True)
 
 
+# Short tiles: groups of 5, 60 and 33 rows (one short tile each; 60 from row 5: its tile
+# starts at row 0, 65 rows, short only at 128), 130 (from row 65: its tile starts at 64,
+# 131 rows > 128: plain), 300 = 256 + 44 (44 > tail_rows: a short last tile of 44 rows
+# from row 451, 8-aligned at 448: 47), empty groups, a shard, rows past the groups.
+SKEWED = [5, 60, 0, 130, 300, 33, 0, 200]
+
+
+@pytest.mark.parametrize("short,m,offset,num_local,transpose_rhs,tail_rows,tail,swizzled", [
+    (128, 768, None, 8, False, 32, "split", True),
+    (64, 768, None, 8, False, 32, "split", True),
+    (128, 768, None, 8, True, 16, "m", False),   # dX, the tail row-major on the first consumer
+    (64, 768, None, 8, True, 0, "fold", True),  # dX, no tail
+    (128, 800, 2, 4, False, 32, "split", True),  # a shard (zero rows), rows past the groups
+    (64, 800, 3, 4, True, 8, "m", True),
+])
+def test_short_tiles_match_oracle(short, m, offset, num_local, transpose_rhs, tail_rows, tail,
+                                  swizzled):
+  sizes = SKEWED[:num_local] if offset is None else SKEWED
+  test_matches_oracle(sizes, m, 128, 192, offset, num_local, transpose_rhs, tail_rows, tail,
+                      swizzled=swizzled, short_tile_rows=short)
+
+
+def test_short_tile_rows_checked():
+  for bad in (32, 96, 256):
+    with pytest.raises(ValueError, match="short_tile_rows"):
+      dataclasses.replace(CFG, short_tile_rows=bad)
+  with pytest.raises(ValueError, match="short_tile_rows"):
+    dataclasses.replace(CFG, swap_rows=128, short_tile_rows=128)
+  with pytest.raises(ValueError, match="short_tile_rows"):
+    dataclasses.replace(CFG, swap=False, block_n=256, short_tile_rows=64)
+  # The row-major counterpart (shard calls with producer zeros, f32 outputs) drops it.
+  assert mf.row_major_ring(dataclasses.replace(CFG, short_tile_rows=64)).short_tile_rows == 0
+
+
 def test_swizzled_staging_no_races():
   from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret  # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
@@ -122,8 +156,9 @@ def test_swizzle_staging_needs_swap():
   assert not mf.row_major_ring(dataclasses.replace(CFG, swizzle_staging=True)).swizzle_staging
 
 
-@pytest.mark.parametrize("tail,swap_rows", [(t, 256) for t in sorted(TAIL)] + [("m", 144)])
-def test_no_races(tail, swap_rows):
+@pytest.mark.parametrize("tail,swap_rows,short", [(t, 256, 0) for t in sorted(TAIL)]
+                         + [("m", 144, 0), ("split", 256, 128), ("m", 256, 64)])
+def test_no_races(tail, swap_rows, short):
   from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret  # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
   sizes = [280, 7, 60, 150]
@@ -131,7 +166,8 @@ def test_no_races(tail, swap_rows):
   out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), None, transpose_rhs=False,
                out_dtype=jnp.bfloat16, interpret=plgpu.InterpretGPUParams(detect_races=True),
                config=dataclasses.replace(CFG, tail_rows=32 if swap_rows == 256 else 16,
-                                          num_sms=2, swap_rows=swap_rows, **TAIL[tail]))
+                                          num_sms=2, swap_rows=swap_rows,
+                                          short_tile_rows=short, **TAIL[tail]))
   oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, None, False), jnp.bfloat16)
   assert not gpu_interpret.get_races().races_found
 
@@ -219,11 +255,13 @@ def test_config_checks():
 @pytest.mark.parametrize("tail_rows,stages,tail,swap_rows", [
     (0, 4, "fold", 256), (32, 4, "fold", 256), (64, 3, "fold", 256), (32, 4, "split", 256),
     (16, 4, "split", 256), (32, 4, "m", 256), (0, 4, "fold", 160), (16, 4, "m", 144),
-    (16, 4, "split", 144)])
+    (16, 4, "split", 144), (32, 4, "split", (256, 128)), (32, 4, "m", (256, 64)),
+    (0, 4, "fold", (160, 64))])
 def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, tail, swap_rows):
   m, k, n, g = 4096, 2048, 1536, 128
+  swap_rows, short = swap_rows if isinstance(swap_rows, tuple) else (swap_rows, 0)
   cfg = dataclasses.replace(CFG, num_stages=stages, tail_rows=tail_rows, num_sms=132,
-                            swap_rows=swap_rows, **TAIL[tail])
+                            swap_rows=swap_rows, short_tile_rows=short, **TAIL[tail])
   assert_gmm_lowers(cfg, m=m, k=k, n=n, g=g, transpose_rhs=transpose_rhs)
   # Swizzled staging: boxes of 1-64 rows from any row of a swizzled buffer pass
   # Mosaic's slice checks; a shard call (with_offset) runs the row-major ring.

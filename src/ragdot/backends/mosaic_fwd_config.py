@@ -142,6 +142,14 @@ class MosaicFwdConfig:
     (docs/performance.md v24c-d): 0.95-0.97x the time on the Qwen3-30B calls
     with the split fold, 0.97x Qwen3-235B's dX; two alternating 32-row buffers
     were no faster.
+  short_tile_rows: swap only, 0 (off), 64 or 128 (< swap_rows): a tile whose rows
+    (from its 8-aligned first row to its group's end) number at most this runs
+    wgmmas of N = short_tile_rows instead of swap_rows, and its producer loads
+    only those rows: the one tile of a small group, or a group's last tile when
+    more rows are left than tail_rows.  For skewed routing, where many groups
+    hold far fewer rows than swap_rows (a swap tile computes all R of its rows
+    whatever its group holds).  One more copy of the k loop and epilogue in the
+    kernel.
   zero_box_rows: with producer_zeros, the rows of its zero buffer (8, 16, 32
     or 64): each 64-row half of a zero item goes out in stores of at most
     this many rows.  Fewer rows leave room for wider epilogue chunks (a
@@ -176,6 +184,7 @@ class MosaicFwdConfig:
   tail_on_m: bool = False
   swap_rows: int = SWAP_ROWS
   swizzle_staging: bool = False
+  short_tile_rows: int = 0
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -234,6 +243,10 @@ class MosaicFwdConfig:
                        f"got {self}")
     if self.swizzle_staging and not self.swap:
       raise ValueError(f"swizzle_staging needs swap=True, got {self}")
+    if self.short_tile_rows and (not self.swap or self.short_tile_rows not in (64, 128)
+                                 or self.short_tile_rows >= self.swap_rows):
+      raise ValueError(f"short_tile_rows needs swap=True and 64 or 128 (< swap_rows), "
+                       f"got {self}")
     if self.tail_rows and (not self.ring or self.block_n % 128):
       raise ValueError(f"tail_rows needs ring=True and block_n a multiple of 128, got {self}")
     if self.zero_lead is not None and (self.zero_lead < 0 or (self.zero_lead and not self.ring)):
@@ -304,7 +317,8 @@ def row_major_ring(cfg: MosaicFwdConfig) -> MosaicFwdConfig:
   """A swap config's row-major ring counterpart (128 x 256 tiles, no tails):
   what runs where swap cannot (shard calls with producer zeros, 32-bit outputs)."""
   return dataclasses.replace(cfg, swap=False, block_n=256, tail_rows=0, tail_split=False,
-                             tail_on_m=False, swap_rows=SWAP_ROWS, swizzle_staging=False)
+                             tail_on_m=False, swap_rows=SWAP_ROWS, swizzle_staging=False,
+                             short_tile_rows=0)
 
 
 def _fits(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> bool:

@@ -12,6 +12,9 @@ N = tail_rows, or with ``tail_split`` two wgmmas of (R + tail_rows) / 2 rows;
 or with ``tail_on_m`` (up to 32 rows) row-major on the first consumer: one wgmma
 of the tile's last 64 rows (M) by the block's 128 columns (N) into a second,
 (64, 128) accumulator, of which only the tail rows are stored.
+With ``short_tile_rows`` (64 or 128) a tile whose rows end within that many
+runs wgmmas of that N instead (skewed routing leaves many groups far smaller
+than R).
 No tail item streams its weight block again, as in the row-major ring; but
 each extra wgmma instruction costs the tensor pipe a fixed ~0.39 of an N = 256
 one whatever its N (docs/performance.md v19i), so a folded tile costs ~1.47
@@ -48,17 +51,43 @@ _COLS = 64  # output columns per consumer: wgmma's M
 _CHUNK = 64  # rows per epilogue store
 
 
-def _parts(cfg: mf.MosaicFwdConfig, with_tail: bool) -> tuple[tuple[int, int], ...]:
+def _parts(cfg: mf.MosaicFwdConfig, layout: str) -> tuple[tuple[int, int], ...]:
   """(first row in the tile, rows) of each wgmma of a tile: one of R = swap_rows
-  rows; with a folded tail, R + tail_rows (``tail_split``: two halves of
-  (R + tail_rows) / 2)."""
+  rows ("plain"); with a folded tail ("tail"), R + tail_rows (``tail_split``: two
+  halves of (R + tail_rows) / 2); a short tile ("short"), short_tile_rows."""
   rows = cfg.swap_rows
-  if not with_tail:
+  if layout == "plain":
     return ((0, rows),)
+  if layout == "short":
+    return ((0, cfg.short_tile_rows),)
   if cfg.tail_split:
     half = (rows + cfg.tail_rows) // 2
     return ((0, half), (half, half))
   return ((0, rows), (rows, cfg.tail_rows))
+
+
+def _layouts(cfg: mf.MosaicFwdConfig, row0, row_end) -> list[tuple[str, Any]]:
+  """(layout, predicate) of each tile layout of the config; for any tile
+  exactly one predicate holds (None: the config has only that layout)."""
+  out, plain = [], None
+  if cfg.tail_rows:
+    has_tail = row_end > row0 + cfg.swap_rows
+    out.append(("tail", has_tail))
+    plain = ~has_tail
+  if cfg.short_tile_rows:
+    short = row_end <= row0 + cfg.short_tile_rows
+    out.append(("short", short))
+    plain = ~short if plain is None else plain & ~short
+  return out + [("plain", plain)]
+
+
+def _per_layout(layouts, fn) -> None:
+  """fn(layout) under its predicate (directly when it is the only layout)."""
+  for layout, pred in layouts:
+    if pred is None:
+      fn(layout)
+    else:
+      pl.when(pred)(functools.partial(fn, layout))
 
 
 def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int, n: int,
@@ -99,26 +128,22 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
 
       def load(w, step0):
         ni, grp, row0, _, row_end = tile_of(w)
-        has_tail = row_end > row0 + rows_t
+        layouts = _layouts(cfg, row0, row_end)
 
         @pl.loop(0, k_steps)
         def _(kk):
           slot = ring.free_slot(consumed, step0 + kk, stages)
           cols = pl.ds(kk * bk, bk)
 
-          def rows(with_tail: bool) -> None:
-            parts = _parts(cfg, with_tail)
+          def rows(layout: str) -> None:
+            parts = _parts(cfg, layout)
             for r, count in parts:
               plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(row0 + r, count), cols],
                                       x_smem.at[slot].at[pl.ds(r, count)], produced.at[slot])
             if tr and len(parts) == 1:  # a bare arrival for the copy a tail would make
               plgpu.barrier_arrive(produced.at[slot])
 
-          if tr:
-            pl.when(has_tail)(lambda: rows(True))
-            pl.when(~has_tail)(lambda: rows(False))
-          else:
-            rows(False)
+          _per_layout(layouts, rows)
           plgpu.copy_gmem_to_smem(ring.rhs_block(rhs_gmem, grp, ni, cols, bn, transpose_rhs),
                                   w_smem.at[slot], produced.at[slot])
 
@@ -135,11 +160,11 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
         ni, _, row0, row_start, row_end = tile_of(w)
         col = ni * bn + wg * _COLS
 
-        def tile(with_tail: bool, tail_on_m: bool = False) -> None:
+        def tile(layout: str, tail_on_m: bool = False) -> None:
           # A copy of the tile per layout of its wgmmas, chosen per tile outside
           # the k loop: no accumulator crosses a branch while its wgmmas run.
           # tail_on_m: this consumer also runs the folded tail, row-major.
-          parts = _parts(cfg, with_tail and not tail_on_m)
+          parts = _parts(cfg, "plain" if tail_on_m else layout)
           shapes = [(_COLS, count) for _, count in parts]
           if tail_on_m:  # the tile's last 64 rows x all bn columns
             shapes.append((_COLS, bn))
@@ -188,17 +213,14 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
               pl.when((tcol < n) & (rows > 0))(functools.partial(
                   store, accs[-1][:, c0:c0 + _COLS], my_smem, hs, s, rows, tcol, False))
 
-        if tr:
-          has_tail = row_end > row0 + rows_t
-          if cfg.tail_on_m:  # the first consumer runs the tail; the other a plain tile
-            on_m = has_tail & (wg == 0)
-            pl.when(on_m)(lambda: tile(True, tail_on_m=True))
-            pl.when(~on_m)(lambda: tile(False))
-          else:
-            pl.when(has_tail)(lambda: tile(True))
-            pl.when(~has_tail)(lambda: tile(False))
-        else:
-          tile(False)
+        layouts = _layouts(cfg, row0, row_end)
+        if cfg.tail_on_m:  # the first consumer runs the tail; the other a plain tile
+          on_m = dict(layouts)["tail"] & (wg == 0)
+          pl.when(on_m)(lambda: tile("tail", tail_on_m=True))
+          short = dict(layouts).get("short")
+          layouts = [(layout, pred) for layout, pred in layouts if layout == "short"]
+          layouts.append(("plain", ~on_m if short is None else ~on_m & ~short))
+        _per_layout(layouts, tile)
 
       works(compute)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
