@@ -7,7 +7,7 @@ bench preset's shapes (training by default), side by side (GPU machine).
 
 Per (shape, op): "table" = the dispatcher's automatic choice (backend and
 config from the shipped table), "mosaic" = ``mosaic_fwd.gmm`` with its default
-config, (``--triton``) "triton" = the Triton kernel with its table config, and one
+config, (``--triton``) "triton" = the Triton kernel as ``ragdot bench`` runs it, and one
 case per variant: the default config (``--base table``: the
 table's config, where it is a Mosaic one) with the variant's comma-separated
 FIELD=VALUE changes (Python literals).  The calls have no group_offset: variants
@@ -45,7 +45,8 @@ def main() -> None:
   p.add_argument("--iterations", type=int, default=10)
   p.add_argument("--preset", default="training", choices=sorted(bench.PRESETS))
   p.add_argument("--triton", action="store_true",
-                 help="also the Triton kernel with the table's Triton config for the shape")
+                 help="also the Triton kernel (its default config unless the table's "
+                      "entry for the shape is a Triton one), as the bench's ragdot:triton")
   args = p.parse_args()
   os.makedirs(args.out_dir, exist_ok=True)
   fields = {v: parse_fields([kv for kv in v.split(",") if kv]) for v in args.variants}
