@@ -79,6 +79,18 @@ def test_bench_only_picks_preset_shapes_by_name(tmp_path, monkeypatch):
     cli.main(["bench", "--preset", "small", "--only", "no such shape", "--ops", "fwd"])
 
 
+def test_training_skewed_preset_is_the_training_shapes_skewed():
+  from ragdot import bench  # pylint: disable=g-import-not-at-top
+  skewed, training = bench.PRESETS["training-skewed"], bench.PRESETS["training"]
+  assert [(s.m, s.k, s.n, s.g, s.top_k) for s in skewed] == [
+      (s.m, s.k, s.n, s.g, s.top_k) for s in training]
+  assert all(s.skewed and s.name.endswith(" skewed") for s in skewed)
+  # A few hot experts: the largest group holds several times the routed one's rows.
+  for s, t in zip(skewed, training):
+    assert bench.routed_group_sizes(s).max() > 2 * bench.routed_group_sizes(t).max()
+    assert bench.routed_group_sizes(s).sum() == s.m
+
+
 @pytest.mark.parametrize("op", ["fwd", "dx", "dw", "fwdbwd"])
 def test_bench_baselines_select_their_rows(op, monkeypatch):
   from ragdot import bench  # pylint: disable=g-import-not-at-top

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-
 import json
 import os
 import subprocess
@@ -233,6 +233,50 @@ def test_tune_task_times_candidates_burst_or_sustained(monkeypatch, sustained_s)
                          jobs=1, sustained_s=sustained_s)
   assert entry["backend"] == "xla" and entry["ms"] > 0 and entry["measured"]
   assert entry["method"].startswith("sustained 0.1 s") == (sustained_s > 0)
+
+
+def test_pick_prefers_the_skew_robust_of_the_near_best():
+  from ragdot import tune  # pylint: disable=g-import-not-at-top
+  rows = [dict(name="a", ms=1.00, skewed_ms=1.60), dict(name="b", ms=1.015, skewed_ms=1.30),
+          dict(name="c", ms=1.10, skewed_ms=1.00), dict(name="d", ms=1.30)]
+  assert tune.pick(rows, 0.02)["name"] == "b"  # c is faster on skew but 10% slower routed
+  assert tune.pick(rows, 0.0)["name"] == "a"  # only a itself is within 0%
+  assert tune.pick(rows, 0.2)["name"] == "c"
+  assert tune.pick([dict(name="d", ms=1.3), dict(name="e", ms=1.2)], 0.02)["name"] == "e"
+
+
+@pytest.mark.parametrize("slack,winner", [(0.02, 1), (-1.0, 0)])
+def test_tune_task_checks_the_near_best_on_skewed_sizes(monkeypatch, slack, winner):
+  # Two correct xla candidates; a fake timer makes the first 1% faster on routed sizes and
+  # twice as slow on skewed ones (told apart by their largest group).
+  import time as time_mod  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from ragdot import timing, tune  # pylint: disable=g-import-not-at-top
+  from ragdot.backends import xla  # pylint: disable=g-import-not-at-top
+
+  configs = [xla.default_config(256, 4), dataclasses.replace(xla.default_config(256, 4),
+                                                             block_m=32)]
+  assert configs[0] != configs[1]
+  monkeypatch.setattr(tune, "candidates", lambda task, dtype: [("xla", c) for c in configs])
+  task = tune.Task("fwd", "tiny", 512, 64, 64, 16, top_k=2)
+  routed_max = int(tune._group_sizes(task).max())
+  seen = []  # compiled callables in the order first timed: candidate 0, then 1
+
+  def fake_time(compiled, lhs, rhs, gs, iterations):
+    del lhs, rhs, iterations
+    if compiled not in seen:
+      seen.append(compiled)
+    i, skewed = seen.index(compiled), int(gs.max()) > routed_max
+    return ((2.0, 1.0)[i] if skewed else (1.00, 1.01)[i]), "fake"
+
+  monkeypatch.setattr(timing, "device_time_ms", fake_time)
+  rows = []
+  entry = tune.tune_task(task, jnp.bfloat16, time_mod.time() + 60, iterations=2, repeats=1,
+                         jobs=1, skew_slack=slack, log=rows.append)
+  assert entry["config"] == tune.config_fields(configs[winner])
+  assert entry["ms"] == (1.00, 1.01)[winner]
+  assert entry["skewed_ms"] == ((2.0, 1.0)[winner] if slack >= 0 else None)
+  assert sum(r.get("routing") == "skewed" for r in rows) == (2 if slack >= 0 else 0)
 
 
 def test_tune_task_rearms_the_watchdog_for_each_sustained_window(monkeypatch):

@@ -93,6 +93,9 @@ PRESETS: dict[str, list[Shape]] = {
     "decode": _model_shapes(64, " decode"),
     "ep": [Shape("qwen3-30b gate_up ep8 shard", 32768, 2048, 1536, 128, ep=8)],
     "skewed": [Shape("qwen3-30b gate_up skewed", 32768, 2048, 1536, 128, skewed=True)],
+    # Every training shape under the skewed routing (a table entry serves both routings).
+    "training-skewed": [dataclasses.replace(s, skewed=True)
+                        for s in _model_shapes(4096, " skewed")],
     "small": [Shape("small", 2048, 512, 512, 16, top_k=2)],
     **{model: model_shapes(model) for model in MODELS},
     "seed-sweep": seed_sweep_shapes(),

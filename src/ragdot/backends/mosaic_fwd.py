@@ -128,9 +128,10 @@ def _store_rows(src_smem, out_gmem, src_row, dst_row, count, col, *, max_rows: i
   TMA boxes are static, so the count is split into its binary digits: one
   predicated store of 2**i rows per set bit, largest first.  A 1-row box that
   may run past the output's last column goes out in 64-column pieces, each
-  only where it starts before n: on the H200 the hardware did not clip such a
-  box at the row's end, and its columns past n landed at the start of the next
-  row (docs/performance.md v25c; n is a multiple of 64, so no piece crosses it).
+  only where it starts before n: Mosaic sends a contiguous, unswizzled slice (one
+  row) as a bulk copy clamped only at the end of the whole array, so its columns
+  past n landed at the start of the next row (docs/performance.md v25c, v26;
+  n is a multiple of 64, so no piece crosses it).
   """
   n = out_gmem.shape[-1]
   done = 0
