@@ -30,6 +30,7 @@ from ragdot import backends, bench, dispatch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import oracle  # noqa: E402  (tests/: the f32 host oracle)
 from test_gpu import _poison, _sizes  # noqa: E402  (NaN-poisoned memory; test group sizes)
+from ab_fwd import gmm_inputs  # noqa: E402  (this folder: the script's sys.path[0])
 
 
 def wrong_elements(out: np.ndarray, ref: np.ndarray) -> np.ndarray:
@@ -116,17 +117,16 @@ def main() -> None:
         run = jax.jit(lambda x, dy, gs, mod=mod, cfg=choice.config: mod.tgmm(
             x, dy, gs, None, num_groups=s.g, out_dtype=jnp.bfloat16, precision=None,
             config=cfg))
-        ref = lambda x=x, dy=dy: oracle.np_trans_ragged_dot(x, dy, sizes)
         operands, out_elems = (x, dy, gs), s.g * s.k * s.n
         # a dW row is one expert's (k, n) block flattened: report rows as experts x k
         sizes_for_rows = np.full(s.g, s.k)
+        run = lambda *a, run=run: run(*a).reshape(s.g * s.k, s.n)
+        ref = lambda x=x, dy=dy: np.asarray(oracle.np_trans_ragged_dot(x, dy, sizes),
+                                            np.float32).reshape(s.g * s.k, s.n)
       else:
         call = dispatch.backend_call(op, s.k, s.n)
         tr = call.transpose_rhs
-        kx, kw = jax.random.split(key)
-        x = jax.random.normal(kx, (s.m, call.k), jnp.bfloat16)
-        wshape = (s.g, call.n, call.k) if tr else (s.g, call.k, call.n)
-        w = (jax.random.normal(kw, wshape, jnp.float32) / 32).astype(jnp.bfloat16)
+        x, w = gmm_inputs(s, call, key)
         choice = dispatch.choose("gmm", None, dtype=jnp.bfloat16, m=s.m, k=call.k, n=call.n,
                                  g=s.g, num_groups=s.g, transpose_rhs=tr)
         mod = backends.get_backend(choice.implementation)
@@ -137,12 +137,7 @@ def main() -> None:
         operands, out_elems = (x, w, gs), s.m * call.n
         sizes_for_rows = sizes
       label = f"{s.name} {op} ({choice.implementation})"
-      if op == "dw":
-        run2 = lambda *a, run=run: run(*a).reshape(s.g * s.k, s.n)
-        ref2 = lambda ref=ref: np.asarray(ref(), np.float32).reshape(s.g * s.k, s.n)
-      else:
-        run2, ref2 = run, ref
-      row = check(label, run2, operands, ref2, sizes_for_rows, args.repeats,
+      row = check(label, run, operands, ref, sizes_for_rows, args.repeats,
                   min(4 * out_elems, 8 << 30))
       row["config"] = str(choice.config)
       rows.append(row)

@@ -623,8 +623,9 @@ def test_two_warpgroups_k_tile_wider_than_k(flat):
 
 
 # Boxes as wide as the output's rows (block_n == n) on a k tile that runs past k
-# (k % block_k == 64): the kind of box the hardware did not clip from a plain
-# SMEM buffer (v25d); dW's staging is swizzle-tiled and clips (v25e).
+# (k % block_k == 64): the kind of box that was not clipped from a plain SMEM
+# buffer (v25d: Mosaic sends such a contiguous slice as a bulk copy clamped only
+# at the array's end); dW's staging is swizzle-tiled and clips (v25e).
 FULL_WIDTH_PAST_K = [
     MosaicDwConfig(block_m=64, block_k=128, block_n=128, num_stages=2, num_sms=3),
     dataclasses.replace(PINGPONG, block_k=128, block_n=128),

@@ -116,14 +116,20 @@ def _group_sizes(task: Task, skewed: bool = False, seed: int = 0):
   return jnp.asarray(routed_group_sizes(shape, seed))
 
 
+def near_best(rows: list[dict[str, Any]], slack: float) -> list[dict[str, Any]]:
+  """The timed rows (each with ``ms``) within ``slack`` of the fastest."""
+  fastest = min(r["ms"] for r in rows)
+  return [r for r in rows if r["ms"] <= fastest * (1 + slack)]
+
+
 def pick(rows: list[dict[str, Any]], slack: float) -> dict[str, Any]:
   """The winner among timed rows (each with ``ms``; those re-timed on skewed
   sizes also with ``skewed_ms``): the fastest on skewed sizes among the rows
   within ``slack`` of the fastest ``ms``, or the fastest ``ms`` when none of
   them has a skewed time."""
-  best = min(rows, key=lambda r: r["ms"])
-  near = [r for r in rows if r["ms"] <= best["ms"] * (1 + slack) and "skewed_ms" in r]
-  return min(near, key=lambda r: r["skewed_ms"]) if near else best
+  near = [r for r in near_best(rows, slack) if "skewed_ms" in r]
+  return (min(near, key=lambda r: r["skewed_ms"]) if near
+          else min(rows, key=lambda r: r["ms"]))
 
 
 def _inputs(task: Task, dtype, seed: int = 0):
@@ -276,8 +282,7 @@ def tune_task(task: Task, dtype, deadline: float, *, iterations: int, repeats: i
   timed = [r for r in results if "ms" in r]
   if not timed:
     return None
-  fastest = min(r["ms"] for r in timed)
-  near = [r for r in timed if r["ms"] <= fastest * (1 + skew_slack)]
+  near = near_best(timed, skew_slack)
   if skew_slack >= 0 and time.time() > deadline:
     complete = False  # the skewed check did not run: redo this entry next time
   elif skew_slack >= 0:

@@ -215,9 +215,10 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
 
         layouts = _layouts(cfg, row0, row_end)
         if cfg.tail_on_m:  # the first consumer runs the tail; the other a plain tile
-          on_m = dict(layouts)["tail"] & (wg == 0)
+          preds = dict(layouts)
+          on_m = preds["tail"] & (wg == 0)
           pl.when(on_m)(lambda: tile("tail", tail_on_m=True))
-          short = dict(layouts).get("short")
+          short = preds.get("short")
           layouts = [(layout, pred) for layout, pred in layouts if layout == "short"]
           layouts.append(("plain", ~on_m if short is None else ~on_m & ~short))
         _per_layout(layouts, tile)
