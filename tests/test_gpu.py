@@ -293,19 +293,23 @@ def test_swap_swizzled_staging_real_sizes(shape, transpose_rhs, tail_rows, offse
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
-@pytest.mark.parametrize("swap_rows,tail_rows,offset,tail", [
-    (160, 0, None, "fold"), (144, 16, 8, "m"), (144, 16, None, "split")],
-                         ids=["r160", "r144-t16-shard-m", "r144-t16-split"])
-def test_swap_rows_real_size(transpose_rhs, swap_rows, tail_rows, offset, tail):
+@pytest.mark.parametrize("swap_rows,tail_rows,offset,tail,short", [
+    (160, 0, None, "fold", 0), (144, 16, 8, "m", 0), (144, 16, None, "split", 0),
+    (160, 0, None, "fold", 128), (176, 0, 8, "fold", 128)],
+                         ids=["r160", "r144-t16-shard-m", "r144-t16-split", "r160-s128",
+                              "r176-s128-shard"])
+def test_swap_rows_real_size(transpose_rhs, swap_rows, tail_rows, offset, tail, short):
   """Swap tiles of fewer than 256 rows on groups of ~128 rows (DeepSeek-V3's
-  layout), folded tails, a shard; NaN-poisoned memory."""
+  layout), folded tails, a shard, 128-row short tiles for the groups that fit
+  them; NaN-poisoned memory."""
   from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
   cfg = mosaic_fwd.MosaicFwdConfig(128, 128, 64, 4, num_compute_wgs=2, ring=True, swap=True,
                                    swap_rows=swap_rows, tail_rows=tail_rows,
                                    producer_zeros=False, tail_split=tail == "split",
-                                   tail_on_m=tail == "m")
+                                   tail_on_m=tail == "m", swizzle_staging=bool(short),
+                                   short_tile_rows=short)
   _check_mosaic_gmm(cfg, (16384, 2048, 1792, 128, "routed"), transpose_rhs, offset,
-                    seed=swap_rows + tail_rows)
+                    seed=swap_rows + tail_rows + short)
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])

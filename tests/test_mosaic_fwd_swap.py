@@ -123,6 +123,22 @@ def test_short_tiles_match_oracle(short, m, offset, num_local, transpose_rhs, ta
                       swizzled=swizzled, short_tile_rows=short)
 
 
+# Short tiles beside tiles of fewer than 256 rows (DeepSeek-V3's ~128-row groups): with
+# 160-row tiles and 128-row short ones, 100 rows (from row 0) and 120 (from row 100: its
+# tile starts at 96, 124 rows) are short, 150 (from row 220, 8-aligned at 216: 154 rows)
+# is one 160-row tile, 200 (from row 370, at 368: 160 + 42) a plain tile and a short one;
+# with 176-row tiles 169 rows fit one tile (from row 570, at 568: 171).
+@pytest.mark.parametrize("swap_rows,short,transpose_rhs,offset,num_local", [
+    (160, 128, False, None, 6), (160, 128, True, None, 6), (160, 64, True, None, 6),
+    (176, 128, False, 1, 3), (176, 128, True, None, 6)])
+def test_short_tiles_with_fewer_rows_per_tile(swap_rows, short, transpose_rhs, offset,
+                                              num_local):
+  sizes = [100, 120, 150, 200, 169, 0]
+  test_matches_oracle(sizes, 768, 128, 192, offset, num_local,
+                      transpose_rhs, 0, "fold", swap_rows=swap_rows, swizzled=True,
+                      short_tile_rows=short)
+
+
 def test_short_tile_rows_checked():
   for bad in (32, 96, 256):
     with pytest.raises(ValueError, match="short_tile_rows"):
@@ -258,7 +274,7 @@ def test_config_checks():
     (0, 4, "fold", 256), (32, 4, "fold", 256), (64, 3, "fold", 256), (32, 4, "split", 256),
     (16, 4, "split", 256), (32, 4, "m", 256), (0, 4, "fold", 160), (16, 4, "m", 144),
     (16, 4, "split", 144), (32, 4, "split", (256, 128)), (32, 4, "m", (256, 64)),
-    (0, 4, "fold", (160, 64))])
+    (0, 4, "fold", (160, 64)), (0, 4, "fold", (160, 128)), (0, 4, "fold", (176, 128))])
 def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, tail, swap_rows):
   m, k, n, g = 4096, 2048, 1536, 128
   swap_rows, short = swap_rows if isinstance(swap_rows, tuple) else (swap_rows, 0)
