@@ -148,19 +148,23 @@ def test_triton_dw_real_size(layout):
 
 @pytest.mark.parametrize("op,shape", [
     ("fwd", (32768, 2048, 1536, 128)), ("dx", (32768, 2048, 1536, 128)),
-    ("dx", (32768, 768, 2048, 128)), ("dx", (32768, 2048, 7168, 256))],
+    ("dx", (32768, 768, 2048, 128)), ("dx", (32768, 2048, 7168, 256)),
+    ("fwd", (32768, 4096, 3072, 128)), ("fwd", (32768, 768, 2048, 128))],
                          ids=["qwen30b_gate_up_fwd", "qwen30b_gate_up_dx", "qwen30b_down_dx",
-                              "deepseek_down_dx"])
-@pytest.mark.parametrize("shard", [False, True], ids=["all", "shard"])
-def test_table_swap_entries_real_size(op, shape, shard):
+                              "deepseek_down_dx", "qwen235b_gate_up_fwd", "qwen30b_down_fwd"])
+@pytest.mark.parametrize("shard,layout", [(False, "routed"), (True, "routed"),
+                                          (False, "skewed")],
+                         ids=["all", "shard", "all-skewed"])
+def test_table_swap_entries_real_size(op, shape, shard, layout):
   """The automatic choice on the shapes whose table entries run the swap kernel
-  (Qwen3-30B: split fold, M tail; DeepSeek-V3's dX: 160-row tiles): a swap
-  config is chosen, and the call through ``ragdot`` (a shard call: the
-  row-major ring the swap entry maps to) matches the oracle on NaN-poisoned
-  memory, zero rows outside, bitwise repeatable."""
+  (Qwen3-30B: split fold, M tail; DeepSeek-V3's dX: 160-row tiles; short tiles
+  of 64 / 128 rows, which skewed routing reaches): a swap config is chosen, and
+  the call through ``ragdot`` (a shard call: the row-major ring the swap entry
+  maps to) matches the oracle on NaN-poisoned memory, zero rows outside,
+  bitwise repeatable."""
   m, k, n, g = shape
   local = g // 8 if shard else g
-  sizes = _sizes(m, g, "routed")
+  sizes = _sizes(m, g, layout)
   choice = dispatch_choice(op, Shape("t", m, k, n, g, ep=8 if shard else 1))
   assert choice.implementation == "mosaic" and choice.config.ring
   assert choice.config.swap != shard  # a shard call: the entry's row-major ring
@@ -313,21 +317,24 @@ def test_swap_rows_real_size(transpose_rhs, swap_rows, tail_rows, offset, tail, 
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
-@pytest.mark.parametrize("short,tail_rows,offset,tail", [
-    (128, 32, None, "split"), (64, 32, None, "split"), (128, 32, 8, "m"), (64, 0, None, "fold")],
-                         ids=["s128-t32-split", "s64-t32-split", "s128-t32-shard-m", "s64-t0"])
-def test_swap_short_tiles_real_size(transpose_rhs, short, tail_rows, offset, tail):
+@pytest.mark.parametrize("short,tail_rows,offset,tail,kn", [
+    (128, 32, None, "split", (2048, 1536)), (64, 32, None, "split", (2048, 1536)),
+    (128, 32, 8, "m", (2048, 1536)), (64, 0, None, "fold", (2048, 1536)),
+    (64, 32, None, "split", (768, 2048))],
+                         ids=["s128-t32-split", "s64-t32-split", "s128-t32-shard-m", "s64-t0",
+                              "s64-t32-split-down"])
+def test_swap_short_tiles_real_size(transpose_rhs, short, tail_rows, offset, tail, kn):
   """Swap tiles of at most 64 / 128 rows run as wgmmas of that N
-  (short_tile_rows) on Qwen3-30B gate_up's size with skewed routing (many groups
-  far below 256 rows, a few above 1000), swizzled staging, a shard;
+  (short_tile_rows) on Qwen3-30B gate_up's (or down's) size with skewed routing
+  (many groups far below 256 rows, a few above 1000), swizzled staging, a shard;
   NaN-poisoned memory, every element checked."""
   from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
   cfg = mosaic_fwd.MosaicFwdConfig(128, 128, 64, 4, num_compute_wgs=2, ring=True, swap=True,
                                    tail_rows=tail_rows, producer_zeros=False,
                                    tail_split=tail == "split", tail_on_m=tail == "m",
                                    swizzle_staging=True, short_tile_rows=short)
-  _check_mosaic_gmm(cfg, (32768, 2048, 1536, 128, "skewed"), transpose_rhs, offset,
-                    seed=short + tail_rows)
+  _check_mosaic_gmm(cfg, (32768, *kn, 128, "skewed"), transpose_rhs, offset,
+                    seed=short + tail_rows + kn[0])
 
 
 @pytest.mark.parametrize("variant", ["1wg", "2wg", "2wg_chained", "2wg_split_n",
