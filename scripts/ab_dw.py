@@ -37,9 +37,7 @@ def main() -> None:
   args = p.parse_args()
   os.makedirs(args.out_dir, exist_ok=True)
   rows = []
-  for s in bench.PRESETS["training"]:
-    if args.shapes and s.name not in args.shapes:
-      continue
+  for s in bench.preset_shapes("training", args.shapes):
     gs = jnp.asarray(bench.routed_group_sizes(s))
     kx, ky = jax.random.split(jax.random.key(len(rows) + 3))
     x = jax.random.normal(kx, (s.m, s.k), jnp.bfloat16)

@@ -39,8 +39,8 @@ def main() -> None:
   os.makedirs(args.out_dir, exist_ok=True)
   split_budget = timing.OUTPUT_BUDGET_BYTES
   rows = []
-  for s in bench.PRESETS[args.preset]:
-    if (args.shapes and s.name not in args.shapes) or s.ep > 1:
+  for s in bench.preset_shapes(args.preset, args.shapes):
+    if s.ep > 1:
       continue
     _, inputs = bench.shape_inputs(s)
     for op in args.ops:

@@ -45,9 +45,7 @@ def main() -> None:
   args = p.parse_args()
   os.makedirs(args.out_dir, exist_ok=True)
   rows = []
-  for s in bench.PRESETS[args.preset]:
-    if args.shapes and s.name not in args.shapes:
-      continue
+  for s in bench.preset_shapes(args.preset, args.shapes):
     if s.ep > 1:
       raise SystemExit(f"{s.name}: EP shard shapes are timed by scripts/diag_ep.py")
     sizes = bench.routed_group_sizes(s)

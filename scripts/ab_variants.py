@@ -51,9 +51,7 @@ def main() -> None:
   os.makedirs(args.out_dir, exist_ok=True)
   fields = {v: parse_fields([kv for kv in v.split(",") if kv]) for v in args.variants}
   rows = []
-  for s in bench.PRESETS[args.preset]:
-    if args.shapes and s.name not in args.shapes:
-      continue
+  for s in bench.preset_shapes(args.preset, args.shapes):
     if s.ep > 1:
       raise SystemExit(f"{s.name}: EP shard shapes are timed by scripts/diag_ep.py")
     gs = jnp.asarray(bench.routed_group_sizes(s))

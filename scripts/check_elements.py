@@ -100,9 +100,7 @@ def main() -> None:
                         4 * m * max(n, k)))
       save()
 
-  for s in bench.PRESETS[args.preset]:
-    if args.shapes and s.name not in args.shapes:
-      continue
+  for s in bench.preset_shapes(args.preset, args.shapes):
     sizes = np.asarray(bench.routed_group_sizes(s))
     gs = jnp.asarray(sizes)
     for op in args.ops:

@@ -68,9 +68,7 @@ def main() -> None:
   args = p.parse_args()
   os.makedirs(args.out_dir, exist_ok=True)
   rows = []
-  for s in bench.PRESETS["training"]:
-    if args.shapes and s.name not in args.shapes:
-      continue
+  for s in bench.preset_shapes("training", args.shapes):
     if not args.shapes and (s.g != 128 or s.top_k != 8):
       continue
     kx, kw = jax.random.split(jax.random.key(len(rows)))

@@ -79,6 +79,16 @@ def test_bench_only_picks_preset_shapes_by_name(tmp_path, monkeypatch):
     cli.main(["bench", "--preset", "small", "--only", "no such shape", "--ops", "fwd"])
 
 
+def test_preset_shapes_keeps_the_presets_order_and_rejects_unknown_names():
+  from ragdot import bench  # pylint: disable=g-import-not-at-top
+  names = [s.name for s in bench.PRESETS["training"]]
+  assert [s.name for s in bench.preset_shapes("training")] == names
+  assert [s.name for s in bench.preset_shapes(["training", "ep"], [names[3], names[1]])] == [
+      names[1], names[3]]
+  with pytest.raises(ValueError, match="qwen3-30b gate_up skewed"):  # the other preset's
+    bench.preset_shapes("training", [names[0], "qwen3-30b gate_up skewed"])
+
+
 def test_training_skewed_preset_is_the_training_shapes_skewed():
   from ragdot import bench  # pylint: disable=g-import-not-at-top
   skewed, training = bench.PRESETS["training-skewed"], bench.PRESETS["training"]

@@ -242,8 +242,8 @@ def test_config_checks():
   # The tuner times both swap tails (split fold, row-major M tail) where swap runs.
   sweep = mf.gpu_sweep_configs(32768, 2048, 1536, 128, False)
   assert [(c.tail_split, c.tail_on_m) for c in sweep if c.swap] == [(True, False), (False, True)]
-  # with 128-row short tiles (the tuner's routed sizes cannot show what skew costs)
-  assert all(c.short_tile_rows == 128 for c in sweep if c.swap)
+  # with 64-row short tiles (the tuner's routed sizes cannot show what skew costs)
+  assert all(c.short_tile_rows == 64 for c in sweep if c.swap)
   assert not any(c.swap for c in mf.gpu_sweep_configs(32768, 2048, 1536, 128, False,
                                                       jnp.bfloat16, jnp.float32))
   # Groups of ~128 rows (DeepSeek-V3): also swap tiles of 144 rows with 16 split tail
@@ -251,7 +251,7 @@ def test_config_checks():
   sweep = mf.gpu_sweep_configs(32768, 7168, 2048, 256, True)
   small = [c for c in sweep if c.swap]
   assert [(c.swap_rows, c.tail_rows, c.tail_split, c.short_tile_rows) for c in small] == [
-      (256, 32, True, 128), (256, 32, False, 128), (144, 16, True, 0), (160, 0, False, 0)]
+      (256, 32, True, 64), (256, 32, False, 64), (144, 16, True, 0), (160, 0, False, 64)]
   # 64 tail rows fit 3 stages; 32 fit 4 (the tail's stores share the staging buffer).
   assert dataclasses.replace(CFG, tail_rows=64, num_stages=3).smem_bytes(
       jnp.bfloat16, jnp.bfloat16) <= CFG.smem_budget()

@@ -102,6 +102,19 @@ PRESETS: dict[str, list[Shape]] = {
 }
 
 
+def preset_shapes(presets: str | list[str], names: Collection[str] | None = None) -> list[Shape]:
+  """The shapes of one or more presets, in order; with ``names``, only those
+  (ValueError naming any that no preset holds: a mistyped name would
+  otherwise measure nothing)."""
+  shapes = [s for p in ([presets] if isinstance(presets, str) else presets) for s in PRESETS[p]]
+  if names:
+    unknown = set(names) - {s.name for s in shapes}
+    if unknown:
+      raise ValueError(f"no such shape in the presets: {sorted(unknown)}")
+    shapes = [s for s in shapes if s.name in names]
+  return shapes
+
+
 def parse_shape(text: str) -> Shape:
   """'m,k,n,g' or 'm,k,n,g,top_k' (top_k defaults to min(8, g))."""
   try:
@@ -667,12 +680,10 @@ def run(args: argparse.Namespace) -> int:
   impls = args.impls
   if impls is None:
     impls = ["mosaic", "triton"] if jax.default_backend() == "gpu" else ["xla"]
-  shapes = [s for p in (args.preset or ([] if args.shape else ["small"])) for s in PRESETS[p]]
-  if args.only:
-    unknown = set(args.only) - {s.name for s in shapes}
-    if unknown:
-      raise ValueError(f"--only: no such shape in the presets: {sorted(unknown)}")
-    shapes = [s for s in shapes if s.name in args.only]
+  try:
+    shapes = preset_shapes(args.preset or ([] if args.shape else ["small"]), args.only)
+  except ValueError as e:
+    raise ValueError(f"--only: {e}") from None
   shapes += list(args.shape)
   print(f"devices: {jax.devices()}  tokamax: {'yes' if _tokamax() else 'no'}", flush=True)
   copy_tbps = None

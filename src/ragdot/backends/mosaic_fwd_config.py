@@ -149,9 +149,10 @@ class MosaicFwdConfig:
     more rows are left than tail_rows.  For skewed routing, where many groups
     hold far fewer rows than swap_rows (a swap tile computes all R of its rows
     whatever its group holds).  One more copy of the k loop and epilogue in the
-    kernel.  Measured on the H200 (docs/performance.md v26e), Qwen3-30B gate_up
-    with skewed routing: 128 0.84x / 0.86x the time (forward / dX), 64 0.81x /
-    0.82x; with routed group sizes 128 1.005x / 1.001x.
+    kernel.  Measured on the H200 (docs/performance.md v26e, v27a-d): with skewed
+    routing 128 0.84-0.87x the time on the Qwen calls, 64 0.81-0.85x (DeepSeek-V3's
+    dX with 160-row tiles 0.87x); with routed group sizes 0.996-1.003x, except
+    Qwen3-30B down's forward (12-step k loop: 1.008-1.016x).
   zero_box_rows: with producer_zeros, the rows of its zero buffer (8, 16, 32
     or 64): each 64-row half of a zero item goes out in stores of at most
     this many rows.  Fewer rows leave room for wider epilogue chunks (a
@@ -445,12 +446,13 @@ def gpu_sweep_configs(
       # 0.93-0.96x the ring / pipeline entries on the Qwen3 gate_up forwards and
       # Qwen3-235B's dX; tails 0, 16 and 64 lost).
       # Staged through a swizzled buffer (v24c-d: 0.95-0.97x the unswizzled one).
-      # Short tiles of <= 128 rows as 128-row wgmmas: the tuner times routed sizes only,
-      # where they cost nothing (v26e: 1.005x / 1.001x), and skewed routing needs them
-      # (0.84x / 0.86x the time).
+      # Short tiles of <= 64 rows as 64-row wgmmas: routed sizes (what the tuner times
+      # first) barely reach them (v27a: 0.996-1.003x on five of the six Qwen calls,
+      # 1.008-1.016x on Qwen3-30B down's forward), and skewed routing needs them (0.81-0.84x
+      # the time; 128-row short tiles 0.84-0.87x).
       swap = dataclasses.replace(base, ring=True, swap=True, block_n=128, tail_rows=32,
                                  tail_split=True, epilogue_split=2, grid_tile_width=1,
-                                 num_stages=4, swizzle_staging=True, short_tile_rows=128)
+                                 num_stages=4, swizzle_staging=True, short_tile_rows=64)
       # The same with the tail row-major on the first consumer (v20: 0.95 / 0.97x the
       # ring on the Qwen3-30B dX calls, a tie with the split fold on the gate_up forwards).
       swap_m = dataclasses.replace(swap, tail_split=False, tail_on_m=True)
@@ -461,13 +463,14 @@ def gpu_sweep_configs(
       # tail rows split, and of ~5/4 the mean without a tail (DeepSeek-V3 down dX,
       # groups of 128 +- 11 rows: 144 + 16 rows 0.932 / 0.921x its Triton entry, 160
       # rows 0.942 / 0.924x in two A/Bs, v21h / v22a, and half the lowering time; the
-      # forward lost, 1.02-1.05x the ring).
+      # forward lost, 1.02-1.05x the ring).  The one without a tail keeps the 64-row
+      # short tiles (v27a-b, its dX: 0.986x routed, 0.874x skewed, with the staging).
       mean = m // max(g, 1)
       rows = min(SWAP_ROWS, max(64, 16 * math.ceil(mean * 9 / 8 / 16)))
       small = dataclasses.replace(swap, swap_rows=rows, tail_rows=16, short_tile_rows=0)
       plain = dataclasses.replace(
           swap, swap_rows=min(SWAP_ROWS, max(64, 16 * math.ceil(mean * 5 / 4 / 16))),
-          tail_rows=0, tail_split=False, short_tile_rows=0)
+          tail_rows=0, tail_split=False)
       for c in (small, plain):
         if (96 <= mean <= 192 and m >= c.swap_rows + c.tail_rows
             and jnp.dtype(out_dtype).itemsize == 2 and _fits(c, dtype, out_dtype)):
