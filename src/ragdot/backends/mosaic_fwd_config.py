@@ -468,9 +468,9 @@ def gpu_sweep_configs(
       mean = m // max(g, 1)
       rows = min(SWAP_ROWS, max(64, 16 * math.ceil(mean * 9 / 8 / 16)))
       small = dataclasses.replace(swap, swap_rows=rows, tail_rows=16, short_tile_rows=0)
-      plain = dataclasses.replace(
-          swap, swap_rows=min(SWAP_ROWS, max(64, 16 * math.ceil(mean * 5 / 4 / 16))),
-          tail_rows=0, tail_split=False)
+      plain_rows = min(SWAP_ROWS, max(64, 16 * math.ceil(mean * 5 / 4 / 16)))
+      plain = dataclasses.replace(swap, swap_rows=plain_rows, tail_rows=0, tail_split=False,
+                                  short_tile_rows=64 if plain_rows > 64 else 0)
       for c in (small, plain):
         if (96 <= mean <= 192 and m >= c.swap_rows + c.tail_rows
             and jnp.dtype(out_dtype).itemsize == 2 and _fits(c, dtype, out_dtype)):
