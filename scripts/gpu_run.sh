@@ -19,6 +19,8 @@
 #   bench  ragdot bench table + JSON + PNG                                 BENCH_ARGS
 #   moe    one MoE block fwd+bwd: ragdot vs lax vs tokamax
 #   ep     MoE block expert-parallel scaling over the local GPUs           EP_ARGS
+#   floors dW's measured bytes floors: fills and sums of its bytes beside the dW kernel
+#          and the dense dW matmul, per training shape (scripts/dw_floors.py)  FLOORS_ARGS
 #   profile  ncu counters of the main kernels (scripts/profile_kernels.py)  PROFILE_ARGS
 #          (PROFILE_SECTIONS="SourceCounters ...": more ncu sections;
 #           PROFILE_METRICS="metric metric ...": single ncu metrics, given to ncu
@@ -70,6 +72,7 @@ for stage in $STAGES; do
       # USE_TUNED=1: later stages of this call run with the table just tuned.
       [ "${USE_TUNED:-0}" = 1 ] && cp "$OUT/nvidia_h200.json" src/ragdot/tables/nvidia_h200.json ;;
     bench) run bench "${BENCH_TIMEOUT:-400}" python3 -m ragdot bench --json "$OUT/bench.json" --plot "$OUT/bench.png" ${BENCH_ARGS:---preset training decode ep skewed} ;;
+    floors) run floors "${FLOORS_TIMEOUT:-240}" python3 scripts/dw_floors.py "$OUT/floors" ${FLOORS_ARGS:-} ;;
     moe) run moe "${MOE_TIMEOUT:-120}" python3 -m ragdot.moe.bench --json "$OUT/moe.json" ;;
     ep) run ep "${EP_TIMEOUT:-180}" python3 -m ragdot.moe.ep_bench --json "$OUT/ep.json" ${EP_ARGS:-} ;;
     profile)
