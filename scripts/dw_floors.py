@@ -8,8 +8,10 @@ GPU needs to write (and read) that many bytes is measured here rather than
 taken from the copy bandwidth, in one interleaved CUPTI run per shape:
 
 * ``dw``: the automatic ``trans_ragged_dot``; ``dense``: ``x^T @ dy``;
-* ``write_dw``: a kernel that only writes the dW output's bytes (a fill with a
-  traced value, as bf16 and as f32 of half the elements: the faster);
+* ``write_dw``: a kernel that only writes the dW output's bytes: the fastest of
+  XLA fills (a traced value, as bf16 and as f32 of half the elements) and a
+  Mosaic kernel of TMA stores only (``scripts/tma_fill.py``, the kernels' own
+  write path);
 * ``read_xdy``: one that only reads x and dy (a sum of each), ``read_w``: one
   that only reads the weights [g, k, n];
 * ``write_x`` / ``write_dy``: fills of the dX's / forward's output bytes.
@@ -32,6 +34,7 @@ import jax.numpy as jnp
 
 import ragdot
 from ragdot import bench, timing
+from tma_fill import tma_fill
 
 
 def _fill(shape, dtype):
@@ -65,10 +68,12 @@ def main() -> None:
       cases[f"write_{name}_bf16"] = (_fill(shape, jnp.bfloat16), (v,))
       cases[f"write_{name}_f32"] = (_fill(shape[:-1] + (shape[-1] // 2,), jnp.float32),
                                     (jnp.float32(1.5),))
+      cases[f"write_{name}_tma"] = (tma_fill((s.g * s.k, s.n) if name == "dw" else shape,
+                                             jnp.bfloat16), ())
     print(f"# {s.name}", flush=True)
     med = timing.interleaved_median_ms(cases, rounds=args.rounds, iterations=args.iterations)
     for name in ("dw", "x", "dy"):
-      med[f"write_{name}"] = min(med[f"write_{name}_bf16"], med[f"write_{name}_f32"])
+      med[f"write_{name}"] = min(med[f"write_{name}_{kind}"] for kind in ("bf16", "f32", "tma"))
     read_x = med["read_xdy"] * s.k / (s.k + s.n)  # x's share of the x + dy read
     read_dy = med["read_xdy"] - read_x
     floor_dw = med["write_dw"] + med["read_xdy"]
