@@ -96,6 +96,8 @@ PRESETS: dict[str, list[Shape]] = {
     # Every training shape under the skewed routing (a table entry serves both routings).
     "training-skewed": [dataclasses.replace(s, skewed=True)
                         for s in _model_shapes(4096, " skewed")],
+    "decode-skewed": [dataclasses.replace(s, skewed=True)
+                      for s in _model_shapes(64, " decode skewed")],
     "small": [Shape("small", 2048, 512, 512, 16, top_k=2)],
     **{model: model_shapes(model) for model in MODELS},
     "seed-sweep": seed_sweep_shapes(),
