@@ -215,6 +215,9 @@ def test_configs_fit_smem():
   assert dataclasses.replace(decode[0], num_stages=2) in decode[:4]
   decode_dx = tr.gpu_sweep_configs("gmm_t", 512, 768, 2048, 128)
   assert all(c.num_stages >= 3 for c in decode_dx)
+  # ... and for both, 32-row tiles stepping 128 deep (the decode dX entries' config).
+  deep = tr.TritonConfig(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=3)
+  assert deep in decode[:4] and deep in decode_dx[:4]
   training = tr.gpu_sweep_configs("gmm", 32768, 2048, 1536, 128)
   assert all(c.num_stages >= 3 for c in training)
   with pytest.raises(ValueError):

@@ -202,6 +202,14 @@ def gpu_sweep_configs(op: str, m: int, k: int, n: int, g: int,
     # and every decode dX lost 2-26%, H200, docs/performance.md 18c-18d), inside
     # the first four that `ragdot tune` times.
     out.append(dataclasses.replace(out[0], num_stages=2))
+  if op != "tgmm" and out[0].block_m == 64:
+    # Decode-sized groups: 32-row tiles stepping 128 deep (256-byte pieces of
+    # each weight row): 0.950-0.975x the default on the 128/256-expert decode
+    # dX calls and no extra weight reads under skew, where 16-row tiles re-read
+    # a group's weights per 16 rows (H200, docs/performance.md 28c-28d).
+    deep = TritonConfig(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=3)
+    if deep.smem_bytes(dtype, op=op) <= smem_limit:
+      out.append(deep)
   if op == "tgmm":
     shapes = [(bm, bn, bk, w) for bm in (32, 64) for (bk, bn, w) in
               ((128, 128, 8), (128, 256, 8), (64, 128, 4), (128, 64, 4))]
@@ -214,6 +222,7 @@ def gpu_sweep_configs(op: str, m: int, k: int, n: int, g: int,
     # last tile.
     shapes = [(bm, bn, 64, w) for (bm, bn, w) in tiles]
     shapes += [(bm, bn, 32, w) for (bm, bn, w) in tiles]
+    shapes += [(bm, 128, 128, 4) for bm in (64, 32, 16)]
   for bm, bn, bk, w in shapes:
     for stages in ((4, 3) if op != "tgmm" else (3, 4)):
       c = TritonConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w,
