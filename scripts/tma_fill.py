@@ -12,7 +12,6 @@ writes, so it is no floor.)
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import jax
@@ -65,4 +64,4 @@ def tma_fill(shape: tuple[int, int], dtype: Any, *, block: tuple[int, int] = (64
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
-  return jax.jit(functools.partial(kernel))
+  return jax.jit(kernel)
