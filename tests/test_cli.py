@@ -151,6 +151,17 @@ def test_tune_dry_run_lists_candidates(tmp_path, capsys):
   assert not (tmp_path / "t.json").exists()  # a dry run writes nothing
 
 
+def test_tune_times_the_triton_candidates_before_the_mosaic_sweep():
+  from ragdot import tune  # pylint: disable=g-import-not-at-top
+  from ragdot.backends import triton  # pylint: disable=g-import-not-at-top
+
+  task = tune.Task("dx", "qwen3-30b gate_up decode", 512, 1536, 2048, 128, 8)
+  backends = [b for b, _ in tune.candidates(task, jnp.bfloat16)]
+  assert backends[:5] == ["mosaic"] + ["triton"] * 4 and "triton" not in backends[5:]
+  deep = triton.TritonConfig(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=3)
+  assert ("triton", deep) in tune.candidates(task, jnp.bfloat16)[:5]
+
+
 def test_tune_refuses_without_gpu(capsys):
   assert cli.main(["tune", "--shape", "256,64,64,4"]) == 2
   assert "no GPU" in capsys.readouterr().err
