@@ -61,9 +61,10 @@ def main() -> None:
         "read_xdy": (read, (x, dy)),
         "read_w": (read, (w,)),
     }
-    # Fills of the same bytes as bf16 and as f32 (half the elements): XLA writes
-    # bf16 two bytes per store, which ran at 1.70 TB/s (27e), slower than the dW
-    # kernel's own writes; the faster of the two is the write time.
+    # Fills of the same bytes as bf16, as f32 (half the elements) and by TMA
+    # stores: XLA writes bf16 two bytes per store, which ran at 1.70 TB/s (27e),
+    # slower than the dW kernel's own writes; the fastest of the three is the
+    # write time (the TMA fill: 4.38-4.44 TB/s in 28a).
     for name, shape in (("dw", (s.g, s.k, s.n)), ("x", x.shape), ("dy", dy.shape)):
       cases[f"write_{name}_bf16"] = (_fill(shape, jnp.bfloat16), (v,))
       cases[f"write_{name}_f32"] = (_fill(shape[:-1] + (shape[-1] // 2,), jnp.float32),
