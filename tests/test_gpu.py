@@ -7,8 +7,6 @@ Deselected on CPU by ``-m "not gpu"``.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -129,23 +127,20 @@ def test_triton_real_sizes(shape):
   oracle.assert_close(dw, oracle.np_trans_ragged_dot(x, dy, sizes), jnp.bfloat16)
 
 
-@pytest.mark.parametrize("persistent", [0, 1, 2], ids=["per_item", "persistent1", "persistent2"])
 @pytest.mark.parametrize("layout", ["routed", "under", "skewed"])
-def test_triton_dw_real_size(layout, persistent):
-  """Triton dW (the partial row chunk inside the pipelined loop; ``persistent``:
-  one loop over all items' chunks per program) at a real size, with rows past
-  the groups (``under``: a missing row mask would add them to the last group)
-  and empty groups (``skewed``): against the oracle, bitwise the same on a
-  second call.  (That inf / NaN in other groups' rows cannot leak is the CPU
-  tests' job.)"""
+def test_triton_dw_real_size(layout):
+  """Triton dW (the partial row chunk inside the pipelined loop) at a real size,
+  with rows past the groups (``under``: a missing row mask would add them to the
+  last group) and skewed sizes (one- and many-chunk groups side by side):
+  against the oracle, bitwise the same on a second call.  (That inf / NaN in
+  other groups' rows cannot leak is the CPU tests' job.)"""
   from ragdot.backends import triton as tr  # pylint: disable=g-import-not-at-top
   m, k, n, g = 8192, 512, 384, 32
   sizes = _sizes(m, g, layout)
   x, dy = oracle.random_inputs(jax.random.key(77), [(m, k), (m, n)], jnp.bfloat16)
   gs = jnp.asarray(sizes)
-  config = dataclasses.replace(tr.default_config("tgmm", m, k, n, g), persistent=persistent)
   run = jax.jit(lambda x, d: tr.tgmm(x, d, gs, None, num_groups=g, out_dtype=jnp.bfloat16,
-                                     precision=None, config=config))
+                                     precision=None))
   _poison(4 * m * max(n, k))
   got = run(x, dy)
   oracle.assert_close(got, oracle.np_trans_ragged_dot(x, dy, sizes), jnp.bfloat16)

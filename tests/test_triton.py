@@ -24,8 +24,6 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
 SMALL = tr.TritonConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)
-# dW: 3 programs (interpret mode) walking all items' row chunks in one loop each.
-PERSISTENT = dataclasses.replace(SMALL, persistent=1)
 
 
 def _gmm(lhs, rhs, sizes, offset, transpose_rhs, out_dtype=None, config=SMALL,
@@ -143,15 +141,14 @@ def test_grid_is_tiles_times_n_tiles_plus_zero_blocks():
         ([0, 0, 0], None, 3),          # all empty
     ],
 )
-@pytest.mark.parametrize("config", [SMALL, PERSISTENT], ids=["per_item", "persistent"])
-def test_tgmm_empty_groups_exact_zeros(sizes, offset, num_local, config):
+def test_tgmm_empty_groups_exact_zeros(sizes, offset, num_local):
   """Partial row chunks; rows outside local groups hold inf and never leak."""
   m, k, n = 45, 21, 35
   lhs, rhs = _inputs(11, [(m, k), (m, n)], jnp.float32)
   local = jnp.asarray(_local_rows(sizes, m, offset, num_local))[:, None]
   lhs_bad = jnp.where(local, lhs, jnp.inf)
   rhs_bad = jnp.where(local, rhs, jnp.nan)
-  out = _tgmm(lhs_bad, rhs_bad, sizes, offset, num_local, config=config)
+  out = _tgmm(lhs_bad, rhs_bad, sizes, offset, num_local)
   assert out.shape == (num_local, k, n)
   ref = oracle.ref_trans_ragged_dot(jnp.where(local, lhs, 0), jnp.where(local, rhs, 0),
                                     sizes, None if offset is None else jnp.int32(offset),
@@ -166,14 +163,12 @@ def test_tgmm_empty_groups_exact_zeros(sizes, offset, num_local, config):
       assert np.all(np.asarray(out[j]) == 0)
 
 
-@pytest.mark.parametrize("persistent", [False, True])
-def test_tgmm_bf16_default_config_long_group(persistent):
+def test_tgmm_bf16_default_config_long_group():
   """Default config; one group spans many full row chunks plus a tail."""
   m, k, n = 150, 24, 40
   lhs, rhs = _inputs(12, [(m, k), (m, n)], jnp.bfloat16)
   sizes = [3, 140, 0]
-  config = dataclasses.replace(tr.default_config("tgmm", m, k, n, 3), persistent=int(persistent))
-  out = _tgmm(lhs, rhs, sizes, None, 3, out_dtype=jnp.float32, config=config)
+  out = _tgmm(lhs, rhs, sizes, None, 3, out_dtype=jnp.float32, config=None)
   ref = oracle.ref_trans_ragged_dot(lhs, rhs, sizes)
   oracle.assert_close(out, ref, jnp.bfloat16)
   assert np.all(np.asarray(out[2]) == 0)
@@ -185,30 +180,11 @@ def test_tgmm_bf16_default_config_long_group(persistent):
 @pytest.mark.parametrize(
     "fields",
     [dict(block_m=48), dict(block_n=8), dict(block_k=1024), dict(block_m=True),
-     dict(num_warps=3), dict(num_stages=0), dict(num_stages=2.0), dict(persistent=True),
-     dict(persistent=-1)],
+     dict(num_warps=3), dict(num_stages=0), dict(num_stages=2.0)],
 )
 def test_config_validation(fields):
   with pytest.raises(ValueError):
     tr.TritonConfig(**fields)
-
-
-def test_persistent_is_a_tgmm_option():
-  lhs, rhs = _inputs(1, [(32, 16), (2, 16, 16)], jnp.float32)
-  with pytest.raises(ValueError, match="persistent"):
-    _gmm(lhs, rhs, [16, 16], None, False, config=PERSISTENT)
-
-
-@pytest.mark.parametrize("sizes", [[5, 0, 40, 17, 0, 1, 33], [0] * 4, [100]])
-def test_tgmm_persistent_matches_per_item_bitwise(sizes):
-  """More items than programs, uneven chunk counts per program: the same
-  products in the same order as one program per item."""
-  m, k, n = 100, 40, 48  # 3 k tiles, 3 n tiles of 16 (partial last ones)
-  lhs, rhs = _inputs(13, [(m, k), (m, n)], jnp.bfloat16)
-  a = _tgmm(lhs, rhs, sizes, None, len(sizes), out_dtype=jnp.float32)
-  b = _tgmm(lhs, rhs, sizes, None, len(sizes), out_dtype=jnp.float32, config=PERSISTENT)
-  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  oracle.assert_close(b, oracle.ref_trans_ragged_dot(lhs, rhs, sizes), jnp.bfloat16)
 
 
 def test_sm80_gets_the_a100_paper_config(monkeypatch):

@@ -25,8 +25,8 @@ Design (see CONTEXT.md §5):
   rows in ``block_m`` chunks starting at the group's first row, every chunk
   row-masked at the group's end.  Empty groups (and local groups outside
   ``[0, G)``) store exact zeros.  No atomics, no split over rows:
-  deterministic.  ``persistent``: a few programs per SM, each running the row
-  chunks of all of its items as one loop.
+  deterministic.  (One loop per program over all of its items' chunks ran
+  1.2-3.8x this kernel's time: docs/performance.md 29a.)
 * Masks along k and n exist only when the block does not divide the dimension
   (static), so any k, n, m work; f32 accumulation; f32 inputs use tf32 unless
   ``precision`` asks for HIGHEST (then IEEE f32 products).
@@ -77,11 +77,6 @@ class TritonConfig:
   ``num_warps`` and ``num_stages`` (software pipelining depth) go to Triton.
   ``schedule_kernel`` (gmm / dX): build the tile schedule with one kernel
   (``triton_schedule``) where it applies instead of several XLA kernels.
-  ``persistent`` (tgmm only; 0: off): this many programs per SM, each walking
-  its share of the (group, k tile, n tile) items in a single loop over all
-  their row chunks, so Triton's software pipeline runs across items instead
-  of filling and draining once per item (a ~256-row group is only 4-8 chunks
-  long).
   """
 
   block_m: int = 128
@@ -90,7 +85,6 @@ class TritonConfig:
   num_warps: int = 4
   num_stages: int = 3
   schedule_kernel: bool = True
-  persistent: int = 0
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "block_k"):
@@ -104,9 +98,6 @@ class TritonConfig:
     if (not isinstance(self.num_stages, int) or isinstance(self.num_stages, bool)
         or not 1 <= self.num_stages <= 8):
       raise ValueError(f"num_stages must be an int in [1, 8], got {self.num_stages!r}")
-    if (not isinstance(self.persistent, int) or isinstance(self.persistent, bool)
-        or not 0 <= self.persistent <= 4):
-      raise ValueError(f"persistent must be an int in [0, 4], got {self.persistent!r}")
 
   def smem_bytes(self, dtype: Any = jnp.bfloat16, out_dtype: Any = None,
                  op: str = "gmm") -> int:
@@ -400,8 +391,6 @@ def gmm(
   config = config or device_default_config(op, m, k, n, num_local, lhs.dtype)
   if not isinstance(config, TritonConfig):
     raise TypeError(f"config must be a TritonConfig, got {type(config).__name__}")
-  if config.persistent:
-    raise ValueError("config.persistent applies to tgmm only")
   bm, bn, bk = _fit(config.block_m, m), _fit(config.block_n, n), _fit(config.block_k, k)
 
   tiles, info = backends.flat_schedule(  # info: num_tiles, lo, hi, ...
@@ -460,53 +449,6 @@ def _tgmm_kernel(bounds_ref, lhs_ref, rhs_ref, out_ref, *, k, n, bm, bn, bk,
          _and(None if k_mask is None else k_mask[:, None], n_row))
 
 
-def _tgmm_persistent_kernel(bounds_ref, lhs_ref, rhs_ref, out_ref, *, k, n, bm, bn, bk,
-                            k_tiles, n_tiles, num_items, num_programs, precision):
-  """Program p takes items p, p + P, ... (item = (group, k tile, n tile), the
-  n tile fastest) and runs all their row chunks as one loop: at an item's last
-  chunk it stores the tile and starts the next item with a zero accumulator.
-  An empty group's item is one chunk of fully masked rows (it stores zeros)."""
-  pid = pl.program_id(0)
-  per_group = k_tiles * n_tiles
-  k_mask_on, n_mask_on = k % bk != 0, n % bn != 0
-
-  def chunks(grp):
-    return jnp.maximum(pl.cdiv(bounds_ref[1, grp] - bounds_ref[0, grp], bm), 1)
-
-  mine = pl.cdiv(num_items - pid, num_programs)
-  total = lax.fori_loop(0, mine, lambda i, t: t + chunks((pid + i * num_programs) // per_group),
-                        jnp.int32(0))
-
-  def step(_, carry):
-    item, chunk, acc = carry
-    grp = item // per_group
-    rest = item % per_group
-    k0 = pl.multiple_of((rest // n_tiles) * bk, bk)
-    n0 = pl.multiple_of((rest % n_tiles) * bn, bn)
-    start, end = bounds_ref[0, grp], bounds_ref[1, grp]
-    k_mask = _iota(bk, k0) < k if k_mask_on else None
-    n_mask = _iota(bn, n0) < n if n_mask_on else None
-    r0 = start + chunk * bm
-    row_mask = (_iota(bm, r0) < end)[:, None]
-    x = _load(lhs_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)],
-              _and(row_mask, None if k_mask is None else k_mask[None, :]))
-    y = _load(rhs_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)],
-              _and(row_mask, None if n_mask is None else n_mask[None, :]))
-    acc = acc + plgpu.dot(x, y, trans_a=True, precision=precision)
-    last = chunk + 1 >= jnp.maximum(pl.cdiv(end - start, bm), 1)
-
-    @pl.when(last)
-    def _():
-      _store(out_ref.at[grp, pl.ds(k0, bk), pl.ds(n0, bn)], acc.astype(out_ref.dtype),
-             _and(None if k_mask is None else k_mask[:, None],
-                  None if n_mask is None else n_mask[None, :]))
-
-    return (jnp.where(last, item + num_programs, item), jnp.where(last, 0, chunk + 1),
-            jnp.where(last, jnp.zeros_like(acc), acc))
-
-  lax.fori_loop(0, total, step, (pid, jnp.int32(0), jnp.zeros((bk, bn), jnp.float32)))
-
-
 def tgmm(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -533,23 +475,14 @@ def tgmm(
   starts, ends = md.group_bounds(group_sizes, m, group_offset, num_groups)
   bounds = jnp.stack([starts, ends]).astype(jnp.int32)
   k_tiles, n_tiles = pl.cdiv(k, bk), pl.cdiv(n, bn)
-  num_items = num_groups * k_tiles * n_tiles
-  if config.persistent:
-    num_programs = min(num_items, 3 if interpret
-                       else config.persistent * sm90.device_sm_count())
-    kernel = functools.partial(
-        _tgmm_persistent_kernel, k=k, n=n, bm=bm, bn=bn, bk=bk, k_tiles=k_tiles,
-        n_tiles=n_tiles, num_items=num_items, num_programs=num_programs, precision=prec)
-  else:
-    num_programs = num_items
-    kernel = functools.partial(
-        _tgmm_kernel, k=k, n=n, bm=bm, bn=bn, bk=bk, k_tiles=k_tiles,
-        n_tiles=n_tiles, precision=prec)
+  kernel = functools.partial(
+      _tgmm_kernel, k=k, n=n, bm=bm, bn=bn, bk=bk, k_tiles=k_tiles,
+      n_tiles=n_tiles, precision=prec)
   bounds, lhs, rhs = match_varying(bounds, lhs, rhs)
   return pl.pallas_call(
       kernel,
       out_shape=out_struct((num_groups, k, n), out_dtype, lhs),
-      grid=(num_programs,),
+      grid=(num_groups * k_tiles * n_tiles,),
       compiler_params=_compiler_params(config),
       interpret=interpret,
       name="ragdot_triton_tgmm",
