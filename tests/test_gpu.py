@@ -7,8 +7,6 @@ Deselected on CPU by ``-m "not gpu"``.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -129,11 +127,9 @@ def test_triton_real_sizes(shape):
   oracle.assert_close(dw, oracle.np_trans_ragged_dot(x, dy, sizes), jnp.bfloat16)
 
 
-@pytest.mark.parametrize("segments", [0, 4], ids=["per_item", "stream4"])
 @pytest.mark.parametrize("layout", ["routed", "under", "skewed"])
-def test_triton_dw_real_size(layout, segments):
-  """Triton dW (the partial row chunk inside the pipelined loop; ``stream4``: 4
-  segments of groups, each streamed by one loop per output tile) at a real size,
+def test_triton_dw_real_size(layout):
+  """Triton dW (the partial row chunk inside the pipelined loop) at a real size,
   with rows past the groups (``under``: a missing row mask would add them to the
   last group) and skewed sizes (one- and many-chunk groups side by side):
   against the oracle, bitwise the same on a second call.  (That inf / NaN in
@@ -143,9 +139,8 @@ def test_triton_dw_real_size(layout, segments):
   sizes = _sizes(m, g, layout)
   x, dy = oracle.random_inputs(jax.random.key(77), [(m, k), (m, n)], jnp.bfloat16)
   gs = jnp.asarray(sizes)
-  config = dataclasses.replace(tr.default_config("tgmm", m, k, n, g), row_segments=segments)
   run = jax.jit(lambda x, d: tr.tgmm(x, d, gs, None, num_groups=g, out_dtype=jnp.bfloat16,
-                                     precision=None, config=config))
+                                     precision=None))
   _poison(4 * m * max(n, k))
   got = run(x, dy)
   oracle.assert_close(got, oracle.np_trans_ragged_dot(x, dy, sizes), jnp.bfloat16)

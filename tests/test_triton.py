@@ -24,8 +24,6 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
 SMALL = tr.TritonConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)
-# dW: programs streaming the rows of a segment of groups (3 segments).
-STREAM = dataclasses.replace(SMALL, row_segments=3)
 
 
 def _gmm(lhs, rhs, sizes, offset, transpose_rhs, out_dtype=None, config=SMALL,
@@ -143,15 +141,14 @@ def test_grid_is_tiles_times_n_tiles_plus_zero_blocks():
         ([0, 0, 0], None, 3),          # all empty
     ],
 )
-@pytest.mark.parametrize("config", [SMALL, STREAM], ids=["per_item", "stream"])
-def test_tgmm_empty_groups_exact_zeros(sizes, offset, num_local, config):
+def test_tgmm_empty_groups_exact_zeros(sizes, offset, num_local):
   """Partial row chunks; rows outside local groups hold inf and never leak."""
   m, k, n = 45, 21, 35
   lhs, rhs = _inputs(11, [(m, k), (m, n)], jnp.float32)
   local = jnp.asarray(_local_rows(sizes, m, offset, num_local))[:, None]
   lhs_bad = jnp.where(local, lhs, jnp.inf)
   rhs_bad = jnp.where(local, rhs, jnp.nan)
-  out = _tgmm(lhs_bad, rhs_bad, sizes, offset, num_local, config=config)
+  out = _tgmm(lhs_bad, rhs_bad, sizes, offset, num_local)
   assert out.shape == (num_local, k, n)
   ref = oracle.ref_trans_ragged_dot(jnp.where(local, lhs, 0), jnp.where(local, rhs, 0),
                                     sizes, None if offset is None else jnp.int32(offset),
@@ -166,14 +163,12 @@ def test_tgmm_empty_groups_exact_zeros(sizes, offset, num_local, config):
       assert np.all(np.asarray(out[j]) == 0)
 
 
-@pytest.mark.parametrize("segments", [0, 2])
-def test_tgmm_bf16_default_config_long_group(segments):
+def test_tgmm_bf16_default_config_long_group():
   """Default config; one group spans many full row chunks plus a tail."""
   m, k, n = 150, 24, 40
   lhs, rhs = _inputs(12, [(m, k), (m, n)], jnp.bfloat16)
   sizes = [3, 140, 0]
-  config = dataclasses.replace(tr.default_config("tgmm", m, k, n, 3), row_segments=segments)
-  out = _tgmm(lhs, rhs, sizes, None, 3, out_dtype=jnp.float32, config=config)
+  out = _tgmm(lhs, rhs, sizes, None, 3, out_dtype=jnp.float32, config=None)
   ref = oracle.ref_trans_ragged_dot(lhs, rhs, sizes)
   oracle.assert_close(out, ref, jnp.bfloat16)
   assert np.all(np.asarray(out[2]) == 0)
@@ -185,47 +180,11 @@ def test_tgmm_bf16_default_config_long_group(segments):
 @pytest.mark.parametrize(
     "fields",
     [dict(block_m=48), dict(block_n=8), dict(block_k=1024), dict(block_m=True),
-     dict(num_warps=3), dict(num_stages=0), dict(num_stages=2.0), dict(row_segments=True),
-     dict(row_segments=-1)],
+     dict(num_warps=3), dict(num_stages=0), dict(num_stages=2.0)],
 )
 def test_config_validation(fields):
   with pytest.raises(ValueError):
     tr.TritonConfig(**fields)
-
-
-def test_row_segments_is_a_tgmm_option():
-  lhs, rhs = _inputs(1, [(32, 16), (2, 16, 16)], jnp.float32)
-  with pytest.raises(ValueError, match="row_segments"):
-    _gmm(lhs, rhs, [16, 16], None, False, config=STREAM)
-
-
-@pytest.mark.parametrize("segments", [1, 3, 7, 64])
-@pytest.mark.parametrize("sizes", [[5, 0, 40, 17, 0, 1, 33], [0] * 4, [100], [0, 60, 0]])
-def test_tgmm_row_stream_matches_per_item_bitwise(sizes, segments):
-  """Segments of one group, of several, empty ones (more segments than
-  chunks), empty groups at a segment's edges: the same products in the same
-  order as one program per item."""
-  m, k, n = 100, 40, 48  # 3 k tiles, 3 n tiles of 16 (partial last ones)
-  lhs, rhs = _inputs(13, [(m, k), (m, n)], jnp.bfloat16)
-  stream = dataclasses.replace(STREAM, row_segments=segments)
-  a = _tgmm(lhs, rhs, sizes, None, len(sizes), out_dtype=jnp.float32)
-  b = _tgmm(lhs, rhs, sizes, None, len(sizes), out_dtype=jnp.float32, config=stream)
-  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  oracle.assert_close(b, oracle.ref_trans_ragged_dot(lhs, rhs, sizes), jnp.bfloat16)
-
-
-def test_stream_schedule_segments_cover_every_group_once():
-  starts = jnp.asarray([0, 10, 10, 50, 90, 90], jnp.int32)
-  ends = jnp.asarray([10, 10, 50, 90, 90, 100], jnp.int32)
-  chunks, segs = tr._stream_schedule(starts, ends, 100, 16, 3)
-  chunks, segs = np.asarray(chunks), np.asarray(segs)
-  # chunks per group: 1, 0, 3, 3, 0, 1 -> 8 in all
-  np.testing.assert_array_equal(chunks[0, :8], [0, 2, 2, 2, 3, 3, 3, 5])
-  np.testing.assert_array_equal(chunks[4, :8], [1, 0, 0, 1, 0, 0, 1, 1])
-  np.testing.assert_array_equal(chunks[1, :8], [0, 10, 26, 42, 50, 66, 82, 90])
-  # first chunks 0, 1, 1, 4, 7, 7; targets 0, 3, 6, 8 -> groups 0, 3 (chunk 4),
-  # 4 (empty, chunk 7: it belongs to the last segment), 6 (the end)
-  np.testing.assert_array_equal(segs, [[0, 4, 7, 8], [0, 3, 4, 6]])
 
 
 def test_sm80_gets_the_a100_paper_config(monkeypatch):

@@ -26,7 +26,8 @@ Design (see CONTEXT.md §5):
   row-masked at the group's end.  Empty groups (and local groups outside
   ``[0, G)``) store exact zeros.  No atomics, no split over rows:
   deterministic.  (One loop per program over all of its items' chunks ran
-  1.2-3.8x this kernel's time: docs/performance.md 29a.)
+  1.2-3.8x this kernel's time, and one over a segment of groups' chunks read
+  from a chunk list 1.07-1.6x: docs/performance.md 29a, 29c.)
 * Masks along k and n exist only when the block does not divide the dimension
   (static), so any k, n, m work; f32 accumulation; f32 inputs use tf32 unless
   ``precision`` asks for HIGHEST (then IEEE f32 products).
@@ -77,10 +78,6 @@ class TritonConfig:
   ``num_warps`` and ``num_stages`` (software pipelining depth) go to Triton.
   ``schedule_kernel`` (gmm / dX): build the tile schedule with one kernel
   (``triton_schedule``) where it applies instead of several XLA kernels.
-  ``row_segments`` (tgmm only; 0: one program per (group, k tile, n tile)):
-  the groups are cut into this many segments of about equal rows (at group
-  boundaries), and one program per (segment, k tile, n tile) streams the
-  segment's rows in one loop, storing a group's tile at its last chunk.
   """
 
   block_m: int = 128
@@ -89,7 +86,6 @@ class TritonConfig:
   num_warps: int = 4
   num_stages: int = 3
   schedule_kernel: bool = True
-  row_segments: int = 0
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "block_k"):
@@ -103,9 +99,6 @@ class TritonConfig:
     if (not isinstance(self.num_stages, int) or isinstance(self.num_stages, bool)
         or not 1 <= self.num_stages <= 8):
       raise ValueError(f"num_stages must be an int in [1, 8], got {self.num_stages!r}")
-    if (not isinstance(self.row_segments, int) or isinstance(self.row_segments, bool)
-        or not 0 <= self.row_segments <= 64):
-      raise ValueError(f"row_segments must be an int in [0, 64], got {self.row_segments!r}")
 
   def smem_bytes(self, dtype: Any = jnp.bfloat16, out_dtype: Any = None,
                  op: str = "gmm") -> int:
@@ -399,8 +392,6 @@ def gmm(
   config = config or device_default_config(op, m, k, n, num_local, lhs.dtype)
   if not isinstance(config, TritonConfig):
     raise TypeError(f"config must be a TritonConfig, got {type(config).__name__}")
-  if config.row_segments:
-    raise ValueError("config.row_segments applies to tgmm only")
   bm, bn, bk = _fit(config.block_m, m), _fit(config.block_n, n), _fit(config.block_k, k)
 
   tiles, info = backends.flat_schedule(  # info: num_tiles, lo, hi, ...
@@ -459,77 +450,6 @@ def _tgmm_kernel(bounds_ref, lhs_ref, rhs_ref, out_ref, *, k, n, bm, bn, bk,
          _and(None if k_mask is None else k_mask[:, None], n_row))
 
 
-def _stream_schedule(starts: jax.Array, ends: jax.Array, m: int, bm: int,
-                     segments: int) -> tuple[jax.Array, jax.Array]:
-  """Row chunks of the local groups, in group order, and their cut into segments.
-
-  Returns ``chunks`` int32[5, T] (per chunk: local group, first row, rows
-  ``[start, end)`` of the group in it, 1 at a group's last chunk; T the static
-  bound ``max_tiles``) and ``segs`` int32[2, segments + 1]: segment s holds
-  chunks ``[segs[0, s], segs[0, s + 1])`` and groups ``[segs[1, s], segs[1, s + 1])``
-  (the first group whose first chunk is at or past ``s / segments`` of all
-  chunks starts segment s; empty groups belong to the segment of their index).
-  """
-  num_local = starts.shape[0]
-  sched = md.tile_schedule(starts, ends, m, bm, align=1)
-  t = jnp.arange(sched.group.shape[0], dtype=jnp.int32)
-  nxt = jnp.concatenate([sched.group[1:], jnp.full((1,), -1, jnp.int32)])
-  last = (t < sched.num_tiles) & ((t == sched.num_tiles - 1) | (nxt != sched.group))
-  chunks = jnp.stack([sched.group, sched.row0, sched.row_start, sched.row_end,
-                      last.astype(jnp.int32)])
-  count = jnp.where(ends > starts, (ends - starts + bm - 1) // bm, 0)
-  first = (jnp.cumsum(count) - count).astype(jnp.int32)  # each group's first chunk
-  target = (jnp.arange(segments + 1, dtype=jnp.int32) * sched.num_tiles + segments - 1) // segments
-  seg_group = jnp.sum(first[None, :] < target[:, None], axis=1, dtype=jnp.int32)
-  seg_group = seg_group.at[-1].set(num_local)
-  seg_chunk = jnp.where(seg_group < num_local, first[jnp.minimum(seg_group, num_local - 1)],
-                        sched.num_tiles)
-  return chunks, jnp.stack([seg_chunk, seg_group]).astype(jnp.int32)
-
-
-def _tgmm_stream_kernel(chunks_ref, segs_ref, bounds_ref, lhs_ref, rhs_ref, out_ref, *, k, n,
-                        bm, bn, bk, k_tiles, n_tiles, precision):
-  """Program (segment, k tile, n tile): one loop over the segment's row chunks,
-  whose rows and group come from ``chunks_ref`` by the loop index; a group's
-  tile is stored at its last chunk and the accumulator starts again at zero.
-  Then the segment's empty groups get zero tiles."""
-  pid = pl.program_id(0)
-  seg = pid // (k_tiles * n_tiles)
-  rest = pid % (k_tiles * n_tiles)
-  k0 = pl.multiple_of((rest // n_tiles) * bk, bk)
-  n0 = pl.multiple_of((rest % n_tiles) * bn, bn)
-  k_mask = _iota(bk, k0) < k if k % bk else None
-  n_mask = _iota(bn, n0) < n if n % bn else None
-  k_row = None if k_mask is None else k_mask[None, :]
-  n_row = None if n_mask is None else n_mask[None, :]
-  out_mask = _and(None if k_mask is None else k_mask[:, None], n_row)
-
-  def chunk(t, acc):
-    grp, r0 = chunks_ref[0, t], chunks_ref[1, t]
-    rows = _iota(bm, r0)
-    row_mask = ((rows >= chunks_ref[2, t]) & (rows < chunks_ref[3, t]))[:, None]
-    x = _load(lhs_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)], _and(row_mask, k_row))
-    y = _load(rhs_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], _and(row_mask, n_row))
-    acc = acc + plgpu.dot(x, y, trans_a=True, precision=precision)
-
-    def flush(acc):
-      _store(out_ref.at[grp, pl.ds(k0, bk), pl.ds(n0, bn)], acc.astype(out_ref.dtype), out_mask)
-      return jnp.zeros_like(acc)
-
-    # An if yielding the accumulator (Triton's own persistent matmul has this
-    # shape), not a select that reads it at every step.
-    return lax.cond(chunks_ref[4, t] != 0, flush, lambda acc: acc, acc)
-
-  lax.fori_loop(segs_ref[0, seg], segs_ref[0, seg + 1], chunk, jnp.zeros((bk, bn), jnp.float32))
-
-  @pl.loop(segs_ref[1, seg], segs_ref[1, seg + 1])
-  def _(j):
-    @pl.when(bounds_ref[0, j] == bounds_ref[1, j])
-    def _():
-      _store(out_ref.at[j, pl.ds(k0, bk), pl.ds(n0, bn)],
-             jnp.zeros((bk, bn), out_ref.dtype), out_mask)
-
-
 def tgmm(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -556,21 +476,6 @@ def tgmm(
   starts, ends = md.group_bounds(group_sizes, m, group_offset, num_groups)
   bounds = jnp.stack([starts, ends]).astype(jnp.int32)
   k_tiles, n_tiles = pl.cdiv(k, bk), pl.cdiv(n, bn)
-  if config.row_segments:
-    segments = min(config.row_segments, num_groups)
-    chunks, segs = _stream_schedule(starts, ends, m, bm, segments)
-    kernel = functools.partial(
-        _tgmm_stream_kernel, k=k, n=n, bm=bm, bn=bn, bk=bk, k_tiles=k_tiles,
-        n_tiles=n_tiles, precision=prec)
-    chunks, segs, bounds, lhs, rhs = match_varying(chunks, segs, bounds, lhs, rhs)
-    return pl.pallas_call(
-        kernel,
-        out_shape=out_struct((num_groups, k, n), out_dtype, lhs),
-        grid=(segments * k_tiles * n_tiles,),
-        compiler_params=_compiler_params(config),
-        interpret=interpret,
-        name="ragdot_triton_tgmm_stream",
-    )(chunks, segs, bounds, lhs, rhs)
   kernel = functools.partial(
       _tgmm_kernel, k=k, n=n, bm=bm, bn=bn, bk=bk, k_tiles=k_tiles,
       n_tiles=n_tiles, precision=prec)
