@@ -1,7 +1,7 @@
 """Where does the dW kernel's time go? (GPU machine; a diagnostic, not a bench)
 
   python3 scripts/diag_dw.py OUT_DIR [--base FIELD=VALUE ...]
-      [--set FIELD=VALUE ...] [--cases ABC] [--rounds 3]
+      [--set FIELD=VALUE ...] [--cases ABC] [--extra-arrivals 7] [--rounds 3]
 
 For each training shape times the default Mosaic dW kernel (with ``--base``:
 the default with those fields replaced, e.g. a pingpong ring; CUPTI,
@@ -17,6 +17,11 @@ interleaved rounds) on
      know (wrong results; E/A near B/A means the masking work is the cost, E/A
      near 1 that the code's mere presence is, e.g. waits the compiler puts
      around the wgmmas),
+  R  (only when --cases has R) A with every TMA load of the ring followed by
+     ``--extra-arrivals`` copies whose predicate is false: they move nothing but
+     still arrive on the stage's barrier (from all 128 producer threads, with 0
+     bytes), as the padding of a design with pieces would (same results; R/A
+     is what the arrivals alone cost),
   D  with ``--set``: routed sizes, A's config with those fields replaced (an
      A/B; its output is compared with A's bitwise),
 and writes OUT_DIR/diag_dw.json.  With MOSAIC_GPU_DUMP_PTXAS=1 the ptxas report
@@ -27,6 +32,7 @@ share, C/A the share of masking plus boundary blocks.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -34,6 +40,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ragdot import bench, timing
 from ragdot.backends import mosaic_dw
@@ -59,6 +66,31 @@ def row_blocks(sizes: np.ndarray, block: int = 64, align: int = 8) -> int:
   return int(np.sum(np.where(sizes > 0, -(-(ends - first) // block), 0)))
 
 
+@contextlib.contextmanager
+def extra_arrivals(extra: int):
+  """While tracing: every ``copy_gmem_to_smem`` is followed by ``extra`` copies
+  predicated off, and the multi-slot barriers (the ring's ``produced``; a
+  pingpong ring's other barriers are single-arrival or unused) expect
+  ``1 + extra`` times the arrivals."""
+  real_copy, real_barrier = plgpu.copy_gmem_to_smem, plgpu.Barrier
+
+  def copy(src, dst, barrier=None, **kw):
+    real_copy(src, dst, barrier, **kw)
+    for _ in range(extra):
+      real_copy(src, dst, barrier, predicate=jnp.bool_(False), **kw)
+
+  def barrier(num_arrivals=1, num_barriers=1, **kw):
+    if num_barriers > 1 and num_arrivals == 2:
+      num_arrivals *= 1 + extra
+    return real_barrier(num_arrivals=num_arrivals, num_barriers=num_barriers, **kw)
+
+  plgpu.copy_gmem_to_smem, plgpu.Barrier = copy, barrier
+  try:
+    yield
+  finally:
+    plgpu.copy_gmem_to_smem, plgpu.Barrier = real_copy, real_barrier
+
+
 def main() -> None:
   p = argparse.ArgumentParser()
   p.add_argument("out_dir")
@@ -69,6 +101,8 @@ def main() -> None:
                  help="MosaicDwConfig fields of case D (Python literals)")
   p.add_argument("--base", nargs="+", default=[], metavar="FIELD=VALUE",
                  help="MosaicDwConfig fields replaced in the config of every case")
+  p.add_argument("--extra-arrivals", type=int, default=7,
+                 help="case R: predicated-off copies per TMA load")
   p.add_argument("--out-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                  help="dW's dtype (float32 gets the default's 2-stage f32 config)")
   args = p.parse_args()
@@ -115,6 +149,16 @@ def main() -> None:
       finally:
         mosaic_dw._consumers_mask, mosaic_dw._mask_stage = real
       cases.append(("B", fb, gs))
+    if "R" in args.cases:
+      # (extra_arrivals scales only the pingpong ring's barriers right.)
+      assert default.pingpong and not default.mask_warpgroup, default
+      fr = make()
+      with extra_arrivals(args.extra_arrivals):
+        compile_("R", fr)
+      cases.append(("R", fr, gs))
+      # The predicated-off copies move nothing: R computes what A does.
+      r_equal = bool(np.array_equal(np.asarray(fa(x, dy, gs).astype(jnp.float32)),
+                                    np.asarray(fr(x, dy, gs).astype(jnp.float32))))
     if "C" in args.cases:
       fc = make()
       compile_("C", fc, gs64)
@@ -143,10 +187,14 @@ def main() -> None:
                b_over_a=med["B"] / med["A"] if "B" in med else None,
                c_over_a=med["C"] / med["A"] if "C" in med else None,
                e_over_a=med["E"] / med["A"] if "E" in med else None,
+               r_over_a=med["R"] / med["A"] if "R" in med else None,
                blocks_routed=row_blocks(sizes),
                blocks_aligned=row_blocks(np.asarray(gs64)))
-    line = "".join(f"  {name}/A {row[f'{name.lower()}_over_a']:.3f}" for name in "BCE"
+    line = "".join(f"  {name}/A {row[f'{name.lower()}_over_a']:.3f}" for name in "BCER"
                    if name in med)
+    if "R" in med:
+      row.update(r_equal_a=r_equal)
+      line += f" equal {r_equal}"
     if changes:
       row.update(d_over_a=med["D"] / med["A"], d_equal_a=equal)
       line += f"  D({' '.join(args.set)}) {row['d_over_a']:.3f} equal {equal}"
