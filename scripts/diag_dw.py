@@ -106,7 +106,7 @@ def main() -> None:
   p.add_argument("--out-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                  help="dW's dtype (float32 gets the default's 2-stage f32 config)")
   args = p.parse_args()
-  os.makedirs(args.out_dir, exist_ok=True)  # (29e lost its JSON without it)
+  os.makedirs(args.out_dir, exist_ok=True)
   out_dtype = jnp.dtype(args.out_dtype)
   changes = parse_fields(args.set)
   rows = []
