@@ -33,9 +33,11 @@ FLAT3 = dataclasses.replace(FLAT, num_stages=3)
 FLAT3_BANDED = dataclasses.replace(FLAT3, banded_mask=True)
 # ... the consumers taking alternate items whole (a 128 x 128 tile each).
 PINGPONG = dataclasses.replace(FLAT3_BANDED, pingpong=True)
+# ... without masking: unaligned end rows from a side buffer, tails in TMA pieces.
+SIDE = dataclasses.replace(PINGPONG, side_rows=True)
 TWO_WG_BODIES = pytest.mark.parametrize(
-    "two_wg", [TWO_WG, FLAT, FLAT3, FLAT3_BANDED, PINGPONG],
-    ids=["per_item", "flat", "flat_3_stages", "flat_3_banded", "pingpong"])
+    "two_wg", [TWO_WG, FLAT, FLAT3, FLAT3_BANDED, PINGPONG, SIDE],
+    ids=["per_item", "flat", "flat_3_stages", "flat_3_banded", "pingpong", "side_rows"])
 
 
 @pytest.fixture(autouse=True)
@@ -315,6 +317,57 @@ def _fail(*args, **kwargs):
   raise AssertionError("whole-tile masking traced for a banded config")
 
 
+def _no_masking(*args, **kwargs):
+  raise AssertionError("masking traced for a side_rows config")
+
+
+# Group bounds (448 rows, m = 448) covering each way split_rows ends a group:
+# aligned with no piece step [0, 64); side rows only [64, 67), [192, 197),
+# [396, 407) (4 head + 7 tail rows); 56 interior rows left (two piece steps)
+# [67, 192), [199, 327); 0 or 32 left beside side rows [327, 396), [407, 447);
+# an empty group; one row past the last group.
+SIDE_SIZES = [64, 3, 125, 0, 5, 2, 128, 69, 11, 40]
+
+
+def test_split_rows_covers_every_row():
+  # Every start offset in a 64-row block, every size up to 150 rows.
+  starts = np.arange(64)[:, None] + np.zeros(151, int)[None]
+  ends = starts + np.arange(151)[None]
+  split = mosaic_dw.split_rows(jnp.asarray(starts, jnp.int32), jnp.asarray(ends, jnp.int32))
+  first, full, rest, nblocks = (np.asarray(a) for a in split)
+  side = ends - starts - 64 * full - rest
+  assert (first % 8 == 0).all() and (first >= starts).all() and (first - starts < 8).all()
+  assert (rest % 8 == 0).all() and (rest < 64).all() and ((side >= 0) & (side <= 14)).all()
+  # The piece steps hold the side rows (16) and up to 48 interior rows each.
+  steps = nblocks - full
+  assert (np.where(steps == 0, (rest == 0) & (side == 0), 48 * steps >= rest)).all()
+  assert (steps <= 2).all() and (nblocks[ends == starts] == 0).all()
+  index = np.asarray(mosaic_dw.side_row_index(
+      jnp.asarray(starts.ravel(), jnp.int32), jnp.asarray(ends.ravel(), jnp.int32), 10**6))
+  index = index.reshape(-1, 16)
+  for (s, e, f, u, r), rows in zip(zip(starts.ravel(), ends.ravel(), first.ravel(),
+                                       full.ravel(), rest.ravel()), index):
+    interior = set(range(f, f + 64 * u + r))
+    got = [x for x in rows if x < 10**6]
+    assert sorted(interior | set(got)) == list(range(s, e)) and not interior & set(got)
+
+
+@pytest.mark.parametrize("config", [SIDE, dataclasses.replace(FLAT3, side_rows=True),
+                                    dataclasses.replace(SIDE, block_n=192, epilogue_split=3)],
+                         ids=["pingpong", "shared", "pingpong_128x192"])
+def test_side_rows(config, monkeypatch):
+  # Nothing is masked (the masking is not even traced); with race detection,
+  # which also checks that no barrier phase of either produced set is skipped.
+  for f in ("_mask_rows", "_mask_bands", "_mask_stage"):
+    monkeypatch.setattr(mosaic_dw, f, _no_masking)
+  params = plgpu.InterpretGPUParams(detect_races=True)
+  cfg = dataclasses.replace(config, num_sms=2, num_stages=2)
+  out, ref = run(448, 128, 192 if config.block_n == 192 else 128, SIDE_SIZES, config=cfg,
+                 interpret=params, out_dtype=jnp.bfloat16, seed=13)
+  check(out, ref, jnp.bfloat16)
+  assert not interpret_pallas_call.get_races().races_found
+
+
 @pytest.mark.parametrize("config, k, n", [
     (SMALL, 64, 64), (TWO_WG, 128, 256), (FLAT, 128, 256), (FLAT3, 128, 256),
     (dataclasses.replace(SMALL, banded_mask=True), 64, 64),
@@ -324,6 +377,7 @@ def _fail(*args, **kwargs):
     # 192 columns masked in 64-column slices (f32 staging: 2 stages fit)
     (dataclasses.replace(PINGPONG, block_n=192, num_stages=2, epilogue_split=3), 128, 192),
     (dataclasses.replace(PINGPONG, mask_warpgroup=True), 128, 256),
+    (SIDE, 128, 256), (dataclasses.replace(FLAT3, side_rows=True), 128, 256),
     # two 128 x 192 accumulators of a 256 x 192 item (192 columns in 64-column slices;
     # f32 staging: 2 stages fit)
     (dataclasses.replace(FLAT3_BANDED, block_k=256, block_n=192, epilogue_split=3,
@@ -332,7 +386,10 @@ def test_rows_outside_the_shard_never_contribute(config, k, n, monkeypatch):
   # NaN in every row no local group owns (neighbour groups and the tail past
   # sum(sizes)): the boundary blocks must mask both operands, not scale them.
   # With two warpgroups each masks half of the 64-column chunks (or bands).
-  if config.banded_mask:
+  if config.side_rows:  # the side buffer and TMA zeros alone keep NaN out
+    for f in ("_mask_rows", "_mask_bands", "_mask_stage"):
+      monkeypatch.setattr(mosaic_dw, f, _no_masking)
+  elif config.banded_mask:
     # The band masking must be what runs: whole-tile masking is not traced.
     monkeypatch.setattr(mosaic_dw, "_mask_rows", _fail)
   sizes, offset, num_groups = [10, 20, 7, 25, 15], 1, 2   # local rows [10, 37)
@@ -460,6 +517,11 @@ def test_config_validation():
               dict(num_compute_wgs=2, num_stages=1), dict(ctas_per_sm=3),
               dict(num_compute_wgs=2, ctas_per_sm=2), dict(pipeline_across_items=True),
               dict(epilogue_split=2),  # one warpgroup: its body stores whole tiles
+              dict(num_compute_wgs=2, side_rows=True),  # no ring across items
+              dict(num_compute_wgs=2, pipeline_across_items=True, side_rows=True,
+                   block_m=128),  # the pieces fill 64-row stages
+              dict(num_compute_wgs=2, pipeline_across_items=True, pingpong=True,
+                   banded_mask=True, mask_warpgroup=True, side_rows=True),  # nothing to mask
               dict(num_compute_wgs=2, block_n=64, epilogue_split=2),  # 32-column chunks
               dict(num_compute_wgs=2, block_n=192, epilogue_split=2),
               dict(num_compute_wgs=2, epilogue_split=3),
@@ -500,8 +562,14 @@ def test_default_and_sweep_configs_fit():
       default = mosaic_dw.default_config(m, k, n, g, jnp.bfloat16, out_dtype)
       configs = mosaic_dw.gpu_sweep_configs(m, k, n, g, out_dtype=out_dtype)
       assert 3 <= len(configs) <= 16
-      assert configs[1] == dataclasses.replace(default, banded_mask=not default.banded_mask)
       assert configs[0] == default
+      if default.side_rows:  # the same ring masking its boundary blocks instead
+        assert configs[1] == dataclasses.replace(default, side_rows=False)
+      else:
+        assert configs[1] == dataclasses.replace(default, banded_mask=not default.banded_mask)
+      pingpongs = [c for c in configs if c.pingpong]
+      if k >= 768:  # pingpong rings offered: each with and without side_rows
+        assert any(c.side_rows for c in pingpongs) and any(not c.side_rows for c in pingpongs)
       for cfg in [default, *configs]:
         assert mosaic_dw.smem_bytes(cfg, jnp.bfloat16, out_dtype) <= cfg.smem_budget()
         assert k % cfg.block_k == 0 and n % cfg.block_n == 0
@@ -536,6 +604,9 @@ def test_lowers_for_sm90(out_dtype, shape):
                                        epilogue_split=3))
     configs.append(dataclasses.replace(PINGPONG, num_sms=None, num_stages=4, block_n=192,
                                        epilogue_split=3, epilogue_buffers=2))
+    configs.append(dataclasses.replace(SIDE, num_sms=None, num_stages=4, block_n=192,
+                                       epilogue_split=3, epilogue_buffers=2))
+    configs.append(dataclasses.replace(FLAT3, num_sms=None, side_rows=True))
   configs += mosaic_dw.gpu_sweep_configs(m, k, n, g, out_dtype=out_dtype)
   assert any(c.num_compute_wgs == 2 for c in configs)
   for cfg in configs:
@@ -591,11 +662,12 @@ def test_f32_default_splits_its_epilogue_and_the_sweep_offers_the_whole_tile():
 
 
 def test_default_is_the_ring_across_items():
-  # The best measured H200 point on the Qwen and DeepSeek dW shapes (2026-11-29).
+  # The best measured H200 point on the Qwen and DeepSeek dW shapes (2026-11-29),
+  # with side rows instead of masking (2026-12-02).
   cfg = mosaic_dw.default_config(32768, 2048, 1536, 128, jnp.bfloat16, jnp.bfloat16)
   assert cfg == MosaicDwConfig(block_m=64, block_k=128, block_n=256, num_stages=3,
                                num_compute_wgs=2, pipeline_across_items=True,
-                               banded_mask=True)
+                               banded_mask=True, side_rows=True)
   # k = 64 cannot give each consumer 64 rows: one warpgroup.
   assert mosaic_dw.default_config(4096, 64, 512, 8).num_compute_wgs == 1
   # f32 output (a 2 x 64 x 256 f32 staging tile): split in two chunks.

@@ -26,12 +26,16 @@ pipeline fill and epilogue) and lets the producer load the next item while the
 consumers run their epilogue.  With ``pingpong`` the two consumers instead take
 alternate items whole, so one's epilogue runs under the other's wgmmas, and
 with ``mask_warpgroup`` a fourth warpgroup masks the boundary blocks' stages.
+With ``side_rows`` (the table's and default rings) nothing is masked: a group's
+unaligned end rows come from a zero-padded side buffer gathered before the
+kernel, and its last row block is loaded in TMA pieces (``split_rows``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +52,12 @@ _OUT_DTYPES = _IN_DTYPES + (jnp.dtype(jnp.float32),)
 _MIN_DIM = 64  # k, n granule: one 128-byte swizzle atom of 16-bit elements
 _ROW_ALIGN = 8  # TMA row granule of the tiled GMEM view: row blocks start here
 _SMEM_RESERVE = 2048  # barriers and alignment
+# side_rows: a group's <= 7 + 7 unaligned end rows, zero-padded, in the side
+# buffer; its last step's stage holds them in rows [0, 16) and up to 48
+# interior rows in the pieces below.
+_SIDE_ROWS = 16
+_PIECE_ROWS = 64  # block_m of a side_rows ring
+_PIECES = ((16, 24), (40, 16), (56, 8))  # (stage row, rows): any multiple of 8 up to 48
 _PRODUCER_REGISTERS = 40  # per thread of the TMA warpgroup (warp-specialized bodies)
 # A CTA of 3 warpgroups launches with 168 registers per thread (65536 / 384,
 # rounded down to 8); setmaxnreg only moves registers within that allocation,
@@ -143,6 +153,16 @@ class MosaicDwConfig:
       instead of the previous one's.  Measured on the 128 x 192 pingpong ring
       (H200, 2026-11-30): 0.987-1.003x the time with one buffer on the Qwen and
       Mixtral shapes, 0.957x on DeepSeek-V3 down.
+    side_rows: with the ring across items (``block_m`` 64, no
+      ``mask_warpgroup``), no stage is ever masked.  A group's rows are split
+      into its 8-aligned interior ``[ceil8(start), floor8(end))``, loaded in
+      whole 64-row blocks, and its <= 14 unaligned end rows, gathered
+      beforehand (XLA) into a zero-padded side buffer of 16 rows per group.
+      The interior's last < 64 rows and the side rows share the item's last
+      step (two steps when 56 rows are left): that stage is loaded in four
+      pieces per operand (16 side rows, then 24, 16 and 8 interior rows, each
+      piece not needed read from past the array: TMA zeros), arriving on a
+      second set of ``produced`` barriers that only those steps use.
     schedule_kernel: build the groups' row blocks with one Pallas-Triton
       kernel (``triton_schedule.build_bounds``) where it applies, instead of
       several small XLA kernels; the same values either way.
@@ -163,6 +183,7 @@ class MosaicDwConfig:
   pingpong: bool = False
   mask_warpgroup: bool = False
   epilogue_buffers: int = 1
+  side_rows: bool = False
   schedule_kernel: bool = True
 
   def __post_init__(self):
@@ -223,6 +244,10 @@ class MosaicDwConfig:
                        f" got {self.epilogue_buffers}")
     if self.mask_warpgroup and (not self.pingpong or not self.banded_mask):
       raise ValueError(f"mask_warpgroup needs pingpong and banded_mask, got {self}")
+    if self.side_rows and (not self.pipeline_across_items or self.block_m != _PIECE_ROWS
+                           or self.mask_warpgroup):
+      raise ValueError("side_rows needs pipeline_across_items, block_m"
+                       f" {_PIECE_ROWS} and no mask_warpgroup, got {self}")
     if self.epilogue_rows is not None and (
         self.num_compute_wgs != 2 or self.epilogue_rows <= 0 or self.epilogue_rows % 64
         or self.consumer_rows % self.epilogue_rows
@@ -308,8 +333,9 @@ def default_config(
   one ring of stages through all of a CTA's items: the best measured H200
   point on Qwen3-30B gate_up / down, Qwen3-235B gate_up and DeepSeek-V3 down
   (1.27-1.59x the same tiles with a pipeline per item, 2026-11-29), with
-  boundary blocks masked by row bands (0.95-0.98x the time on those four,
-  1.01x on Mixtral gate_up, 2026-11-30).  When k cannot give each consumer 64
+  ``side_rows`` instead of masking boundary blocks (0.85-0.94x the time of
+  row-band masking on those four, 0.97x on Mixtral gate_up; H200,
+  2026-12-02).  When k cannot give each consumer 64
   rows (k < 128), one warpgroup with a 128 x 128 tile and 4 stages.
   ``fit_config`` makes it fit ``out_dtype``'s staging tile (None: any output
   dtype, i.e. f32: a split epilogue).
@@ -319,7 +345,7 @@ def default_config(
   if bk >= 128:
     config = MosaicDwConfig(block_m=64, block_k=bk, block_n=bn, num_stages=3,
                             num_compute_wgs=2, pipeline_across_items=True,
-                            banded_mask=True)
+                            banded_mask=True, side_rows=True)
   else:
     config = MosaicDwConfig(block_m=64, block_k=bk, block_n=_fit(128, n), num_stages=4)
   return fit_config(config, dtype, jnp.float32 if out_dtype is None else out_dtype)
@@ -332,12 +358,13 @@ def gpu_sweep_configs(
   """A short list of candidates for a GPU sweep (default first; all fit in SMEM;
   at most 16, the likelier winners first).
 
-  In this order: the default, the default with the other masking
-  (``banded_mask``), the default with its whole staging tile when it splits
-  the epilogue (f32 output: 2 stages instead of 3); the ``pingpong`` rings
-  (128 x 128 in 6 stages and 64 x 256 in 4, each also with a masking
-  warpgroup; 128 x 192 and 192 x 128 where those divide k and n, in 4 stages
-  and in 5 with 64 x 64 epilogue chunks); four warp-specialized configs with
+  In this order: the default, the default masking boundary blocks by row
+  bands instead of ``side_rows``, the default with its whole staging tile
+  when it splits the epilogue (f32 output: 2 stages instead of 3); the
+  ``pingpong`` rings (128 x 128 in 6 stages and 64 x 256 in 4; 128 x 192 and
+  192 x 128 where those divide k and n, in 4 stages and in 5 with 64 x 64
+  epilogue chunks), each with ``side_rows``, masking by bands, and (128 x 128
+  and 64 x 256) with a masking warpgroup; four warp-specialized configs with
   one ring of stages across items, two with two resident CTAs per SM, four
   one-warpgroup configs and three warp-specialized ones with a pipeline per
   item (``num_compute_wgs=2``: 256 x 128 or 128 x 256 output tiles, or
@@ -350,8 +377,10 @@ def gpu_sweep_configs(
   out = [default_config(m=0, k=k, n=n, num_groups=num_groups, dtype=dtype,
                         out_dtype=out_dtype)]
   out = [c for c in out if c is not None]
-  # The default with the other masking (whole tiles / row bands).
-  out += [dataclasses.replace(c, banded_mask=not c.banded_mask) for c in out]
+  # The default masking its boundary blocks (row bands), or the other masking
+  # when it masks (one warpgroup: whole tiles / row bands).
+  out += [dataclasses.replace(c, side_rows=False) if c.side_rows
+          else dataclasses.replace(c, banded_mask=not c.banded_mask) for c in out]
   # A default with a split epilogue (f32 output): the whole staging tile,
   # with the stages that leaves room for.
   for c in out[:1]:
@@ -378,7 +407,7 @@ def gpu_sweep_configs(
         pipeline_across_items=True, banded_mask=True, pingpong=True, epilogue_split=split,
         epilogue_rows=rows), dtype, out_dtype)
     if config is not None and config not in out:
-      out.append(config)
+      out += [dataclasses.replace(config, side_rows=True), config]
       # A masking warpgroup beside 128 x 128 accumulators (0.96-0.97x the time
       # on the Qwen shapes, H200 2026-11-30; beside 128 x 192 ones it measured
       # 1.03-1.06x, so the list leaves that out).
@@ -444,13 +473,53 @@ def unsupported_shape(m: int, k: int, n: int) -> str | None:
   return None
 
 
+class RowSplit(NamedTuple):
+  """How a ``side_rows`` ring covers a group's rows ``[start, end)``."""
+  first: jax.Array  # ceil8(start): the 8-aligned interior's first row
+  full: jax.Array  # whole _PIECE_ROWS-row blocks of the interior from ``first``
+  rest: jax.Array  # the interior rows after them (a multiple of 8, < _PIECE_ROWS)
+  nblocks: jax.Array  # ``full`` + the steps holding ``rest`` and the side rows (0 to 2)
+
+
+def split_rows(start, end) -> RowSplit:
+  """``RowSplit`` of rows ``[start, end)`` (int32 scalars or arrays: the kernel
+  and the side buffer's gather use the same arithmetic).  The side rows are
+  those outside ``[first, floor8(end))``: at most 7 at each end."""
+  first = lax.div(start + (_ROW_ALIGN - 1), _ROW_ALIGN) * _ROW_ALIGN
+  interior = jnp.maximum(lax.div(end, _ROW_ALIGN) * _ROW_ALIGN - first, 0)
+  full = lax.div(interior, _PIECE_ROWS)
+  rest = interior - full * _PIECE_ROWS
+  side = end - start - interior
+  room = _PIECE_ROWS - _SIDE_ROWS  # interior rows beside the side rows
+  tail_steps = jnp.where((rest == 0) & (side == 0), 0, jnp.where(rest > room, 2, 1))
+  return RowSplit(first, full, rest, full + tail_steps)
+
+
+def side_row_index(starts: jax.Array, ends: jax.Array, m: int) -> jax.Array:
+  """int32[g * 16]: for each group (``starts``/``ends``: int32[g]) the rows
+  of lhs/rhs its side buffer rows copy, ``m`` (zeros) past its side rows."""
+  first = split_rows(starts, ends).first
+  head_end = jnp.minimum(first, ends)
+  tail_start = jnp.maximum(ends // _ROW_ALIGN * _ROW_ALIGN, head_end)
+  heads, tails = (head_end - starts)[:, None], (ends - tail_start)[:, None]
+  t = jnp.arange(_SIDE_ROWS, dtype=jnp.int32)[None]
+  index = jnp.where(t < heads, starts[:, None] + t,
+                    jnp.where(t < heads + tails, tail_start[:, None] + t - heads, m))
+  return index.reshape(-1)
+
+
 def _work_item(info, grid_k: int, grid_n: int, config: MosaicDwConfig,
                starts_gmem, ends_gmem, first_gmem, nblocks_gmem):
-  """(group, k tile, n tile, row start, row end, first block's row, block count)."""
+  """(group, k tile, n tile, row start, row end, first block's row, block count);
+  with ``side_rows`` the interior's first row and ``split_rows``' steps."""
   j = info.index[0]
   ki, ni = plgpu.planar_snake(info.index[1], (grid_k, grid_n), 1, config.grid_tile_width)
+  start, end = starts_gmem[j], ends_gmem[j]
+  if config.side_rows:
+    split = split_rows(start, end)
+    return (j, ki, ni, start, end, pl.multiple_of(split.first, _ROW_ALIGN), split.nblocks)
   first = pl.multiple_of(first_gmem[j], _ROW_ALIGN)
-  return (j, ki, ni, starts_gmem[j], ends_gmem[j], first, nblocks_gmem[j])
+  return (j, ki, ni, start, end, first, nblocks_gmem[j])
 
 
 def _row_spec(rows: int, cols: int, first, col_block, transforms, delay_release: int):
@@ -696,7 +765,7 @@ def _body_2wg(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gm
 
 
 def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gmem,
-                   out_gmem, *, config, num_groups, grid_k, grid_n, out_dtype,
+                   *refs, config, num_groups, grid_k, grid_n, out_dtype,
                    in_transforms_lhs, in_transforms_rhs, out_transforms):
   """Warp-specialized dW with one pipeline through all of a CTA's items.
 
@@ -723,7 +792,19 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
   ``produced`` barrier, masks the boundary blocks' stages, and arrives on the
   owner's ``masked`` barrier, which the consumers wait for instead of
   ``produced``: each barrier still has exactly one waiter per phase.
+
+  ``side_rows`` (``refs`` then starts with the side buffers of lhs and rhs):
+  nothing is masked.  An item's steps from ``split_rows(...).full`` on are
+  loaded in pieces (see ``MosaicDwConfig.side_rows``) and signal
+  ``pieces_in`` (8 TMA arrivals) instead of ``produced``; the producer and
+  the consumers both know which steps those are, and each thread keeps every
+  barrier's phase, so waiting on one set or the other per step is safe.
   """
+  side = config.side_rows
+  if side:
+    side_lhs_gmem, side_rhs_gmem, out_gmem = refs
+  else:
+    (out_gmem,) = refs
   bm, bk, bn = config.block_m, config.block_k, config.block_n
   pingpong = config.pingpong
   masker = config.mask_warpgroup
@@ -773,10 +854,39 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
       # mask_warpgroup: the masker -> the owner of a step (one set per consumer).
       **(dict(masked=plgpu.Barrier(num_arrivals=1, num_barriers=2 * stages))
          if masker else {}),
+      # side_rows: the piece steps' barriers (2 x 4 pieces).
+      **(dict(pieces_in=plgpu.Barrier(num_arrivals=2 * (1 + len(_PIECES)),
+                                      num_barriers=stages * (2 if pingpong else 1)))
+         if side else {}),
       collective_axes="wg",
   )
-  def _scope(lhs_smem, rhs_smem, produced, consumed, o_smem, mask_barrier, masked=None):
+  def _scope(lhs_smem, rhs_smem, produced, consumed, o_smem, mask_barrier, masked=None,
+             pieces_in=None):
     wg = lax.axis_index("wg")
+
+    def load_pieces(it, i, slot, barrier):
+      """Stage ``slot`` of a piece step: the group's side rows (first piece
+      step only) and the interior rows left after its whole blocks."""
+      j, ki, ni, start, end, first, _ = it
+      split = split_rows(start, end)
+      p = i - split.full  # 0, or 1 for the second piece step
+      room = _PIECE_ROWS - _SIDE_ROWS
+      left = jnp.clip(split.rest - p * room, 0, room)
+      row = first + split.full * bm + p * room
+      past_m, past_side = lhs_gmem.shape[0], side_lhs_gmem.shape[0]
+      side_row = jnp.where(p == 0, j * _SIDE_ROWS, past_side)
+      pieces = [(pl.ds(0, _SIDE_ROWS), side_row, True)]
+      for at, rows in _PIECES:  # 24, 16, 8: takes any multiple of 8 up to 48
+        take = left >= rows
+        pieces.append((pl.ds(at, rows), jnp.where(take, row, past_m), False))
+        row, left = row + jnp.where(take, rows, 0), left - jnp.where(take, rows, 0)
+      for src, side_src, cols, dst in (
+          (lhs_gmem, side_lhs_gmem, pl.ds(ki * bk, bk), lhs_smem.at[slot]),
+          (rhs_gmem, side_rhs_gmem, pl.ds(ni * bn, bn), rhs_smem.at[slot])):
+        for at, r, from_side in pieces:
+          rows = pl.ds(pl.multiple_of(r, _ROW_ALIGN), at.size)
+          plgpu.copy_gmem_to_smem((side_src if from_side else src).at[rows, cols],
+                                  dst.at[at], barrier)
 
     if masker:
       @pl.when(wg == 3)
@@ -798,14 +908,23 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
       plgpu.set_max_registers(regs_producer, action="decrease")
 
       def load(it, i, step, slot, owner):
-        _, ki, ni, _, _, first, _ = it
+        _, ki, ni, start, end, first, _ = it
         # The slot's previous use (step - stages) must be consumed first.
         pl.when(step >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
-        rows = pl.ds(pl.multiple_of(first + i * bm, _ROW_ALIGN), bm)
-        plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, pl.ds(ki * bk, bk)],
-                                lhs_smem.at[slot], produced.at[owner + slot])
-        plgpu.copy_gmem_to_smem(rhs_gmem.at[rows, pl.ds(ni * bn, bn)],
-                                rhs_smem.at[slot], produced.at[owner + slot])
+
+        def whole_block():
+          rows = pl.ds(pl.multiple_of(first + i * bm, _ROW_ALIGN), bm)
+          plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, pl.ds(ki * bk, bk)],
+                                  lhs_smem.at[slot], produced.at[owner + slot])
+          plgpu.copy_gmem_to_smem(rhs_gmem.at[rows, pl.ds(ni * bn, bn)],
+                                  rhs_smem.at[slot], produced.at[owner + slot])
+
+        if side:
+          in_pieces = i >= split_rows(start, end).full
+          pl.when(~in_pieces)(whole_block)
+          pl.when(in_pieces)(lambda: load_pieces(it, i, slot, pieces_in.at[owner + slot]))
+        else:
+          whole_block()
 
       total = ring_steps(load)
 
@@ -823,17 +942,25 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
         """Accumulates this consumer's part of item ``it`` (from ring step
         ``step0``) and stores it."""
         j, ki, ni, start, end, first, nblocks = it
+        full = split_rows(start, end).full if side else None
 
         def acc_scope(acc_ref):
           def mma(i, step):
             slot = lax.rem(step, stages)
             lhs_t, rhs_t = lhs_smem.at[slot], rhs_smem.at[slot]
             ready = masked if masker else produced
-            plgpu.barrier_wait(ready.at[(wg * stages if pingpong else 0) + slot])
+            mine = (wg * stages if pingpong else 0) + slot
+            if side:
+              in_pieces = i >= full
+              pl.when(~in_pieces)(lambda: plgpu.barrier_wait(ready.at[mine]))
+              pl.when(in_pieces)(lambda: plgpu.barrier_wait(pieces_in.at[mine]))
+            else:
+              plgpu.barrier_wait(ready.at[mine])
             row0 = first + i * bm
-            if pingpong and not masker:  # this consumer's own stage
+            # (side_rows: the stage holds only the group's rows and zeros.)
+            if pingpong and not (masker or side):  # this consumer's own stage
               _mask_own_stage(lhs_t, rhs_t, row0, start, end, config.banded_mask)
-            elif not pingpong:
+            elif not (pingpong or side):
               pl.when(_straddles(row0, bm, start, end))(functools.partial(
                   _consumers_mask, lhs_t, rhs_t, wg, row0, start, end, mask_barrier,
                   config.banded_mask))
@@ -983,7 +1110,12 @@ def tgmm(
     extra = {}
 
   i32 = lambda x: x.astype(jnp.int32)
-  args = match_varying(i32(starts), i32(ends), i32(first_row), i32(num_blocks), lhs, rhs)
+  side = ()
+  if config.side_rows:
+    index = side_row_index(i32(starts[:num_groups]), i32(ends[:num_groups]), m)
+    side = tuple(jnp.take(x, index, axis=0, mode="fill", fill_value=0) for x in (lhs, rhs))
+  args = match_varying(i32(starts), i32(ends), i32(first_row), i32(num_blocks), lhs, rhs,
+                       *side)
   lhs = args[4]
   num_sms = config.num_sms
   if num_sms is None:
