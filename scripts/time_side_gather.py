@@ -1,0 +1,71 @@
+"""What the dW ring's ``side_rows`` gather costs, per training shape (GPU machine).
+
+  python3 scripts/time_side_gather.py OUT_DIR [--shapes NAME ...] [--rounds 3]
+
+Interleaved CUPTI device time of three calls on the same fresh inputs and
+routed group sizes: "dw" = the table's dW call (schedule + side gather + ring
+kernel), "schedule" = its row-block schedule alone, "gather" = the schedule and
+the two side-buffer gathers (XLA) alone.  Prints gather - schedule as a share
+of the dW call; writes OUT_DIR/side_gather.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+
+from ragdot import backends, bench, dispatch, timing
+from ragdot.backends import mosaic_dw
+
+
+def main() -> None:
+  p = argparse.ArgumentParser()
+  p.add_argument("out_dir")
+  p.add_argument("--shapes", nargs="+", default=None, help="preset names (default: all)")
+  p.add_argument("--rounds", type=int, default=3)
+  p.add_argument("--iterations", type=int, default=10)
+  args = p.parse_args()
+  os.makedirs(args.out_dir, exist_ok=True)
+  rows = []
+  for s in bench.preset_shapes("training", args.shapes):
+    gs = jnp.asarray(bench.routed_group_sizes(s))
+    kx, ky = jax.random.split(jax.random.key(len(rows) + 7))
+    x = jax.random.normal(kx, (s.m, s.k), jnp.bfloat16)
+    dy = jax.random.normal(ky, (s.m, s.n), jnp.bfloat16)
+    choice = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, m=s.m, k=s.k, n=s.n, g=s.g,
+                             num_groups=s.g)
+    config = choice.config
+    if choice.implementation != "mosaic" or config is None or not config.side_rows:
+      print(f"{s.name}: the table's dW ({choice.implementation}) has no side rows", flush=True)
+      continue
+
+    def schedule(gs):
+      return backends.row_blocks(gs, None, m=s.m, num_local=s.g, block_m=config.block_m,
+                                 align=8, use_kernel=config.schedule_kernel, interpret=False)
+
+    def gather(x, dy, gs):
+      starts, ends, _, _ = schedule(gs)
+      index = mosaic_dw.side_row_index(starts[:s.g], ends[:s.g], s.m)
+      return tuple(jnp.take(a, index, axis=0, mode="fill", fill_value=0) for a in (x, dy))
+
+    dw = jax.jit(lambda x, dy, gs: mosaic_dw.tgmm(
+        x, dy, gs, None, num_groups=s.g, out_dtype=jnp.bfloat16, config=config))
+    cases = {"dw": (dw, (x, dy, gs)), "schedule": (jax.jit(schedule), (gs,)),
+             "gather": (jax.jit(gather), (x, dy, gs))}
+    med = timing.interleaved_median_ms(cases, rounds=args.rounds, iterations=args.iterations)
+    share = (med["gather"] - med["schedule"]) / med["dw"]
+    rows.append(dict(shape=s.name, **{f"{k}_ms": v for k, v in med.items()},
+                     gather_share=share))
+    print(f"{s.name}: dw {med['dw']:.4f} ms, schedule {med['schedule'] * 1e3:.1f} us,"
+          f" schedule + gather {med['gather'] * 1e3:.1f} us: the gather is {share:.1%}"
+          " of the dW call", flush=True)
+  with open(os.path.join(args.out_dir, "side_gather.json"), "w") as f:
+    json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
