@@ -21,10 +21,10 @@ import os
 import jax
 import jax.numpy as jnp
 
-from ragdot import backends, bench, dispatch, timing
+from ragdot import backends, bench, timing
 from ragdot.backends import mosaic_dw
 
-from ab_fwd import case_rows, parse_fields  # this folder (the script's sys.path[0])
+from ab_fwd import case_rows, dw_case, parse_fields  # this folder (the script's sys.path[0])
 
 
 def main() -> None:
@@ -38,12 +38,7 @@ def main() -> None:
   os.makedirs(args.out_dir, exist_ok=True)
   rows = []
   for s in bench.preset_shapes("training", args.shapes):
-    gs = jnp.asarray(bench.routed_group_sizes(s))
-    kx, ky = jax.random.split(jax.random.key(len(rows) + 3))
-    x = jax.random.normal(kx, (s.m, s.k), jnp.bfloat16)
-    dy = jax.random.normal(ky, (s.m, s.n), jnp.bfloat16)
-    choice = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, m=s.m, k=s.k, n=s.n, g=s.g,
-                             num_groups=s.g)
+    gs, x, dy, choice = dw_case(s, jax.random.key(len(rows) + 3))
     mod = backends.get_backend(choice.implementation)
 
     def run(module, config):

@@ -15,12 +15,13 @@ import ast
 import dataclasses
 import json
 import os
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ragdot import bench, timing
+from ragdot import bench, dispatch, timing
 from ragdot.backends import mosaic_fwd
 from ragdot.dispatch import backend_call
 
@@ -38,6 +39,18 @@ def gmm_inputs(s: bench.Shape, call, key) -> tuple[jax.Array, jax.Array]:
   x = jax.random.normal(kx, (s.m, call.k), jnp.bfloat16)
   shape = (s.g, call.n, call.k) if call.transpose_rhs else (s.g, call.k, call.n)
   return x, (jax.random.normal(kw, shape, jnp.float32) / 32).astype(jnp.bfloat16)
+
+
+def dw_case(s: bench.Shape, key) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
+  """(group sizes, lhs x[m, k], rhs dy[m, n], the dispatcher's Choice) of
+  preset shape ``s``'s dW call: routed sizes, fresh bf16 operands."""
+  gs = jnp.asarray(bench.routed_group_sizes(s))
+  kx, ky = jax.random.split(key)
+  x = jax.random.normal(kx, (s.m, s.k), jnp.bfloat16)
+  dy = jax.random.normal(ky, (s.m, s.n), jnp.bfloat16)
+  choice = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, m=s.m, k=s.k, n=s.n, g=s.g,
+                           num_groups=s.g)
+  return gs, x, dy, choice
 
 
 def case_rows(shape: str, op: str, choice, med: dict, equal: dict, configs: dict,

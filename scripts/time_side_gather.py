@@ -18,8 +18,10 @@ import os
 import jax
 import jax.numpy as jnp
 
-from ragdot import backends, bench, dispatch, timing
+from ragdot import backends, bench, timing
 from ragdot.backends import mosaic_dw
+
+from ab_fwd import dw_case  # this folder (the script's sys.path[0])
 
 
 def main() -> None:
@@ -32,12 +34,7 @@ def main() -> None:
   os.makedirs(args.out_dir, exist_ok=True)
   rows = []
   for s in bench.preset_shapes("training", args.shapes):
-    gs = jnp.asarray(bench.routed_group_sizes(s))
-    kx, ky = jax.random.split(jax.random.key(len(rows) + 7))
-    x = jax.random.normal(kx, (s.m, s.k), jnp.bfloat16)
-    dy = jax.random.normal(ky, (s.m, s.n), jnp.bfloat16)
-    choice = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, m=s.m, k=s.k, n=s.n, g=s.g,
-                             num_groups=s.g)
+    gs, x, dy, choice = dw_case(s, jax.random.key(len(rows) + 7))
     config = choice.config
     if choice.implementation != "mosaic" or config is None or not config.side_rows:
       print(f"{s.name}: the table's dW ({choice.implementation}) has no side rows", flush=True)
@@ -49,8 +46,7 @@ def main() -> None:
 
     def gather(x, dy, gs):
       starts, ends, _, _ = schedule(gs)
-      index = mosaic_dw.side_row_index(starts[:s.g], ends[:s.g], s.m)
-      return tuple(jnp.take(a, index, axis=0, mode="fill", fill_value=0) for a in (x, dy))
+      return mosaic_dw.side_buffers(x, dy, starts[:s.g], ends[:s.g])
 
     dw = jax.jit(lambda x, dy, gs: mosaic_dw.tgmm(
         x, dy, gs, None, num_groups=s.g, out_dtype=jnp.bfloat16, config=config))

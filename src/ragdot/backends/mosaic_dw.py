@@ -508,6 +508,15 @@ def side_row_index(starts: jax.Array, ends: jax.Array, m: int) -> jax.Array:
   return index.reshape(-1)
 
 
+def side_buffers(lhs: jax.Array, rhs: jax.Array, starts: jax.Array,
+                 ends: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The ``side_rows`` ring's side buffers ([g * 16, k] and [g * 16, n]):
+  each group's unaligned end rows of lhs and rhs (``side_row_index``), zeros
+  past them.  ``starts``/``ends``: int32[g] of the local groups."""
+  index = side_row_index(starts, ends, lhs.shape[0])
+  return tuple(jnp.take(x, index, axis=0, mode="fill", fill_value=0) for x in (lhs, rhs))
+
+
 def _work_item(info, grid_k: int, grid_n: int, config: MosaicDwConfig,
                starts_gmem, ends_gmem, first_gmem, nblocks_gmem):
   """(group, k tile, n tile, row start, row end, first block's row, block count);
@@ -1112,8 +1121,7 @@ def tgmm(
   i32 = lambda x: x.astype(jnp.int32)
   side = ()
   if config.side_rows:
-    index = side_row_index(i32(starts[:num_groups]), i32(ends[:num_groups]), m)
-    side = tuple(jnp.take(x, index, axis=0, mode="fill", fill_value=0) for x in (lhs, rhs))
+    side = side_buffers(lhs, rhs, i32(starts[:num_groups]), i32(ends[:num_groups]))
   args = match_varying(i32(starts), i32(ends), i32(first_row), i32(num_blocks), lhs, rhs,
                        *side)
   lhs = args[4]
