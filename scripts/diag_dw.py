@@ -22,11 +22,20 @@ interleaved rounds) on
      still arrive on the stage's barrier (from all 128 producer threads, with 0
      bytes), as the padding of a design with pieces would (same results; R/A
      is what the arrivals alone cost),
+  W  (only when --cases has W) A with the output's TMA stores traced out (the
+     epilogue still converts and stages every tile; nothing reaches HBM; wrong
+     results: W/A is what writing the [g, k, n] output costs beyond the rest),
+  S  (only when --cases has S) A with every output tile stored into group 0's
+     [k, n] block (wrong results): the same TMA stores, but into a few MB that
+     stay in L2, so next to no DRAM writes.  S near W: the DRAM writes are the
+     cost; S near A: issuing and draining the stores is,
   D  with ``--set``: routed sizes, A's config with those fields replaced (an
      A/B; its output is compared with A's bitwise),
-and writes OUT_DIR/diag_dw.json.  With MOSAIC_GPU_DUMP_PTXAS=1 the ptxas report
-of each case follows its ``# compile CASE SHAPE`` line.  B/A is the masking's
-share, C/A the share of masking plus boundary blocks.
+and writes OUT_DIR/diag_dw.json.  ``--table``: every case starts from the
+dispatcher's dW config of the shape (the shipped table) instead of the
+default.  With MOSAIC_GPU_DUMP_PTXAS=1 the ptxas report of each case follows
+its ``# compile CASE SHAPE`` line.  B/A is the masking's share, C/A the share
+of masking plus boundary blocks.
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ragdot import bench, timing
+from ragdot import bench, dispatch, timing
 from ragdot.backends import mosaic_dw
 
 from ab_fwd import parse_fields  # this folder (the script's sys.path[0])
@@ -91,6 +100,23 @@ def extra_arrivals(extra: int):
     plgpu.copy_gmem_to_smem, plgpu.Barrier = real_copy, real_barrier
 
 
+@contextlib.contextmanager
+def stores_traced_out(into_group0: bool = False):
+  """While tracing: the dW kernel's output chunks are staged in SMEM as usual
+  but never stored (each counts as stored, so the staging buffers' waits stay
+  as they are); ``into_group0``: stored, but every group's into group 0's."""
+  real = mosaic_dw._store_half
+  if into_group0:
+    mosaic_dw._store_half = lambda src_smem, out_gmem, j, row, col: real(
+        src_smem, out_gmem, jnp.int32(0), row, col)
+  else:
+    mosaic_dw._store_half = lambda src_smem, out_gmem, j, row, col: jnp.bool_(True)
+  try:
+    yield
+  finally:
+    mosaic_dw._store_half = real
+
+
 def main() -> None:
   p = argparse.ArgumentParser()
   p.add_argument("out_dir")
@@ -103,6 +129,9 @@ def main() -> None:
                  help="MosaicDwConfig fields replaced in the config of every case")
   p.add_argument("--extra-arrivals", type=int, default=7,
                  help="case R: predicated-off copies per TMA load")
+  p.add_argument("--table", action="store_true",
+                 help="start from the table's dW config of each shape (not the default)")
+  p.add_argument("--shapes", nargs="+", default=None, help="preset names (default: all)")
   p.add_argument("--out-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                  help="dW's dtype (float32 gets the default's 2-stage f32 config)")
   args = p.parse_args()
@@ -110,7 +139,7 @@ def main() -> None:
   out_dtype = jnp.dtype(args.out_dtype)
   changes = parse_fields(args.set)
   rows = []
-  for s in bench.PRESETS["training"]:
+  for s in bench.preset_shapes("training", args.shapes):
     sizes = bench.routed_group_sizes(s)
     gs = jnp.asarray(sizes)
     gs64 = jnp.asarray(aligned_sizes(sizes, s.m))
@@ -119,6 +148,13 @@ def main() -> None:
     dy = jax.random.normal(ky, (s.m, s.n), jnp.bfloat16)
 
     default = mosaic_dw.default_config(s.m, s.k, s.n, s.g, jnp.bfloat16, out_dtype)
+    if args.table:
+      choice = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, m=s.m, k=s.k, n=s.n,
+                               g=s.g, num_groups=s.g)
+      if choice.implementation != "mosaic" or choice.config is None:
+        print(f"{s.name}: the table's dW is {choice.implementation}; skipped", flush=True)
+        continue
+      default = choice.config
     if args.base:
       default = mosaic_dw.fit_config(
           dataclasses.replace(default, **parse_fields(args.base)), jnp.bfloat16, out_dtype)
@@ -178,6 +214,16 @@ def main() -> None:
       finally:
         mosaic_dw._straddles = real_straddles
       cases.append(("E", fe, gs))
+    if "W" in args.cases:
+      fw = make()
+      with stores_traced_out():
+        compile_("W", fw)
+      cases.append(("W", fw, gs))
+    if "S" in args.cases:
+      fs = make()
+      with stores_traced_out(into_group0=True):
+        compile_("S", fs)
+      cases.append(("S", fs, gs))
     equal = None
     if changes:
       fd = make(dataclasses.replace(default, **changes))
@@ -192,9 +238,12 @@ def main() -> None:
                c_over_a=med["C"] / med["A"] if "C" in med else None,
                e_over_a=med["E"] / med["A"] if "E" in med else None,
                r_over_a=med["R"] / med["A"] if "R" in med else None,
+               w_over_a=med["W"] / med["A"] if "W" in med else None,
+               s_over_a=med["S"] / med["A"] if "S" in med else None,
+               config=str(default),
                blocks_routed=row_blocks(sizes),
                blocks_aligned=row_blocks(np.asarray(gs64)))
-    line = "".join(f"  {name}/A {row[f'{name.lower()}_over_a']:.3f}" for name in "BCER"
+    line = "".join(f"  {name}/A {row[f'{name.lower()}_over_a']:.3f}" for name in "BCERWS"
                    if name in med)
     if "R" in med:
       row.update(r_equal_a=r_equal)

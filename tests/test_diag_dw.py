@@ -1,6 +1,7 @@
-"""scripts/diag_dw.py's case R (extra barrier arrivals per TMA load): the patched
-pingpong ring lowers for sm90, its stage barriers expect the extra arrivals, and
-the patch is undone afterwards.  (The interpreter rejects a copy's predicate, so
+"""scripts/diag_dw.py's patched cases: R (extra barrier arrivals per TMA load;
+its stage barriers expect the extra arrivals), W and S (the output's stores
+traced out, or all into group 0) lower for sm90, and each patch is undone
+afterwards.  (The interpreter rejects a copy's predicate, so
 R itself only runs on the GPU.)"""
 
 import dataclasses
@@ -24,3 +25,15 @@ def test_extra_arrivals_lower_and_are_undone():
     assert plgpu.Barrier(num_arrivals=2).num_arrivals == 2  # single barriers
     lower_for_sm90(32768, 2048, 1536, 128, cfg)
   assert plgpu.copy_gmem_to_smem is copy and plgpu.Barrier is barrier
+
+
+def test_stores_traced_out_lower_and_are_undone():
+  from ragdot.backends import mosaic_dw  # pylint: disable=g-import-not-at-top
+  cfg = dataclasses.replace(PINGPONG, num_sms=None, num_stages=4, block_n=192,
+                            epilogue_split=3, side_rows=True)
+  store = mosaic_dw._store_half
+  for into_group0 in (False, True):
+    with diag_dw.stores_traced_out(into_group0):
+      assert mosaic_dw._store_half is not store
+      lower_for_sm90(32768, 2048, 1536, 128, cfg)
+    assert mosaic_dw._store_half is store

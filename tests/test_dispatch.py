@@ -166,21 +166,27 @@ def test_backend_call_maps_user_ops():
 
 
 def test_f32_weight_gradient_keeps_three_stages_with_a_split_epilogue():
-  # The table's dW configs are measured with bf16 output.  Qwen3-30B down's
-  # (the 128 x 128 pingpong ring, 6 stages) does not fit an f32 staging tile
+  # The table's dW configs are measured with bf16 output.  Mixtral's (the
+  # 128 x 192 pingpong ring, 5 stages) does not fit an f32 staging tile
   # without losing stages, so the f32 default (shared ring) runs instead: its
   # staging tile does not fit beside 3 stages either, so its epilogue is split
   # (measured faster than dropping to 2 stages, H200 2026-11-30).
-  down = dict(GATE_UP, k=768, n=2048)
-  bf16 = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, device=H200, **down)
+  mixtral = dict(m=16384, k=4096, n=28672, g=8, num_groups=8)
+  bf16 = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, device=H200, **mixtral)
   f32 = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, out_dtype=jnp.float32, device=H200,
-                        **down)
+                        **mixtral)
   assert f32.implementation == "mosaic"
   cfg = f32.config if f32.config is not None else mosaic_dw.default_config(
-      down["m"], down["k"], down["n"], down["g"], jnp.bfloat16, jnp.float32)
+      mixtral["m"], mixtral["k"], mixtral["n"], mixtral["g"], jnp.bfloat16, jnp.float32)
   assert cfg.num_compute_wgs == 2 and cfg.epilogue_split == 2 and cfg.num_stages == 3
   assert bf16.config is not None and bf16.config.pingpong and not cfg.pingpong
   assert "default used" in f32.reason
+  # Qwen3-30B down's 192 x 128 ring (4 stages, two buffers of 64 x 64 chunks)
+  # keeps its config with f32 staging (2 x 2 x 64 x 64 x 4 bytes beside 160 KiB).
+  f32 = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, out_dtype=jnp.float32, device=H200,
+                        **dict(GATE_UP, k=768, n=2048))
+  assert f32.config is not None and f32.config.pingpong and f32.config.block_k == 192
+  assert f32.config.num_stages == 4 and f32.config.epilogue_buffers == 2
   # Qwen3-30B gate_up's 128 x 192 ring (4 stages of 40 KiB) keeps its config
   # with f32 staging (2 x 128 x 64 x 4 bytes).
   f32 = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, out_dtype=jnp.float32, device=H200,

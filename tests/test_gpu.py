@@ -443,14 +443,21 @@ def _fields(words):
      (64, 128, 192, 4, 768, jnp.bfloat16,
       "pingpong epilogue_split=3 epilogue_buffers=2 side_rows"),
      (64, 128, 128, 6, 1024, jnp.bfloat16, "pingpong epilogue_split=2 side_rows"),
-     (64, 128, 256, 3, 1024, jnp.float32, "epilogue_split=2 side_rows")],
+     (64, 128, 256, 3, 1024, jnp.float32, "epilogue_split=2 side_rows"),
+     # ... 192 x 128 (Qwen3-30B down's k = 768 in whole tiles), two buffers of 64 x 64
+     # epilogue chunks (the table's entry for that shape)
+     (64, 192, 128, 4, 768, jnp.bfloat16,
+      "pingpong epilogue_split=2 epilogue_rows=64 epilogue_buffers=2 side_rows"),
+     (64, 192, 128, 4, 768, jnp.float32,  # the same entry with f32 output (it fits)
+      "pingpong epilogue_split=2 epilogue_rows=64 epilogue_buffers=2 side_rows")],
     ids=["default", "whole_tile_mask", "256x128", "f32_2_stages",
          "bm128_banded", "partial_k", "bn64_banded", "bn192_banded", "256x192",
          "f32_split_3_stages",
          "pingpong", "pingpong_64x256_f32", "pingpong_128x192", "pingpong_128x192_f32",
          "pingpong_192x128", "pingpong_128x192_rows64", "pingpong_masker",
          "pingpong_128x192_2_buffers", "pingpong_masker_128x192",
-         "pingpong_128x192_side_rows", "pingpong_side_rows", "shared_side_rows_f32"])
+         "pingpong_128x192_side_rows", "pingpong_side_rows", "shared_side_rows_f32",
+         "pingpong_192x128_side_rows", "pingpong_192x128_side_rows_f32"])
 def test_mosaic_dw_ring_across_items_real_size(bm, bk, bn, stages, k, out_dtype, mask):
   """The warp-specialized dW with one ring of stages across items, on hardware:
   every group's tile written (NaN-poisoned memory), empty groups zero, a shard,

@@ -18,6 +18,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 
+from ragdot import tables
 from ragdot.backends import mosaic_dw
 from ragdot.backends.mosaic_dw import MosaicDwConfig
 
@@ -353,8 +354,10 @@ def test_split_rows_covers_every_row():
 
 
 @pytest.mark.parametrize("config", [SIDE, dataclasses.replace(FLAT3, side_rows=True),
-                                    dataclasses.replace(SIDE, block_n=192, epilogue_split=3)],
-                         ids=["pingpong", "shared", "pingpong_128x192"])
+                                    dataclasses.replace(SIDE, block_n=192, epilogue_split=3),
+                                    dataclasses.replace(SIDE, block_k=192, epilogue_split=2,
+                                                        epilogue_buffers=2)],
+                         ids=["pingpong", "shared", "pingpong_128x192", "pingpong_192x128"])
 def test_side_rows(config, monkeypatch):
   # Nothing is masked (the masking is not even traced); with race detection,
   # which also checks that no barrier phase of either produced set is skipped.
@@ -362,7 +365,7 @@ def test_side_rows(config, monkeypatch):
     monkeypatch.setattr(mosaic_dw, f, _no_masking)
   params = plgpu.InterpretGPUParams(detect_races=True)
   cfg = dataclasses.replace(config, num_sms=2, num_stages=2)
-  out, ref = run(448, 128, 192 if config.block_n == 192 else 128, SIDE_SIZES, config=cfg,
+  out, ref = run(448, config.block_k, config.block_n, SIDE_SIZES, config=cfg,
                  interpret=params, out_dtype=jnp.bfloat16, seed=13)
   check(out, ref, jnp.bfloat16)
   assert not interpret_pallas_call.get_races().races_found
@@ -612,6 +615,22 @@ def test_lowers_for_sm90(out_dtype, shape):
   for cfg in configs:
     lower_for_sm90(m, k, n, g, cfg, out_dtype=out_dtype)
   lower_for_sm90(1000, 192, 320, 16, None, dtype=jnp.float16, out_dtype=out_dtype)
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_table_dw_configs_lower_for_sm90(out_dtype):
+  # Every shipped H200 dW entry, as the dispatcher hands it out for either
+  # output dtype (its own config where it fits, else the default).
+  from ragdot import dispatch  # pylint: disable=g-import-not-at-top
+  h200 = dispatch.Device("gpu", "NVIDIA H200", "9.0")
+  table, _ = tables.table_for(h200.kind, h200.compute_capability)
+  shapes = [e["shape"] for key, e in table.data["entries"].items()
+            if key.startswith("tgmm/") and e["backend"] == "mosaic"]
+  assert len(shapes) >= 5
+  for m, k, n, g in shapes:
+    choice = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, out_dtype=out_dtype, m=m, k=k,
+                             n=n, g=g, num_groups=g, device=h200)
+    lower_for_sm90(m, k, n, g, choice.config, out_dtype=out_dtype)
 
 
 def test_fit_config_drops_stages_for_a_bigger_staging_tile():

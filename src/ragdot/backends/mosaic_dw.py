@@ -362,8 +362,9 @@ def gpu_sweep_configs(
   bands instead of ``side_rows``, the default with its whole staging tile
   when it splits the epilogue (f32 output: 2 stages instead of 3); the
   ``pingpong`` rings (128 x 128 in 6 stages and 64 x 256 in 4; 128 x 192 and
-  192 x 128 where those divide k and n, in 4 stages and in 5 with 64 x 64
-  epilogue chunks), each with ``side_rows``, masking by bands, and (128 x 128
+  192 x 128 where those divide k and n, in 4 stages, in 5 with 64 x 64
+  epilogue chunks, and in 4 with two buffers of 64 x 64 chunks), each with
+  ``side_rows``, masking by bands, and (128 x 128
   and 64 x 256) with a masking warpgroup; four warp-specialized configs with
   one ring of stages across items, two with two resident CTAs per SM, four
   one-warpgroup configs and three warp-specialized ones with a pipeline per
@@ -394,18 +395,20 @@ def gpu_sweep_configs(
   for bk, bn, stages in ((128, 128, 6), (64, 256, 4)):
     bk, bn = min(bk, _fit(256, k)), min(bn, _fit(256, n))
     if bn % 128 == 0 and bk * bn <= 128 * 128:
-      pingpongs.append((bk, bn, stages, 2, None))
+      pingpongs.append((bk, bn, stages, 2, None, 1))
   # 128 x 192 / 192 x 128 tiles (where they divide k and n): 19% fewer L2 ->
   # SMEM bytes per FLOP than 128 x 128, in 4 stages of 40 KiB, or 5 with the
-  # epilogue in 64 x 64 chunks.
+  # epilogue in 64 x 64 chunks, or 4 with two buffers of them (192 x 128 on
+  # Qwen3-30B down: 0.956x the 5-stage 128 x 192 ring, H200 2026-12-02).
   for bk, bn in ((128, 192), (192, 128)):
     if k % bk == 0 and n % bn == 0:
-      pingpongs += [(bk, bn, 4, bn // 64, None), (bk, bn, 5, bn // 64, 64)]
-  for bk, bn, stages, split, rows in pingpongs:
+      pingpongs += [(bk, bn, 4, bn // 64, None, 1), (bk, bn, 5, bn // 64, 64, 1),
+                    (bk, bn, 4, bn // 64, 64, 2)]
+  for bk, bn, stages, split, rows, buffers in pingpongs:
     config = fit_config(MosaicDwConfig(
         block_m=64, block_k=bk, block_n=bn, num_stages=stages, num_compute_wgs=2,
         pipeline_across_items=True, banded_mask=True, pingpong=True, epilogue_split=split,
-        epilogue_rows=rows), dtype, out_dtype)
+        epilogue_rows=rows, epilogue_buffers=buffers), dtype, out_dtype)
     if config is not None and config not in out:
       out += [dataclasses.replace(config, side_rows=True), config]
       # A masking warpgroup beside 128 x 128 accumulators (0.96-0.97x the time
@@ -517,18 +520,32 @@ def side_buffers(lhs: jax.Array, rhs: jax.Array, starts: jax.Array,
   return tuple(jnp.take(x, index, axis=0, mode="fill", fill_value=0) for x in (lhs, rhs))
 
 
+class WorkItem(NamedTuple):
+  """One (group, k tile, n tile) item of a CTA and the rows it contracts."""
+  group: jax.Array
+  k_tile: jax.Array
+  n_tile: jax.Array
+  start: jax.Array  # the group's rows [start, end)
+  end: jax.Array
+  first: jax.Array  # the first row block's first row (a multiple of 8)
+  full: jax.Array  # side_rows: the steps before the piece steps (else nblocks)
+  nblocks: jax.Array  # row block steps
+
+
 def _work_item(info, grid_k: int, grid_n: int, config: MosaicDwConfig,
-               starts_gmem, ends_gmem, first_gmem, nblocks_gmem):
-  """(group, k tile, n tile, row start, row end, first block's row, block count);
-  with ``side_rows`` the interior's first row and ``split_rows``' steps."""
+               starts_gmem, ends_gmem, first_gmem, nblocks_gmem) -> WorkItem:
+  """Item ``info`` of the CTA's loop; with ``side_rows`` its rows come from
+  ``split_rows`` (the interior's first row and steps)."""
   j = info.index[0]
   ki, ni = plgpu.planar_snake(info.index[1], (grid_k, grid_n), 1, config.grid_tile_width)
   start, end = starts_gmem[j], ends_gmem[j]
   if config.side_rows:
     split = split_rows(start, end)
-    return (j, ki, ni, start, end, pl.multiple_of(split.first, _ROW_ALIGN), split.nblocks)
+    return WorkItem(j, ki, ni, start, end, pl.multiple_of(split.first, _ROW_ALIGN),
+                    split.full, split.nblocks)
   first = pl.multiple_of(first_gmem[j], _ROW_ALIGN)
-  return (j, ki, ni, start, end, first, nblocks_gmem[j])
+  nblocks = nblocks_gmem[j]
+  return WorkItem(j, ki, ni, start, end, first, nblocks, nblocks)
 
 
 def _row_spec(rows: int, cols: int, first, col_block, transforms, delay_release: int):
@@ -737,7 +754,7 @@ def _body_2wg(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gm
 
     @plgpu.nd_loop((num_groups, grid_k * grid_n), collective_axes="sm")
     def _item(info: plgpu.NDLoopInfo):
-      j, ki, ni, start, end, first, nblocks = _work_item(
+      j, ki, ni, start, end, first, _, nblocks = _work_item(
           info, grid_k, grid_n, config, starts_gmem, ends_gmem, first_gmem, nblocks_gmem)
 
       def step(idx, lhs_smem, rhs_smem, acc_ref):
@@ -845,7 +862,7 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
         per_step(it, i, step, lax.rem(step, stages), owner)
         return step + 1
 
-      return lax.fori_loop(0, it[-1], one, step0), q + 1
+      return lax.fori_loop(0, it.nblocks, one, step0), q + 1
 
     total, _ = items(item, (jnp.int32(0), jnp.int32(0)))
     return total
@@ -859,7 +876,8 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
       consumed=plgpu.Barrier(num_arrivals=1 if pingpong else 2, num_barriers=stages),
       o_smem=plgpu.SMEM((2, config.epilogue_buffers, config.epilogue_m, config.epilogue_n),
                         out_dtype, transforms=out_transforms),
-      mask_barrier=plgpu.Barrier(num_arrivals=2),
+      # The shared ring's consumers mask a boundary block together.
+      **(dict(mask_barrier=plgpu.Barrier(num_arrivals=2)) if not (pingpong or side) else {}),
       # mask_warpgroup: the masker -> the owner of a step (one set per consumer).
       **(dict(masked=plgpu.Barrier(num_arrivals=1, num_barriers=2 * stages))
          if masker else {}),
@@ -869,19 +887,19 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
          if side else {}),
       collective_axes="wg",
   )
-  def _scope(lhs_smem, rhs_smem, produced, consumed, o_smem, mask_barrier, masked=None,
-             pieces_in=None):
+  def _scope(lhs_smem, rhs_smem, produced, consumed, o_smem, mask_barrier=None,
+             masked=None, pieces_in=None):
     wg = lax.axis_index("wg")
 
     def load_pieces(it, i, slot, barrier):
       """Stage ``slot`` of a piece step: the group's side rows (first piece
       step only) and the interior rows left after its whole blocks."""
-      j, ki, ni, start, end, first, _ = it
-      split = split_rows(start, end)
-      p = i - split.full  # 0, or 1 for the second piece step
+      j, ki, ni, start, end, first, full, _ = it
+      rest = split_rows(start, end).rest
+      p = i - full  # 0, or 1 for the second piece step
       room = _PIECE_ROWS - _SIDE_ROWS
-      left = jnp.clip(split.rest - p * room, 0, room)
-      row = first + split.full * bm + p * room
+      left = jnp.clip(rest - p * room, 0, room)
+      row = first + full * bm + p * room
       past_m, past_side = lhs_gmem.shape[0], side_lhs_gmem.shape[0]
       side_row = jnp.where(p == 0, j * _SIDE_ROWS, past_side)
       pieces = [(pl.ds(0, _SIDE_ROWS), side_row, True)]
@@ -904,7 +922,7 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
 
         def mask_step(it, i, step, slot, owner):
           del step
-          _, _, _, start, end, first, _ = it
+          _, _, _, start, end, first, _, _ = it
           plgpu.barrier_wait(produced.at[owner + slot])
           _mask_own_stage(lhs_smem.at[slot], rhs_smem.at[slot], first + i * bm, start, end,
                           config.banded_mask)
@@ -917,7 +935,7 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
       plgpu.set_max_registers(regs_producer, action="decrease")
 
       def load(it, i, step, slot, owner):
-        _, ki, ni, start, end, first, _ = it
+        _, ki, ni, _, _, first, full, _ = it
         # The slot's previous use (step - stages) must be consumed first.
         pl.when(step >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
 
@@ -929,7 +947,7 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
                                   rhs_smem.at[slot], produced.at[owner + slot])
 
         if side:
-          in_pieces = i >= split_rows(start, end).full
+          in_pieces = i >= full
           pl.when(~in_pieces)(whole_block)
           pl.when(in_pieces)(lambda: load_pieces(it, i, slot, pieces_in.at[owner + slot]))
         else:
@@ -950,8 +968,7 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
       def compute(it, step0):
         """Accumulates this consumer's part of item ``it`` (from ring step
         ``step0``) and stores it."""
-        j, ki, ni, start, end, first, nblocks = it
-        full = split_rows(start, end).full if side else None
+        j, ki, ni, start, end, first, full, nblocks = it
 
         def acc_scope(acc_ref):
           def mma(i, step):
@@ -997,7 +1014,7 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
           pl.when(lax.rem(q, 2) == wg)(lambda: compute(it, step0))
         else:
           compute(it, step0)
-        return step0 + it[-1], q + 1
+        return step0 + it.nblocks, q + 1
 
       items(item, (jnp.int32(0), jnp.int32(0)))
       plgpu.wait_smem_to_gmem(0)
@@ -1067,7 +1084,7 @@ def tgmm(
 
     @plgpu.nd_loop((num_groups, grid_k * grid_n), collective_axes="sm")
     def _item(info: plgpu.NDLoopInfo):
-      j, ki, ni, start, end, first, nblocks = _work_item(
+      j, ki, ni, start, end, first, _, nblocks = _work_item(
           info, grid_k, grid_n, config, starts_gmem, ends_gmem, first_gmem, nblocks_gmem)
 
       def acc_scope(acc_ref):
