@@ -21,6 +21,8 @@
 #   ep     MoE block expert-parallel scaling over the local GPUs           EP_ARGS
 #   floors dW's measured bytes floors: fills and sums of its bytes beside the dW kernel
 #          and the dense dW matmul, per training shape (scripts/dw_floors.py)  FLOORS_ARGS
+#   regular  the regular form: ragdot on routed and equal groups beside XLA's batched
+#          matmul (cuBLAS) of the equal groups and dense (scripts/regular_form.py)  REGULAR_ARGS
 #   profile  ncu counters of the main kernels (scripts/profile_kernels.py)  PROFILE_ARGS
 #          (PROFILE_SECTIONS="SourceCounters ...": more ncu sections;
 #           PROFILE_METRICS="metric metric ...": single ncu metrics, given to ncu
@@ -73,6 +75,7 @@ for stage in $STAGES; do
       [ "${USE_TUNED:-0}" = 1 ] && cp "$OUT/nvidia_h200.json" src/ragdot/tables/nvidia_h200.json ;;
     bench) run bench "${BENCH_TIMEOUT:-400}" python3 -m ragdot bench --json "$OUT/bench.json" --plot "$OUT/bench.png" ${BENCH_ARGS:---preset training decode ep skewed} ;;
     floors) run floors "${FLOORS_TIMEOUT:-240}" python3 scripts/dw_floors.py "$OUT/floors" ${FLOORS_ARGS:-} ;;
+    regular) run regular "${REGULAR_TIMEOUT:-300}" python3 scripts/regular_form.py "$OUT/regular" ${REGULAR_ARGS:-} ;;
     moe) run moe "${MOE_TIMEOUT:-120}" python3 -m ragdot.moe.bench --json "$OUT/moe.json" ;;
     ep) run ep "${EP_TIMEOUT:-180}" python3 -m ragdot.moe.ep_bench --json "$OUT/ep.json" ${EP_ARGS:-} ;;
     profile)
