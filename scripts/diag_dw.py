@@ -51,10 +51,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ragdot import bench, dispatch, timing
+from ragdot import bench, timing
 from ragdot.backends import mosaic_dw
 
-from ab_fwd import parse_fields  # this folder (the script's sys.path[0])
+from ab_fwd import dw_case, parse_fields  # this folder (the script's sys.path[0])
 
 
 def aligned_sizes(sizes: np.ndarray, m: int, align: int = 64) -> np.ndarray:
@@ -140,17 +140,12 @@ def main() -> None:
   changes = parse_fields(args.set)
   rows = []
   for s in bench.preset_shapes("training", args.shapes):
-    sizes = bench.routed_group_sizes(s)
-    gs = jnp.asarray(sizes)
+    gs, x, dy, choice = dw_case(s, jax.random.key(len(rows)))
+    sizes = np.asarray(gs)
     gs64 = jnp.asarray(aligned_sizes(sizes, s.m))
-    kx, ky = jax.random.split(jax.random.key(len(rows)))
-    x = jax.random.normal(kx, (s.m, s.k), jnp.bfloat16)
-    dy = jax.random.normal(ky, (s.m, s.n), jnp.bfloat16)
 
     default = mosaic_dw.default_config(s.m, s.k, s.n, s.g, jnp.bfloat16, out_dtype)
     if args.table:
-      choice = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, m=s.m, k=s.k, n=s.n,
-                               g=s.g, num_groups=s.g)
       if choice.implementation != "mosaic" or choice.config is None:
         print(f"{s.name}: the table's dW is {choice.implementation}; skipped", flush=True)
         continue
