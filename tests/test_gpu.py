@@ -543,3 +543,24 @@ def test_schedule_kernel_equals_xla_builders_real_sizes(m, g, g_local, offset, l
       sizes, go)
   for g_arr, want in zip(got, md.row_blocks(sizes, go, m, g_local, block_m)):
     np.testing.assert_array_equal(np.asarray(g_arr)[:g_local], np.asarray(want))
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
+@pytest.mark.parametrize("kn,tail_rows,offset,tail,short,layout", [
+    ((768, 2048), 32, None, "split", 64, "routed"), ((2048, 1536), 32, None, "split", 128, "routed"),
+    ((2048, 1536), 16, 8, "m", 0, "routed"), ((768, 1920), 0, None, "fold", 0, "routed"),
+    ((2048, 1536), 32, None, "split", 128, "skewed")],
+                         ids=["down-t32-split-s64", "gate_up-t32-split-s128", "gate_up-t16-shard-m",
+                              "odd-n-tiles-t0", "gate_up-skewed"])
+def test_swap_share_rows_real_size(transpose_rhs, kn, tail_rows, offset, tail, short, layout):
+  """Swap tiles on 2-CTA clusters that share the tile's rows by TMA multicast
+  (share_rows): folded tails, short tiles, a shard, an odd count of n tiles (the
+  last pair's second CTA computes and stores nothing); NaN-poisoned memory."""
+  from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
+  cfg = mosaic_fwd.MosaicFwdConfig(128, 128, 64, 4, num_compute_wgs=2, ring=True, swap=True,
+                                   tail_rows=tail_rows, producer_zeros=False,
+                                   tail_split=tail == "split", tail_on_m=tail == "m",
+                                   swizzle_staging=True, short_tile_rows=short,
+                                   share_rows=True)
+  _check_mosaic_gmm(cfg, (32768, *kn, 128, layout), transpose_rhs, offset,
+                    seed=kn[0] + kn[1] + tail_rows + short)

@@ -286,3 +286,26 @@ def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, tail, swap_rows):
   for with_offset in (False, True):
     assert_gmm_lowers(dataclasses.replace(cfg, swizzle_staging=True), m=m, k=k, n=n, g=g,
                       transpose_rhs=transpose_rhs, with_offset=with_offset)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
+@pytest.mark.parametrize("tail,short,n", [("split", 128, 1536), ("m", 0, 1536),
+                                          ("fold", 64, 1920)])
+def test_share_rows_lowers_for_sm90(transpose_rhs, tail, short, n):
+  # 2-CTA clusters multicasting the tile's rows: every wgmma layout (a split fold,
+  # the tail on M, short tiles), an odd count of n tiles (1920 / 128 = 15), and
+  # a shard call (the row-major ring, which drops share_rows).  Not run in
+  # interpret mode: two CTAs per cluster hang the interpreter (docs v23a, v32a).
+  cfg = dataclasses.replace(CFG, num_stages=4, tail_rows=32, num_sms=132, swizzle_staging=True,
+                            short_tile_rows=short, share_rows=True, **TAIL[tail])
+  for with_offset in (False, True):
+    assert_gmm_lowers(cfg, m=4096, k=2048, n=n, g=128, transpose_rhs=transpose_rhs,
+                      with_offset=with_offset)
+
+
+def test_share_rows_checks():
+  with pytest.raises(ValueError, match="share_rows needs"):
+    dataclasses.replace(CFG, swap=False, block_n=256, share_rows=True)
+  with pytest.raises(ValueError, match="share_rows needs"):
+    dataclasses.replace(CFG, share_rows=True)  # num_sms=3: clusters of two need an even count
+  assert not mf.row_major_ring(dataclasses.replace(CFG, num_sms=4, share_rows=True)).share_rows

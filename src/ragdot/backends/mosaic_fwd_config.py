@@ -153,6 +153,12 @@ class MosaicFwdConfig:
     routing 128 0.84-0.87x the time on the Qwen calls, 64 0.81-0.85x (DeepSeek-V3's
     dX with 160-row tiles 0.87x); with routed group sizes 0.996-1.003x, except
     Qwen3-30B down's forward (12-step k loop: 1.008-1.016x).
+  share_rows: swap only: 2-CTA clusters whose two CTAs take one row tile and
+    two adjacent n tiles (``n_tile`` 2c and 2c + 1); each loads half of every
+    stage's rows and multicasts it to both, so a CTA reads 16 + 16 KB from L2
+    per k step instead of 32 + 16 (cuBLAS's batched kernels share an operand
+    over 1 x 2 clusters the same way).  A stage is refilled once the consumers
+    of both CTAs released it (a cluster barrier).  Needs an even num_sms.
   zero_box_rows: with producer_zeros, the rows of its zero buffer (8, 16, 32
     or 64): each 64-row half of a zero item goes out in stores of at most
     this many rows.  Fewer rows leave room for wider epilogue chunks (a
@@ -188,6 +194,7 @@ class MosaicFwdConfig:
   swap_rows: int = SWAP_ROWS
   swizzle_staging: bool = False
   short_tile_rows: int = 0
+  share_rows: bool = False
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -250,6 +257,8 @@ class MosaicFwdConfig:
                                  or self.short_tile_rows >= self.swap_rows):
       raise ValueError(f"short_tile_rows needs swap=True and 64 or 128 (< swap_rows), "
                        f"got {self}")
+    if self.share_rows and (not self.swap or (self.num_sms or 2) % 2):
+      raise ValueError(f"share_rows needs swap=True and an even num_sms, got {self}")
     if self.tail_rows and (not self.ring or self.block_n % 128):
       raise ValueError(f"tail_rows needs ring=True and block_n a multiple of 128, got {self}")
     if self.zero_lead is not None and (self.zero_lead < 0 or (self.zero_lead and not self.ring)):
@@ -321,7 +330,7 @@ def row_major_ring(cfg: MosaicFwdConfig) -> MosaicFwdConfig:
   what runs where swap cannot (shard calls with producer zeros, 32-bit outputs)."""
   return dataclasses.replace(cfg, swap=False, block_n=256, tail_rows=0, tail_split=False,
                              tail_on_m=False, swap_rows=SWAP_ROWS, swizzle_staging=False,
-                             short_tile_rows=0)
+                             short_tile_rows=0, share_rows=False)
 
 
 def _fits(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> bool:
@@ -450,9 +459,12 @@ def gpu_sweep_configs(
       # first) barely reach them (v27a: 0.996-1.003x on five of the six Qwen calls,
       # 1.008-1.016x on Qwen3-30B down's forward), and skewed routing needs them (0.81-0.84x
       # the time; 128-row short tiles 0.84-0.87x).
+      # On 2-CTA clusters sharing the tile's rows (v32a-b: 0.970-0.998x on the six
+      # Qwen forward / dX calls).
       swap = dataclasses.replace(base, ring=True, swap=True, block_n=128, tail_rows=32,
                                  tail_split=True, epilogue_split=2, grid_tile_width=1,
-                                 num_stages=4, swizzle_staging=True, short_tile_rows=64)
+                                 num_stages=4, swizzle_staging=True, short_tile_rows=64,
+                                 share_rows=base.num_sms is None or base.num_sms % 2 == 0)
       # The same with the tail row-major on the first consumer (v20: 0.95 / 0.97x the
       # ring on the Qwen3-30B dX calls, a tie with the split fold on the gate_up forwards).
       swap_m = dataclasses.replace(swap, tail_split=False, tail_on_m=True)
@@ -467,10 +479,13 @@ def gpu_sweep_configs(
       # short tiles (v27a-b, its dX: 0.986x routed, 0.874x skewed, with the staging).
       mean = m // max(g, 1)
       rows = min(SWAP_ROWS, max(64, 16 * math.ceil(mean * 9 / 8 / 16)))
-      small = dataclasses.replace(swap, swap_rows=rows, tail_rows=16, short_tile_rows=0)
+      # (not measured with share_rows)
+      small = dataclasses.replace(swap, swap_rows=rows, tail_rows=16, short_tile_rows=0,
+                                  share_rows=False)
       plain_rows = min(SWAP_ROWS, max(64, 16 * math.ceil(mean * 5 / 4 / 16)))
       plain = dataclasses.replace(swap, swap_rows=plain_rows, tail_rows=0, tail_split=False,
-                                  short_tile_rows=64 if plain_rows > 64 else 0)
+                                  short_tile_rows=64 if plain_rows > 64 else 0,
+                                  share_rows=False)
       for c in (small, plain):
         if (96 <= mean <= 192 and m >= c.swap_rows + c.tail_rows
             and jnp.dtype(out_dtype).itemsize == 2 and _fits(c, dtype, out_dtype)):

@@ -182,14 +182,16 @@ class ItemSpace(NamedTuple):
 
 
 def item_space(tiles_gmem, scal_gmem, *, k: int, n: int, block_n: int, block_k: int,
-               transpose_rhs: bool, num_ctas: int) -> ItemSpace:
+               transpose_rhs: bool, num_ctas: int, n_tiles_per_item: int = 1) -> ItemSpace:
   """The ``ItemSpace`` of a ring body (``launch``'s schedule): items are
-  (row tile, n tile) pairs, CTA ``cta`` takes ``cta + j * num_ctas``."""
+  (row tile, n tile) pairs, or (row tile, ``n_tiles_per_item`` n tiles) for a
+  cluster of that many CTAs; CTA (or cluster) ``cta`` takes ``cta + j *
+  num_ctas``."""
   grid_n = pl.cdiv(n, block_n)
   k_steps = pl.cdiv(k, block_k)
   max_tiles = tiles_gmem.shape[0] // 4
   num_tiles, lo, hi, za, zb, num_zero_work, _ = mf._work_counts(scal_gmem, grid_n)
-  num_work = num_tiles * grid_n
+  num_work = num_tiles * pl.cdiv(grid_n, n_tiles_per_item)
   b_shape = (block_n, block_k) if transpose_rhs else (block_k, block_n)
   cta = lax.axis_index("sm")
   my_items = pl.cdiv(jnp.maximum(num_work - cta, 0), num_ctas)
@@ -408,7 +410,8 @@ def launch(body, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
            config: mf.MosaicFwdConfig, interpret: Any = False) -> jax.Array:
   """Builds the group-aligned schedule of ``rows``-row tiles (tails folded per
   ``config.tail_rows``) and runs ``body`` (a ring kernel body: producer and two
-  consumer warpgroups, one CTA per SM) over it."""
+  consumer warpgroups, one CTA per SM; ``share_rows``: clusters of two, and
+  ``num_ctas`` counts clusters) over it."""
   m, k = lhs.shape
   g_local = rhs.shape[0]
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -420,6 +423,10 @@ def launch(body, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
     tiles, scalars = tiles.reshape(-1), scalars.at[0].set(num_tiles)
   tiles, scalars, lhs, rhs = match_varying(tiles, scalars, lhs, rhs)
   num_ctas = mf._num_sms(config, bool(interpret))
+  cluster = {}
+  if config.share_rows:  # grid over clusters of 2 CTAs ("sm" indexes the cluster)
+    num_ctas //= 2
+    cluster = dict(cluster=(2,), cluster_names=("cluster",))
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
   kernel = plgpu.kernel(
@@ -428,6 +435,7 @@ def launch(body, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
       out_type=out_struct((m, n), out_dtype, lhs),
       grid=(num_ctas,),
       grid_names=("sm",),
+      **cluster,
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(

@@ -30,6 +30,11 @@ group's end are computed and never stored.  Rows outside the shard's window
 (group_offset) and past the groups' end are written as zeros by the consumers
 after their compute items, R-row blocks dealt round-robin.  One producer
 warpgroup runs one ring of stages through all of its CTA's items.
+
+With ``share_rows`` the kernel runs on 2-CTA clusters: an item is a row tile and
+two adjacent n tiles, one per CTA; each CTA loads half of every stage's rows by
+TMA multicast into both CTAs' SMEM (and its own weight block), and a stage is
+refilled once the consumers of both CTAs released it.
 """
 
 from __future__ import annotations
@@ -94,10 +99,14 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
           cfg: mf.MosaicFwdConfig, transpose_rhs: bool, num_ctas: int):
   bn, bk, stages, tr = cfg.block_n, cfg.block_k, cfg.num_stages, cfg.tail_rows
   rows_t = cfg.swap_rows  # R, rows per tile
-  swizzled = cfg.swizzle_staging
+  swizzled, share = cfg.swizzle_staging, cfg.share_rows
+  pair = 2 if share else 1  # n tiles per item: one per CTA of the cluster
   (grid_n, k_steps, max_tiles, num_tiles, lo, hi, za, zb, num_zero_work, _, b_shape, cta,
    my_items) = ring.item_space(tiles_gmem, scal_gmem, k=k, n=n, block_n=bn, block_k=bk,
-                               transpose_rhs=transpose_rhs, num_ctas=num_ctas)
+                               transpose_rhs=transpose_rhs, num_ctas=num_ctas,
+                               n_tiles_per_item=pair)
+  # share: cta counts clusters; each CTA takes its rank's n tile of an item.
+  rank = lax.axis_index("cluster") if share else 0
   dtype, out_dtype = lhs_gmem.dtype, out_gmem.dtype
 
   scratch = dict(
@@ -105,7 +114,11 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
       x_smem=plgpu.SMEM((stages, rows_t + tr, bk), dtype, transforms=sm90.swizzled(bk, dtype)),
       w_smem=plgpu.SMEM((stages, *b_shape), dtype, transforms=sm90.swizzled(b_shape[1], dtype)),
       produced=plgpu.Barrier(num_arrivals=3 if tr else 2, num_barriers=stages),
-      consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      # share: the partner's multicast writes this CTA's slots too, so a slot
+      # is refilled once the consumers of both CTAs released it.
+      consumed=(plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=2,
+                                     num_barriers=stages) if share
+                else plgpu.Barrier(num_arrivals=2, num_barriers=stages)),
       # Row-major (rows, columns), one per consumer; stores start at any row
       # (swizzled too: the swizzle follows the address bits).
       o_smem=plgpu.SMEM((2, _CHUNK, _COLS), out_dtype,
@@ -118,7 +131,8 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
 
     def tile_of(w):
       """(n tile, group, row0, row_start, row_end) of work item w (row-major)."""
-      return mf._work_item(tiles_gmem, w, num_tiles, max_tiles, grid_n, cfg)
+      ni, *rest = mf._work_item(tiles_gmem, w, num_tiles, max_tiles, pl.cdiv(grid_n, pair), cfg)
+      return (ni * pair + rank, *rest)
 
     works = functools.partial(ring.for_each_item, my_items, cta, num_ctas, k_steps)
 
@@ -138,13 +152,18 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
           def rows(layout: str) -> None:
             parts = _parts(cfg, layout)
             for r, count in parts:
+              # share: this CTA loads half the rows, multicast to both CTAs.
               plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(row0 + r, count), cols],
-                                      x_smem.at[slot].at[pl.ds(r, count)], produced.at[slot])
+                                      x_smem.at[slot].at[pl.ds(r, count)], produced.at[slot],
+                                      collective_axes="cluster" if share else None)
             if tr and len(parts) == 1:  # a bare arrival for the copy a tail would make
               plgpu.barrier_arrive(produced.at[slot])
 
           _per_layout(layouts, rows)
-          plgpu.copy_gmem_to_smem(ring.rhs_block(rhs_gmem, grp, ni, cols, bn, transpose_rhs),
+          # (an odd grid_n leaves the last pair's second tile past n: it loads
+          # the last tile's block, computes and stores nothing)
+          ni_in = jnp.minimum(ni, grid_n - 1) if grid_n % pair else ni
+          plgpu.copy_gmem_to_smem(ring.rhs_block(rhs_gmem, grp, ni_in, cols, bn, transpose_rhs),
                                   w_smem.at[slot], produced.at[slot])
 
       works(load)
@@ -228,9 +247,11 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
 
       # Rows outside the shard's window (and past the groups), after the ring:
       # zero items of one R-row block and n tile, round-robin over the CTAs.
-      @pl.loop(0, pl.cdiv(jnp.maximum(num_zero_work - cta, 0), num_ctas))
+      z_cta, z_ctas = cta * pair + rank, num_ctas * pair
+
+      @pl.loop(0, pl.cdiv(jnp.maximum(num_zero_work - z_cta, 0), z_ctas))
       def _zeros(j):
-        blk, ni = mf._zero_item(cta + j * num_ctas, grid_n, za, zb)
+        blk, ni = mf._zero_item(z_cta + j * z_ctas, grid_n, za, zb)
         mf._zero_fill_once(my_smem, j == 0, 128 if swizzled else 0)
         col = ni * bn + wg * _COLS
 
