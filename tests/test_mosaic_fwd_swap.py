@@ -309,3 +309,15 @@ def test_share_rows_checks():
   with pytest.raises(ValueError, match="share_rows needs"):
     dataclasses.replace(CFG, share_rows=True)  # num_sms=3: clusters of two need an even count
   assert not mf.row_major_ring(dataclasses.replace(CFG, num_sms=4, share_rows=True)).share_rows
+
+
+def test_share_rows_interprets_unclustered():
+  # Interpret mode runs a share_rows config's tiles without clusters (the
+  # interpreter hangs with two CTAs per cluster): same results as the oracle.
+  sizes = [280, 7, 60, 150]
+  x, w = oracle.random_inputs(jax.random.key(5), [(640, 128), (4, 128, 128)], jnp.bfloat16)
+  out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), None, transpose_rhs=False,
+               out_dtype=jnp.bfloat16, interpret=True,
+               config=dataclasses.replace(CFG, num_sms=4, tail_rows=32, share_rows=True,
+                                          producer_zeros=False))
+  oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, None, False), jnp.bfloat16)

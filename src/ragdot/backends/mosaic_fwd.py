@@ -50,6 +50,7 @@ The config (``MosaicFwdConfig``), its default, sweep and fitting live in
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -523,6 +524,10 @@ def gmm(
     config = fit_config(config, lhs.dtype, out_dtype)
   if config is not None:
     config = resolve_producer_zeros(config, has_offset, lhs.dtype, out_dtype)
+  if config is not None and config.share_rows and interpret:
+    # The interpreter hangs with two CTAs per cluster (docs/performance.md v23a,
+    # v32a): interpret the same tiles unclustered.
+    config = dataclasses.replace(config, share_rows=False)
   if config is None or (config.num_compute_wgs == 2 and not config.ring
                         and k <= config.block_k) or (
       config.ring and m < (config.swap_rows if config.swap else config.block_m)
