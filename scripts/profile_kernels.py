@@ -16,7 +16,10 @@ Pallas-Triton dW (one program per group and output tile); ``fwd_deepseek``:
 DeepSeek-V3 down forward, the automatic choice; ``fwd_ep`` / ``fwd_ep_local`` /
 ``fwd_ep_zeros``: the EP=8 shard forward (group_offset), its local rows alone,
 and its zero rows alone; ``fwd_down_decode`` / ``fwd_deepseek_decode``: the
-decode forwards of Qwen3-30B down and DeepSeek-V3 down.  Inputs are routed
+decode forwards of Qwen3-30B down and DeepSeek-V3 down; ``fwd_down`` /
+``fwd_down_aligned`` / ``batched_down`` / ``dense_down``: Qwen3-30B down forward
+on routed and on 256-row groups, XLA's batched matmul (cuBLAS) of those
+groups, and the dense matmul.  Inputs are routed
 random data, never zeros.  Extra ncu sections (e.g. SourceCounters for the
 stall sampling by instruction): ``PROFILE_SECTIONS`` in scripts/gpu_run.sh.
 """
@@ -162,14 +165,18 @@ def _decode_cases() -> dict:
 def _down_cases() -> dict:
   """Qwen3-30B down forward (k = 768: the Qwen shape furthest from 0.75x dense):
   the automatic choice on routed groups and on groups of exactly 256 rows (no
-  tails), and its dense matmul."""
+  tails), XLA's batched matmul (cuBLAS) of those 256-row groups, and the dense
+  matmul of the same (m, k, n)."""
   s = bench.Shape("qwen3-30b down", 32768, 768, 2048, 128, 8)
   x = jax.random.normal(jax.random.key(20), (s.m, s.k), jnp.bfloat16)
   w = (jax.random.normal(jax.random.key(21), (s.g, s.k, s.n), jnp.float32) / 32
        ).astype(jnp.bfloat16)
   fwd = jax.jit(lambda x, w, gs: ragdot.ragged_dot(x, w, gs))
+  batched = jax.jit(lambda x, w: jnp.einsum(
+      "gmk,gkn->gmn", x.reshape(s.g, s.m // s.g, s.k), w).reshape(s.m, s.n))
   return {"fwd_down": (fwd, (x, w, jnp.asarray(bench.routed_group_sizes(s)))),
           "fwd_down_aligned": (fwd, (x, w, jnp.full((s.g,), s.m // s.g, jnp.int32))),
+          "batched_down": (batched, (x, w)),
           "dense_down": (jax.jit(jnp.dot), (x, w[0]))}
 
 
@@ -182,7 +189,7 @@ _BUILDERS = (
     (_deepseek_cases, ("fwd_deepseek",)),
     (_ep_cases, ("fwd_ep", "fwd_ep_local", "fwd_ep_zeros")),
     (_decode_cases, ("fwd_down_decode", "fwd_deepseek_decode")),
-    (_down_cases, ("fwd_down", "fwd_down_aligned", "dense_down")),
+    (_down_cases, ("fwd_down", "fwd_down_aligned", "batched_down", "dense_down")),
 )
 
 
