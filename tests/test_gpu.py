@@ -517,7 +517,9 @@ def test_mosaic_dw_full_width_boxes_past_k(fields):
     (65536, 2000, 600, 1500, "routed"),     # one tile per program, a 2-step prefix loop
 ])
 @pytest.mark.parametrize("block_m", [64, 128, 256])
-def test_schedule_kernel_equals_xla_builders_real_sizes(m, g, g_local, offset, layout, block_m):
+@pytest.mark.parametrize("tail_rows", [0, 32])
+def test_schedule_kernel_equals_xla_builders_real_sizes(m, g, g_local, offset, layout, block_m,
+                                                       tail_rows):
   """The compiled Triton schedule kernels (not their interpreter) against metadata's XLA ops."""
   from ragdot import metadata as md
   from ragdot.backends import triton_schedule as ts
@@ -531,9 +533,9 @@ def test_schedule_kernel_equals_xla_builders_real_sizes(m, g, g_local, offset, l
   else:
     sizes = jnp.asarray(_sizes(m, g, layout))
   go = None if offset is None else jnp.int32(offset)
-  tiles, scalars = jax.jit(lambda s, o: ts.build(s, o, m=m, num_local=g_local, block_m=block_m))(
-      sizes, go)
-  want_tiles, want_scalars = md.flat_schedule(sizes, go, m, g_local, block_m)
+  tiles, scalars = jax.jit(lambda s, o: ts.build(s, o, m=m, num_local=g_local, block_m=block_m,
+                                                 tail_rows=tail_rows))(sizes, go)
+  want_tiles, want_scalars = md.flat_schedule(sizes, go, m, g_local, block_m, tail_rows=tail_rows)
   want_tiles = np.asarray(want_tiles).reshape(4, -1)
   np.testing.assert_array_equal(np.asarray(tiles).reshape(4, -1)[:, :want_tiles.shape[1]],
                                 want_tiles)

@@ -24,15 +24,19 @@ CFG = mf.MosaicFwdConfig(block_m=128, block_n=256, block_k=64, num_stages=2,
                          num_compute_wgs=2, epilogue_split=2, ring=True, num_sms=3)
 
 
-def test_attach_tails_folds_short_last_tiles():
+def test_schedule_folds_short_last_tiles():
   # Groups: 140 rows (128 + 12: folded), 10 (a lone short tile: kept), 300
   # (128 + 128 + 44: kept at tail_rows 16), 0, 264 (two tiles + 8: folded).
   sizes = jnp.array([140, 10, 300, 0, 264], jnp.int32)
-  tiles, scalars = md.flat_schedule(sizes, None, 1024, 5, 128)
-  got, count = mr.attach_tails(tiles.reshape(4, -1), scalars[0], 16)
-  got = np.asarray(got)[:, :int(count)]
+  tiles, scalars = md.flat_schedule(sizes, None, 1024, 5, 128, tail_rows=16)
+  plain, plain_scalars = md.flat_schedule(sizes, None, 1024, 5, 128)
+  count = int(scalars[0])
+  assert count == 7 and int(plain_scalars[0]) == 9
+  np.testing.assert_array_equal(scalars[1:], plain_scalars[1:])  # the zero rows' counts
+  got = np.asarray(tiles).reshape(4, -1)[:, :count]
   np.testing.assert_array_equal(got[0], [0, 1, 2, 2, 2, 4, 4])
   np.testing.assert_array_equal(got[1], [0, 136, 144, 272, 400, 448, 576])
+  np.testing.assert_array_equal(got[2], [0, 140, 150, 272, 400, 450, 576])
   np.testing.assert_array_equal(got[3], [140, 150, 272, 400, 450, 576, 714])
 
 

@@ -18,17 +18,17 @@ from ragdot import metadata as md
 from ragdot.backends import triton_schedule as ts
 
 
-def _xla(sizes, offset, m, num_local, block_m):
-  tiles, scalars = md.flat_schedule(sizes, offset, m, num_local, block_m)
+def _xla(sizes, offset, m, num_local, block_m, tail_rows=0):
+  tiles, scalars = md.flat_schedule(sizes, offset, m, num_local, block_m, tail_rows=tail_rows)
   return np.asarray(tiles).reshape(4, -1), np.asarray(scalars)
 
 
-def _check(sizes, offset, m, num_local, block_m):
+def _check(sizes, offset, m, num_local, block_m, tail_rows=0):
   sizes = jnp.asarray(sizes, jnp.int32)
   go = None if offset is None else jnp.int32(offset)
   tiles, scalars = ts.build(sizes, go, m=m, num_local=num_local, block_m=block_m,
-                            interpret=True)
-  rows, want_scalars = _xla(sizes, go, m, num_local, block_m)
+                            tail_rows=tail_rows, interpret=True)
+  rows, want_scalars = _xla(sizes, go, m, num_local, block_m, tail_rows)
   length = ts.padded_tiles(m, block_m, num_local)
   assert tiles.shape == (4 * length,) and scalars.shape == (ts.NUM_SCALARS,)
   tiles = np.asarray(tiles).reshape(4, length)
@@ -54,9 +54,38 @@ def layouts(draw):
 
 
 @settings(max_examples=25, deadline=None)
-@given(layouts())
-def test_equals_xla_builders(layout):
-  _check(*layout)
+@given(layouts(), st.sampled_from([0, 0, 8, 16, 32, 64]))
+def test_equals_xla_builders(layout, tail_rows):
+  _check(*layout, tail_rows=tail_rows)
+
+
+def _fold_by_hand(tiles, num_tiles, tail_rows):
+  """The folded schedule from the plain one, tile by tile: a group's last tile
+  of at most tail_rows rows, after a tile of the same group, is dropped and the
+  tile before it ends at the group's end."""
+  kept = []
+  for t in range(num_tiles):
+    grp, row0, row_start, row_end = (int(v) for v in tiles[:, t])
+    last = t + 1 == num_tiles or tiles[0, t + 1] != grp
+    if last and kept and kept[-1][0] == grp and row_end - row0 <= tail_rows:
+      kept[-1][3] = row_end
+    else:
+      kept.append([grp, row0, row_start, row_end])
+  return np.asarray(kept, np.int32).reshape(-1, 4).T
+
+
+@settings(max_examples=25, deadline=None)
+@given(layouts(), st.sampled_from([8, 16, 32, 64]))
+def test_folded_tails_equal_folding_by_hand(layout, tail_rows):
+  sizes, offset, m, num_local, block_m = layout
+  sizes = jnp.asarray(sizes, jnp.int32)
+  go = None if offset is None else jnp.int32(offset)
+  plain, plain_scalars = _xla(sizes, go, m, num_local, block_m)
+  folded, scalars = _xla(sizes, go, m, num_local, block_m, tail_rows)
+  want = _fold_by_hand(plain, int(plain_scalars[0]), tail_rows)
+  assert int(scalars[0]) == want.shape[1]
+  np.testing.assert_array_equal(folded[:, :want.shape[1]], want)
+  np.testing.assert_array_equal(scalars[1:], plain_scalars[1:])
 
 
 @pytest.mark.parametrize("offset", [-3, 5, 14])
@@ -92,7 +121,8 @@ def _interpreted_kernels(calls):
                                build_bounds=counted(ts.build_bounds))
 
 
-@pytest.mark.parametrize("kernel", ["mosaic_fwd", "mosaic_dx", "triton_fwd", "mosaic_dw"])
+@pytest.mark.parametrize("kernel", ["mosaic_fwd", "mosaic_dx", "triton_fwd", "mosaic_dw",
+                                    "mosaic_ring_tails"])
 def test_kernels_with_the_schedule_kernel_equal_xla_schedule(kernel, monkeypatch):
   """The consumers read the kernel-built schedule (its padded length, its
   scalars) exactly as the XLA-built one: bitwise-equal outputs."""
@@ -101,6 +131,8 @@ def test_kernels_with_the_schedule_kernel_equal_xla_schedule(kernel, monkeypatch
   sizes = jnp.asarray([30, 0, 41, 9, 25, 17], jnp.int32)
   offset = jnp.int32(1)  # local groups 1..4: rows outside are zeros
   m, k, n, g_local = 136, 64, 128, 4
+  if kernel == "mosaic_ring_tails":  # local groups of 140 (a folded 12-row tail), 10, 150, 0
+    sizes, m = jnp.asarray([20, 140, 10, 150, 0, 30], jnp.int32), 400
   kx, kw = jax.random.split(jax.random.key(0))
   x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
   if kernel == "mosaic_dw":
@@ -112,7 +144,13 @@ def test_kernels_with_the_schedule_kernel_equal_xla_schedule(kernel, monkeypatch
     tr = kernel == "mosaic_dx"
     w = jax.random.normal(kw, (g_local, n, k) if tr else (g_local, k, n),
                           jnp.float32).astype(jnp.bfloat16)
-    if kernel == "triton_fwd":
+    if kernel == "mosaic_ring_tails":
+      cfg = mosaic_fwd.MosaicFwdConfig(block_m=128, block_n=128, block_k=64, num_stages=2,
+                                       num_compute_wgs=2, epilogue_split=2, ring=True,
+                                       tail_rows=16, num_sms=3)
+      run = lambda c: mosaic_fwd.gmm(x, w, sizes, offset, transpose_rhs=tr,
+                                     out_dtype=jnp.bfloat16, interpret=True, config=c)
+    elif kernel == "triton_fwd":
       cfg = triton.TritonConfig(block_m=16, block_n=32, block_k=16, num_warps=4, num_stages=2)
       run = lambda c: triton.gmm(x, w, sizes, offset, transpose_rhs=False,
                                  out_dtype=jnp.float32, precision=None, interpret=True, config=c)

@@ -142,7 +142,8 @@ def pl_cdiv(a: int, b: int) -> int:
 
 
 def tile_schedule(
-    starts: jax.Array, ends: jax.Array, m: int, block_m: int, align: int = 8
+    starts: jax.Array, ends: jax.Array, m: int, block_m: int, align: int = 8,
+    tail_rows: int = 0,
 ) -> TileSchedule:
   """Group-aligned row tiles for local groups with the given bounds.
 
@@ -151,11 +152,17 @@ def tile_schedule(
     m: rows of the ragged operand.
     block_m: rows per tile (static).
     align: tile windows start at multiples of ``gcd(align, block_m)``.
+    tail_rows: fold a group's last tile into the one before it when it holds
+      at most this many rows (static; 0: never).
 
   A group's tiles cover ``[floor_align(start), end)`` in steps of block_m.  The
   first window starts inside the row block holding ``start`` (align divides
   block_m), so a group never gets more tiles than block-aligned tiling would
-  give it: the static bound ``max_tiles`` still holds.
+  give it: the static bound ``max_tiles`` still holds.  With ``tail_rows``, a
+  group of two or more tiles whose last holds at most ``tail_rows`` rows loses
+  that tile, and the tile before it ends at the group's end (``row_end - row0``
+  up to ``block_m + tail_rows``): the forward ring kernels compute those rows
+  with the tile before them.
   """
   num_local = starts.shape[0]
   total = max_tiles(m, block_m, num_local)
@@ -172,6 +179,8 @@ def tile_schedule(
   nonempty = ends > starts
   base = (starts // align) * align
   count = jnp.where(nonempty, (ends - base + block_m - 1) // block_m, 0)
+  if tail_rows:
+    count = count - fold_tail(count, base, ends, block_m, tail_rows)
   incl = jnp.cumsum(count).astype(jnp.int32)
   excl = incl - count
   incl, excl, base = lax.optimization_barrier((incl, excl, base))
@@ -185,8 +194,17 @@ def tile_schedule(
   real = t < num_tiles
   row0 = jnp.where(real, base[group] + (t - excl[group]) * block_m, 0)
   row_start = jnp.where(real, jnp.maximum(starts[group], row0), 0)
-  row_end = jnp.where(real, jnp.minimum(ends[group], row0 + block_m), 0)
+  # A group's last tile ends at the group's end (past row0 + block_m when a tail
+  # is folded into it); every other tile is full.
+  row_end = jnp.where(real, jnp.where(t + 1 == incl[group], ends[group], row0 + block_m), 0)
   return TileSchedule(group, row0, row_start, row_end, num_tiles)
+
+
+def fold_tail(count, base, ends, block_m: int, tail_rows: int):
+  """1 where a group's last tile is folded into the one before it (the group
+  has two or more tiles and the last holds at most ``tail_rows`` rows), else 0."""
+  last_rows = ends - (base + (count - 1) * block_m)
+  return jnp.where((count >= 2) & (last_rows <= tail_rows), 1, 0).astype(count.dtype)
 
 
 def flat_schedule(
@@ -195,8 +213,10 @@ def flat_schedule(
     m: int,
     num_local: int,
     block_m: int,
+    tail_rows: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
-  """The forward / dX kernels' schedule as two flat arrays.
+  """The forward / dX kernels' schedule as two flat arrays (``tail_rows``: as
+  in ``tile_schedule``).
 
   Returns ``tiles``: int32[4 * T] (T = ``max_tiles``), the ``TileSchedule``
   rows group, row0, row_start, row_end one after the other; and ``scalars``:
@@ -207,7 +227,7 @@ def flat_schedule(
   once, in the first range).
   """
   starts, ends = group_bounds(group_sizes, m, group_offset, num_local)
-  sched = tile_schedule(starts, ends, m, block_m)
+  sched = tile_schedule(starts, ends, m, block_m, tail_rows=tail_rows)
   lo, hi = local_row_window(group_sizes, m, group_offset, num_local)
   num_blocks = pl_cdiv(m, block_m)
   za = (lo + block_m - 1) // block_m

@@ -72,14 +72,17 @@ def _kernels_for(use_kernel: bool, interpret, m: int, num_groups: int, num_local
 
 
 def flat_schedule(group_sizes, group_offset, *, m: int, num_local: int, block_m: int,
-                  use_kernel: bool, interpret) -> tuple[jax.Array, jax.Array]:
+                  use_kernel: bool, interpret, tail_rows: int = 0
+                  ) -> tuple[jax.Array, jax.Array]:
   """``metadata.flat_schedule``'s values (tiles int32[4 * T'], scalars
   int32[>= 6]; the kernel pads T to whole programs), from one schedule kernel
   where ``use_kernel`` and ``schedule_kernels`` allow, else from XLA ops."""
   kernels = _kernels_for(use_kernel, interpret, m, group_sizes.shape[0], num_local)
   if kernels is not None:
-    return kernels.build(group_sizes, group_offset, m=m, num_local=num_local, block_m=block_m)
-  return metadata.flat_schedule(group_sizes, group_offset, m, num_local, block_m)
+    return kernels.build(group_sizes, group_offset, m=m, num_local=num_local, block_m=block_m,
+                         tail_rows=tail_rows)
+  return metadata.flat_schedule(group_sizes, group_offset, m, num_local, block_m,
+                                tail_rows=tail_rows)
 
 
 def row_blocks(group_sizes, group_offset, *, m: int, num_local: int, block_m: int, align: int,

@@ -50,39 +50,6 @@ _ROWS = 128  # two consumers x 64 rows
 _HALF = _ROWS // 2
 
 
-def attach_tails(tiles: jax.Array, num_tiles: jax.Array, tail_rows: int
-                 ) -> tuple[jax.Array, jax.Array]:
-  """Folds short last tiles into the tile before them.
-
-  Args:
-    tiles: int32[4, T], ``metadata.flat_schedule``'s rows (group, row0,
-      row_start, row_end), ordered by group, then row.
-    num_tiles: int32 scalar, the real tiles.
-    tail_rows: the most rows a folded tile may hold (static).
-
-  Returns ``(tiles, num_tiles)`` in the same layout: a group's last tile that
-  holds at most ``tail_rows`` rows and is not its first tile is gone, and the
-  tile before it ends at the group's end (at most ``row0 + tile rows +
-  tail_rows``: 128 in the ring, ``swap_rows`` in ``mosaic_fwd_swap``).
-  """
-  t_max = tiles.shape[1]
-  group, row0, row_end = tiles[0], tiles[1], tiles[3]
-  t = jnp.arange(t_max, dtype=jnp.int32)
-  real = t < num_tiles
-  prev = jnp.concatenate([jnp.full((1,), -1, jnp.int32), group[:-1]])
-  nxt = jnp.concatenate([group[1:], jnp.full((1,), -1, jnp.int32)])
-  last = real & ((t + 1 >= num_tiles) | (nxt != group))
-  folded = last & (prev == group) & (t > 0) & (row_end - row0 <= tail_rows)
-  keep = real & ~folded
-  next_folded = jnp.concatenate([folded[1:], jnp.zeros((1,), bool)])
-  next_end = jnp.concatenate([row_end[1:], jnp.zeros((1,), jnp.int32)])
-  new_end = jnp.where(next_folded, next_end, row_end)
-  dest = jnp.where(keep, jnp.cumsum(keep.astype(jnp.int32)) - 1, t_max)
-  rows = jnp.stack([group, row0, tiles[2], new_end])
-  out = jnp.zeros_like(tiles).at[:, dest].set(rows, mode="drop")
-  return out, jnp.sum(keep.astype(jnp.int32))
-
-
 def _zero_items(cta, num_ctas: int, num_work, num_zero_work, lead: int):
   """``(item(j), count)``: CTA ``cta``'s zero items, in order.
 
@@ -417,10 +384,7 @@ def launch(body, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   tiles, scalars = backends.flat_schedule(
       group_sizes, group_offset, m=m, num_local=g_local, block_m=rows,
-      use_kernel=config.schedule_kernel, interpret=bool(interpret))
-  if config.tail_rows:
-    tiles, num_tiles = attach_tails(tiles.reshape(4, -1), scalars[0], config.tail_rows)
-    tiles, scalars = tiles.reshape(-1), scalars.at[0].set(num_tiles)
+      use_kernel=config.schedule_kernel, interpret=bool(interpret), tail_rows=config.tail_rows)
   tiles, scalars, lhs, rhs = match_varying(tiles, scalars, lhs, rhs)
   num_ctas = mf._num_sms(config, bool(interpret))
   cluster = {}

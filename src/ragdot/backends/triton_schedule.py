@@ -109,7 +109,7 @@ def _local_groups(sizes_ref, offset_ref, *, m: int, num_groups: int, num_local: 
 
 
 def _kernel(sizes_ref, offset_ref, tiles_ref, scal_ref, *, m: int, num_groups: int,
-            num_local: int, block_m: int, align: int, tiles_len: int, tb: int,
+            num_local: int, block_m: int, align: int, tail_rows: int, tiles_len: int, tb: int,
             has_offset: bool):
   pid = pl.program_id(0)
   j, _, starts, ends, lo, hi = _local_groups(
@@ -118,6 +118,8 @@ def _kernel(sizes_ref, offset_ref, tiles_ref, scal_ref, *, m: int, num_groups: i
 
   base = (starts // align) * align
   count = jnp.where(ends > starts, (ends - base + block_m - 1) // block_m, 0)
+  if tail_rows:
+    count = count - md.fold_tail(count, base, ends, block_m, tail_rows)
   t_incl = jnp.cumsum(count, axis=0, dtype=jnp.int32)
   t_excl = t_incl - count
   num_tiles = jnp.sum(count, dtype=jnp.int32)
@@ -135,7 +137,8 @@ def _kernel(sizes_ref, offset_ref, tiles_ref, scal_ref, *, m: int, num_groups: i
   start_t = pick(starts)
   row0 = jnp.where(real, (start_t // align) * align + (t - pick(t_excl)) * block_m, 0)
   row_start = jnp.where(real, jnp.maximum(start_t, row0), 0)
-  row_end = jnp.where(real, jnp.minimum(pick(ends), row0 + block_m), 0)
+  # (metadata.tile_schedule: a group's last tile ends at the group's end)
+  row_end = jnp.where(real, jnp.where(t + 1 == pick(t_incl), pick(ends), row0 + block_m), 0)
   for r, v in enumerate((group, row0, row_start, row_end)):
     plgpu.store(tiles_ref.at[pl.ds(r * tiles_len + pid * tb, tb)], v)
 
@@ -174,6 +177,7 @@ def build(
     num_local: int,
     block_m: int,
     align: int = 8,
+    tail_rows: int = 0,
     interpret: bool = False,
     elements: int = _ELEMENTS,
 ) -> tuple[jax.Array, jax.Array]:
@@ -185,6 +189,7 @@ def build(
       global group ``group_offset + j``.
     m: rows of the ragged operand; num_local: local groups; block_m: rows per
       tile; align: tile windows start at multiples of ``gcd(align, block_m)``;
+      tail_rows: folded last tiles, as in ``metadata.tile_schedule``;
       elements: size of each program's [tiles, groups] compare (sets how many
       tiles a program fills).
 
@@ -203,7 +208,7 @@ def build(
   tiles_len = padded_tiles(m, block_m, num_local, elements)
   kernel = functools.partial(
       _kernel, m=m, num_groups=num_groups, num_local=num_local, block_m=block_m,
-      align=math.gcd(align, block_m), tiles_len=tiles_len, tb=tb,
+      align=math.gcd(align, block_m), tail_rows=tail_rows, tiles_len=tiles_len, tb=tb,
       has_offset=has_offset)
   return pl.pallas_call(
       kernel,
