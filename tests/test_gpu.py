@@ -566,23 +566,3 @@ def test_swap_share_rows_real_size(transpose_rhs, kn, tail_rows, offset, tail, s
                                    share_rows=True)
   _check_mosaic_gmm(cfg, (32768, *kn, 128, layout), transpose_rhs, offset,
                     seed=kn[0] + kn[1] + tail_rows + short)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
-@pytest.mark.parametrize("kn,stages,ws,share,offset,layout", [
-    ((768, 2048), 3, 6, True, None, "routed"), ((768, 2048), 2, 8, True, None, "routed"),
-    ((2048, 1536), 3, 6, True, None, "skewed"), ((2048, 1536), 3, 6, False, 8, "routed")],
-                         ids=["down-3-6", "down-2-8", "gate_up-skewed-3-6", "gate_up-shard-3-6"])
-def test_swap_weight_ring_real_size(transpose_rhs, kn, stages, ws, share, offset, layout):
-  """Swap tiles with the weight blocks on a ring of their own, loaded ahead of the
-  rows (weight_stages): the table's layout (split fold, 64-row short tiles,
-  swizzled staging), on clusters and without, skewed routing, a shard; NaN-poisoned
-  memory."""
-  from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
-  cfg = mosaic_fwd.MosaicFwdConfig(128, 128, 64, stages, num_compute_wgs=2, ring=True,
-                                   swap=True, tail_rows=32, producer_zeros=False,
-                                   tail_split=True, swizzle_staging=True, short_tile_rows=64,
-                                   share_rows=share, weight_stages=ws)
-  _check_mosaic_gmm(cfg, (32768, *kn, 128, layout), transpose_rhs, offset,
-                    seed=kn[0] + stages + ws)

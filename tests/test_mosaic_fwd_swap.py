@@ -45,8 +45,7 @@ TAIL = {"fold": {}, "split": dict(tail_split=True), "m": dict(tail_on_m=True)}
     ([272, 16, 270, 30], 640, 128, 128, None, 4, False, 16, "m"),
 ])
 def test_matches_oracle(sizes, m, k, n, offset, num_local, transpose_rhs, tail_rows, tail,
-                       swap_rows=256, swizzled=False, short_tile_rows=0, weight_stages=0,
-                       num_stages=2):
+                       swap_rows=256, swizzled=False, short_tile_rows=0):
   rshape = (num_local, n, k) if transpose_rhs else (num_local, k, n)
   x, w = oracle.random_inputs(jax.random.key(m + n + k), [(m, k), rshape], jnp.bfloat16)
   go = None if offset is None else jnp.int32(offset)
@@ -55,60 +54,9 @@ def test_matches_oracle(sizes, m, k, n, offset, num_local, transpose_rhs, tail_r
                out_dtype=jnp.bfloat16, interpret=True,
                config=dataclasses.replace(CFG, tail_rows=tail_rows, producer_zeros=False,
                                           swap_rows=swap_rows, swizzle_staging=swizzled,
-                                          short_tile_rows=short_tile_rows,
-                                          weight_stages=weight_stages, num_stages=num_stages,
-                                          **TAIL[tail]))
+                                          short_tile_rows=short_tile_rows, **TAIL[tail]))
   oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, go, transpose_rhs), jnp.bfloat16)
   oracle.assert_zero_rows(out, sizes, offset, num_local)
-
-
-# A ring of weight slots of its own, loaded ahead of the rows: by 2 of 4 k steps (within
-# the item, then the next item's first two), by all k steps (2 of 2: every weight block
-# from the next item; 3 of 3), and a lead cut to the item's k steps (8 slots, 2 row
-# stages, 2 k steps); folded tails, dX, a shard's zero rows, rows past the groups,
-# short tiles; CTAs of 1-3 items (num_sms=3).
-@pytest.mark.parametrize("sizes,m,k,n,offset,num_local,transpose_rhs,tail_rows,tail,ws,stages", [
-    ([300, 10, 520, 0, 280], 1280, 256, 192, None, 5, False, 32, "split", 4, 2),
-    ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, True, 0, "fold", 4, 2),
-    ([150, 20, 300, 30], 768, 192, 256, 1, 2, False, 16, "m", 6, 3),
-    ([129, 7, 60, 136, 40], 400, 128, 128, None, 5, True, 16, "split", 8, 2),
-])
-def test_weight_ring_matches_oracle(sizes, m, k, n, offset, num_local, transpose_rhs, tail_rows,
-                                    tail, ws, stages):
-  test_matches_oracle(sizes, m, k, n, offset, num_local, transpose_rhs, tail_rows, tail,
-                      short_tile_rows=64 if tail == "split" else 0, weight_stages=ws,
-                      num_stages=stages)
-
-
-def test_weight_ring_no_races():
-  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret  # pylint: disable=g-import-not-at-top
-  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
-  sizes = [280, 7, 60, 150]
-  x, w = oracle.random_inputs(jax.random.key(7), [(640, 192), (4, 192, 128)], jnp.bfloat16)
-  out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), None, transpose_rhs=False,
-               out_dtype=jnp.bfloat16, interpret=plgpu.InterpretGPUParams(detect_races=True),
-               config=dataclasses.replace(CFG, tail_rows=32, num_sms=2, tail_split=True,
-                                          weight_stages=4))
-  oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, None, False), jnp.bfloat16)
-  assert not gpu_interpret.get_races().races_found
-
-
-def test_weight_stages_checked():
-  for bad in (2, 3, 5, 18):  # not above num_stages (2), not a multiple of it, over 16
-    with pytest.raises(ValueError, match="weight_stages"):
-      dataclasses.replace(CFG, weight_stages=bad)
-  with pytest.raises(ValueError, match="weight_stages"):
-    dataclasses.replace(CFG, swap=False, block_n=256, weight_stages=4)
-  assert not mf.row_major_ring(dataclasses.replace(CFG, weight_stages=4)).weight_stages
-  # SMEM: the weight slots beyond the row stages; fitting drops the weight ring first.
-  three = dataclasses.replace(CFG, num_stages=3, tail_rows=32, tail_split=True)
-  six = dataclasses.replace(three, weight_stages=6)
-  assert six.smem_bytes(jnp.bfloat16, jnp.bfloat16) == (
-      three.smem_bytes(jnp.bfloat16, jnp.bfloat16) + 3 * 128 * 64 * 2)
-  assert mf.fit_config(six, jnp.bfloat16, jnp.bfloat16) == six
-  big = dataclasses.replace(CFG, num_stages=4, tail_rows=32, tail_split=True, weight_stages=8)
-  assert mf.fit_config(big, jnp.bfloat16, jnp.bfloat16) == dataclasses.replace(
-      big, weight_stages=0)
 
 
 @pytest.mark.parametrize("sizes,m,k,n,offset,num_local,transpose_rhs,tail_rows,tail,swap_rows", [
@@ -356,15 +304,29 @@ def test_share_rows_lowers_for_sm90(transpose_rhs, tail, short, n):
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
-@pytest.mark.parametrize("k,stages,ws,share", [(768, 3, 6, True), (768, 2, 8, True),
-                                               (2048, 3, 6, False), (128, 2, 6, True)])
-def test_weight_ring_lowers_for_sm90(transpose_rhs, k, stages, ws, share):
-  # The weight ring on the table's swap layout (split fold, 64-row short tiles,
-  # swizzled staging), with and without clusters; k = 128: a lead cut to 2 k steps.
-  cfg = dataclasses.replace(CFG, num_stages=stages, weight_stages=ws, tail_rows=32,
-                            tail_split=True, num_sms=132, swizzle_staging=True,
-                            short_tile_rows=64, share_rows=share)
-  assert_gmm_lowers(cfg, m=4096, k=k, n=2048, g=128, transpose_rhs=transpose_rhs)
+def test_block_k_32_lowers_for_sm90(transpose_rhs):
+  # Stages of 32 rows of K (the forward's weight slots then take the 64-byte
+  # swizzle: wgmma's MN-major A operand allows no wider one at that K): the
+  # table's layout, 8 stages, on clusters.
+  cfg = dataclasses.replace(CFG, block_k=32, num_stages=8, tail_rows=32, tail_split=True,
+                            num_sms=132, swizzle_staging=True, short_tile_rows=64,
+                            share_rows=True)
+  assert cfg.smem_bytes(jnp.bfloat16, jnp.bfloat16) <= cfg.smem_budget()
+  assert_gmm_lowers(cfg, m=4096, k=768, n=2048, g=128, transpose_rhs=transpose_rhs)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
+def test_block_k_32_matches_oracle(transpose_rhs):
+  # k = 192: six 32-row k steps; folded tails, a short tile.
+  sizes, m, k, n = [300, 10, 520, 0, 280], 1280, 192, 192
+  rshape = (5, n, k) if transpose_rhs else (5, k, n)
+  x, w = oracle.random_inputs(jax.random.key(32), [(m, k), rshape], jnp.bfloat16)
+  out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), None, transpose_rhs=transpose_rhs,
+               out_dtype=jnp.bfloat16, interpret=True,
+               config=dataclasses.replace(CFG, block_k=32, num_stages=4, tail_rows=32,
+                                          tail_split=True, short_tile_rows=64))
+  oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, None, transpose_rhs),
+                      jnp.bfloat16)
 
 
 def test_share_rows_checks():

@@ -159,13 +159,6 @@ class MosaicFwdConfig:
     per k step instead of 32 + 16 (cuBLAS's batched kernels share an operand
     over 1 x 2 clusters the same way).  A stage is refilled once the consumers
     of both CTAs released it (a cluster barrier).  Needs an even num_sms.
-  weight_stages: swap only: 0 (one ring: a stage holds a k step's rows and
-    weight block), or a multiple of num_stages above it: the weight blocks get
-    a ring of their own with this many slots, and the producer issues a k
-    step's weight block weight_stages - num_stages steps before its rows
-    (from the next item near an item's end).  The weights stream from DRAM
-    and the rows mostly hit L2, so this gives the DRAM stream more lead at
-    the SMEM of the rows' stages it takes away.
   zero_box_rows: with producer_zeros, the rows of its zero buffer (8, 16, 32
     or 64): each 64-row half of a zero item goes out in stores of at most
     this many rows.  Fewer rows leave room for wider epilogue chunks (a
@@ -202,7 +195,6 @@ class MosaicFwdConfig:
   swizzle_staging: bool = False
   short_tile_rows: int = 0
   share_rows: bool = False
-  weight_stages: int = 0
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -267,11 +259,6 @@ class MosaicFwdConfig:
                        f"got {self}")
     if self.share_rows and (not self.swap or (self.num_sms or 2) % 2):
       raise ValueError(f"share_rows needs swap=True and an even num_sms, got {self}")
-    if self.weight_stages and (not self.swap or self.weight_stages <= self.num_stages
-                               or self.weight_stages % self.num_stages
-                               or self.weight_stages > 16):
-      raise ValueError(f"weight_stages needs swap=True and a multiple of num_stages above it "
-                       f"(at most 16), got {self}")
     if self.tail_rows and (not self.ring or self.block_n % 128):
       raise ValueError(f"tail_rows needs ring=True and block_n a multiple of 128, got {self}")
     if self.zero_lead is not None and (self.zero_lead < 0 or (self.zero_lead and not self.ring)):
@@ -298,11 +285,9 @@ class MosaicFwdConfig:
     """
     isz, osz = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
     if self.swap:  # swap_rows + tail rows and 128 columns per stage; 64 x 64 staging per consumer
-      rows = (self.swap_rows + self.tail_rows) * self.block_k * isz
-      weights = self.block_n * self.block_k * isz
+      per_stage = (self.swap_rows + self.tail_rows + self.block_n) * self.block_k * isz
       staging = self.num_compute_wgs * _WG_ROWS * _WG_ROWS * osz
-      return (self.num_stages * rows + max(self.num_stages, self.weight_stages) * weights
-              + staging)
+      return self.num_stages * per_stage + staging
     per_stage = (self.block_m + self.block_n) * self.block_k * isz
     # One (64, epilogue_n) staging buffer per compute warpgroup.
     staging = self.num_compute_wgs * _WG_ROWS * self.epilogue_n * osz
@@ -345,7 +330,7 @@ def row_major_ring(cfg: MosaicFwdConfig) -> MosaicFwdConfig:
   what runs where swap cannot (shard calls with producer zeros, 32-bit outputs)."""
   return dataclasses.replace(cfg, swap=False, block_n=256, tail_rows=0, tail_split=False,
                              tail_on_m=False, swap_rows=SWAP_ROWS, swizzle_staging=False,
-                             short_tile_rows=0, share_rows=False, weight_stages=0)
+                             short_tile_rows=0, share_rows=False)
 
 
 def _fits(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> bool:
@@ -377,9 +362,6 @@ def fit_config(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> MosaicFwdCon
     fitted = _fit_split(cfg, dtype, out_dtype)
     if fitted is not None:
       return fitted
-    if cfg.weight_stages:  # one ring first
-      cfg = dataclasses.replace(cfg, weight_stages=0)
-      continue
     if cfg.num_stages <= 2:
       return None
     cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)

@@ -189,12 +189,11 @@ def rhs_block(rhs_gmem, grp, ni, cols, bn: int, transpose_rhs: bool):
   return rhs_gmem.at[grp, cols, pl.ds(ni * bn, bn)]
 
 
-def drain(consumed, total_steps, stages: int, slots: int | None = None) -> None:
-  """Waits for the consumers' release of the last ``stages`` steps (before the
-  CTA exits); step s's release is ``consumed[s % slots]`` (``slots``: stages)."""
+def drain(consumed, total_steps, stages: int) -> None:
+  """Waits for the consumers' last release of every slot (before the CTA exits)."""
   @pl.loop(jnp.maximum(total_steps - stages, 0), total_steps)
   def _(step):
-    plgpu.barrier_wait(consumed.at[lax.rem(step, slots or stages)])
+    plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
 
 
 def consume_item(produced, consumed, step0, k_steps, stages: int, mma, in_flight: int) -> None:

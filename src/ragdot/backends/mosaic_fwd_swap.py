@@ -35,13 +35,6 @@ With ``share_rows`` the kernel runs on 2-CTA clusters: an item is a row tile and
 two adjacent n tiles, one per CTA; each CTA loads half of every stage's rows by
 TMA multicast into both CTAs' SMEM (and its own weight block), and a stage is
 refilled once the consumers of both CTAs released it.
-
-With ``weight_stages`` (W, a multiple of the row stages S) the weight blocks
-have a ring of W slots: k step s reads its rows from row slot s % S and its
-weights from slot s % W, and its barriers are those of slot s % W.  Once step
-s - S is released, the producer loads step s's rows and step s + W - S's
-weight block (the next item's, past this item's end): the weights, streamed
-from DRAM, run W - S steps ahead of the rows, which mostly hit L2.
 """
 
 from __future__ import annotations
@@ -105,7 +98,6 @@ def _per_layout(layouts, fn) -> None:
 def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int, n: int,
           cfg: mf.MosaicFwdConfig, transpose_rhs: bool, num_ctas: int):
   bn, bk, stages, tr = cfg.block_n, cfg.block_k, cfg.num_stages, cfg.tail_rows
-  slots = cfg.weight_stages or stages  # weight slots and barriers; rows: `stages` slots
   rows_t = cfg.swap_rows  # R, rows per tile
   swizzled, share = cfg.swizzle_staging, cfg.share_rows
   pair = 2 if share else 1  # n tiles per item: one per CTA of the cluster
@@ -116,22 +108,20 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
   # share: cta counts clusters; each CTA takes its rank's n tile of an item.
   rank = lax.axis_index("cluster") if share else 0
   dtype, out_dtype = lhs_gmem.dtype, out_gmem.dtype
-  # k steps the weight loads run ahead of the row loads (at most one item's).
-  lead = min(slots - stages, k_steps)
 
   scratch = dict(
       # A stage's rows: R, or R + tail_rows for a tile with a folded tail.
       x_smem=plgpu.SMEM((stages, rows_t + tr, bk), dtype, transforms=sm90.swizzled(bk, dtype)),
       # (forward: wgmma takes the (bk, 64) weight slice as an MN-major A only with a
       # swizzle of at most bk elements; 128 bytes at bk = 64, 64 at bk = 32)
-      w_smem=plgpu.SMEM((slots, *b_shape), dtype,
+      w_smem=plgpu.SMEM((stages, *b_shape), dtype,
                         transforms=sm90.swizzled(min(b_shape[1], bk), dtype)),
-      produced=plgpu.Barrier(num_arrivals=3 if tr else 2, num_barriers=slots),
+      produced=plgpu.Barrier(num_arrivals=3 if tr else 2, num_barriers=stages),
       # share: the partner's multicast writes this CTA's slots too, so a slot
       # is refilled once the consumers of both CTAs released it.
       consumed=(plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=2,
-                                     num_barriers=slots) if share
-                else plgpu.Barrier(num_arrivals=2, num_barriers=slots)),
+                                     num_barriers=stages) if share
+                else plgpu.Barrier(num_arrivals=2, num_barriers=stages)),
       # Row-major (rows, columns), one per consumer; stores start at any row
       # (swizzled too: the swizzle follows the address bits).
       o_smem=plgpu.SMEM((2, _CHUNK, _COLS), out_dtype,
@@ -152,40 +142,14 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
     @pl.when(wg == 2)
     def _producer():
       plgpu.set_max_registers(40, action="decrease")
-      total = my_items * k_steps
-
-      def weights(ni, grp, kk, step):
-        """Ring step ``step``'s weight block: (k step kk, n tile ni) of group grp."""
-        slot = lax.rem(step, slots)
-        # (an odd grid_n leaves the last pair's second tile past n: it loads
-        # the last tile's block, computes and stores nothing)
-        ni_in = jnp.minimum(ni, grid_n - 1) if grid_n % pair else ni
-        plgpu.copy_gmem_to_smem(
-            ring.rhs_block(rhs_gmem, grp, ni_in, pl.ds(kk * bk, bk), bn, transpose_rhs),
-            w_smem.at[slot], produced.at[slot])
-
-      if lead:  # the first item's first `lead` weight blocks, into fresh slots
-        @pl.when(my_items > 0)
-        def _():
-          ni, grp, *_ = tile_of(cta)
-          for d in range(lead):
-            weights(ni, grp, d, d)
 
       def load(w, step0):
         ni, grp, row0, _, row_end = tile_of(w)
         layouts = _layouts(cfg, row0, row_end)
-        if lead:  # the next item's (n tile, group) for the weights loaded ahead
-          has_next = step0 + k_steps < total
-          ni2, grp2, *_ = tile_of(jnp.where(has_next, w + num_ctas, w))
 
         @pl.loop(0, k_steps)
         def _(kk):
-          step = step0 + kk
-          # The row slot's and the weight slot's last users are both step - stages.
-          pl.when(step >= stages)(
-              lambda: plgpu.barrier_wait(consumed.at[lax.rem(step - stages, slots)]))
-          slot = lax.rem(step, stages)
-          bar = produced.at[lax.rem(step, slots)]
+          slot = ring.free_slot(consumed, step0 + kk, stages)
           cols = pl.ds(kk * bk, bk)
 
           def rows(layout: str) -> None:
@@ -193,25 +157,20 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
             for r, count in parts:
               # share: this CTA loads half the rows, multicast to both CTAs.
               plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(row0 + r, count), cols],
-                                      x_smem.at[slot].at[pl.ds(r, count)], bar,
+                                      x_smem.at[slot].at[pl.ds(r, count)], produced.at[slot],
                                       collective_axes="cluster" if share else None)
             if tr and len(parts) == 1:  # a bare arrival for the copy a tail would make
-              plgpu.barrier_arrive(bar)
+              plgpu.barrier_arrive(produced.at[slot])
 
           _per_layout(layouts, rows)
-          if not lead:
-            weights(ni, grp, kk, step)
-            return
-          ahead = kk + lead  # step + lead's weights: this item's, or the next one's
-          here = ahead < k_steps
-
-          @pl.when(here | has_next)
-          def _():
-            weights(jnp.where(here, ni, ni2), jnp.where(here, grp, grp2),
-                    jnp.where(here, ahead, ahead - k_steps), step + lead)
+          # (an odd grid_n leaves the last pair's second tile past n: it loads
+          # the last tile's block, computes and stores nothing)
+          ni_in = jnp.minimum(ni, grid_n - 1) if grid_n % pair else ni
+          plgpu.copy_gmem_to_smem(ring.rhs_block(rhs_gmem, grp, ni_in, cols, bn, transpose_rhs),
+                                  w_smem.at[slot], produced.at[slot])
 
       works(load)
-      ring.drain(consumed, total, stages, slots)
+      ring.drain(consumed, my_items * k_steps, stages)
 
     @pl.when(wg < 2)
     def _consumers():
@@ -233,17 +192,17 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
             shapes.append((_COLS, bn))
 
           def acc_scope(*accs):
-            def mma(slot):  # slot = step % slots; the rows' slot is step % stages
-              wb, xb = w_smem.at[slot], x_smem.at[lax.rem(slot, stages) if lead else slot]
+            def mma(slot):
+              wb = w_smem.at[slot]
               # A: this consumer's 64 columns of the weight block, (64, bk).
               a = wb.at[mine] if transpose_rhs else wb.at[:, mine].transpose((1, 0))
               for acc_ref, (r, count) in zip(accs, parts):
-                plgpu.wgmma(acc_ref, a, xb.at[pl.ds(r, count)].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, a, x_smem.at[slot].at[pl.ds(r, count)].transpose((1, 0)))
               if tail_on_m:
-                plgpu.wgmma(accs[-1], xb.at[pl.ds(rows_t + tr - _COLS, _COLS)],
+                plgpu.wgmma(accs[-1], x_smem.at[slot].at[pl.ds(rows_t + tr - _COLS, _COLS)],
                             wb.transpose((1, 0)) if transpose_rhs else wb)
 
-            ring.consume_item(produced, consumed, step0, k_steps, slots, mma,
+            ring.consume_item(produced, consumed, step0, k_steps, stages, mma,
                               in_flight=len(shapes))
             return tuple(acc_ref[...] for acc_ref in accs)
 
