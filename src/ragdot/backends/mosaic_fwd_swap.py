@@ -162,12 +162,14 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
             if tr and len(parts) == 1:  # a bare arrival for the copy a tail would make
               plgpu.barrier_arrive(produced.at[slot])
 
-          _per_layout(layouts, rows)
+          # The weight block first: it comes from DRAM, the rows mostly from L2
+          # (docs/performance.md v34d-e: 0.993-0.998x the time of rows first).
           # (an odd grid_n leaves the last pair's second tile past n: it loads
           # the last tile's block, computes and stores nothing)
           ni_in = jnp.minimum(ni, grid_n - 1) if grid_n % pair else ni
           plgpu.copy_gmem_to_smem(ring.rhs_block(rhs_gmem, grp, ni_in, cols, bn, transpose_rhs),
                                   w_smem.at[slot], produced.at[slot])
+          _per_layout(layouts, rows)
 
       works(load)
       ring.drain(consumed, my_items * k_steps, stages)
