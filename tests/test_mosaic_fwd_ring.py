@@ -326,3 +326,27 @@ def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, split, width, pz):
   # producer zeros: a shard call of 16 local groups
   assert_gmm_lowers(cfg, m=m, k=k, n=n, g=g, transpose_rhs=transpose_rhs,
                     local=16 if pz else g, with_offset=bool(pz))
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
+def test_early_release_lowers_for_sm90(transpose_rhs):
+  # The consumers' non-blocking test of a stage's barrier (early_release), on the
+  # ring with folded tails and on a shard call with producer zeros.
+  cfg = dataclasses.replace(CFG, num_stages=4, epilogue_split=4, tail_rows=16, num_sms=132,
+                            early_release=True)
+  assert_gmm_lowers(cfg, m=4096, k=2048, n=1536, g=128, transpose_rhs=transpose_rhs)
+  assert_gmm_lowers(dataclasses.replace(cfg, tail_rows=0, producer_zeros=True), m=4096,
+                    k=2048, n=1536, g=128, transpose_rhs=transpose_rhs, local=16,
+                    with_offset=True)
+
+
+def test_early_release_checked_and_interpreted_without_it():
+  with pytest.raises(ValueError, match="early_release needs ring"):
+    dataclasses.replace(CFG, ring=False, early_release=True)
+  # Interpret mode has no barrier test: the same tiles run with the plain release.
+  sizes = [140, 10, 300, 0, 60]
+  x, w = oracle.random_inputs(jax.random.key(31), [(512, 128), (5, 128, 256)], jnp.bfloat16)
+  out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), None, transpose_rhs=False,
+               out_dtype=jnp.bfloat16, interpret=True,
+               config=dataclasses.replace(CFG, tail_rows=16, early_release=True))
+  oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, None, False), jnp.bfloat16)

@@ -528,6 +528,9 @@ def gmm(
     # The interpreter hangs with two CTAs per cluster (docs/performance.md v23a,
     # v32a): interpret the same tiles unclustered.
     config = dataclasses.replace(config, share_rows=False)
+  if config is not None and config.early_release and interpret:
+    # (the interpreter has no rule for the non-blocking barrier test)
+    config = dataclasses.replace(config, early_release=False)
   if config is None or (config.num_compute_wgs == 2 and not config.ring
                         and k <= config.block_k) or (
       config.ring and m < (config.swap_rows if config.swap else config.block_m)
