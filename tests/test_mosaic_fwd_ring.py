@@ -340,6 +340,34 @@ def test_early_release_lowers_for_sm90(transpose_rhs):
                     with_offset=True)
 
 
+@pytest.mark.parametrize("swap", [False, True], ids=["ring", "swap"])
+def test_early_release_path_has_no_races(monkeypatch, swap):
+  # The interpreter cannot test a barrier without blocking: with the test made to
+  # fail every time, every k step takes the early path (wait for the previous
+  # step's wgmmas, release its stage, then wait for the data). The race detector
+  # and the interpreter's barrier phase checks run on that protocol.
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret  # pylint: disable=g-import-not-at-top
+  from ragdot.backends import mosaic_fwd_swap  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(mr, "_stage_ready", lambda barrier: jnp.bool_(False))
+  sizes = [280, 7, 60, 150]
+  x, w = oracle.random_inputs(jax.random.key(37), [(640, 192), (4, 192, 256)], jnp.bfloat16)
+  if swap:
+    cfg = mf.MosaicFwdConfig(128, 128, 64, 2, num_compute_wgs=2, ring=True, swap=True,
+                             tail_rows=32, tail_split=True, short_tile_rows=64, num_sms=2,
+                             producer_zeros=False, early_release=True)
+    run = mosaic_fwd_swap.gmm
+  else:
+    cfg = dataclasses.replace(CFG, tail_rows=16, num_sms=2, producer_zeros=False,
+                              early_release=True)
+    run = mr.gmm
+  out = run(x, w, jnp.asarray(sizes, jnp.int32), None, transpose_rhs=False,
+            out_dtype=jnp.bfloat16, config=cfg,
+            interpret=plgpu.InterpretGPUParams(detect_races=True))
+  oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, None, False), jnp.bfloat16)
+  assert not gpu_interpret.get_races().races_found
+
+
 def test_early_release_checked_and_interpreted_without_it():
   with pytest.raises(ValueError, match="early_release needs ring"):
     dataclasses.replace(CFG, ring=False, early_release=True)

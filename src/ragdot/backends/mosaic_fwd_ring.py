@@ -196,6 +196,12 @@ def drain(consumed, total_steps, stages: int) -> None:
     plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
 
 
+def _stage_ready(barrier):
+  """Non-blocking test of a stage's produced barrier; a pass advances its phase
+  as a wait would (tests replace it: the interpreter has no rule for it)."""
+  return plgpu.barrier_test(barrier)
+
+
 def consume_item(produced, consumed, step0, k_steps, stages: int, mma, in_flight: int,
                  early_release: bool = False) -> None:
   """A consumer's k steps of one item: ``mma(slot)`` issues a step's wgmmas
@@ -213,7 +219,7 @@ def consume_item(produced, consumed, step0, k_steps, stages: int, mma, in_flight
     slot = lax.rem(step, stages)
     release = lambda: plgpu.barrier_arrive(consumed.at[lax.rem(step + stages - 1, stages)])
     if early_release:
-      ready = plgpu.barrier_test(produced.at[slot])  # (a pass counts as the wait)
+      ready = _stage_ready(produced.at[slot])
 
       @pl.when(~ready)
       def _():
