@@ -566,31 +566,3 @@ def test_swap_share_rows_real_size(transpose_rhs, kn, tail_rows, offset, tail, s
                                    share_rows=True)
   _check_mosaic_gmm(cfg, (32768, *kn, 128, layout), transpose_rhs, offset,
                     seed=kn[0] + kn[1] + tail_rows + short)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
-@pytest.mark.parametrize("kn,swap,share,offset,layout", [
-    ((768, 2048), True, True, None, "routed"), ((2048, 1536), True, True, None, "skewed"),
-    ((2048, 1536), True, False, 8, "routed"), ((2048, 1536), False, False, None, "routed"),
-    ((2048, 1536), False, False, 8, "routed")],
-                         ids=["swap-down", "swap-gate_up-skewed", "swap-shard",
-                              "ring-t16", "ring-shard-producer-zeros"])
-def test_early_release_real_size(transpose_rhs, kn, swap, share, offset, layout):
-  """The consumers' early release of a stage when the next one's data is late
-  (early_release: a non-blocking barrier test in the k loop; not run in interpret
-  mode), on the swap kernel (split fold, short tiles, clusters, skewed routing, a
-  shard) and the row-major ring (16-row tails; a shard with producer zeros);
-  NaN-poisoned memory, bitwise repeatable."""
-  from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
-  if swap:
-    cfg = mosaic_fwd.MosaicFwdConfig(128, 128, 64, 4, num_compute_wgs=2, ring=True, swap=True,
-                                     tail_rows=32, producer_zeros=False, tail_split=True,
-                                     swizzle_staging=True, short_tile_rows=64,
-                                     share_rows=share, early_release=True)
-  else:
-    cfg = mosaic_fwd.MosaicFwdConfig(128, 256, 64, 4, num_compute_wgs=2, epilogue_split=4,
-                                     ring=True, tail_rows=0 if offset else 16,
-                                     producer_zeros=bool(offset), early_release=True)
-  _check_mosaic_gmm(cfg, (32768, *kn, 128, layout), transpose_rhs, offset,
-                    seed=kn[0] + 3 * swap + (offset or 0))

@@ -329,17 +329,6 @@ def test_block_k_32_matches_oracle(transpose_rhs):
                       jnp.bfloat16)
 
 
-@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
-@pytest.mark.parametrize("tail,short", [("split", 64), ("m", 0)])
-def test_early_release_lowers_for_sm90(transpose_rhs, tail, short):
-  # The table's swap layouts on clusters, with the consumers' non-blocking
-  # barrier test (early_release): every wgmma layout's k loop.
-  cfg = dataclasses.replace(CFG, num_stages=4, tail_rows=32, num_sms=132, swizzle_staging=True,
-                            short_tile_rows=short, share_rows=True, early_release=True,
-                            **TAIL[tail])
-  assert_gmm_lowers(cfg, m=4096, k=768, n=2048, g=128, transpose_rhs=transpose_rhs)
-
-
 def test_share_rows_checks():
   with pytest.raises(ValueError, match="share_rows needs"):
     dataclasses.replace(CFG, swap=False, block_n=256, share_rows=True)

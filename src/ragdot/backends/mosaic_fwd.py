@@ -524,11 +524,10 @@ def gmm(
     config = fit_config(config, lhs.dtype, out_dtype)
   if config is not None:
     config = resolve_producer_zeros(config, has_offset, lhs.dtype, out_dtype)
-  if config is not None and interpret:
-    # What the interpreter cannot run, the same tiles without: two CTAs per
-    # cluster hang it (docs/performance.md v23a, v32a), and it has no rule for
-    # the non-blocking barrier test of early_release.
-    config = dataclasses.replace(config, share_rows=False, early_release=False)
+  if config is not None and config.share_rows and interpret:
+    # The interpreter hangs with two CTAs per cluster (docs/performance.md v23a,
+    # v32a): interpret the same tiles unclustered.
+    config = dataclasses.replace(config, share_rows=False)
   if config is None or (config.num_compute_wgs == 2 and not config.ring
                         and k <= config.block_k) or (
       config.ring and m < (config.swap_rows if config.swap else config.block_m)

@@ -159,13 +159,6 @@ class MosaicFwdConfig:
     per k step instead of 32 + 16 (cuBLAS's batched kernels share an operand
     over 1 x 2 clusters the same way).  A stage is refilled once the consumers
     of both CTAs released it (a cluster barrier).  Needs an even num_sms.
-  early_release: ring only: a consumer whose next stage's data has not come
-    yet (a non-blocking test of its barrier) releases the previous stage as
-    soon as that stage's wgmmas are done, instead of after the late data
-    (``mosaic_fwd_ring.consume_item``).  ncu showed the consumers of the swap
-    kernel reaching a stage before its data at 76-79% of their k steps
-    (docs/performance.md v34d).  Not measured on the GPU yet; interpret mode
-    runs such a config without it (the interpreter has no barrier test).
   zero_box_rows: with producer_zeros, the rows of its zero buffer (8, 16, 32
     or 64): each 64-row half of a zero item goes out in stores of at most
     this many rows.  Fewer rows leave room for wider epilogue chunks (a
@@ -202,7 +195,6 @@ class MosaicFwdConfig:
   swizzle_staging: bool = False
   short_tile_rows: int = 0
   share_rows: bool = False
-  early_release: bool = False
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -267,8 +259,6 @@ class MosaicFwdConfig:
                        f"got {self}")
     if self.share_rows and (not self.swap or (self.num_sms or 2) % 2):
       raise ValueError(f"share_rows needs swap=True and an even num_sms, got {self}")
-    if self.early_release and not self.ring:
-      raise ValueError(f"early_release needs ring=True, got {self}")
     if self.tail_rows and (not self.ring or self.block_n % 128):
       raise ValueError(f"tail_rows needs ring=True and block_n a multiple of 128, got {self}")
     if self.zero_lead is not None and (self.zero_lead < 0 or (self.zero_lead and not self.ring)):

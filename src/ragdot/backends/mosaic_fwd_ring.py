@@ -196,45 +196,19 @@ def drain(consumed, total_steps, stages: int) -> None:
     plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
 
 
-def _stage_ready(barrier):
-  """Non-blocking test of a stage's produced barrier; a pass advances its phase
-  as a wait would (tests replace it: the interpreter has no rule for it)."""
-  return plgpu.barrier_test(barrier)
-
-
-def consume_item(produced, consumed, step0, k_steps, stages: int, mma, in_flight: int,
-                 early_release: bool = False) -> None:
+def consume_item(produced, consumed, step0, k_steps, stages: int, mma, in_flight: int) -> None:
   """A consumer's k steps of one item: ``mma(slot)`` issues a step's wgmmas
   (``in_flight`` of them); the previous step's slot is released once they are
-  done, the item's last slot after its last wgmma.
-
-  ``early_release``: when a step's data has not come yet (a non-blocking test
-  of its barrier), the consumer first waits for the previous step's wgmmas and
-  releases its slot, then waits for the data; otherwise that release would wait
-  for the late data too, and delay the load into the slot (docs/performance.md
-  v34d)."""
+  done, the item's last slot after its last wgmma."""
   @pl.loop(0, k_steps)
   def _(kk):
     step = step0 + kk
     slot = lax.rem(step, stages)
-    release = lambda: plgpu.barrier_arrive(consumed.at[lax.rem(step + stages - 1, stages)])
-    if early_release:
-      ready = _stage_ready(produced.at[slot])
-
-      @pl.when(~ready)
-      def _():
-        @pl.when(kk > 0)
-        def _():
-          plgpu.wgmma_wait(0)
-          release()
-
-        plgpu.barrier_wait(produced.at[slot])
-    else:
-      ready = True
-      plgpu.barrier_wait(produced.at[slot])
+    plgpu.barrier_wait(produced.at[slot])
     mma(slot)
     plgpu.wgmma_wait(in_flight)  # the previous step's are done
-    pl.when((kk > 0) & ready)(release)
+    pl.when(kk > 0)(lambda: plgpu.barrier_arrive(
+        consumed.at[lax.rem(step + stages - 1, stages)]))
 
   plgpu.wgmma_wait(0)
   plgpu.barrier_arrive(consumed.at[lax.rem(step0 + k_steps - 1, stages)])
@@ -347,7 +321,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
                 plgpu.wgmma(tail_ref[0], w_t, t_smem.at[slot].transpose((1, 0)))
 
             consume_item(produced, consumed, step0, k_steps, stages, mma,
-                         in_flight=2 if with_tail else 1, early_release=cfg.early_release)
+                         in_flight=2 if with_tail else 1)
             return acc_ref[...], tail_ref[0][...] if with_tail else None
 
           scratch = [plgpu.ACC((_HALF, bn), jnp.float32)]
