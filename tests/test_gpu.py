@@ -449,7 +449,10 @@ def _fields(words):
      (64, 192, 128, 4, 768, jnp.bfloat16,
       "pingpong epilogue_split=2 epilogue_rows=64 epilogue_buffers=2 side_rows"),
      (64, 192, 128, 4, 768, jnp.float32,  # the same entry with f32 output (it fits)
-      "pingpong epilogue_split=2 epilogue_rows=64 epilogue_buffers=2 side_rows")],
+      "pingpong epilogue_split=2 epilogue_rows=64 epilogue_buffers=2 side_rows"),
+     # ... 128 x 192 the same way (the tuner's Qwen3-30B / 235B gate_up entries, v35b)
+     (64, 128, 192, 4, 768, jnp.bfloat16,
+      "pingpong epilogue_split=3 epilogue_rows=64 epilogue_buffers=2 side_rows")],
     ids=["default", "whole_tile_mask", "256x128", "f32_2_stages",
          "bm128_banded", "partial_k", "bn64_banded", "bn192_banded", "256x192",
          "f32_split_3_stages",
@@ -457,7 +460,8 @@ def _fields(words):
          "pingpong_192x128", "pingpong_128x192_rows64", "pingpong_masker",
          "pingpong_128x192_2_buffers", "pingpong_masker_128x192",
          "pingpong_128x192_side_rows", "pingpong_side_rows", "shared_side_rows_f32",
-         "pingpong_192x128_side_rows", "pingpong_192x128_side_rows_f32"])
+         "pingpong_192x128_side_rows", "pingpong_192x128_side_rows_f32",
+         "pingpong_128x192_rows64_2_buffers_side_rows"])
 def test_mosaic_dw_ring_across_items_real_size(bm, bk, bn, stages, k, out_dtype, mask):
   """The warp-specialized dW with one ring of stages across items, on hardware:
   every group's tile written (NaN-poisoned memory), empty groups zero, a shard,

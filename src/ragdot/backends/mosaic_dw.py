@@ -70,6 +70,12 @@ _MASKER_REGISTERS = 64  # one band of a stage tile and its row indices
 # Beside 128 x 192 accumulators the producer and the masker get less, so that
 # each consumer keeps 224 (with 200 the consumers spilled: 3.7-4.9x the time).
 _PRODUCER_REGISTERS_TIGHT, _MASKER_REGISTERS_TIGHT = 24, 40
+# ptxas compiles a kernel within its launch registers, whatever setmaxnreg later
+# gives a warpgroup: with a fourth warpgroup that is 128 per thread, and one
+# wgmma of N = 256 (128 accumulator registers and its operands) needs 154, so a
+# masking warpgroup takes block_n up to 192 (H200 2026-12-03: 64 x 256 failed
+# ptxas on every shape, C7602).
+_MASKER_MAX_BLOCK_N = 192
 
 
 def register_split(mask_warpgroup: bool = False,
@@ -146,7 +152,9 @@ class MosaicDwConfig:
       24 and 40; with 200 the consumers spilled, 3.7-4.9x the time), and the
       masker needs ``banded_mask``.  Measured on the H200 (2026-11-30): 0.96-0.97x
       the time of the 128 x 128 ring on the Qwen shapes, 0.90x on Mixtral;
-      1.03-1.06x the 128 x 192 ring's.
+      1.03-1.06x the 128 x 192 ring's.  block_n at most 192 (ptxas: a wgmma
+      of N = 256 does not fit the 128 registers per thread a 4-warpgroup CTA
+      launches with).
     epilogue_buffers: with 2 warpgroups, staging buffers per consumer (1 or
       2).  With 2, consecutive epilogue chunks alternate between them, so a
       chunk waits only for the store of the chunk before the previous one
@@ -244,6 +252,10 @@ class MosaicDwConfig:
                        f" got {self.epilogue_buffers}")
     if self.mask_warpgroup and (not self.pingpong or not self.banded_mask):
       raise ValueError(f"mask_warpgroup needs pingpong and banded_mask, got {self}")
+    if self.mask_warpgroup and self.block_n > _MASKER_MAX_BLOCK_N:
+      raise ValueError(f"mask_warpgroup needs block_n <= {_MASKER_MAX_BLOCK_N} (a wgmma of"
+                       f" N = {self.block_n} does not compile in a 4-warpgroup CTA's 128"
+                       f" registers per thread), got {self}")
     if self.side_rows and (not self.pipeline_across_items or self.block_m != _PIECE_ROWS
                            or self.mask_warpgroup):
       raise ValueError("side_rows needs pipeline_across_items, block_m"
@@ -414,7 +426,7 @@ def gpu_sweep_configs(
       # A masking warpgroup beside 128 x 128 accumulators (0.96-0.97x the time
       # on the Qwen shapes, H200 2026-11-30; beside 128 x 192 ones it measured
       # 1.03-1.06x, so the list leaves that out).
-      if bk * bn <= 128 * 128:
+      if bk * bn <= 128 * 128 and bn <= _MASKER_MAX_BLOCK_N:
         out.append(dataclasses.replace(config, mask_warpgroup=True))
   # (bm, bk, bn, stages, tile width, warpgroups, CTAs per SM, ring)
   for bm, bk, bn, stages, width, wgs, ctas, flat in (
