@@ -15,10 +15,11 @@ of the tile's last 64 rows (M) by the block's 128 columns (N) into a second,
 With ``short_tile_rows`` (64 or 128) a tile whose rows end within that many
 runs wgmmas of that N instead (skewed routing leaves many groups far smaller
 than R).
-No tail item streams its weight block again, as in the row-major ring; but
-each extra wgmma instruction costs the tensor pipe a fixed ~0.39 of an N = 256
-one whatever its N (docs/performance.md v19i), so a folded tile costs ~1.47
-plain ones, not the 1.125 its rows say.
+No tail item streams its weight block again, as in the row-major ring; but a
+folded tile measured ~1.47 plain ones of tensor-pipe time, not the 1.125 its
+rows say (docs/performance.md v19i: as if each extra wgmma cost ~0.39 of an
+N = 256 one; cuBLAS's N = 128 wgmmas, v35f, show that is no rule of the
+instruction itself).
 
 With ``split_rows`` the consumers split a tile by rows instead: each runs both
 64-column halves of the weight block (two accumulators) over half of the
