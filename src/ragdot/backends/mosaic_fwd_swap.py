@@ -244,8 +244,14 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
               buf = my_smem if width == _CHUNK else my_smem.at[pl.ds(0, width)]
               pl.when(rows > 0)(functools.partial(store, chunk, buf, hs, s, rows, col, True))
 
-          for acc, (_, r, count, pcol) in zip(accs, pieces):
-            pl.when(pcol < n)(functools.partial(store_piece, acc, r, count, pcol))
+          if cfg.split_rows:  # the two column halves: each within n or not
+            for acc, (_, r, count, pcol) in zip(accs, pieces):
+              pl.when(pcol < n)(functools.partial(store_piece, acc, r, count, pcol))
+          else:
+            @pl.when(col < n)
+            def _store():
+              for acc, (_, r, count, _) in zip(accs, pieces):
+                store_piece(acc, r, count, col)
 
           if tail_on_m:  # rows [row0 + R, + tail_rows) of the row-major tail, by 64 columns
             hs = row0 + rows_t + tr - _COLS
