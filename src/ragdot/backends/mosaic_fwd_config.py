@@ -267,11 +267,11 @@ class MosaicFwdConfig:
                        f"got {self}")
     if self.share_rows and (not self.swap or (self.num_sms or 2) % 2):
       raise ValueError(f"share_rows needs swap=True and an even num_sms, got {self}")
+    # (swap_rows is a multiple of 16, checked above: its halves keep the 8-row granule)
     if self.split_rows and (not self.swap or self.tail_on_m
-                            or (self.tail_rows and not self.tail_split)
-                            or self.swap_rows % 16):
-      raise ValueError(f"split_rows needs swap=True, no tail_on_m, tail_split with tail rows"
-                       f" and swap_rows a multiple of 16, got {self}")
+                            or (self.tail_rows and not self.tail_split)):
+      raise ValueError(f"split_rows needs swap=True, no tail_on_m and tail_split with tail"
+                       f" rows, got {self}")
     if self.tail_rows and (not self.ring or self.block_n % 128):
       raise ValueError(f"tail_rows needs ring=True and block_n a multiple of 128, got {self}")
     if self.zero_lead is not None and (self.zero_lead < 0 or (self.zero_lead and not self.ring)):
