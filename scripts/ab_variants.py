@@ -3,7 +3,7 @@ bench preset's shapes (training by default), side by side (GPU machine).
 
   python3 scripts/ab_variants.py OUT_DIR [--ops fwd dx] [--preset training] [--shapes NAME ...]
       [--variants "ring=True" "ring=True,tail_rows=16,epilogue_split=4" ...] [--rounds 3]
-      [--triton]
+      [--triton] [--group-rows R]
 
 Per (shape, op): "table" = the dispatcher's automatic choice (backend and
 config from the shipped table), "mosaic" = ``mosaic_fwd.gmm`` with its default
@@ -44,6 +44,9 @@ def main() -> None:
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--iterations", type=int, default=10)
   p.add_argument("--preset", default="training", choices=sorted(bench.PRESETS))
+  p.add_argument("--group-rows", type=int, default=None, metavar="R",
+                 help="every group R rows instead of the routed sizes (rows past g x R: "
+                      "zeros, the same work in every case)")
   p.add_argument("--triton", action="store_true",
                  help="also the Triton kernel (its default config unless the table's "
                       "entry for the shape is a Triton one), as the bench's ragdot:triton")
@@ -54,7 +57,10 @@ def main() -> None:
   for s in bench.preset_shapes(args.preset, args.shapes):
     if s.ep > 1:
       raise SystemExit(f"{s.name}: EP shard shapes are timed by scripts/diag_ep.py")
-    gs = jnp.asarray(bench.routed_group_sizes(s))
+    if args.group_rows is not None and args.group_rows * s.g > s.m:
+      raise SystemExit(f"--group-rows {args.group_rows}: {s.g} groups exceed m = {s.m}")
+    gs = (jnp.full((s.g,), args.group_rows, jnp.int32) if args.group_rows is not None
+          else jnp.asarray(bench.routed_group_sizes(s)))
     for op in args.ops:
       call = dispatch.backend_call(op, s.k, s.n)
       tr = call.transpose_rhs
@@ -97,7 +103,8 @@ def main() -> None:
                         "bitwise_equal_base")
       # After every (shape, op): a run cut short keeps what it measured.
       with open(os.path.join(args.out_dir, "ab_variants.json"), "w") as f:
-        json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
+        json.dump(dict(device=jax.devices()[0].device_kind, group_rows=args.group_rows,
+                       rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

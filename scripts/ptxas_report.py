@@ -29,6 +29,8 @@ VARIANTS = {
     "swap0": "MosaicFwdConfig(128, 128, 64, 4, num_compute_wgs=2, ring=True, swap=True)",
     "swap32": "MosaicFwdConfig(128, 128, 64, 4, num_compute_wgs=2, ring=True, swap=True, tail_rows=32)",
     "ring": "MosaicFwdConfig(128, 256, 64, 4, num_compute_wgs=2, epilogue_split=2, ring=True)",
+    # the shipped table's entry for this shape (swap split fold, 2-CTA clusters)
+    "table": "MosaicFwdConfig(128, 128, 64, 4, grid_tile_width=1, num_compute_wgs=2, epilogue_split=2, skip_empty_halves=False, ring=True, tail_rows=32, swap=True, tail_split=True, swizzle_staging=True, short_tile_rows=128, share_rows=True)",
 }
 
 CHILD = r"""

@@ -570,22 +570,3 @@ def test_swap_share_rows_real_size(transpose_rhs, kn, tail_rows, offset, tail, s
                                    share_rows=True)
   _check_mosaic_gmm(cfg, (32768, *kn, 128, layout), transpose_rhs, offset,
                     seed=kn[0] + kn[1] + tail_rows + short)
-
-
-@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
-@pytest.mark.parametrize("kn,share,short,offset,layout", [
-    ((768, 2048), True, 64, None, "routed"), ((2048, 1536), True, 128, None, "skewed"),
-    ((2048, 1536), False, 64, 8, "routed"), ((1024, 960), True, 64, None, "routed")],
-                         ids=["down", "gate_up-skewed", "shard", "n-past-a-tile"])
-def test_split_rows_real_size(transpose_rhs, kn, share, short, offset, layout):
-  """The swap kernel with the consumers splitting a tile by rows (split_rows: two
-  M-64 wgmmas of N 128 / 144 each), on the table's layouts (split fold, short
-  tiles, clusters), skewed routing, a shard and an odd n tile count (960 = 7.5
-  tiles); NaN-poisoned memory, bitwise repeatable."""
-  from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
-  cfg = mosaic_fwd.MosaicFwdConfig(128, 128, 64, 4, num_compute_wgs=2, ring=True, swap=True,
-                                   tail_rows=32, tail_split=True, producer_zeros=False,
-                                   swizzle_staging=True, short_tile_rows=short,
-                                   share_rows=share, split_rows=True)
-  _check_mosaic_gmm(cfg, (32768, *kn, 128, layout), transpose_rhs, offset,
-                    seed=kn[0] + short + (offset or 0))

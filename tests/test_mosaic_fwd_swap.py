@@ -45,7 +45,7 @@ TAIL = {"fold": {}, "split": dict(tail_split=True), "m": dict(tail_on_m=True)}
     ([272, 16, 270, 30], 640, 128, 128, None, 4, False, 16, "m"),
 ])
 def test_matches_oracle(sizes, m, k, n, offset, num_local, transpose_rhs, tail_rows, tail,
-                       swap_rows=256, swizzled=False, short_tile_rows=0, split_rows=False):
+                       swap_rows=256, swizzled=False, short_tile_rows=0):
   rshape = (num_local, n, k) if transpose_rhs else (num_local, k, n)
   x, w = oracle.random_inputs(jax.random.key(m + n + k), [(m, k), rshape], jnp.bfloat16)
   go = None if offset is None else jnp.int32(offset)
@@ -54,8 +54,7 @@ def test_matches_oracle(sizes, m, k, n, offset, num_local, transpose_rhs, tail_r
                out_dtype=jnp.bfloat16, interpret=True,
                config=dataclasses.replace(CFG, tail_rows=tail_rows, producer_zeros=False,
                                           swap_rows=swap_rows, swizzle_staging=swizzled,
-                                          short_tile_rows=short_tile_rows,
-                                          split_rows=split_rows, **TAIL[tail]))
+                                          short_tile_rows=short_tile_rows, **TAIL[tail]))
   oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, go, transpose_rhs), jnp.bfloat16)
   oracle.assert_zero_rows(out, sizes, offset, num_local)
 
@@ -348,51 +347,3 @@ def test_share_rows_interprets_unclustered():
                config=dataclasses.replace(CFG, num_sms=4, tail_rows=32, share_rows=True,
                                           producer_zeros=False))
   oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, None, False), jnp.bfloat16)
-
-
-# split_rows: the consumers take half of a tile's rows each (all 128 columns as two
-# M-64 wgmmas) instead of half of its columns.
-@pytest.mark.parametrize("sizes,m,offset,num_local,transpose_rhs,tail_rows,short,swizzled", [
-    # plain 256-row tiles (128 rows a consumer), split folds (144), a short tile of 10
-    # rows at 64 (32 a consumer), an empty group, a 64-column half tile (n 192)
-    ([300, 10, 520, 0, 280], 1280, None, 5, False, 32, 64, True),
-    ([300, 10, 520, 0, 280], 1280, None, 5, True, 32, 128, True),   # dX, 128-row short tiles
-    ([296, 264, 0, 40], 640, None, 4, True, 0, 0, False),           # no tails: tail items
-    ([150, 20, 270, 30], 768, 1, 2, False, 16, 64, True),           # a shard, zero rows around it
-])
-def test_split_rows_matches_oracle(sizes, m, offset, num_local, transpose_rhs, tail_rows, short,
-                                   swizzled):
-  test_matches_oracle(sizes, m, 128, 192, offset, num_local, transpose_rhs, tail_rows,
-                      "split" if tail_rows else "fold", swizzled=swizzled,
-                      short_tile_rows=short, split_rows=True)
-
-
-def test_split_rows_no_races():
-  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret  # pylint: disable=g-import-not-at-top
-  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
-  sizes = [280, 7, 60, 150]
-  x, w = oracle.random_inputs(jax.random.key(35), [(640, 128), (4, 128, 128)], jnp.bfloat16)
-  out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), None, transpose_rhs=False,
-               out_dtype=jnp.bfloat16, interpret=plgpu.InterpretGPUParams(detect_races=True),
-               config=dataclasses.replace(CFG, tail_rows=32, tail_split=True, num_sms=2,
-                                          short_tile_rows=64, swizzle_staging=True,
-                                          split_rows=True))
-  oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, None, False), jnp.bfloat16)
-  assert not gpu_interpret.get_races().races_found
-
-
-@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
-def test_split_rows_lowers_for_sm90(transpose_rhs):
-  # The table's swap layouts (split fold, 64-row short tiles, clusters) split by rows.
-  cfg = dataclasses.replace(CFG, num_stages=4, tail_rows=32, tail_split=True, num_sms=132,
-                            swizzle_staging=True, short_tile_rows=64, share_rows=True,
-                            split_rows=True)
-  assert_gmm_lowers(cfg, m=4096, k=768, n=2048, g=128, transpose_rhs=transpose_rhs)
-
-
-def test_split_rows_checks():
-  for bad in (dict(swap=False, block_n=256), dict(tail_rows=32),  # an unsplit fold
-              dict(tail_rows=16, tail_on_m=True)):
-    with pytest.raises(ValueError, match="split_rows needs"):
-      dataclasses.replace(CFG, split_rows=True, **bad)
-  assert not mf.row_major_ring(dataclasses.replace(CFG, split_rows=True)).split_rows

@@ -159,13 +159,6 @@ class MosaicFwdConfig:
     per k step instead of 32 + 16 (cuBLAS's batched kernels share an operand
     over 1 x 2 clusters the same way).  A stage is refilled once the consumers
     of both CTAs released it (a cluster barrier).  Needs an even num_sms.
-  split_rows: swap only, not tail_on_m (with tail rows: tail_split): the
-    consumers split a tile by rows instead of by columns.  Each holds two
-    (64 columns, rows / 2) accumulators, all 128 of the weight block's columns
-    as two M-64 wgmmas over its half of the tile's rows (N 128 on a plain
-    256-row tile, 144 on a split fold): cuBLAS's consumer shape in its
-    regular-form kernel (docs/performance.md v35f), at the same stages and
-    registers.
   zero_box_rows: with producer_zeros, the rows of its zero buffer (8, 16, 32
     or 64): each 64-row half of a zero item goes out in stores of at most
     this many rows.  Fewer rows leave room for wider epilogue chunks (a
@@ -202,7 +195,6 @@ class MosaicFwdConfig:
   swizzle_staging: bool = False
   short_tile_rows: int = 0
   share_rows: bool = False
-  split_rows: bool = False
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -267,11 +259,6 @@ class MosaicFwdConfig:
                        f"got {self}")
     if self.share_rows and (not self.swap or (self.num_sms or 2) % 2):
       raise ValueError(f"share_rows needs swap=True and an even num_sms, got {self}")
-    # (swap_rows is a multiple of 16, checked above: its halves keep the 8-row granule)
-    if self.split_rows and (not self.swap or self.tail_on_m
-                            or (self.tail_rows and not self.tail_split)):
-      raise ValueError(f"split_rows needs swap=True, no tail_on_m and tail_split with tail"
-                       f" rows, got {self}")
     if self.tail_rows and (not self.ring or self.block_n % 128):
       raise ValueError(f"tail_rows needs ring=True and block_n a multiple of 128, got {self}")
     if self.zero_lead is not None and (self.zero_lead < 0 or (self.zero_lead and not self.ring)):
@@ -343,7 +330,7 @@ def row_major_ring(cfg: MosaicFwdConfig) -> MosaicFwdConfig:
   what runs where swap cannot (shard calls with producer zeros, 32-bit outputs)."""
   return dataclasses.replace(cfg, swap=False, block_n=256, tail_rows=0, tail_split=False,
                              tail_on_m=False, swap_rows=SWAP_ROWS, swizzle_staging=False,
-                             short_tile_rows=0, share_rows=False, split_rows=False)
+                             short_tile_rows=0, share_rows=False)
 
 
 def _fits(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> bool:

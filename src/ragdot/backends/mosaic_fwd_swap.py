@@ -19,11 +19,8 @@ No tail item streams its weight block again, as in the row-major ring; but a
 folded tile measured ~1.47 plain ones of tensor-pipe time, not the 1.125 its
 rows say (docs/performance.md v19i: as if each extra wgmma cost ~0.39 of an
 N = 256 one; cuBLAS's N = 128 wgmmas, v35f, show that is no rule of the
-instruction itself).
-
-With ``split_rows`` the consumers split a tile by rows instead: each runs both
-64-column halves of the weight block (two accumulators) over half of the
-tile's rows.
+instruction itself; splitting a tile's rows into two N 128 wgmmas per consumer
+cost 2-5%, v36a).
 
 The epilogue writes each consumer's (columns, rows) tile transposed into a
 (rows, columns) staging buffer, 64 rows at a time, and stores its rows with TMA;
@@ -74,11 +71,6 @@ def _parts(cfg: mf.MosaicFwdConfig, layout: str) -> tuple[tuple[int, int], ...]:
     half = (rows + cfg.tail_rows) // 2
     return ((0, half), (half, half))
   return ((0, rows), (rows, cfg.tail_rows))
-
-
-def _half_rows(cfg: mf.MosaicFwdConfig, layout: str) -> int:
-  """``split_rows``: each consumer's rows of a tile of this layout (half of all)."""
-  return sum(count for _, count in _parts(cfg, layout)) // 2
 
 
 def _layouts(cfg: mf.MosaicFwdConfig, row0, row_end) -> list[tuple[str, Any]]:
@@ -198,24 +190,17 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
           # A copy of the tile per layout of its wgmmas, chosen per tile outside
           # the k loop: no accumulator crosses a branch while its wgmmas run.
           # tail_on_m: this consumer also runs the folded tail, row-major.
-          # Each piece: (64 weight columns, first row, rows, output column).
-          if cfg.split_rows:  # both column halves over this consumer's half of the rows
-            half = _half_rows(cfg, layout)
-            r = pl.multiple_of(wg * half, 8)
-            pieces = [(pl.ds(h * _COLS, _COLS), r, half, ni * bn + h * _COLS) for h in (0, 1)]
-          else:  # this consumer's 64 columns over every wgmma's rows
-            pieces = [(mine, r, count, col)
-                      for r, count in _parts(cfg, "plain" if tail_on_m else layout)]
-          shapes = [(_COLS, count) for _, _, count, _ in pieces]
+          parts = _parts(cfg, "plain" if tail_on_m else layout)
+          shapes = [(_COLS, count) for _, count in parts]
           if tail_on_m:  # the tile's last 64 rows x all bn columns
             shapes.append((_COLS, bn))
 
           def acc_scope(*accs):
             def mma(slot):
               wb = w_smem.at[slot]
-              for acc_ref, (cols, r, count, _) in zip(accs, pieces):
-                # A: 64 columns of the weight block, (64, bk).
-                a = wb.at[cols] if transpose_rhs else wb.at[:, cols].transpose((1, 0))
+              # A: this consumer's 64 columns of the weight block, (64, bk).
+              a = wb.at[mine] if transpose_rhs else wb.at[:, mine].transpose((1, 0))
+              for acc_ref, (r, count) in zip(accs, parts):
                 plgpu.wgmma(acc_ref, a, x_smem.at[slot].at[pl.ds(r, count)].transpose((1, 0)))
               if tail_on_m:
                 plgpu.wgmma(accs[-1], x_smem.at[slot].at[pl.ds(rows_t + tr - _COLS, _COLS)],
@@ -235,23 +220,16 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
             mf._store_rows(buf, out_gmem, s - hs, s, rows, col, max_rows=buf.shape[0],
                            width=_COLS)
 
-          def store_piece(acc, r, count, col):
-            for c0 in range(0, count, _CHUNK):  # stores of at most 64 rows
-              width = min(_CHUNK, count - c0)
-              hs = row0 + r + c0
-              s, rows = mf._overlap(row_start, row_end, hs, hs + width)
-              chunk = acc if width == count else acc[:, c0:c0 + width]
-              buf = my_smem if width == _CHUNK else my_smem.at[pl.ds(0, width)]
-              pl.when(rows > 0)(functools.partial(store, chunk, buf, hs, s, rows, col, True))
-
-          if cfg.split_rows:  # the two column halves: each within n or not
-            for acc, (_, r, count, pcol) in zip(accs, pieces):
-              pl.when(pcol < n)(functools.partial(store_piece, acc, r, count, pcol))
-          else:
-            @pl.when(col < n)
-            def _store():
-              for acc, (_, r, count, _) in zip(accs, pieces):
-                store_piece(acc, r, count, col)
+          @pl.when(col < n)
+          def _store():
+            for acc, (r, count) in zip(accs, parts):
+              for c0 in range(0, count, _CHUNK):  # stores of at most 64 rows
+                width = min(_CHUNK, count - c0)
+                hs = row0 + r + c0
+                s, rows = mf._overlap(row_start, row_end, hs, hs + width)
+                chunk = acc if width == count else acc[:, c0:c0 + width]
+                buf = my_smem if width == _CHUNK else my_smem.at[pl.ds(0, width)]
+                pl.when(rows > 0)(functools.partial(store, chunk, buf, hs, s, rows, col, True))
 
           if tail_on_m:  # rows [row0 + R, + tail_rows) of the row-major tail, by 64 columns
             hs = row0 + rows_t + tr - _COLS
