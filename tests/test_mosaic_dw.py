@@ -353,22 +353,27 @@ def test_split_rows_covers_every_row():
     assert sorted(interior | set(got)) == list(range(s, e)) and not interior & set(got)
 
 
+def _check_unmasked_run(monkeypatch, config, k, n, seed):
+  """A side_rows config on SIDE_SIZES' groups against the oracle: nothing is
+  masked (the masking is not even traced), with race detection, which also
+  checks that no barrier phase of either produced set is skipped."""
+  for f in ("_mask_rows", "_mask_bands", "_mask_stage"):
+    monkeypatch.setattr(mosaic_dw, f, _no_masking)
+  params = plgpu.InterpretGPUParams(detect_races=True)
+  out, ref = run(448, k, n, SIDE_SIZES, config=config, interpret=params,
+                 out_dtype=jnp.bfloat16, seed=seed)
+  check(out, ref, jnp.bfloat16)
+  assert not interpret_pallas_call.get_races().races_found
+
+
 @pytest.mark.parametrize("config", [SIDE, dataclasses.replace(FLAT3, side_rows=True),
                                     dataclasses.replace(SIDE, block_n=192, epilogue_split=3),
                                     dataclasses.replace(SIDE, block_k=192, epilogue_split=2,
                                                         epilogue_buffers=2)],
                          ids=["pingpong", "shared", "pingpong_128x192", "pingpong_192x128"])
 def test_side_rows(config, monkeypatch):
-  # Nothing is masked (the masking is not even traced); with race detection,
-  # which also checks that no barrier phase of either produced set is skipped.
-  for f in ("_mask_rows", "_mask_bands", "_mask_stage"):
-    monkeypatch.setattr(mosaic_dw, f, _no_masking)
-  params = plgpu.InterpretGPUParams(detect_races=True)
-  cfg = dataclasses.replace(config, num_sms=2, num_stages=2)
-  out, ref = run(448, config.block_k, config.block_n, SIDE_SIZES, config=cfg,
-                 interpret=params, out_dtype=jnp.bfloat16, seed=13)
-  check(out, ref, jnp.bfloat16)
-  assert not interpret_pallas_call.get_races().races_found
+  _check_unmasked_run(monkeypatch, dataclasses.replace(config, num_sms=2, num_stages=2),
+                      config.block_k, config.block_n, seed=13)
 
 
 def test_shared_ring_four_stages_in_64_column_chunks(monkeypatch):
@@ -376,17 +381,11 @@ def test_shared_ring_four_stages_in_64_column_chunks(monkeypatch):
   # consumer's 64 x 256 result leaving in four 64 x 64 chunks through two
   # alternating buffers; SIDE_SIZES' groups make ~7 ring steps per CTA, so
   # every slot is reused; the race detector on.
-  for f in ("_mask_rows", "_mask_bands", "_mask_stage"):
-    monkeypatch.setattr(mosaic_dw, f, _no_masking)
   cfg = dataclasses.replace(FLAT3_BANDED, side_rows=True, num_stages=4, block_n=256,
                             epilogue_split=4, epilogue_buffers=2, num_sms=2)
   assert cfg in [dataclasses.replace(c, num_sms=2) for c in mosaic_dw.gpu_sweep_configs(
       32768, 2048, 1536, 128)]
-  params = plgpu.InterpretGPUParams(detect_races=True)
-  out, ref = run(448, 128, 256, SIDE_SIZES, config=cfg, interpret=params,
-                 out_dtype=jnp.bfloat16, seed=36)
-  check(out, ref, jnp.bfloat16)
-  assert not interpret_pallas_call.get_races().races_found
+  _check_unmasked_run(monkeypatch, cfg, 128, 256, seed=36)
 
 
 # share_rhs: CTA pairs over k tiles (the interpreter runs the pair as a grid axis,
@@ -397,13 +396,7 @@ def test_shared_ring_four_stages_in_64_column_chunks(monkeypatch):
     (dataclasses.replace(FLAT3_BANDED, side_rows=True, share_rhs=True, num_sms=4), 256, 256)],
                          ids=["pingpong_odd_k_tiles", "shared_two_pairs"])
 def test_share_rhs_matches_oracle(config, k, n, monkeypatch):
-  for f in ("_mask_rows", "_mask_bands", "_mask_stage"):
-    monkeypatch.setattr(mosaic_dw, f, _no_masking)
-  params = plgpu.InterpretGPUParams(detect_races=True)
-  out, ref = run(448, k, n, SIDE_SIZES, config=config, interpret=params,
-                 out_dtype=jnp.bfloat16, seed=k + n)
-  check(out, ref, jnp.bfloat16)
-  assert not interpret_pallas_call.get_races().races_found
+  _check_unmasked_run(monkeypatch, config, k, n, seed=k + n)
 
 
 @pytest.mark.parametrize("k", [2048, 896])  # 16 and 7 k tiles of 128
