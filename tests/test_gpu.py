@@ -452,16 +452,7 @@ def _fields(words):
       "pingpong epilogue_split=2 epilogue_rows=64 epilogue_buffers=2 side_rows"),
      # ... 128 x 192 the same way (the tuner's Qwen3-30B / 235B gate_up entries, v35b)
      (64, 128, 192, 4, 768, jnp.bfloat16,
-      "pingpong epilogue_split=3 epilogue_rows=64 epilogue_buffers=2 side_rows"),
-     # ... the shared 128 x 256 ring in 4 stages, its epilogue in two buffers of
-     # 64 x 64 chunks (a sweep candidate since v36)
-     (64, 128, 256, 4, 1024, jnp.bfloat16, "epilogue_split=4 epilogue_buffers=2 side_rows"),
-     # ... both on 2-CTA clusters multicasting rhs (v36; k = 640: 5 k tiles, the last
-     # pair's second CTA past k)
-     (64, 128, 192, 4, 768, jnp.bfloat16,
-      "pingpong epilogue_split=3 epilogue_rows=64 epilogue_buffers=2 side_rows share_rhs"),
-     (64, 128, 256, 4, 640, jnp.bfloat16,
-      "epilogue_split=4 epilogue_buffers=2 side_rows share_rhs")],
+      "pingpong epilogue_split=3 epilogue_rows=64 epilogue_buffers=2 side_rows")],
     ids=["default", "whole_tile_mask", "256x128", "f32_2_stages",
          "bm128_banded", "partial_k", "bn64_banded", "bn192_banded", "256x192",
          "f32_split_3_stages",
@@ -470,8 +461,7 @@ def _fields(words):
          "pingpong_128x192_2_buffers", "pingpong_masker_128x192",
          "pingpong_128x192_side_rows", "pingpong_side_rows", "shared_side_rows_f32",
          "pingpong_192x128_side_rows", "pingpong_192x128_side_rows_f32",
-         "pingpong_128x192_rows64_2_buffers_side_rows", "shared_4_stages_side_rows",
-         "pingpong_128x192_share_rhs", "shared_4_stages_share_rhs_odd_k"])
+         "pingpong_128x192_rows64_2_buffers_side_rows"])
 def test_mosaic_dw_ring_across_items_real_size(bm, bk, bn, stages, k, out_dtype, mask):
   """The warp-specialized dW with one ring of stages across items, on hardware:
   every group's tile written (NaN-poisoned memory), empty groups zero, a shard,

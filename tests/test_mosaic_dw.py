@@ -353,65 +353,22 @@ def test_split_rows_covers_every_row():
     assert sorted(interior | set(got)) == list(range(s, e)) and not interior & set(got)
 
 
-def _check_unmasked_run(monkeypatch, config, k, n, seed):
-  """A side_rows config on SIDE_SIZES' groups against the oracle: nothing is
-  masked (the masking is not even traced), with race detection, which also
-  checks that no barrier phase of either produced set is skipped."""
-  for f in ("_mask_rows", "_mask_bands", "_mask_stage"):
-    monkeypatch.setattr(mosaic_dw, f, _no_masking)
-  params = plgpu.InterpretGPUParams(detect_races=True)
-  out, ref = run(448, k, n, SIDE_SIZES, config=config, interpret=params,
-                 out_dtype=jnp.bfloat16, seed=seed)
-  check(out, ref, jnp.bfloat16)
-  assert not interpret_pallas_call.get_races().races_found
-
-
 @pytest.mark.parametrize("config", [SIDE, dataclasses.replace(FLAT3, side_rows=True),
                                     dataclasses.replace(SIDE, block_n=192, epilogue_split=3),
                                     dataclasses.replace(SIDE, block_k=192, epilogue_split=2,
                                                         epilogue_buffers=2)],
                          ids=["pingpong", "shared", "pingpong_128x192", "pingpong_192x128"])
 def test_side_rows(config, monkeypatch):
-  _check_unmasked_run(monkeypatch, dataclasses.replace(config, num_sms=2, num_stages=2),
-                      config.block_k, config.block_n, seed=13)
-
-
-def test_shared_ring_four_stages_in_64_column_chunks(monkeypatch):
-  # The sweep's deeper shared ring (v36): 4 stages of 128 x 256 items, each
-  # consumer's 64 x 256 result leaving in four 64 x 64 chunks through two
-  # alternating buffers; SIDE_SIZES' groups make ~7 ring steps per CTA, so
-  # every slot is reused; the race detector on.
-  cfg = dataclasses.replace(FLAT3_BANDED, side_rows=True, num_stages=4, block_n=256,
-                            epilogue_split=4, epilogue_buffers=2, num_sms=2)
-  assert cfg in [dataclasses.replace(c, num_sms=2) for c in mosaic_dw.gpu_sweep_configs(
-      32768, 2048, 1536, 128)]
-  _check_unmasked_run(monkeypatch, cfg, 128, 256, seed=36)
-
-
-# share_rhs: CTA pairs over k tiles (the interpreter runs the pair as a grid axis,
-# each CTA loading its own rhs blocks); grid_k odd (3) leaves the last pair's
-# second CTA past k.
-@pytest.mark.parametrize("config, k, n", [
-    (dataclasses.replace(SIDE, share_rhs=True, num_sms=2), 384, 128),
-    (dataclasses.replace(FLAT3_BANDED, side_rows=True, share_rhs=True, num_sms=4), 256, 256)],
-                         ids=["pingpong_odd_k_tiles", "shared_two_pairs"])
-def test_share_rhs_matches_oracle(config, k, n, monkeypatch):
-  _check_unmasked_run(monkeypatch, config, k, n, seed=k + n)
-
-
-@pytest.mark.parametrize("k", [2048, 896])  # 16 and 7 k tiles of 128
-def test_share_rhs_lowers_for_sm90(k):
-  # On 2-CTA clusters (rhs blocks multicast, a cluster barrier per slot): the
-  # tuned 128 x 192 pingpong ring and the shared 128 x 256 ring in 4 stages.
-  for cfg in (MosaicDwConfig(block_m=64, block_k=128, block_n=192, num_stages=4,
-                             num_compute_wgs=2, pipeline_across_items=True, banded_mask=True,
-                             pingpong=True, epilogue_split=3, epilogue_rows=64,
-                             epilogue_buffers=2, side_rows=True, share_rhs=True),
-              MosaicDwConfig(block_m=64, block_k=128, block_n=256, num_stages=4,
-                             num_compute_wgs=2, pipeline_across_items=True, banded_mask=True,
-                             epilogue_split=4, epilogue_buffers=2, side_rows=True,
-                             share_rhs=True)):
-    lower_for_sm90(32768, k, 1536, 128, cfg)
+  # Nothing is masked (the masking is not even traced); with race detection,
+  # which also checks that no barrier phase of either produced set is skipped.
+  for f in ("_mask_rows", "_mask_bands", "_mask_stage"):
+    monkeypatch.setattr(mosaic_dw, f, _no_masking)
+  params = plgpu.InterpretGPUParams(detect_races=True)
+  cfg = dataclasses.replace(config, num_sms=2, num_stages=2)
+  out, ref = run(448, config.block_k, config.block_n, SIDE_SIZES, config=cfg,
+                 interpret=params, out_dtype=jnp.bfloat16, seed=13)
+  check(out, ref, jnp.bfloat16)
+  assert not interpret_pallas_call.get_races().races_found
 
 
 @pytest.mark.parametrize("config, k, n", [
@@ -591,11 +548,7 @@ def test_config_validation():
                    banded_mask=True, mask_warpgroup=True, block_k=64, block_n=256,
                    epilogue_split=2),  # N = 256 beside a masker: ptxas runs out
               dict(epilogue_buffers=2),  # one warpgroup stores whole tiles
-              dict(num_compute_wgs=2, epilogue_buffers=3),
-              # share_rhs: its partner's multicast must meet unmasked stages; pairs of CTAs
-              dict(num_compute_wgs=2, pipeline_across_items=True, share_rhs=True),
-              dict(num_compute_wgs=2, pipeline_across_items=True, side_rows=True,
-                   share_rhs=True, num_sms=3)):
+              dict(num_compute_wgs=2, epilogue_buffers=3)):
     with pytest.raises(ValueError):
       MosaicDwConfig(**bad)
   too_big = MosaicDwConfig(block_m=256, block_k=128, block_n=256, num_stages=4)
@@ -723,12 +676,7 @@ def test_f32_default_splits_its_epilogue_and_the_sweep_offers_the_whole_tile():
   sweep = mosaic_dw.gpu_sweep_configs(m, k, n, g, out_dtype=jnp.float32)
   assert dataclasses.replace(default, num_stages=2, epilogue_split=1) in sweep
   bf16 = mosaic_dw.gpu_sweep_configs(m, k, n, g, out_dtype=jnp.bfloat16)
-  # bf16: 3 stages fit the whole staging tile; the shared ring in 4 stages (v36)
-  # stages its epilogue in 64 x 64 chunks, through one buffer or two.
-  shared = [c for c in bf16 if c.pipeline_across_items and not c.pingpong]
-  assert all(c.epilogue_split == 1 for c in shared if c.num_stages <= 3)
-  assert {(c.epilogue_split, c.epilogue_buffers) for c in shared if c.num_stages == 4} == {
-      (4, 1), (4, 2)}
+  assert all(c.epilogue_split == 1 for c in bf16 if not c.pingpong)  # bf16: 3 stages fit
   # The pingpong candidates: all three tiles for bf16; for f32 the 6-stage
   # 128 x 128 ring does not fit and is left out rather than cut.
   assert {(c.block_k, c.block_n, c.num_stages) for c in bf16 if c.pingpong} == {

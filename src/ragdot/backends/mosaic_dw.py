@@ -174,14 +174,6 @@ class MosaicDwConfig:
     schedule_kernel: build the groups' row blocks with one Pallas-Triton
       kernel (``triton_schedule.build_bounds``) where it applies, instead of
       several small XLA kernels; the same values either way.
-    share_rhs: with ``side_rows``, 2-CTA clusters whose CTAs take one group's
-      items of the same n tile and two adjacent k tiles (2c and 2c + 1): each
-      loads half of every whole step's rhs block and multicasts it to both, so
-      a CTA reads bm x (bk + bn / 2) elements from L2 per step instead of
-      bm x (bk + bn) (the forward's ``share_rows`` the other way round).  The
-      two CTAs walk the same rows, step for step; a slot is refilled once the
-      consumers of both released it (a cluster barrier).  Piece steps load
-      their own rhs rows.  Needs an even ``num_sms``.
   """
 
   block_m: int = 64
@@ -201,7 +193,6 @@ class MosaicDwConfig:
   epilogue_buffers: int = 1
   side_rows: bool = False
   schedule_kernel: bool = True
-  share_rhs: bool = False
 
   def __post_init__(self):
     if self.block_m <= 0 or self.block_m % 64:
@@ -269,10 +260,6 @@ class MosaicDwConfig:
                            or self.mask_warpgroup):
       raise ValueError("side_rows needs pipeline_across_items, block_m"
                        f" {_PIECE_ROWS} and no mask_warpgroup, got {self}")
-    if self.share_rhs and (not self.side_rows or self.ctas_per_sm != 1
-                           or (self.num_sms or 2) % 2):
-      raise ValueError(f"share_rhs needs side_rows, one CTA per SM and an even num_sms,"
-                       f" got {self}")
     if self.epilogue_rows is not None and (
         self.num_compute_wgs != 2 or self.epilogue_rows <= 0 or self.epilogue_rows % 64
         or self.consumer_rows % self.epilogue_rows
@@ -385,9 +372,7 @@ def gpu_sweep_configs(
 
   In this order: the default, the default masking boundary blocks by row
   bands instead of ``side_rows``, the default with its whole staging tile
-  when it splits the epilogue (f32 output: 2 stages instead of 3), the
-  default one stage deeper with its epilogue in 64 x 64 chunks (one staging
-  buffer per consumer, or two); the
+  when it splits the epilogue (f32 output: 2 stages instead of 3); the
   ``pingpong`` rings (128 x 128 in 6 stages and 64 x 256 in 4; 128 x 192 and
   192 x 128 where those divide k and n, in 4 stages, in 5 with 64 x 64
   epilogue chunks, and in 4 with two buffers of 64 x 64 chunks), each with
@@ -417,17 +402,6 @@ def gpu_sweep_configs(
                          split=False)
       if whole is not None:
         out.append(whole)
-  # The default (the shared ring) one stage deeper, its epilogue in 64 x 64
-  # chunks to make room (one buffer or two): the 128 x 192 pingpong ring lost
-  # 17-26% with a stage less (docs/performance.md v31b), and the shared ring
-  # ran only in 3 stages until v36.
-  for c in out[:1]:
-    if c.num_compute_wgs == 2 and c.block_n % 64 == 0:
-      for buffers in (1, 2):
-        deeper = dataclasses.replace(c, num_stages=c.num_stages + 1,
-                                     epilogue_split=c.block_n // 64, epilogue_buffers=buffers)
-        if smem_bytes(deeper, dtype, out_dtype) <= deeper.smem_budget():
-          out.append(deeper)
   # The consumers taking alternate items whole.
   pingpongs = []
   for bk, bn, stages in ((128, 128, 6), (64, 256, 4)):
@@ -830,7 +804,7 @@ def _body_2wg(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gm
 
 def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gmem,
                    *refs, config, num_groups, grid_k, grid_n, out_dtype,
-                   in_transforms_lhs, in_transforms_rhs, out_transforms, clustered=True):
+                   in_transforms_lhs, in_transforms_rhs, out_transforms):
   """Warp-specialized dW with one pipeline through all of a CTA's items.
 
   The same roles and tiles as ``_body_2wg`` (consumers 0 and 1 each own half of
@@ -863,19 +837,7 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
   ``pieces_in`` (8 TMA arrivals) instead of ``produced``; the producer and
   the consumers both know which steps those are, and each thread keeps every
   barrier's phase, so waiting on one set or the other per step is safe.
-
-  ``share_rhs``: items are (group, k tile pair, n tile); the CTA of rank r in
-  its 2-CTA cluster takes k tile 2 * pair + r (past k, when grid_k is odd: it
-  loads the last k tile and stores nothing) and the two multicast the whole
-  steps' rhs blocks.  ``clustered=False`` (interpret mode, which cannot run
-  clusters) keeps that item mapping over a grid axis named "cluster", each CTA
-  loading its own rhs blocks.
   """
-  share = config.share_rhs
-  multicast = share and clustered
-  rank = lax.axis_index("cluster") if share else 0
-  # share: the item space counts k tile pairs.
-  grid_kk = pl.cdiv(grid_k, 2) if share else grid_k
   side = config.side_rows
   if side:
     side_lhs_gmem, side_rhs_gmem, out_gmem = refs
@@ -891,12 +853,10 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
   def items(body, init):
     """Runs ``body(item, carry) -> carry`` over this CTA's items in order; the
     final carry."""
-    @plgpu.nd_loop((num_groups, grid_kk * grid_n), collective_axes="sm", init_carry=init)
+    @plgpu.nd_loop((num_groups, grid_k * grid_n), collective_axes="sm", init_carry=init)
     def steps(info: plgpu.NDLoopInfo, carry):
-      item = _work_item(info, grid_kk, grid_n, config, starts_gmem, ends_gmem, first_gmem,
+      item = _work_item(info, grid_k, grid_n, config, starts_gmem, ends_gmem, first_gmem,
                         nblocks_gmem)
-      if share:  # this CTA's k tile of the pair
-        item = item._replace(k_tile=item.k_tile * 2 + rank)
       return body(item, carry)
     return steps
 
@@ -925,12 +885,7 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
       rhs_smem=plgpu.SMEM((stages, bm, bn), rhs_gmem.dtype, transforms=in_transforms_rhs),
       # Two TMA arrivals (lhs, rhs) per step; pingpong: one set per consumer.
       produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages * (2 if pingpong else 1)),
-      # share_rhs: the partner's multicast writes this CTA's slots too, so a
-      # slot is refilled once the consumers of both CTAs released it.
-      consumed=(plgpu.ClusterBarrier(collective_axes=("cluster",),
-                                     num_arrivals=1 if pingpong else 2, num_barriers=stages)
-                if multicast else
-                plgpu.Barrier(num_arrivals=1 if pingpong else 2, num_barriers=stages)),
+      consumed=plgpu.Barrier(num_arrivals=1 if pingpong else 2, num_barriers=stages),
       o_smem=plgpu.SMEM((2, config.epilogue_buffers, config.epilogue_m, config.epilogue_n),
                         out_dtype, transforms=out_transforms),
       # The shared ring's consumers mask a boundary block together.
@@ -947,11 +902,6 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
   def _scope(lhs_smem, rhs_smem, produced, consumed, o_smem, mask_barrier=None,
              masked=None, pieces_in=None):
     wg = lax.axis_index("wg")
-
-    def loaded_k_tile(ki):
-      """The k tile a CTA loads: its own, or (share_rhs, the pair past an odd
-      grid_k) the last one, whose result is never stored."""
-      return jnp.minimum(ki, grid_k - 1) if share and grid_k % 2 else ki
 
     def load_pieces(it, i, slot, barrier):
       """Stage ``slot`` of a piece step: the group's side rows (first piece
@@ -970,7 +920,7 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
         pieces.append((pl.ds(at, rows), jnp.where(take, row, past_m), False))
         row, left = row + jnp.where(take, rows, 0), left - jnp.where(take, rows, 0)
       for src, side_src, cols, dst in (
-          (lhs_gmem, side_lhs_gmem, pl.ds(loaded_k_tile(ki) * bk, bk), lhs_smem.at[slot]),
+          (lhs_gmem, side_lhs_gmem, pl.ds(ki * bk, bk), lhs_smem.at[slot]),
           (rhs_gmem, side_rhs_gmem, pl.ds(ni * bn, bn), rhs_smem.at[slot])):
         for at, r, from_side in pieces:
           rows = pl.ds(pl.multiple_of(r, _ROW_ALIGN), at.size)
@@ -1003,12 +953,10 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
 
         def whole_block():
           rows = pl.ds(pl.multiple_of(first + i * bm, _ROW_ALIGN), bm)
-          plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, pl.ds(loaded_k_tile(ki) * bk, bk)],
+          plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, pl.ds(ki * bk, bk)],
                                   lhs_smem.at[slot], produced.at[owner + slot])
-          # share_rhs: this CTA loads half the rows, multicast to both CTAs.
           plgpu.copy_gmem_to_smem(rhs_gmem.at[rows, pl.ds(ni * bn, bn)],
-                                  rhs_smem.at[slot], produced.at[owner + slot],
-                                  collective_axes="cluster" if multicast else None)
+                                  rhs_smem.at[slot], produced.at[owner + slot])
 
         if side:
           in_pieces = i >= full
@@ -1208,21 +1156,13 @@ def tgmm(
   lhs = args[4]
   num_sms = config.num_sms
   if num_sms is None:
-    num_sms = (2 if config.share_rhs else 1) if interpret else (
-        config.ctas_per_sm * sm90.device_sm_count())
-  grid = dict(grid=(num_sms,), grid_names=("sm",))
-  if config.share_rhs:  # "sm" indexes the 2-CTA cluster
-    if interpret:  # the interpreter cannot run clusters: the pair as a grid axis
-      body = functools.partial(body, clustered=False)
-      grid = dict(grid=(num_sms // 2, 2), grid_names=("sm", "cluster"))
-    else:
-      grid = dict(grid=(num_sms // 2,), grid_names=("sm",), cluster=(2,),
-                  cluster_names=("cluster",))
+    num_sms = 1 if interpret else config.ctas_per_sm * sm90.device_sm_count()
   kernel = plgpu.kernel(
       body,
       out_type=out_struct((num_groups, k, n), out_dtype, lhs),
       scratch_types=scratch_types,
-      **grid,
+      grid=(num_sms,),
+      grid_names=("sm",),
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup
       ),
