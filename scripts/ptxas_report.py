@@ -29,13 +29,13 @@ VARIANTS = {
     "swap0": "MosaicFwdConfig(128, 128, 64, 4, num_compute_wgs=2, ring=True, swap=True)",
     "swap32": "MosaicFwdConfig(128, 128, 64, 4, num_compute_wgs=2, ring=True, swap=True, tail_rows=32)",
     "ring": "MosaicFwdConfig(128, 256, 64, 4, num_compute_wgs=2, epilogue_split=2, ring=True)",
-    # the shipped table's entry for this shape (swap split fold, 2-CTA clusters)
-    "table": "MosaicFwdConfig(128, 128, 64, 4, grid_tile_width=1, num_compute_wgs=2, epilogue_split=2, skip_empty_halves=False, ring=True, tail_rows=32, swap=True, tail_split=True, swizzle_staging=True, short_tile_rows=128, share_rows=True)",
+    # the dispatcher's choice for this shape from the shipped table (read, not copied)
+    "table": "dispatch.choose('gmm', None, dtype=jnp.bfloat16, m=s.m, k=s.k, n=s.n, g=s.g, num_groups=s.g).config",
 }
 
 CHILD = r"""
 import jax, jax.numpy as jnp, numpy as np
-from ragdot import bench, timing
+from ragdot import bench, dispatch, timing
 from ragdot.backends import mosaic_fwd
 from ragdot.backends.mosaic_fwd import MosaicFwdConfig
 s = bench.Shape("qwen3-30b gate_up", 32768, 2048, 1536, 128)
