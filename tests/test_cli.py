@@ -290,3 +290,63 @@ def test_minimal_bytes_of_an_ep_shard_count_only_its_rows_and_experts():
   assert bench.minimal_bytes("dw", shard, sizes) < bench.minimal_bytes("dw", full, sizes)
   assert bench.minimal_bytes("fwdbwd", full, sizes) == 3 * (
       256 * 96 * 2 + int(np.count_nonzero(sizes)) * 64 * 32 * 2)
+
+
+def test_bench_rounds_time_every_candidate_in_turn_and_take_per_round_ratios(monkeypatch):
+  from ragdot import bench  # pylint: disable=g-import-not-at-top
+
+  class Labels:  # a watchdog that only records what is being compiled or timed
+    def __init__(self):
+      self.now, self.timed = None, []
+
+    def arm(self, label):
+      self.now = label
+
+    def disarm(self):
+      self.now = None
+
+  seen = Labels()
+
+  # Round r times "dense" at r ms and every ragdot call at 2r ms: a clock drift
+  # between rounds that the per-round ratio (0.5) does not see.
+  def fake_time(exe, *args, iterations, warmup_s):
+    del exe, args, iterations, warmup_s
+    name = seen.now.split(" fwd ", 1)[1].split(" (round")[0]
+    seen.timed.append(name)
+    r = seen.timed.count(name)
+    return (1.0 if name == "dense" else 2.0) * r, "cupti"
+
+  monkeypatch.setattr(bench, "device_time_ms", fake_time)
+  s = bench.Shape("t", 128, 64, 64, 4, top_k=2)
+  rows = bench.bench_shape(s, ["fwd"], None, iterations=1, impls=["xla"],
+                           baselines=("dense",), watchdog=seen, rounds=3)
+  by = {r["impl"]: r for r in rows}
+  assert set(by) == {"ragdot", "ragdot:xla", "dense"}, by
+  # every timed candidate once per round, in an order rotated each round
+  calls = seen.timed
+  assert len(calls) == 6 and calls[:2] != calls[2:4] and sorted(calls[:2]) == sorted(calls[2:4])
+  assert by["dense"]["ms_rounds"] == [1.0, 2.0, 3.0]
+  assert by["ragdot"]["ms_rounds"] == [2.0, 4.0, 6.0] and by["ragdot"]["ms"] == 4.0
+  assert by["ragdot"]["vs_dense_rounds"] == [0.5, 0.5, 0.5] and by["ragdot"]["vs_dense"] == 0.5
+  # the forced backend resolving to the automatic choice's kernels reuses its times
+  assert by["ragdot:xla"]["ms_rounds"] == by["ragdot"]["ms_rounds"]
+  assert "automatic choice's kernels" in by["ragdot:xla"]["method"]
+  assert bench._ratio_text(by["ragdot"]) == "0.50 (0.50-0.50)"
+
+
+def test_bench_rounds_must_be_positive():
+  from ragdot import bench  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match="rounds"):
+    bench.bench_shape(bench.Shape("t", 128, 64, 64, 4, top_k=2), ["fwd"], None,
+                      iterations=1, rounds=0)
+
+
+def test_ep_summary_takes_the_median_of_per_round_ratios():
+  from ragdot import bench  # pylint: disable=g-import-not-at-top
+  def row(impl, ts):
+    return dict(shape="s", op="fwd", impl=impl, ms=sorted(ts)[1], ms_rounds=ts)
+  rows = [row("ragdot", [1.2, 2.6, 1.3]), row("local-rows", [1.0, 2.0, 1.0]),
+          row("masked", [6.0, 6.0, 6.0])]
+  (line,) = bench.ep_summary(rows)
+  # per round 1.2, 1.3, 1.3: median 1.30 (the medians' ratio would be 1.3 / 1.0)
+  assert "= 1.30x the local rows' call (1.20-1.30 over 3 rounds)" in line, line

@@ -15,9 +15,11 @@ values, never zeros.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
+import statistics
 import sys
 import time
 from collections.abc import Collection
@@ -426,14 +428,23 @@ def shape_inputs(shape: Shape, seed: int = 0) -> tuple[np.ndarray, tuple[jax.Arr
 def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
                 seed: int = 0, impls: list[str] | None = None,
                 baselines: bool | Collection[str] = True, watchdog: Watchdog | None = None,
-                warmup_s: float = 0.0, sustained_s: float = 0.0) -> list[dict[str, Any]]:
+                warmup_s: float = 0.0, sustained_s: float = 0.0,
+                rounds: int = 1) -> list[dict[str, Any]]:
   """Rows of one shape: per op, every candidate's time, ratios and compile time.
+
+  Every candidate of an op is compiled first, then timed ``rounds`` times in
+  turn (each round in a rotated order): a row's ``ms`` is the median over the
+  rounds and its ratios the median of the per-round ratios, so drift of the
+  GPU's clocks between candidates lands in all of them alike.  With
+  ``rounds`` > 1 a row also carries ``ms_rounds`` and ``vs_dense_rounds``.
 
   ``sustained_s`` > 0 times each candidate back to back for that many seconds
   (``timing.sustained_time_ms``: the power-limited clock of a training step)
   instead of CUPTI over a short burst; its rows carry the GPU's mean SM clock
-  and power over the timed half.
+  and power over the timed half (of the last round).
   """
+  if rounds < 1:
+    raise ValueError(f"rounds must be >= 1, got {rounds}")
   sizes, (x, w, dy, gs) = shape_inputs(shape, seed)
   rows = []
   for op in ([o for o in ops if o in EP_OPS] if shape.ep > 1 else ops):
@@ -454,46 +465,63 @@ def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
       same_as_auto = {name for name, i in ragdot_names(impls, None).items()
                       if i is not None and name in fns
                       and resolved_kernels(op, shape, i) == auto_kernels}
-    results, power = {}, {}
-    for name, fn in fns.items():
-      if name in same_as_auto and "ragdot" in results:
-        ms, method, peak, compile_s = results["ragdot"]
-        results[name] = (ms, f"{method}; the automatic choice's kernels", peak, compile_s)
-        power[name] = power.get("ragdot", {})
-        continue
+    timed = [name for name in fns if not (name in same_as_auto and "ragdot" in fns)]
+    compiled, errors = {}, {}
+    for name in timed:
       # Progress on stderr: a run cut by a time limit shows where it stopped.
-      print(f"# {shape.name} {op} {name}", file=sys.stderr, flush=True)
-      if watchdog is not None:
-        watchdog.arm(f"{shape.name} {op} {name}")
-      try:
-        start = time.perf_counter()
-        compiled = jax.jit(fn).lower(x, w, dy, gs).compile()
-        compile_s = time.perf_counter() - start
-        peak = peak_bytes(compiled)
-        if sustained_s > 0:
-          ms, power[name] = sustained_time_ms(compiled, x, w, dy, gs, seconds=sustained_s)
-          method = sustained_method(sustained_s, power[name])
-        else:
-          ms, method = device_time_ms(compiled, x, w, dy, gs, iterations=iterations,
-                                      warmup_s=warmup_s)
-        results[name] = (ms, method, peak, compile_s)
-      except Exception as e:  # pylint: disable=broad-except
-        results[name] = (float("nan"), f"error: {type(e).__name__}: {str(e)[:160]}", None,
-                         None)
-      finally:
-        if watchdog is not None:
-          watchdog.disarm()
-    base = results.get("dense", (float("nan"),))[0]
-    tok = results.get("tokamax", results.get("tokamax-masked", (float("nan"),)))[0]
-    for name, (ms, method, peak, compile_s) in results.items():
+      print(f"# {shape.name} {op} {name} (compile)", file=sys.stderr, flush=True)
+      with _watched(watchdog, f"{shape.name} {op} {name} (compile)"):
+        try:
+          start = time.perf_counter()
+          exe = jax.jit(fns[name]).lower(x, w, dy, gs).compile()
+          compiled[name] = (exe, time.perf_counter() - start, peak_bytes(exe))
+        except Exception as e:  # pylint: disable=broad-except
+          errors[name] = f"error: {type(e).__name__}: {str(e)[:160]}"
+    times: dict[str, list[float]] = {name: [] for name in compiled}
+    methods, power = {}, {}
+    order = list(compiled)
+    for r in range(rounds if order else 0):
+      for name in order[r % len(order):] + order[:r % len(order)]:
+        if name in errors:
+          continue
+        label = f"{shape.name} {op} {name}" + (f" (round {r + 1}/{rounds})" if rounds > 1 else "")
+        print(f"# {label}", file=sys.stderr, flush=True)
+        with _watched(watchdog, label):
+          try:
+            exe = compiled[name][0]
+            if sustained_s > 0:
+              ms, power[name] = sustained_time_ms(exe, x, w, dy, gs, seconds=sustained_s)
+              methods[name] = sustained_method(sustained_s, power[name])
+            else:
+              ms, methods[name] = device_time_ms(exe, x, w, dy, gs, iterations=iterations,
+                                                 warmup_s=warmup_s)
+            times[name].append(ms)
+          except Exception as e:  # pylint: disable=broad-except
+            errors[name] = f"error: {type(e).__name__}: {str(e)[:160]}"
+    results = {}
+    for name in fns:
+      src = "ragdot" if name not in timed else name
+      if name in errors or src in errors:
+        results[name] = ([], errors.get(name, errors.get(src)), None, None)
+        continue
+      _, compile_s, peak = compiled[src]
+      method = methods[src] if src == name else f"{methods[src]}; the automatic choice's kernels"
+      results[name] = (times[src], method, peak, compile_s)
+      if src != name:
+        power[name] = power.get(src, {})
+    base = results.get("dense", ([],))[0]
+    tok = results.get("tokamax", results.get("tokamax-masked", ([],)))[0]
+    for name, (ts, method, peak, compile_s) in results.items():
+      ms = _median(ts)
       row = dict(
           shape=shape.name, op=op, impl=name, m=shape.m, k=shape.k, n=shape.n,
           g=shape.g, ms=ms, tflops=flops / (ms * 1e-3) / 1e12 if ms == ms else float("nan"),
           tbps=min_bytes / (ms * 1e-3) / 1e12 if ms == ms else float("nan"),
-          vs_dense=base / ms if ms == ms else float("nan"),
-          vs_tokamax=tok / ms if ms == ms else float("nan"),
+          vs_dense=_median(_ratios(base, ts)), vs_tokamax=_median(_ratios(tok, ts)),
           peak_mib=None if peak is None else peak / 2**20, compile_s=compile_s,
           method=method, routing="skewed" if shape.skewed else "routed")
+      if rounds > 1:
+        row.update(rounds=rounds, ms_rounds=ts, vs_dense_rounds=_ratios(base, ts))
       if power.get(name):
         row.update({k: power[name][k] for k in ("sm_mhz", "power_w", "power_capped",
                                                 "dispatch_ms") if k in power[name]})
@@ -505,6 +533,29 @@ def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
         row.update(choice_fields(dispatch_choice(op, shape, name.split(":", 1)[1])))
       rows.append(row)
   return rows
+
+
+@contextlib.contextmanager
+def _watched(watchdog: Watchdog | None, label: str):
+  """Arms ``watchdog`` (if any) for the block: a hung compile or kernel ends the run."""
+  if watchdog is not None:
+    watchdog.arm(label)
+  try:
+    yield
+  finally:
+    if watchdog is not None:
+      watchdog.disarm()
+
+
+def _median(ts: list[float]) -> float:
+  return float(statistics.median(ts)) if ts else float("nan")
+
+
+def _ratios(base: list[float], ts: list[float]) -> list[float]:
+  """Per round, ``base``'s time over ``ts``'s (empty when either is missing)."""
+  if len(base) != len(ts):
+    return []
+  return [b / t for b, t in zip(base, ts)]
 
 
 def copy_bandwidth_tbps(iterations: int = 10, gib: float = 1.0) -> float:
@@ -564,14 +615,22 @@ def ep_summary(rows: list[dict[str, Any]]) -> list[str]:
   """One line per EP (shape, op): the group_offset call's time against the
   plain call over the local rows and against the masked workaround."""
   times: dict[tuple[str, str], dict[str, float]] = {}
+  per_round: dict[tuple[str, str], dict[str, list[float]]] = {}
   for r in rows:
-    times.setdefault((r["shape"], r["op"]), {})[r["impl"]] = r["ms"]
+    key = (r["shape"], r["op"])
+    times.setdefault(key, {})[r["impl"]] = r["ms"]
+    per_round.setdefault(key, {})[r["impl"]] = r.get("ms_rounds") or []
   out = []
   for (shape, op), t in times.items():
     if not {"ragdot", "masked", "local-rows"} <= set(t):
       continue
+    rounds = per_round[(shape, op)]
+    # (with several rounds: the median of the per-round ratios, and their range)
+    per = _ratios(rounds["ragdot"], rounds["local-rows"])  # ragdot / local rows
+    vs_local = _median(per) if len(per) > 1 else t["ragdot"] / t["local-rows"]
+    spread = f" ({min(per):.2f}-{max(per):.2f} over {len(per)} rounds)" if len(per) > 1 else ""
     out.append(f"  {shape} {op}: group_offset {t['ragdot']:.4f} ms = "
-               f"{t['ragdot'] / t['local-rows']:.2f}x the local rows' call, "
+               f"{vs_local:.2f}x the local rows' call{spread}, "
                f"{t['masked'] / t['ragdot']:.1f}x faster than the masked workaround")
   return out
 
@@ -604,10 +663,18 @@ def print_table(rows: list[dict[str, Any]], title: str = "ragdot bench") -> None
     peak, compile_s = r.get("peak_mib"), r.get("compile_s")
     table.add_row(r["shape"], r["op"], r["impl"], f"{r['ms']:.4f}", f"{r['tflops']:.1f}",
                   f"{r['tbps']:.2f}", f"{r.get('vs_copy', float('nan')):.2f}",
-                  f"{r['vs_dense']:.2f}", f"{r['vs_tokamax']:.2f}",
+                  _ratio_text(r), f"{r['vs_tokamax']:.2f}",
                   "" if peak is None else f"{peak:.1f}",
                   "" if compile_s is None else f"{compile_s:.1f}", note[:60])
   Console(width=200).print(table)
+
+
+def _ratio_text(row: dict[str, Any]) -> str:
+  """x dense: the median, and with several rounds their range."""
+  text = f"{row['vs_dense']:.2f}"
+  if len(row.get("vs_dense_rounds") or ()) > 1:
+    text += f" ({min(row['vs_dense_rounds']):.2f}-{max(row['vs_dense_rounds']):.2f})"
+  return text
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
@@ -652,6 +719,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="which baselines to time (e.g. only dense, where tokamax's"
                            " allocation retries take minutes)")
   parser.add_argument("--iterations", type=int, default=20)
+  parser.add_argument("--rounds", type=int, default=1,
+                      help="time every candidate of an op this many times in turn (rotated"
+                           " order) and report medians: ratios per round, so clock drift"
+                           " between candidates lands in all of them alike")
   parser.add_argument("--warmup-ms", type=float, default=1e3 * SETTLE_S,
                       help="each row's calls before its timed ones, in milliseconds of"
                            " wall clock (at least 2 calls): the GPU's clocks settle")
@@ -705,7 +776,7 @@ def run(args: argparse.Namespace) -> int:
     shape_rows = bench_shape(shape, args.ops, args.implementation, args.iterations,
                              impls=impls, baselines=baselines,
                              watchdog=watchdog, warmup_s=args.warmup_ms / 1e3,
-                             sustained_s=args.sustained_s)
+                             sustained_s=args.sustained_s, rounds=args.rounds)
     if copy_tbps:
       add_copy_ratio(shape_rows, copy_tbps)
     for r in shape_rows:
