@@ -31,9 +31,12 @@ VARIANTS = {
     "ring": "MosaicFwdConfig(128, 256, 64, 4, num_compute_wgs=2, epilogue_split=2, ring=True)",
     # the dispatcher's choice for this shape from the shipped table (read, not copied)
     "table": "dispatch.choose('gmm', None, dtype=jnp.bfloat16, m=s.m, k=s.k, n=s.n, g=s.g, num_groups=s.g).config",
+    # the same with each step's wgmmas waited for and its stage released at once
+    "table_release_each_step": "dataclasses.replace(dispatch.choose('gmm', None, dtype=jnp.bfloat16, m=s.m, k=s.k, n=s.n, g=s.g, num_groups=s.g).config, delay_release=0)",
 }
 
 CHILD = r"""
+import dataclasses
 import jax, jax.numpy as jnp, numpy as np
 from ragdot import bench, dispatch, timing
 from ragdot.backends import mosaic_fwd
@@ -52,6 +55,7 @@ print(f"RESULT ms={ms:.4f} tflops={2 * s.m * s.k * s.n / ms / 1e9:.1f}", flush=T
 
 
 def main(out_dir: str, names: list[str]) -> int:
+  os.makedirs(out_dir, exist_ok=True)
   env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_SASS="1")
   rows, full = [], []
   for name in names or list(VARIANTS):

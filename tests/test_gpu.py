@@ -570,3 +570,23 @@ def test_swap_share_rows_real_size(transpose_rhs, kn, tail_rows, offset, tail, s
                                    share_rows=True)
   _check_mosaic_gmm(cfg, (32768, *kn, 128, layout), transpose_rhs, offset,
                     seed=kn[0] + kn[1] + tail_rows + short)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
+@pytest.mark.parametrize("kn,offset,layout", [((768, 2048), None, "routed"),
+                                              ((2048, 1536), 8, "routed"),
+                                              ((2048, 1536), None, "skewed")],
+                         ids=["down", "gate_up-shard", "gate_up-skewed"])
+def test_release_each_step_real_size(transpose_rhs, kn, offset, layout):
+  """The table's swap layout (split fold, short tiles, share_rows clusters) with
+  ``delay_release=0`` (each step's wgmmas waited for and its stage released at
+  once; a release ahead of its wgmmas would let the producer overwrite operands
+  still being read): NaN-poisoned memory, against the oracle, bitwise
+  repeatable."""
+  from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
+  cfg = mosaic_fwd.MosaicFwdConfig(128, 128, 64, 4, num_compute_wgs=2, ring=True, swap=True,
+                                   tail_rows=32, producer_zeros=False, tail_split=True,
+                                   swizzle_staging=True, short_tile_rows=64,
+                                   share_rows=True, delay_release=0)
+  _check_mosaic_gmm(cfg, (32768, *kn, 128, layout), transpose_rhs, offset,
+                    seed=kn[0] + kn[1] + 5)

@@ -347,3 +347,38 @@ def test_share_rows_interprets_unclustered():
                config=dataclasses.replace(CFG, num_sms=4, tail_rows=32, share_rows=True,
                                           producer_zeros=False))
   oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, None, False), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("transpose_rhs,tail,short,offset", [
+    (False, "split", 64, None), (True, "m", 0, 1), (False, "fold", 128, 0)],
+                         ids=["fwd-split-s64", "dx-m-shard", "fwd-fold-s128-shard"])
+def test_release_each_step_no_races(transpose_rhs, tail, short, offset):
+  # delay_release=0: each consumer waits for its step's wgmmas and releases that
+  # stage at once.  Against the oracle, with zero rows around a shard, under the
+  # race detector and the interpreter's barrier counts.  (The interpreter runs a
+  # wgmma to completion when issued, so a release placed before the wgmma wait
+  # would pass here too: the GPU tests are what check that order.)
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  sizes = [280, 7, 0, 60, 150]
+  num_local = 5 if offset is None else 2
+  rshape = (num_local, 128, 128)
+  x, w = oracle.random_inputs(jax.random.key(11), [(640, 128), rshape], jnp.bfloat16)
+  go = None if offset is None else jnp.int32(offset)
+  out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), go, transpose_rhs=transpose_rhs,
+               out_dtype=jnp.bfloat16, interpret=plgpu.InterpretGPUParams(detect_races=True),
+               config=dataclasses.replace(CFG, tail_rows=32, num_sms=2, delay_release=0,
+                                          producer_zeros=False, swizzle_staging=True,
+                                          short_tile_rows=short, **TAIL[tail]))
+  oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, go, transpose_rhs), jnp.bfloat16)
+  oracle.assert_zero_rows(out, sizes, offset, num_local)
+  assert not gpu_interpret.get_races().races_found
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
+def test_release_each_step_lowers_for_sm90(transpose_rhs):
+  # The table's swap layout (split fold, 64-row short tiles) on 2-CTA clusters.
+  cfg = dataclasses.replace(CFG, num_stages=4, tail_rows=32, tail_split=True, num_sms=132,
+                            swizzle_staging=True, short_tile_rows=64, share_rows=True,
+                            delay_release=0)
+  assert_gmm_lowers(cfg, m=4096, k=768, n=2048, g=128, transpose_rhs=transpose_rhs)

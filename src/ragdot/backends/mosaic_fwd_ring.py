@@ -196,22 +196,32 @@ def drain(consumed, total_steps, stages: int) -> None:
     plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
 
 
-def consume_item(produced, consumed, step0, k_steps, stages: int, mma, in_flight: int) -> None:
+def consume_item(produced, consumed, step0, k_steps, stages: int, mma, in_flight: int,
+                 delay_release: int = 1) -> None:
   """A consumer's k steps of one item: ``mma(slot)`` issues a step's wgmmas
-  (``in_flight`` of them); the previous step's slot is released once they are
-  done, the item's last slot after its last wgmma."""
+  (``in_flight`` of them).  ``delay_release`` 1: the previous step's slot is
+  released once they are done (one step's wgmmas stay in flight across the
+  next barrier wait), the item's last slot after its last wgmma; 0: each step
+  waits for its own wgmmas and releases its slot at once (cuBLAS's consumer,
+  docs/performance.md v35f), so a late stage never holds back the release
+  of the one before it."""
   @pl.loop(0, k_steps)
   def _(kk):
     step = step0 + kk
     slot = lax.rem(step, stages)
     plgpu.barrier_wait(produced.at[slot])
     mma(slot)
-    plgpu.wgmma_wait(in_flight)  # the previous step's are done
-    pl.when(kk > 0)(lambda: plgpu.barrier_arrive(
-        consumed.at[lax.rem(step + stages - 1, stages)]))
+    if delay_release:
+      plgpu.wgmma_wait(in_flight)  # the previous step's are done
+      pl.when(kk > 0)(lambda: plgpu.barrier_arrive(
+          consumed.at[lax.rem(step + stages - 1, stages)]))
+    else:
+      plgpu.wgmma_wait(0)
+      plgpu.barrier_arrive(consumed.at[slot])
 
-  plgpu.wgmma_wait(0)
-  plgpu.barrier_arrive(consumed.at[lax.rem(step0 + k_steps - 1, stages)])
+  if delay_release:
+    plgpu.wgmma_wait(0)
+    plgpu.barrier_arrive(consumed.at[lax.rem(step0 + k_steps - 1, stages)])
 
 
 def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int, n: int,
@@ -321,7 +331,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
                 plgpu.wgmma(tail_ref[0], w_t, t_smem.at[slot].transpose((1, 0)))
 
             consume_item(produced, consumed, step0, k_steps, stages, mma,
-                         in_flight=2 if with_tail else 1)
+                         in_flight=2 if with_tail else 1, delay_release=cfg.delay_release)
             return acc_ref[...], tail_ref[0][...] if with_tail else None
 
           scratch = [plgpu.ACC((_HALF, bn), jnp.float32)]

@@ -207,7 +207,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
                             wb.transpose((1, 0)) if transpose_rhs else wb)
 
             ring.consume_item(produced, consumed, step0, k_steps, stages, mma,
-                              in_flight=len(shapes))
+                              in_flight=len(shapes), delay_release=cfg.delay_release)
             return tuple(acc_ref[...] for acc_ref in accs)
 
           accs = pl.run_scoped(acc_scope, *[plgpu.ACC(sh, jnp.float32) for sh in shapes])
