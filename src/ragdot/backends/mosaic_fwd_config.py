@@ -54,7 +54,8 @@ class MosaicFwdConfig:
     wgmma (one branch per tile, outside the k loop); False: both always compute.
   delay_release: 2 warpgroups only: 1 keeps one wgmma in flight per consumer
     across pipeline steps (a stage is released one step late); 0 waits for each
-    step's wgmma before releasing its stage.
+    step's wgmma before releasing its stage (the ring too: there a late stage
+    then never holds back the release of the one before it).
   split_n: 2 warpgroups with block_m 64: both consumers read the tile's 64
     lhs rows and each computes half of its block_n columns (64 x block_n / 2).
     A group's last tile pads to 64 rows instead of 128 (Qwen3-30B routing:
@@ -78,7 +79,7 @@ class MosaicFwdConfig:
   ring: 2 warpgroups (block_m 128) only: run ``mosaic_fwd_ring``, one
     hand-written ring of stages through all of a CTA's items (in grid order,
     see ``_work_item``), instead of a pipeline per tile (``mosaic_fwd_swap``
-    with ``swap``); skip_empty_halves, delay_release, pipeline_across_tiles and
+    with ``swap``); skip_empty_halves, pipeline_across_tiles and
     guard_last_stage do not apply.
   tail_rows: ring only, 0, 8, 16 or 32 (or 64 with ``swap``): a group's last
     tile holding at most this many rows is folded into the tile before it,
@@ -468,9 +469,12 @@ def gpu_sweep_configs(
       # The same with the tail row-major on the first consumer (v20: 0.95 / 0.97x the
       # ring on the Qwen3-30B dX calls, a tie with the split fold on the gate_up forwards).
       swap_m = dataclasses.replace(swap, tail_split=False, tail_on_m=True)
+      # Each step's stage released once its wgmmas are done (v38a-b: 0.984-0.987x on
+      # Qwen3-30B down's forward / dX, 0.991-1.006x on the gate_up / Qwen3-235B calls).
+      swap_r = dataclasses.replace(swap, delay_release=0)
       if (m >= SWAP_ROWS + swap.tail_rows and jnp.dtype(out_dtype).itemsize == 2
           and _fits(swap, dtype, out_dtype)):  # (else gmm would run another config)
-        out += [swap, swap_m]
+        out += [swap, swap_r, swap_m]
       # Groups of 96-192 rows on average: swap tiles of ~9/8 the mean with 16
       # tail rows split, and of ~5/4 the mean without a tail (DeepSeek-V3 down dX,
       # groups of 128 +- 11 rows: 144 + 16 rows 0.932 / 0.921x its Triton entry, 160
