@@ -239,9 +239,11 @@ def test_config_checks():
   # SMEM follows the tile's rows.
   assert dataclasses.replace(CFG, swap_rows=144).smem_bytes(jnp.bfloat16, jnp.bfloat16) == (
       CFG.smem_bytes(jnp.bfloat16, jnp.bfloat16) - 2 * 112 * 64 * 2)
-  # The tuner times both swap tails (split fold, row-major M tail) where swap runs.
+  # The tuner times both swap tails (split fold, row-major M tail) where swap runs,
+  # and the split fold with each step's stage released at once (delay_release=0).
   sweep = mf.gpu_sweep_configs(32768, 2048, 1536, 128, False)
-  assert [(c.tail_split, c.tail_on_m) for c in sweep if c.swap] == [(True, False), (False, True)]
+  assert [(c.tail_split, c.tail_on_m, c.delay_release) for c in sweep if c.swap] == [
+      (True, False, 1), (True, False, 0), (False, True, 1)]
   # with 64-row short tiles (the tuner's routed sizes cannot show what skew costs)
   assert all(c.short_tile_rows == 64 for c in sweep if c.swap)
   assert not any(c.swap for c in mf.gpu_sweep_configs(32768, 2048, 1536, 128, False,
@@ -250,8 +252,10 @@ def test_config_checks():
   # rows and of 160 rows without (the table's entry for its dX).
   sweep = mf.gpu_sweep_configs(32768, 7168, 2048, 256, True)
   small = [c for c in sweep if c.swap]
-  assert [(c.swap_rows, c.tail_rows, c.tail_split, c.short_tile_rows) for c in small] == [
-      (256, 32, True, 64), (256, 32, False, 64), (144, 16, True, 0), (160, 0, False, 64)]
+  assert [(c.swap_rows, c.tail_rows, c.tail_split, c.short_tile_rows, c.delay_release)
+          for c in small] == [
+      (256, 32, True, 64, 1), (256, 32, True, 64, 0), (256, 32, False, 64, 1),
+      (144, 16, True, 0, 1), (160, 0, False, 64, 1)]
   # 64 tail rows fit 3 stages; 32 fit 4 (the tail's stores share the staging buffer).
   assert dataclasses.replace(CFG, tail_rows=64, num_stages=3).smem_bytes(
       jnp.bfloat16, jnp.bfloat16) <= CFG.smem_budget()
