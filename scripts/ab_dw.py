@@ -34,10 +34,12 @@ def main() -> None:
   p.add_argument("--variants", nargs="+", default=[], metavar="F=V,F=V")
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--iterations", type=int, default=10)
+  p.add_argument("--preset", default="training", choices=sorted(bench.PRESETS),
+                 help="e.g. training-skewed (shape names then end in ' skewed')")
   args = p.parse_args()
   os.makedirs(args.out_dir, exist_ok=True)
   rows = []
-  for s in bench.preset_shapes("training", args.shapes):
+  for s in bench.preset_shapes(args.preset, args.shapes):
     gs, x, dy, choice = dw_case(s, jax.random.key(len(rows) + 3))
     mod = backends.get_backend(choice.implementation)
 

@@ -7,6 +7,8 @@ Deselected on CPU by ``-m "not gpu"``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -590,3 +592,33 @@ def test_release_each_step_real_size(transpose_rhs, kn, offset, layout):
                                    share_rows=True, delay_release=0)
   _check_mosaic_gmm(cfg, (32768, *kn, 128, layout), transpose_rhs, offset,
                     seed=kn[0] + kn[1] + 5)
+
+
+@pytest.mark.parametrize("shape,shard", [((32768, 2048, 1536, 128), None),
+                                         ((32768, 768, 2048, 128), (8, 64)),
+                                         ((32768, 2048, 7168, 256), (64, 32))],
+                         ids=["qwen30b_gate_up", "qwen30b_down_shard", "deepseek_down_shard"])
+def test_dw_release_each_step_real_size(shape, shard):
+  """The dispatcher's dW ring (pingpong 128 x 192 on the Qwen shapes, the shared
+  128 x 256 ring on DeepSeek-V3) with ``delay_release=0``: each step's wgmma
+  waited for and its stage released at once (a release ahead of its wgmma would
+  let the producer overwrite operands still being read).  NaN-poisoned memory,
+  against the oracle, bitwise repeatable.  (DeepSeek-V3 as a 32-expert shard:
+  the host oracle of all 256 experts' 15 GB f32 gradient crashed a test worker,
+  v38e.)"""
+  from ragdot.backends import mosaic_dw  # pylint: disable=g-import-not-at-top
+  m, k, n, g = shape
+  offset, local = (None, g) if shard is None else shard
+  sizes = _sizes(m, g, "routed")
+  choice = dispatch_choice("dw", Shape("t", m, k, n, g))
+  assert choice.implementation == "mosaic" and choice.config.pipeline_across_items
+  cfg = dataclasses.replace(choice.config, delay_release=0)
+  x, dy = oracle.random_inputs(jax.random.key(m + k + n), [(m, k), (m, n)], jnp.bfloat16)
+  go = None if offset is None else jnp.int32(offset)
+  fn = jax.jit(lambda x, d, gs: mosaic_dw.tgmm(x, d, gs, go, num_groups=local,
+                                              out_dtype=jnp.bfloat16, config=cfg))
+  _poison(4 * g * k * n)
+  out = fn(x, dy, jnp.asarray(sizes))
+  oracle.assert_close(out, oracle.np_trans_ragged_dot(x, dy, sizes, go, local), jnp.bfloat16)
+  again = fn(x, dy, jnp.asarray(sizes))
+  assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(again).view(np.uint16))

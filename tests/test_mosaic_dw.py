@@ -735,3 +735,35 @@ def test_full_width_boxes_past_k(config):
   out, ref = run(480, 320, 128, sizes, config=config, out_dtype=jnp.bfloat16)
   check(out, ref, jnp.bfloat16)
   lower_for_sm90(4096, 320, 128, 16, dataclasses.replace(config, num_sms=None))
+
+
+@pytest.mark.parametrize("config", [SIDE, dataclasses.replace(FLAT3, side_rows=True),
+                                    PINGPONG, FLAT3_BANDED],
+                         ids=["pingpong_side", "shared_side", "pingpong_masked",
+                              "shared_banded"])
+def test_release_each_step(config):
+  # delay_release=0: each step's wgmma waited for and its stage released at
+  # once; against the oracle with race detection and the interpreter's barrier
+  # phase checks (a slot released twice, or never, fails them).  (The
+  # interpreter runs a wgmma to completion when issued: a release placed before
+  # the wait would pass here too; the GPU cases check that order.)
+  params = plgpu.InterpretGPUParams(detect_races=True)
+  cfg = dataclasses.replace(config, num_sms=2, num_stages=2, delay_release=0)
+  out, ref = run(448, config.block_k, config.block_n, SIDE_SIZES, config=cfg,
+                 interpret=params, out_dtype=jnp.bfloat16, seed=17)
+  check(out, ref, jnp.bfloat16)
+  assert not interpret_pallas_call.get_races().races_found
+
+
+def test_release_each_step_checks_and_lowers():
+  with pytest.raises(ValueError, match="delay_release"):
+    MosaicDwConfig(block_m=64, block_k=64, block_n=64, num_stages=2, delay_release=0)
+  with pytest.raises(ValueError, match="delay_release"):
+    dataclasses.replace(PINGPONG, delay_release=2)
+  from ragdot import dispatch  # pylint: disable=g-import-not-at-top
+  h200 = dispatch.Device("gpu", "NVIDIA H200", "9.0")
+  for m, k, n, g in [(32768, 2048, 1536, 128), (32768, 2048, 7168, 256)]:
+    choice = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, m=m, k=k, n=n, g=g,
+                             num_groups=g, device=h200)
+    lower_for_sm90(m, k, n, g, dataclasses.replace(choice.config, delay_release=0),
+                   out_dtype=jnp.bfloat16)

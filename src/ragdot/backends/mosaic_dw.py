@@ -613,15 +613,20 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
 
             lhs_rows = lhs_t if pingpong else lhs_t.at[:, pl.ds(wg * hk, hk)]
             plgpu.wgmma(acc_ref, lhs_rows.T, rhs_t)
-            plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release it
-            pl.when(i > 0)(lambda: plgpu.barrier_arrive(
-                consumed.at[lax.rem(step + stages - 1, stages)]))
+            if config.delay_release:
+              plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release it
+              pl.when(i > 0)(lambda: plgpu.barrier_arrive(
+                  consumed.at[lax.rem(step + stages - 1, stages)]))
+            else:  # this step's wgmma is done: release its slot at once
+              plgpu.wgmma_wait(0)
+              plgpu.barrier_arrive(consumed.at[slot])
             return step + 1
 
           step = lax.fori_loop(0, nblocks, mma, step0)
           acc = acc_ref[...]  # waits for the last wgmma
-          pl.when(nblocks > 0)(lambda: plgpu.barrier_arrive(
-              consumed.at[lax.rem(step + stages - 1, stages)]))
+          if config.delay_release:
+            pl.when(nblocks > 0)(lambda: plgpu.barrier_arrive(
+                consumed.at[lax.rem(step + stages - 1, stages)]))
           return acc
 
         acc = pl.run_scoped(acc_scope, plgpu.ACC((hk, bn), jnp.float32))

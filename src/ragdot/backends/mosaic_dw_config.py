@@ -130,6 +130,11 @@ class MosaicDwConfig:
     schedule_kernel: build the groups' row blocks with one Pallas-Triton
       kernel (``triton_schedule.build_bounds``) where it applies, instead of
       several small XLA kernels; the same values either way.
+    delay_release: with ``pipeline_across_items``, 1: a consumer releases a
+      step's stage once its next step's wgmma is issued and this one's is
+      done; 0: it waits for each step's wgmma and releases that stage at once
+      (the forward's ring took 0.984-0.987x the time on short k loops with it,
+      docs/performance.md v38a-b).
   """
 
   block_m: int = 64
@@ -149,6 +154,7 @@ class MosaicDwConfig:
   epilogue_buffers: int = 1
   side_rows: bool = False
   schedule_kernel: bool = True
+  delay_release: int = 1
 
   def __post_init__(self):
     if self.block_m <= 0 or self.block_m % 64:
@@ -216,6 +222,10 @@ class MosaicDwConfig:
                            or self.mask_warpgroup):
       raise ValueError("side_rows needs pipeline_across_items, block_m"
                        f" {_PIECE_ROWS} and no mask_warpgroup, got {self}")
+    if self.delay_release not in (0, 1) or (self.delay_release == 0
+                                            and not self.pipeline_across_items):
+      raise ValueError("delay_release must be 1, or 0 with pipeline_across_items,"
+                       f" got {self}")
     if self.epilogue_rows is not None and (
         self.num_compute_wgs != 2 or self.epilogue_rows <= 0 or self.epilogue_rows % 64
         or self.consumer_rows % self.epilogue_rows
