@@ -132,9 +132,12 @@ class MosaicDwConfig:
       several small XLA kernels; the same values either way.
     delay_release: with ``pipeline_across_items``, 1: a consumer releases a
       step's stage once its next step's wgmma is issued and this one's is
-      done; 0: it waits for each step's wgmma and releases that stage at once
-      (the forward's ring took 0.984-0.987x the time on short k loops with it,
-      docs/performance.md v38a-b).
+      done; 0: it waits for each step's wgmma and releases that stage at once.
+      Measured on the H200 (docs/performance.md v38e-f): 0.982x the time on
+      DeepSeek-V3 down's shared 128 x 256 ring (both consumers share every
+      item); on the pingpong rings 0.99-1.01x on routed Qwen sizes, 1.05-1.07x
+      under skew and 1.17x on Mixtral (a consumer owning whole items then has
+      no wgmma queued behind its own).
   """
 
   block_m: int = 64
