@@ -307,14 +307,14 @@ def test_bench_rounds_time_every_candidate_in_turn_and_take_per_round_ratios(mon
 
   seen = Labels()
 
-  # Round r times "dense" at r ms and every ragdot call at 2r ms: a clock drift
-  # between rounds that the per-round ratio (0.5) does not see.
+  # Round r times "dense" at r ms and ragdot at 2, 3, 9 ms: per round 0.5, 0.67,
+  # 0.33 x dense, median 0.5, where the ratio of the medians would read 2 / 3.
   def fake_time(exe, *args, iterations, warmup_s):
     del exe, args, iterations, warmup_s
     name = seen.now.split(" fwd ", 1)[1].split(" (round")[0]
     seen.timed.append(name)
     r = seen.timed.count(name)
-    return (1.0 if name == "dense" else 2.0) * r, "cupti"
+    return (float(r) if name == "dense" else [2.0, 3.0, 9.0][r - 1]), "cupti"
 
   monkeypatch.setattr(bench, "device_time_ms", fake_time)
   s = bench.Shape("t", 128, 64, 64, 4, top_k=2)
@@ -326,12 +326,52 @@ def test_bench_rounds_time_every_candidate_in_turn_and_take_per_round_ratios(mon
   calls = seen.timed
   assert len(calls) == 6 and calls[:2] != calls[2:4] and sorted(calls[:2]) == sorted(calls[2:4])
   assert by["dense"]["ms_rounds"] == [1.0, 2.0, 3.0]
-  assert by["ragdot"]["ms_rounds"] == [2.0, 4.0, 6.0] and by["ragdot"]["ms"] == 4.0
-  assert by["ragdot"]["vs_dense_rounds"] == [0.5, 0.5, 0.5] and by["ragdot"]["vs_dense"] == 0.5
+  assert by["ragdot"]["ms_rounds"] == [2.0, 3.0, 9.0] and by["ragdot"]["ms"] == 3.0
+  assert by["ragdot"]["vs_dense_rounds"] == pytest.approx([0.5, 2 / 3, 1 / 3])
+  assert by["ragdot"]["vs_dense"] == 0.5
   # the forced backend resolving to the automatic choice's kernels reuses its times
   assert by["ragdot:xla"]["ms_rounds"] == by["ragdot"]["ms_rounds"]
-  assert "automatic choice's kernels" in by["ragdot:xla"]["method"]
-  assert bench._ratio_text(by["ragdot"]) == "0.50 (0.50-0.50)"
+  assert by["ragdot:xla"]["method"] == "cupti; the automatic choice's kernels"
+  assert bench._ratio_text(by["ragdot"]) == "0.50 (0.33-0.67)"
+
+
+def test_bench_rounds_a_later_failure_makes_an_error_row(monkeypatch):
+  # Sustained timing where the dense baseline fails in its second round: its row
+  # is an error without the first round's power figures, and the ratios to it
+  # are NaN; the ragdot rows keep their three rounds and their power.
+  from ragdot import bench  # pylint: disable=g-import-not-at-top
+  calls = {}
+
+  class Labels:
+    now = None
+
+    def arm(self, label):
+      self.now = label
+
+    def disarm(self):
+      pass
+
+  seen = Labels()
+
+  def fake_sustained(exe, *args, seconds):
+    del exe, args, seconds
+    name = seen.now.split(" fwd ", 1)[1].split(" (round")[0]
+    calls[name] = calls.get(name, 0) + 1
+    if name == "dense" and calls[name] == 2:
+      raise RuntimeError("boom")
+    return 1.0, {"sm_mhz": 1500.0, "power_w": 600.0, "power_capped": 0.5}
+
+  monkeypatch.setattr(bench, "sustained_time_ms", fake_sustained)
+  s = bench.Shape("t", 128, 64, 64, 4, top_k=2)
+  rows = bench.bench_shape(s, ["fwd"], None, iterations=1, impls=["xla"],
+                           baselines=("dense",), watchdog=seen, rounds=3, sustained_s=1.0)
+  by = {r["impl"]: r for r in rows}
+  assert by["dense"]["method"].startswith("error: RuntimeError: boom")
+  assert by["dense"]["ms"] != by["dense"]["ms"] and "sm_mhz" not in by["dense"]
+  assert calls == {"ragdot": 3, "dense": 2}  # dense skipped after its failure
+  assert by["ragdot"]["ms_rounds"] == [1.0, 1.0, 1.0] and by["ragdot"]["sm_mhz"] == 1500.0
+  assert by["ragdot"]["vs_dense"] != by["ragdot"]["vs_dense"]  # NaN: no dense rounds
+  assert by["ragdot:xla"]["sm_mhz"] == 1500.0
 
 
 def test_bench_rounds_must_be_positive():
@@ -339,6 +379,8 @@ def test_bench_rounds_must_be_positive():
   with pytest.raises(ValueError, match="rounds"):
     bench.bench_shape(bench.Shape("t", 128, 64, 64, 4, top_k=2), ["fwd"], None,
                       iterations=1, rounds=0)
+  with pytest.raises(ValueError, match="--rounds"):  # before any work
+    cli.main(["bench", "--shape", "256,64,64,4", "--rounds", "0", "--no-baselines"])
 
 
 def test_ep_summary_takes_the_median_of_per_round_ratios():
@@ -346,7 +388,9 @@ def test_ep_summary_takes_the_median_of_per_round_ratios():
   def row(impl, ts):
     return dict(shape="s", op="fwd", impl=impl, ms=sorted(ts)[1], ms_rounds=ts)
   rows = [row("ragdot", [1.2, 2.6, 1.3]), row("local-rows", [1.0, 2.0, 1.0]),
-          row("masked", [6.0, 6.0, 6.0])]
+          row("masked", [6.0, 13.0, 26.0])]
   (line,) = bench.ep_summary(rows)
   # per round 1.2, 1.3, 1.3: median 1.30 (the medians' ratio would be 1.3 / 1.0)
   assert "= 1.30x the local rows' call (1.20-1.30 over 3 rounds)" in line, line
+  # masked / ragdot per round 5.0, 5.0, 20.0: median 5.0 (the medians' ratio: 10.0)
+  assert "5.0x faster than the masked workaround" in line, line

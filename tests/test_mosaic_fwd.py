@@ -345,7 +345,7 @@ def test_configs_fit_smem(m, k, n, g, transpose_rhs):
     cfg = mosaic_fwd.default_config(m, k, n, g, jnp.bfloat16, transpose_rhs, out_dtype)
     assert cfg.smem_bytes(jnp.bfloat16, out_dtype) <= 227 * 1024
     sweep = mosaic_fwd.gpu_sweep_configs(m, k, n, g, transpose_rhs, jnp.bfloat16, out_dtype)
-    assert sweep and sweep[0] == cfg and len(sweep) <= 22
+    assert sweep and sweep[0] == cfg and len(sweep) <= 23
     assert len(set(sweep)) == len(sweep)
     assert all(c.smem_bytes(jnp.bfloat16, out_dtype) <= 227 * 1024 for c in sweep)
 

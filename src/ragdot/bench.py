@@ -438,6 +438,9 @@ def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
   GPU's clocks between candidates lands in all of them alike.  With
   ``rounds`` > 1 a row also carries ``ms_rounds`` and ``vs_dense_rounds``.
 
+  A candidate that fails to compile, or in any round, gets an error row (its
+  other rounds are dropped); a failed baseline leaves the ratios to it NaN.
+
   ``sustained_s`` > 0 times each candidate back to back for that many seconds
   (``timing.sustained_time_ms``: the power-limited clock of a training step)
   instead of CUPTI over a short burst; its rows carry the GPU's mean SM clock
@@ -478,7 +481,8 @@ def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
         except Exception as e:  # pylint: disable=broad-except
           errors[name] = f"error: {type(e).__name__}: {str(e)[:160]}"
     times: dict[str, list[float]] = {name: [] for name in compiled}
-    methods, power = {}, {}
+    methods: dict[str, set[str]] = {name: set() for name in compiled}
+    power = {}
     order = list(compiled)
     for r in range(rounds if order else 0):
       for name in order[r % len(order):] + order[:r % len(order)]:
@@ -491,22 +495,25 @@ def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
             exe = compiled[name][0]
             if sustained_s > 0:
               ms, power[name] = sustained_time_ms(exe, x, w, dy, gs, seconds=sustained_s)
-              methods[name] = sustained_method(sustained_s, power[name])
+              method = sustained_method(sustained_s, power[name])
             else:
-              ms, methods[name] = device_time_ms(exe, x, w, dy, gs, iterations=iterations,
-                                                 warmup_s=warmup_s)
+              ms, method = device_time_ms(exe, x, w, dy, gs, iterations=iterations,
+                                          warmup_s=warmup_s)
             times[name].append(ms)
+            methods[name].add(method)
           except Exception as e:  # pylint: disable=broad-except
             errors[name] = f"error: {type(e).__name__}: {str(e)[:160]}"
+            power.pop(name, None)
     results = {}
     for name in fns:
       src = "ragdot" if name not in timed else name
-      if name in errors or src in errors:
-        results[name] = ([], errors.get(name, errors.get(src)), None, None)
+      reused = "" if src == name else "; the automatic choice's kernels"
+      if src in errors:
+        results[name] = ([], errors[src] + reused, None, None)
         continue
       _, compile_s, peak = compiled[src]
-      method = methods[src] if src == name else f"{methods[src]}; the automatic choice's kernels"
-      results[name] = (times[src], method, peak, compile_s)
+      # (one method per row; several if rounds fell back differently, e.g. CUPTI / host)
+      results[name] = (times[src], " / ".join(sorted(methods[src])) + reused, peak, compile_s)
       if src != name:
         power[name] = power.get(src, {})
     base = results.get("dense", ([],))[0]
@@ -629,9 +636,11 @@ def ep_summary(rows: list[dict[str, Any]]) -> list[str]:
     per = _ratios(rounds["ragdot"], rounds["local-rows"])  # ragdot / local rows
     vs_local = _median(per) if len(per) > 1 else t["ragdot"] / t["local-rows"]
     spread = f" ({min(per):.2f}-{max(per):.2f} over {len(per)} rounds)" if len(per) > 1 else ""
+    masked = _ratios(rounds["masked"], rounds["ragdot"])  # masked / ragdot
+    vs_masked = _median(masked) if len(masked) > 1 else t["masked"] / t["ragdot"]
     out.append(f"  {shape} {op}: group_offset {t['ragdot']:.4f} ms = "
                f"{vs_local:.2f}x the local rows' call{spread}, "
-               f"{t['masked'] / t['ragdot']:.1f}x faster than the masked workaround")
+               f"{vs_masked:.1f}x faster than the masked workaround")
   return out
 
 
@@ -750,6 +759,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
       plot(rows, args.plot)
     return 0
+  if args.rounds < 1:
+    raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
   impls = args.impls
   if impls is None:
     impls = ["mosaic", "triton"] if jax.default_backend() == "gpu" else ["xla"]

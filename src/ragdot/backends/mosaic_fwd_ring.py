@@ -127,7 +127,8 @@ def _producer_zero_boxes(z_smem, out_gmem, cta, num_ctas: int, num_zero_work, gr
 # The ring's protocol, shared with ``mosaic_fwd_swap``: CTA ``cta`` takes items
 # ``cta + j * num_ctas``; ring step ``s`` uses slot ``s % stages``; the producer
 # fills a slot once both consumers have released it (``consumed``), and each
-# consumer releases a step's slot once the next step's wgmmas are issued.
+# consumer releases a step's slot once the next step's wgmmas are issued and
+# its own are done (``delay_release=0``: once its own are done; ``consume_item``).
 
 class ItemSpace(NamedTuple):
   """What a ring body reads off its schedule: n tiles, k steps, the schedule's
