@@ -292,26 +292,32 @@ def test_minimal_bytes_of_an_ep_shard_count_only_its_rows_and_experts():
       256 * 96 * 2 + int(np.count_nonzero(sizes)) * 64 * 32 * 2)
 
 
+class _Labels:
+  """A bench watchdog that only records what is being compiled or timed."""
+  now = None
+
+  def arm(self, label):
+    self.now = label
+
+  def disarm(self):
+    self.now = None
+
+  def candidate(self) -> str:
+    """The candidate of the forward call being timed ("t fwd dense (round 2/3)")."""
+    return self.now.split(" fwd ", 1)[1].split(" (round")[0]
+
+
 def test_bench_rounds_time_every_candidate_in_turn_and_take_per_round_ratios(monkeypatch):
   from ragdot import bench  # pylint: disable=g-import-not-at-top
 
-  class Labels:  # a watchdog that only records what is being compiled or timed
-    def __init__(self):
-      self.now, self.timed = None, []
-
-    def arm(self, label):
-      self.now = label
-
-    def disarm(self):
-      self.now = None
-
-  seen = Labels()
+  seen = _Labels()
+  seen.timed = []
 
   # Round r times "dense" at r ms and ragdot at 2, 3, 9 ms: per round 0.5, 0.67,
   # 0.33 x dense, median 0.5, where the ratio of the medians would read 2 / 3.
   def fake_time(exe, *args, iterations, warmup_s):
     del exe, args, iterations, warmup_s
-    name = seen.now.split(" fwd ", 1)[1].split(" (round")[0]
+    name = seen.candidate()
     seen.timed.append(name)
     r = seen.timed.count(name)
     return (float(r) if name == "dense" else [2.0, 3.0, 9.0][r - 1]), "cupti"
@@ -342,20 +348,11 @@ def test_bench_rounds_a_later_failure_makes_an_error_row(monkeypatch):
   from ragdot import bench  # pylint: disable=g-import-not-at-top
   calls = {}
 
-  class Labels:
-    now = None
-
-    def arm(self, label):
-      self.now = label
-
-    def disarm(self):
-      pass
-
-  seen = Labels()
+  seen = _Labels()
 
   def fake_sustained(exe, *args, seconds):
     del exe, args, seconds
-    name = seen.now.split(" fwd ", 1)[1].split(" (round")[0]
+    name = seen.candidate()
     calls[name] = calls.get(name, 0) + 1
     if name == "dense" and calls[name] == 2:
       raise RuntimeError("boom")

@@ -191,16 +191,20 @@ def test_no_races():
   assert not gpu_interpret.get_races().races_found
 
 
-def test_no_races_producer_zeros():
-  # The producer's zero stores beside its loads and the consumers' stores.
+@pytest.mark.parametrize("seed,fields", [(4, {}), (6, dict(tail_rows=16, delay_release=0))],
+                         ids=["default", "release_each_step"])
+def test_no_races_producer_zeros(seed, fields):
+  # The producer's zero stores beside its loads and the consumers' stores; also
+  # with delay_release=0 (each step's stage released once its wgmmas are done)
+  # and folded 16-row tails.
   from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret  # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
   sizes = [30, 140, 7, 200]
-  x, w = oracle.random_inputs(jax.random.key(4), [(512, 128), (2, 128, 256)], jnp.bfloat16)
+  x, w = oracle.random_inputs(jax.random.key(seed), [(512, 128), (2, 128, 256)], jnp.bfloat16)
   go = jnp.int32(1)
   out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), go, transpose_rhs=False,
                out_dtype=jnp.bfloat16, interpret=plgpu.InterpretGPUParams(detect_races=True),
-               config=dataclasses.replace(CFG, producer_zeros=True, num_sms=2))
+               config=dataclasses.replace(CFG, producer_zeros=True, num_sms=2, **fields))
   oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, go, False), jnp.bfloat16)
   oracle.assert_zero_rows(out, sizes, 1, 2)
   assert not gpu_interpret.get_races().races_found
@@ -326,20 +330,3 @@ def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, split, width, pz):
   # producer zeros: a shard call of 16 local groups
   assert_gmm_lowers(cfg, m=m, k=k, n=n, g=g, transpose_rhs=transpose_rhs,
                     local=16 if pz else g, with_offset=bool(pz))
-
-
-def test_release_each_step_no_races_producer_zeros():
-  # delay_release=0 on the row-major ring (a shard: producer zeros beside the
-  # loads; folded 16-row tails).
-  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret  # pylint: disable=g-import-not-at-top
-  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
-  sizes = [30, 140, 7, 200]
-  x, w = oracle.random_inputs(jax.random.key(6), [(512, 128), (2, 128, 256)], jnp.bfloat16)
-  go = jnp.int32(1)
-  out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), go, transpose_rhs=False,
-               out_dtype=jnp.bfloat16, interpret=plgpu.InterpretGPUParams(detect_races=True),
-               config=dataclasses.replace(CFG, producer_zeros=True, num_sms=2, tail_rows=16,
-                                          delay_release=0))
-  oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, go, False), jnp.bfloat16)
-  oracle.assert_zero_rows(out, sizes, 1, 2)
-  assert not gpu_interpret.get_races().races_found
