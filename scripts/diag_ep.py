@@ -1,6 +1,6 @@
 """Where does the EP-shard forward's time go? (GPU machine; a diagnostic, not a bench)
 
-  python3 scripts/diag_ep.py OUT_DIR [--rounds 3] [--variant "FIELD=VALUE ..." ...]
+  python3 scripts/diag_ep.py OUT_DIR [--op fwd|dx] [--rounds 3] [--variant "FIELD=VALUE ..." ...]
 
 On the bench's EP preset (Qwen3-30B gate_up, shard 0 of 8: 16 local experts,
 full-m output with zeros outside the shard's rows) times, interleaved (CUPTI,
@@ -13,7 +13,9 @@ all kernels of one call):
   L     the plain call over the local rows only (the issue's 1.25x yardstick);
   D1..  with ``--variant``: A's Mosaic config with those fields replaced (e.g.
         ``"epilogue_split=4 num_stages=3"``), one case per variant;
-and writes OUT_DIR/diag_ep.json.  Outputs of A, B, T and the variants are
+and writes OUT_DIR/diag_ep.json.  ``--op dx``: the same cases for the shard's
+dX call (dy[m, n] @ w[g, k, n]^T, the rhs read transposed), as the backward
+of the forward makes it.  Outputs of A, B, T and the variants are
 compared bitwise; the per-kernel CUPTI times of A, Z, L and the variants are
 printed.
 """
@@ -30,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ragdot
-from ragdot import bench, timing
+from ragdot import bench, dispatch, timing
 from ragdot.backends import mosaic_fwd
 
 from ab_fwd import parse_fields  # this folder (the script's sys.path[0])
@@ -39,6 +41,7 @@ from ab_fwd import parse_fields  # this folder (the script's sys.path[0])
 def main() -> None:
   p = argparse.ArgumentParser()
   p.add_argument("out_dir")
+  p.add_argument("--op", default="fwd", choices=["fwd", "dx"])
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--iterations", type=int, default=10)
   p.add_argument("--variant", action="append", default=[], metavar='"FIELD=VALUE ..."',
@@ -50,29 +53,35 @@ def main() -> None:
   sizes, empty, rows8 = bench.ep_shard_sizes(s)
   rows = int(sizes[:local].sum())
   kx, kw = jax.random.split(jax.random.key(0))
-  x = jax.random.normal(kx, (s.m, s.k), jnp.bfloat16)
   w = (jax.random.normal(kw, (local, s.k, s.n), jnp.float32) / 32).astype(jnp.bfloat16)
+  dx = args.op == "dx"
+  # The forward reads x[m, k]; dX reads dy[m, n] against w transposed.
+  x = jax.random.normal(kx, (s.m, s.n if dx else s.k), jnp.bfloat16)
   gs, gs_empty = jnp.asarray(sizes), jnp.asarray(empty)
-  auto = bench.dispatch_choice("fwd", s)
-  print(f"rows {rows} of {s.m}; auto: {bench.describe_choice(auto)}", flush=True)
+  auto = bench.dispatch_choice(args.op, s)
+  print(f"{args.op}: rows {rows} of {s.m}; auto: {bench.describe_choice(auto)}", flush=True)
   off = jnp.int32(0)
 
+  def api(impl=None, offset=off):
+    if dx:
+      return jax.jit(lambda x, w, gs: ragdot.ragged_dot_general(
+          x, w, gs, bench.DN_DX, group_offset=offset, implementation=impl))
+    return jax.jit(lambda x, w, gs: ragdot.ragged_dot(x, w, gs, group_offset=offset,
+                                                      implementation=impl))
+
   def mosaic(config):
-    return jax.jit(lambda x, w, gs: mosaic_fwd.gmm(x, w, gs, off, transpose_rhs=False,
+    return jax.jit(lambda x, w, gs: mosaic_fwd.gmm(x, w, gs, off, transpose_rhs=dx,
                                                    out_dtype=jnp.bfloat16, config=config))
 
+  call = dispatch.backend_call(args.op, s.k, s.n)
   cfg = (auto.implementation == "mosaic" and auto.config) or mosaic_fwd.default_config(
-      s.m, s.k, s.n, s.g, jnp.bfloat16, False, jnp.bfloat16)
+      s.m, call.k, call.n, s.g, jnp.bfloat16, dx, jnp.bfloat16)
   cases = {
-      "A": (jax.jit(lambda x, w, gs: ragdot.ragged_dot(x, w, gs, group_offset=off)),
-            (x, w, gs)),
+      "A": (api(), (x, w, gs)),
       "B": (mosaic(dataclasses.replace(cfg, guard_last_stage=False)), (x, w, gs)),
-      "T": (jax.jit(lambda x, w, gs: ragdot.ragged_dot(x, w, gs, group_offset=off,
-                                                       implementation="triton")), (x, w, gs)),
-      "Z": (jax.jit(lambda x, w, gs: ragdot.ragged_dot(x, w, gs, group_offset=off)),
-            (x, w, gs_empty)),
-      "L": (jax.jit(lambda x, w, gs: ragdot.ragged_dot(x, w, gs)),
-            (x[:rows8], w, jnp.asarray(sizes[:local]))),
+      "T": (api("triton"), (x, w, gs)),
+      "Z": (api(), (x, w, gs_empty)),
+      "L": (api(offset=None), (x[:rows8], w, jnp.asarray(sizes[:local]))),
   }
   variants = {}
   for i, text in enumerate(args.variant, 1):
@@ -98,7 +107,7 @@ def main() -> None:
     kernels[name] = per_kernel
     print(f"{name} kernels: {per_kernel}", flush=True)
   with open(os.path.join(args.out_dir, "diag_ep.json"), "w") as f:
-    json.dump(dict(device=jax.devices()[0].device_kind, rows=rows, m=s.m, ms=med,
+    json.dump(dict(device=jax.devices()[0].device_kind, op=args.op, rows=rows, m=s.m, ms=med,
                    equal=equal, variants=variants,
                    # the config A's shard call runs (producer_zeros resolved)
                    config=str(mosaic_fwd.resolve_producer_zeros(cfg, True, jnp.bfloat16,
