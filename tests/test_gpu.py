@@ -241,10 +241,12 @@ def test_auto_choice_with_n_past_a_128_column_box():
     (0, 8, None, 1, dict(_PZ, zero_box_rows=8, num_stages=4)),  # SMEM full to the byte
     # automatic: 3 stages leave room for a 64 x 128 zero buffer beside 128-column chunks
     (0, 8, None, 1, dict(producer_zeros=None)),
+    # the short CTAs' front of zero boxes, written after their loads
+    (0, 8, None, 1, dict(_PZ, epilogue_split=4, num_stages=4, zero_front=256)),
 ], ids=["t16", "t32-shard", "t0", "t0-shard-lead12", "t16-shard-strips4",
         "t0-shard-producer-zeros", "t16-shard-producer-zeros", "t0-shard-producer-zeros-8-rows",
         "t0-shard-producer-zeros-4-stages", "t0-shard-producer-zeros-8-rows-4-stages",
-        "t0-shard-producer-zeros-auto"])
+        "t0-shard-producer-zeros-auto", "t0-shard-zero-front"])
 def test_ring_real_sizes(shape, transpose_rhs, tail_rows, offset, zero_lead, strips, fields):
   """The ring forward / dX (mosaic_fwd_ring), with and without folded tails, a
   shard whose short CTAs take zero items first (or whose producers write the

@@ -57,6 +57,8 @@ def test_schedule_folds_short_last_tiles():
     ([150, 20, 170, 30], 384, 128, 1, 2, True,
      dict(producer_zeros=True, epilogue_split=4, tail_rows=16)),
     ([150, 20, 100, 498], 768, 64, 2, 1, False, dict(producer_zeros=True)),  # a CTA w/o items
+    ([150, 20, 170, 30], 384, 64, 1, 2, False,  # 2 CTAs with one item fewer: a front
+     dict(producer_zeros=True, zero_front=3, num_sms=4)),
     ([40, 300, 9, 200, 51], 640, 64, 3, 2, False,  # rows past the groups, a window cut mid-block
      dict(producer_zeros=True, num_sms=2)),
     # automatic: on for this shard call (128-column boxes: 2 stages leave room)
@@ -191,8 +193,9 @@ def test_no_races():
   assert not gpu_interpret.get_races().races_found
 
 
-@pytest.mark.parametrize("seed,fields", [(4, {}), (6, dict(tail_rows=16, delay_release=0))],
-                         ids=["default", "release_each_step"])
+@pytest.mark.parametrize("seed,fields", [(4, {}), (6, dict(tail_rows=16, delay_release=0)),
+                                         (5, dict(zero_front=4))],
+                         ids=["default", "release_each_step", "zero_front"])
 def test_no_races_producer_zeros(seed, fields):
   # The producer's zero stores beside its loads and the consumers' stores; also
   # with delay_release=0 (each step's stage released once its wgmmas are done)
@@ -210,20 +213,32 @@ def test_no_races_producer_zeros(seed, fields):
   assert not gpu_interpret.get_races().races_found
 
 
-@pytest.mark.parametrize("num_ctas,num_zero_work,bn,cn", [
-    (132, 1344 * 1, 256, 64), (4, 7, 256, 128), (3, 0, 256, 64), (5, 2, 128, 128)])
-def test_producer_zero_boxes_partition(num_ctas, num_zero_work, bn, cn):
-  # Every (zero item, half, column chunk) box goes to exactly one CTA.
+@pytest.mark.parametrize("num_ctas,num_zero_work,bn,cn,num_work,front", [
+    (132, 1344 * 1, 256, 64, 240, 0), (4, 7, 256, 128, 0, 0), (3, 0, 256, 64, 2, 0),
+    (5, 2, 128, 128, 3, 0),
+    (132, 1344, 256, 64, 240, 200),  # 24 short CTAs take 200 boxes each first
+    (4, 7, 256, 128, 6, 3),          # 2 short CTAs, the front 6 of 28 boxes
+    (5, 2, 128, 128, 3, 9),          # the front takes every box
+    (4, 7, 256, 128, 8, 3),          # no short CTAs: round-robin
+])
+def test_producer_zero_boxes_partition(num_ctas, num_zero_work, bn, cn, num_work, front):
+  # Every (zero item, half, column chunk) box goes to exactly one CTA; with a
+  # front, the CTAs with one compute item fewer hold the front's boxes.
   chunks = bn // cn
-  got = []
+  got, fronts = [], {}
   for cta in range(num_ctas):
-    _, count = mr._producer_zero_boxes(None, None, jnp.int32(cta), num_ctas,
-                                       jnp.int32(num_zero_work), 1, 0, 0, 0, 0,
-                                       m=1024, n=bn, bn=bn, cn=cn)
-    got += [tuple(int(v) for v in mr._box_coords(jnp.int32(cta + i * num_ctas), chunks))
-            for i in range(int(count))]
+    box, n_front, n_rest = mr._box_split(jnp.int32(cta), num_ctas,
+                                         jnp.int32(num_zero_work * 2 * chunks),
+                                         jnp.int32(num_work), front)
+    mine = [int(box(jnp.int32(i))) for i in range(int(n_front) + int(n_rest))]
+    fronts[cta] = mine[:int(n_front)]
+    got += [tuple(int(v) for v in mr._box_coords(jnp.int32(b), chunks)) for b in mine]
   want = [(z, h, c) for z in range(num_zero_work) for h in range(2) for c in range(chunks)]
   assert sorted(got) == want
+  rem = num_work % num_ctas
+  num_front = min((num_ctas - rem) * front, len(want)) if rem else 0
+  assert sorted(sum(fronts.values(), [])) == list(range(num_front))
+  assert all(not fronts[cta] for cta in range(rem))  # the full CTAs take none of it
 
 
 @pytest.mark.parametrize("exact", [True, False])
@@ -253,6 +268,10 @@ def test_resolve_producer_zeros():
   assert mf.resolve_producer_zeros(fixed, False, jnp.bfloat16, jnp.bfloat16) is fixed
   lead = dataclasses.replace(auto, zero_lead=3)
   assert mf.resolve_producer_zeros(lead, True, jnp.bfloat16, jnp.bfloat16).producer_zeros is False
+  # A front of zero boxes rides along on a shard call and is dropped without one.
+  front = dataclasses.replace(auto, zero_front=8)
+  assert mf.resolve_producer_zeros(front, True, jnp.bfloat16, jnp.bfloat16).zero_front == 8
+  assert mf.resolve_producer_zeros(front, False, jnp.bfloat16, jnp.bfloat16).zero_front == 0
 
 
 def test_config_checks():
@@ -280,6 +299,10 @@ def test_config_checks():
     dataclasses.replace(CFG, producer_zeros=8)
   with pytest.raises(ValueError, match="zero_lead does not apply"):
     dataclasses.replace(CFG, producer_zeros=True, zero_lead=2)
+  with pytest.raises(ValueError, match="zero_front"):
+    dataclasses.replace(CFG, producer_zeros=False, zero_front=2)
+  with pytest.raises(ValueError, match="zero_front"):
+    dataclasses.replace(CFG, zero_front=-1)
   # The tails' SMEM is counted: 4 stages of 128 x 256 with 16 tail rows need
   # 64-column epilogue chunks to fit.
   four = dataclasses.replace(CFG, num_stages=4, tail_rows=16)
@@ -317,16 +340,18 @@ def test_small_m_falls_back():
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dx"])
-@pytest.mark.parametrize("tail_rows,stages,split,width,pz", [
-    (16, 4, 4, 1, False), (0, 4, 2, 1, False), (0, 4, 2, 4, False), (0, 4, 4, 1, True),
-    (16, 3, 4, 1, True), (0, 4, 2, 1, 8), (0, 5, 3, 1, False)])
-def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, split, width, pz):
+@pytest.mark.parametrize("tail_rows,stages,split,width,pz,front", [
+    (16, 4, 4, 1, False, 0), (0, 4, 2, 1, False, 0), (0, 4, 2, 4, False, 0),
+    (0, 4, 4, 1, True, 0), (16, 3, 4, 1, True, 0), (0, 4, 2, 1, 8, 0), (0, 5, 3, 1, False, 0),
+    (0, 4, 4, 1, True, 64)])
+def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, split, width, pz, front):
   m, k, n, g = 4096, 2048, 1536, 128
   bn = 192 if split == 3 else CFG.block_n  # three 64-column chunks of 192-column tiles
   cfg = dataclasses.replace(CFG, block_n=bn, num_stages=stages, epilogue_split=split,
                             tail_rows=tail_rows,
                             num_sms=132, grid_minor_dim=int(width > 1), grid_tile_width=width,
-                            producer_zeros=bool(pz), zero_box_rows=64 if pz is True else pz or 64)
+                            producer_zeros=bool(pz), zero_box_rows=64 if pz is True else pz or 64,
+                            zero_front=front)
   # producer zeros: a shard call of 16 local groups
   assert_gmm_lowers(cfg, m=m, k=k, n=n, g=g, transpose_rhs=transpose_rhs,
                     local=16 if pz else g, with_offset=bool(pz))

@@ -166,6 +166,12 @@ class MosaicFwdConfig:
     128 x 256 ring in 4 stages fits 8 rows beside 128-column chunks, 64 rows
     only beside 64-column ones) at the price of more, smaller TMA stores
     (v17a: 8 rows cost 1.15-1.83x where 64 rows saved 6%).
+  zero_front: with producer_zeros, the CTAs whose item list is one compute
+    item shorter (the last round of items is partial) each take up to this
+    many zero boxes (64 rows x epilogue_n columns) before the round-robin
+    split, and write them once their own loads are issued, in the time the
+    others still compute; 0: every CTA the same share, spread over its k
+    steps.
   """
 
   block_m: int = 64
@@ -189,6 +195,7 @@ class MosaicFwdConfig:
   zero_lead: int | None = None
   producer_zeros: bool | None = None
   zero_box_rows: int = 64
+  zero_front: int = 0
   swap: bool = False
   tail_split: bool = False
   tail_on_m: bool = False
@@ -272,6 +279,10 @@ class MosaicFwdConfig:
       raise ValueError(f"zero_lead does not apply with producer_zeros=True, got {self}")
     if self.zero_box_rows not in (8, 16, 32, 64):
       raise ValueError(f"zero_box_rows must be 8, 16, 32 or 64, got {self.zero_box_rows}")
+    if self.zero_front < 0 or (self.zero_front and (not self.ring
+                                                    or self.producer_zeros is False)):
+      raise ValueError(f"zero_front must be >= 0 and needs ring=True with producer_zeros, "
+                       f"got {self}")
 
   @property
   def epilogue_n(self) -> int:
@@ -323,7 +334,7 @@ def resolve_producer_zeros(cfg: MosaicFwdConfig, has_offset: bool, dtype: Any,
     fitted = _fit_split(dataclasses.replace(cfg, producer_zeros=True), dtype, out_dtype)
     if fitted is not None:
       return fitted
-  return dataclasses.replace(cfg, producer_zeros=False)
+  return dataclasses.replace(cfg, producer_zeros=False, zero_front=0)
 
 
 def row_major_ring(cfg: MosaicFwdConfig) -> MosaicFwdConfig:

@@ -10,9 +10,11 @@ consumer warpgroups of 64 rows each.
 Rows outside the shard's window: with ``producer_zeros`` (the default for
 shard calls, see ``mosaic_fwd.resolve_producer_zeros``) the producer
 warpgroup writes them between its loads (stores of at most ``zero_box_rows``
-rows from a zeroed buffer); otherwise the consumers write them after the ring,
-as zero items, the CTAs with one compute item fewer taking the first of them
-(``zero_lead``) while the others still compute.
+rows from a zeroed buffer; with ``zero_front`` the CTAs with one compute item
+fewer first take a front of them, written after their loads); otherwise the
+consumers write them after the ring, as zero items, the CTAs with one compute
+item fewer taking the first of them (``zero_lead``) while the others still
+compute.
 
 Tails: row tiles are aligned to groups, so a group's last tile computes 128
 rows whatever it holds.  On top-8 routing a group has 256 +- 15 rows (Qwen3) or
@@ -50,26 +52,33 @@ _ROWS = 128  # two consumers x 64 rows
 _HALF = _ROWS // 2
 
 
-def _zero_items(cta, num_ctas: int, num_work, num_zero_work, lead: int):
-  """``(item(j), count)``: CTA ``cta``'s zero items, in order.
+def _front_split(cta, num_ctas: int, num_work, total, lead: int):
+  """``(unit(j), n_front, n_rest)``: CTA ``cta``'s share of ``total`` zero units
+  (items or boxes), the ``n_front`` front ones first.
 
   CTAs ``[rem, num_ctas)`` run one compute item fewer than the others when
-  ``rem = num_work % num_ctas`` is not 0.  The first ``lead`` zero items of
-  each such CTA come from the front of the zero list (item ``i`` of that front
-  goes to the ``i % short``-th of them); all later zero items go round-robin
+  ``rem = num_work % num_ctas`` is not 0.  The first ``lead`` units of
+  each such CTA come from the front of the list (unit ``i`` of that front
+  goes to the ``i % short``-th of them); all later units go round-robin
   over every CTA.
   """
   rem = lax.rem(num_work, num_ctas)
   short = jnp.where(rem == 0, 0, num_ctas - rem)
-  front = jnp.minimum(short * lead, num_zero_work)
+  front = jnp.minimum(short * lead, total)
   idx = cta - rem
   n_front = jnp.where((short > 0) & (idx >= 0),
                       pl.cdiv(jnp.maximum(front - idx, 0), jnp.maximum(short, 1)), 0)
-  n_rest = pl.cdiv(jnp.maximum(num_zero_work - front - cta, 0), num_ctas)
+  n_rest = pl.cdiv(jnp.maximum(total - front - cta, 0), num_ctas)
 
-  def item(j):
+  def unit(j):
     return jnp.where(j < n_front, idx + j * short, front + cta + (j - n_front) * num_ctas)
 
+  return unit, n_front, n_rest
+
+
+def _zero_items(cta, num_ctas: int, num_work, num_zero_work, lead: int):
+  """``(item(j), count)``: CTA ``cta``'s zero items, in order (``_front_split``)."""
+  item, n_front, n_rest = _front_split(cta, num_ctas, num_work, num_zero_work, lead)
   return item, n_front + n_rest
 
 
@@ -92,23 +101,33 @@ def _boxes_due(steps, boxes, total_steps, exact: bool):
   return jnp.minimum(boxes, steps * pl.cdiv(boxes, total))
 
 
+def _box_split(cta, num_ctas: int, num_boxes, num_work, front: int):
+  """``(box(i), n_front, n_rest)``: the zero boxes of CTA ``cta``, front ones
+  first (``_front_split``; ``front`` 0: box ``b`` to CTA ``b % num_ctas``)."""
+  if front:
+    return _front_split(cta, num_ctas, num_work, num_boxes, front)
+  return (lambda i: cta + i * num_ctas), 0, pl.cdiv(jnp.maximum(num_boxes - cta, 0), num_ctas)
+
+
 def _producer_zero_boxes(z_smem, out_gmem, cta, num_ctas: int, num_zero_work, grid_n: int,
-                         za, zb, lo, hi, *, m: int, n: int, bn: int, cn: int):
-  """``(zero_box(i), count)``: the producer's share of the zero rows.
+                         za, zb, lo, hi, *, m: int, n: int, bn: int, cn: int,
+                         num_work=None, front: int = 0):
+  """``(zero_box(i), n_front, n_rest)``: the producer's share of the zero rows.
 
   Each zero item (a 128-row block outside the shard's window, one n tile) is
-  cut into boxes of 64 rows x ``cn`` columns (``_box_coords``); box ``b`` goes
-  to CTA ``b % num_ctas``, and ``zero_box(i)`` stores this CTA's i-th box: the rows
-  of its 64 outside the window ``[lo, hi)``, from ``z_smem`` (zeros, at most
-  64 rows) in power-of-two TMA stores of at most its rows each.
+  cut into boxes of 64 rows x ``cn`` columns (``_box_coords``).  With
+  ``front`` 0, box ``b`` goes to CTA ``b % num_ctas``; otherwise each CTA with
+  one compute item fewer (of ``num_work``) first takes up to ``front`` boxes
+  (``_front_split``), its ``n_front`` boxes ``i < n_front``, and the rest go
+  round-robin.  ``zero_box(i)`` stores this CTA's i-th box: the rows of its 64
+  outside the window ``[lo, hi)``, from ``z_smem`` (zeros, at most 64 rows) in
+  power-of-two TMA stores of at most its rows each.
   """
   chunks = bn // cn
-  num_boxes = num_zero_work * 2 * chunks
-  count = pl.cdiv(jnp.maximum(num_boxes - cta, 0), num_ctas)
+  box, n_front, n_rest = _box_split(cta, num_ctas, num_zero_work * 2 * chunks, num_work, front)
 
   def zero_box(i):
-    b = cta + i * num_ctas
-    item, half, c = _box_coords(b, chunks)
+    item, half, c = _box_coords(box(i), chunks)
     blk, ni = mf._zero_item(item, grid_n, za, zb)
     hs = blk * _ROWS + half * _HALF
     col = ni * bn + c * cn
@@ -121,7 +140,7 @@ def _producer_zero_boxes(z_smem, out_gmem, cta, num_ctas: int, num_zero_work, gr
           mf._store_rows(z_smem, out_gmem, 0, start + q, jnp.clip(rows - q, 0, zr), col,
                          max_rows=zr, width=cn)
 
-  return zero_box, count
+  return zero_box, n_front, n_rest
 
 
 # The ring's protocol, shared with ``mosaic_fwd_swap``: CTA ``cta`` takes items
@@ -268,13 +287,15 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
         plgpu.commit_smem()
       plgpu.set_max_registers(40, action="decrease")
       my_steps = my_items * k_steps
-      zero_box, my_boxes = _producer_zero_boxes(
+      # front: boxes written once this CTA's loads are issued (zero_front); the
+      # others are spread over its k steps.
+      zero_box, front, my_boxes = _producer_zero_boxes(
           z_smem, out_gmem, cta, num_ctas, num_zero_work, grid_n, za, zb, lo, hi, m=m, n=n,
-          bn=bn, cn=cn) if pz else (None, 0)
+          bn=bn, cn=cn, num_work=num_work, front=cfg.zero_front) if pz else (None, 0, 0)
 
       # The most k steps a CTA can have (static): exact spreading below 2**31.
       exact = (pl.cdiv(max_tiles * grid_n, num_ctas) * k_steps) ** 2 < 2**31
-      boxes_due = lambda steps: _boxes_due(steps, my_boxes, my_steps, exact)
+      boxes_due = lambda steps: front + _boxes_due(steps, my_boxes, my_steps, exact)
 
       def load(w, step0):
         ni, grp, row0, _, row_end = tile_of(w)
@@ -299,7 +320,9 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
       works(load)
       total = my_items * k_steps
       if pz:  # a CTA without compute items writes all of its boxes here
-        pl.loop(boxes_due(my_steps), my_boxes)(zero_box)
+        pl.loop(boxes_due(my_steps), front + my_boxes)(zero_box)
+        if cfg.zero_front:
+          pl.loop(0, front)(zero_box)
 
       drain(consumed, total, stages)
 
