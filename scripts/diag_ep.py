@@ -86,7 +86,10 @@ def main() -> None:
   variants = {}
   for i, text in enumerate(args.variant, 1):
     variants[f"D{i}"] = text
-    cases[f"D{i}"] = (mosaic(dataclasses.replace(cfg, **parse_fields(text.split()))),
+    fields = parse_fields(text.split())
+    if fields.get("producer_zeros") is False:  # a zero front needs producer zeros
+      fields.setdefault("zero_front", 0)
+    cases[f"D{i}"] = (mosaic(dataclasses.replace(cfg, **fields)),
                       (x, w, gs))
   outs = {}
   for name, (f, a) in cases.items():

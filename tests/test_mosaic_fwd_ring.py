@@ -239,6 +239,9 @@ def test_producer_zero_boxes_partition(num_ctas, num_zero_work, bn, cn, num_work
   num_front = min((num_ctas - rem) * front, len(want)) if rem else 0
   assert sorted(sum(fronts.values(), [])) == list(range(num_front))
   assert all(not fronts[cta] for cta in range(rem))  # the full CTAs take none of it
+  # ... and the short ones at most `front` each, evenly (shares differ by <= 1)
+  shares = [len(fronts[cta]) for cta in range(rem, num_ctas)] if rem else []
+  assert all(n <= front for n in shares) and (not shares or max(shares) - min(shares) <= 1)
 
 
 @pytest.mark.parametrize("exact", [True, False])
