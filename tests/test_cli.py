@@ -151,6 +151,30 @@ def test_tune_dry_run_lists_candidates(tmp_path, capsys):
   assert not (tmp_path / "t.json").exists()  # a dry run writes nothing
 
 
+def test_tune_dry_run_names_backend_only_entries(tmp_path, capsys):
+  # A bucket holding a measured backend choice without a config (v8's bench imports)
+  # is skipped, and the listing says its configs were never swept.
+  from ragdot import tables  # pylint: disable=g-import-not-at-top
+  path = tmp_path / "t.json"
+  data = {"format": "ragdot-table/1", "device_kind": "test", "entries": {
+      tables.key("gmm", "bfloat16", 4096, 512, 512, 16): {
+          "backend": "triton", "config": None, "measured": True, "shape": [4096, 512, 512, 16],
+          "ms": 1.0},
+      tables.key("tgmm", "bfloat16", 4096, 512, 512, 16): {
+          "backend": "mosaic", "config": {"block_m": 64}, "measured": True,
+          "shape": [4096, 512, 512, 16], "ms": 1.0}}}
+  path.write_text(json.dumps(data))
+  args = ["tune", "--dry-run", "--shape", "4096,512,512,16", "--ops", "fwd", "dx", "dw",
+          "--table", str(path)]
+  assert cli.main(args) == 0
+  out = capsys.readouterr().out
+  assert "[skip: already measured as a backend choice (triton, its default config)" in out
+  assert "[skip: already measured]" in out and "[to tune]" in out  # dw / dx
+  assert cli.main(args + ["--force"]) == 0
+  out = capsys.readouterr().out
+  assert "[skip:" not in out and out.count("[to tune]") == 3
+
+
 def test_tune_times_the_triton_candidates_before_the_mosaic_sweep():
   from ragdot import tune  # pylint: disable=g-import-not-at-top
   from ragdot.backends import triton  # pylint: disable=g-import-not-at-top

@@ -199,10 +199,20 @@ def default_table_path(device_kind: str) -> Path:
   return tables.TABLE_DIR / tables.slug(device_kind)
 
 
-def _done(table: tables.Table, task: Task, dtype_name: str) -> bool:
+def _done(table: tables.Table, task: Task, dtype_name: str) -> str | None:
+  """Why ``task``'s bucket is skipped without ``--force`` (None: it is tuned).
+
+  A measured, complete entry is skipped.  One without a config (an older
+  bench's backend choice, run with that backend's default config) says so:
+  its config was never swept (docs/performance.md v39d)."""
   entry = table.entries.get(tables.key(task.table_op, table.canonical_dtype(dtype_name),
                                        task.m, task.k, task.n, task.g))
-  return bool(entry and entry.get("measured") and entry.get("complete", True))
+  if not (entry and entry.get("measured") and entry.get("complete", True)):
+    return None
+  if entry.get("config") is None and entry.get("backend") != "xla":
+    return (f"already measured as a backend choice ({entry.get('backend')}, its default"
+            " config); --force sweeps its configs")
+  return "already measured"
 
 
 def tune_task(task: Task, dtype, deadline: float, *, iterations: int, repeats: int,
@@ -523,7 +533,8 @@ def run(args: argparse.Namespace) -> int:
     for task in tasks:
       k_ = tables.key(task.table_op, table.canonical_dtype(dtype.name), task.m, task.k,
                       task.n, task.g)
-      state = "measured, skip" if _done(table, task, dtype.name) and not args.force else "to tune"
+      done = None if args.force else _done(table, task, dtype.name)
+      state = f"skip: {done}" if done else "to tune"
       print(f"{task.op:3s} {task.name}  call m={task.m} k={task.k} n={task.n} g={task.g}"
             f"  key {k_}  [{state}]")
       for backend, config in candidates(task, dtype):
@@ -555,8 +566,9 @@ def run(args: argparse.Namespace) -> int:
   with Progress() as progress:
     for name, shape_tasks in by_shape.items():
       for task in shape_tasks:
-        if _done(table, task, dtype.name) and not args.force:
-          progress.console.print(f"skip {task.op} {name}: already measured")
+        done = None if args.force else _done(table, task, dtype.name)
+        if done:
+          progress.console.print(f"skip {task.op} {name}: {done}")
           continue
         deadline = time.time() + args.budget_s
         entry = tune_task(task, dtype, deadline, iterations=args.iterations,
