@@ -232,6 +232,11 @@ def test_producer_zero_boxes_partition(num_ctas, num_zero_work, bn, cn, num_work
                                          jnp.int32(num_work), front)
     mine = [int(box(jnp.int32(i))) for i in range(int(n_front) + int(n_rest))]
     fronts[cta] = mine[:int(n_front)]
+    if not front:  # the lead-0 split of _front_split, without its scalar work
+      unit, f0, r0 = mr._front_split(jnp.int32(cta), num_ctas, jnp.int32(num_work),
+                                     jnp.int32(num_zero_work * 2 * chunks), 0)
+      assert int(f0) == 0 and int(r0) == int(n_rest)
+      assert [int(unit(jnp.int32(i))) for i in range(int(r0))] == mine
     got += [tuple(int(v) for v in mr._box_coords(jnp.int32(b), chunks)) for b in mine]
   want = [(z, h, c) for z in range(num_zero_work) for h in range(2) for c in range(chunks)]
   assert sorted(got) == want

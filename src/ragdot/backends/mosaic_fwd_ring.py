@@ -103,7 +103,9 @@ def _boxes_due(steps, boxes, total_steps, exact: bool):
 
 def _box_split(cta, num_ctas: int, num_boxes, num_work, front: int):
   """``(box(i), n_front, n_rest)``: the zero boxes of CTA ``cta``, front ones
-  first (``_front_split``; ``front`` 0: box ``b`` to CTA ``b % num_ctas``)."""
+  first (``_front_split``).  ``front`` 0 is ``_front_split``'s lead-0 split (box
+  ``b`` to CTA ``b % num_ctas``) without its scalar work on ``num_work``, so
+  the default kernel is the one measured before ``zero_front`` existed."""
   if front:
     return _front_split(cta, num_ctas, num_work, num_boxes, front)
   return (lambda i: cta + i * num_ctas), 0, pl.cdiv(jnp.maximum(num_boxes - cta, 0), num_ctas)
@@ -111,7 +113,7 @@ def _box_split(cta, num_ctas: int, num_boxes, num_work, front: int):
 
 def _producer_zero_boxes(z_smem, out_gmem, cta, num_ctas: int, num_zero_work, grid_n: int,
                          za, zb, lo, hi, *, m: int, n: int, bn: int, cn: int,
-                         num_work=None, front: int = 0):
+                         num_work, front: int):
   """``(zero_box(i), n_front, n_rest)``: the producer's share of the zero rows.
 
   Each zero item (a 128-row block outside the shard's window, one n tile) is
