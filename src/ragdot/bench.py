@@ -63,12 +63,17 @@ def _model_shapes(tokens: int, suffix: str) -> list[Shape]:
 
 
 # (hidden, moe_intermediate, experts, top_k, training tokens): CONTEXT.md section 2;
-# Mixtral uses 8192 tokens (m = 16384 rows) as in the anchors.
+# Mixtral uses 8192 tokens (m = 16384 rows) as in the anchors.  gpt-oss (the
+# public configs of gpt-oss-120b / -20b: hidden and expert width 2880, 128 / 32
+# experts, top-4): 2880 is an odd multiple of 64, so its k and n take partial
+# 128- and 256-wide tiles.
 MODELS = {
     "qwen3-30b": (2048, 768, 128, 8, 4096),
     "qwen3-235b": (4096, 1536, 128, 8, 4096),
     "deepseek-v3": (7168, 2048, 256, 8, 4096),
     "mixtral": (4096, 14336, 8, 2, 8192),
+    "gpt-oss-120b": (2880, 2880, 128, 4, 4096),
+    "gpt-oss-20b": (2880, 2880, 32, 4, 4096),
 }
 
 
@@ -92,6 +97,9 @@ def seed_sweep_shapes() -> list[Shape]:
 
 PRESETS: dict[str, list[Shape]] = {
     "training": _model_shapes(4096, ""),
+    # Half the tokens: groups of ~128 rows (Qwen), ~64 (DeepSeek-V3), ~1024 (Mixtral),
+    # on table entries tuned for twice as many (docs/performance.md v40c).
+    "training-2k": _model_shapes(2048, " 2k"),
     "decode": _model_shapes(64, " decode"),
     "ep": [Shape("qwen3-30b gate_up ep8 shard", 32768, 2048, 1536, 128, ep=8)],
     "skewed": [Shape("qwen3-30b gate_up skewed", 32768, 2048, 1536, 128, skewed=True)],

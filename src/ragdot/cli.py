@@ -22,8 +22,7 @@ def _info_parser(sub) -> None:
 
   p = sub.add_parser("info", help="versions, device, and what would run for preset shapes")
   p.add_argument("--preset", nargs="+", default=None, choices=sorted(bench.PRESETS),
-                 help="default: the model presets (qwen3-30b, qwen3-235b, deepseek-v3,"
-                      " mixtral) and ep")
+                 help="default: the model presets (" + ", ".join(bench.MODELS) + ") and ep")
   p.add_argument("--shape", action="append", default=[], type=bench.parse_shape,
                  help="m,k,n,g[,top_k] (repeatable)")
   p.add_argument("--device-kind", default=None,
