@@ -269,9 +269,17 @@ def smem_bytes(config: MosaicDwConfig, dtype, out_dtype) -> int:
           + staging * config.num_compute_wgs * config.epilogue_buffers)
 
 
+def _pads_little(block: int, dim: int) -> bool:
+  """Whether tiles of ``block`` pad ``dim`` by less than 64, or by one 64-wide
+  strip under 1/32 of ``dim`` (an odd multiple of 64 such as gpt-oss's 2880,
+  where 64-wide tiles would be the alternative)."""
+  pad = pl.cdiv(dim, block) * block - dim
+  return pad < 64 or (pad == 64 and dim > 32 * 64)
+
+
 def _fit(block: int, dim: int) -> int:
-  """Halves ``block`` (down to 64) while its padding past ``dim`` is >= 64."""
-  while block > 64 and pl.cdiv(dim, block) * block - dim >= 64:
+  """Halves ``block`` (down to 64) until it pads ``dim`` little (``_pads_little``)."""
+  while block > 64 and not _pads_little(block, dim):
     block //= 2
   return block
 
@@ -343,7 +351,7 @@ def gpu_sweep_configs(
   bands instead of ``side_rows``, the default with its whole staging tile
   when it splits the epilogue (f32 output: 2 stages instead of 3); the
   ``pingpong`` rings (128 x 128 in 6 stages and 64 x 256 in 4; 128 x 192 and
-  192 x 128 where those divide k and n, in 4 stages, in 5 with 64 x 64
+  192 x 128 where those pad k and n little, in 4 stages, in 5 with 64 x 64
   epilogue chunks, and in 4 with two buffers of 64 x 64 chunks), each with
   ``side_rows``, masking by bands, and (128 x 128
   and 64 x 256) with a masking warpgroup; four warp-specialized configs with
@@ -377,12 +385,12 @@ def gpu_sweep_configs(
     bk, bn = min(bk, _fit(256, k)), min(bn, _fit(256, n))
     if bn % 128 == 0 and bk * bn <= 128 * 128:
       pingpongs.append((bk, bn, stages, 2, None, 1))
-  # 128 x 192 / 192 x 128 tiles (where they divide k and n): 19% fewer L2 ->
+  # 128 x 192 / 192 x 128 tiles (where they pad k and n little): 19% fewer L2 ->
   # SMEM bytes per FLOP than 128 x 128, in 4 stages of 40 KiB, or 5 with the
   # epilogue in 64 x 64 chunks, or 4 with two buffers of them (192 x 128 on
   # Qwen3-30B down: 0.956x the 5-stage 128 x 192 ring, H200 2026-12-02).
   for bk, bn in ((128, 192), (192, 128)):
-    if k % bk == 0 and n % bn == 0:
+    if _pads_little(bk, k) and _pads_little(bn, n):
       pingpongs += [(bk, bn, 4, bn // 64, None, 1), (bk, bn, 5, bn // 64, 64, 1),
                     (bk, bn, 4, bn // 64, 64, 2)]
   for bk, bn, stages, split, rows, buffers in pingpongs:
