@@ -69,6 +69,22 @@ def test_h200_automatic_choice_uses_the_table():
   assert type(dw.config).__name__ == want and dw.measured
 
 
+def test_swap_entry_fitted_to_the_call_rows_per_group():
+  # Qwen3-30B gate_up at 2048 tokens borrows the 4096-token entry (256-row swap
+  # tiles); with ~128 rows per group it runs 160-row tiles (v40c: 0.80x the time).
+  full = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=H200, **GATE_UP)
+  half = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=H200,
+                         **dict(GATE_UP, m=16384))
+  assert full.config.swap and full.config.swap_rows + full.config.tail_rows > 256
+  assert half.config == mosaic_fwd.one_tile_groups(full.config, 160)
+  assert "swap tiles of 160 rows for 128 rows per group" in half.reason and not half.measured
+  # A shard of that call: the full call's rows per group, the row-major ring.
+  shard = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=H200, has_offset=True,
+                          **dict(GATE_UP, m=16384, g=16))
+  assert shard.config.ring and not shard.config.swap and shard.config.producer_zeros
+  assert "swap tiles" not in shard.reason  # the ring runs: nothing to fit
+
+
 def test_h200_rules_before_the_table():
   assert dispatch.choose("gmm", None, dtype=jnp.float32, device=H200, **GATE_UP).implementation == "xla"
   hi = dispatch.choose("gmm", None, dtype=jnp.bfloat16, precision=jax.lax.Precision.HIGHEST,

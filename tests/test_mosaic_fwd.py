@@ -372,7 +372,9 @@ def test_default_and_sweep_on_qwen_shapes():
     "k,n,transpose_rhs,out_dtype",
     [(2048, 1536, False, jnp.bfloat16), (2048, 1536, True, jnp.bfloat16),
      (768, 2048, False, jnp.bfloat16), (768, 2048, True, jnp.bfloat16),
-     (2048, 1536, False, jnp.float32)],
+     (2048, 1536, False, jnp.float32),
+     # gpt-oss down / gate_up dX: 192-column tiles, 128-column rings past n
+     (2880, 2880, False, jnp.bfloat16), (2880, 5760, True, jnp.bfloat16)],
 )
 def test_sweep_lowers_for_sm90(k, n, transpose_rhs, out_dtype):
   m, g = 32768, 128
@@ -421,6 +423,20 @@ def test_two_warpgroups_without_the_skip():
   # 6 k steps of 64 over 4 stages cannot chain: no chained candidate.
   sweep = mosaic_fwd.gpu_sweep_configs(32768, 384, 1536, 128, False)
   assert not any(c.pipeline_across_tiles for c in sweep)
+
+
+@pytest.mark.parametrize("n", [2880, 5760])
+def test_sweep_offers_the_rings_where_the_default_tile_is_192_wide(n):
+  # gpt-oss (k 2880; n 2880 / 5760 = 15 / 30 x 192): the default's 192-column
+  # tiles, and the ring in them; the ring's tails and swap in 128-column tiles.
+  for tr in (False, True):
+    sweep = mosaic_fwd.gpu_sweep_configs(16384, 2880, n, 128, tr)
+    assert sweep[0].block_n == 192 and not sweep[0].ring
+    assert any(c.ring and c.block_n == 192 and not c.tail_rows for c in sweep)
+    assert any(c.ring and c.block_n == 128 and c.tail_rows == 32 and not c.swap for c in sweep)
+    assert any(c.swap and c.share_rows for c in sweep)
+    assert {c.swap_rows for c in sweep if c.swap} == {256, 144, 160}  # 128 rows per group
+    assert any(c.split_n for c in sweep)
 
 
 def test_default_is_one_warpgroup_below_128_rows():

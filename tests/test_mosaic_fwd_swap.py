@@ -215,6 +215,39 @@ def test_f32_output_and_small_m_do_not_run_swap(monkeypatch):
   assert mf.fit_config(split, jnp.bfloat16, jnp.bfloat16) == split
 
 
+def test_swap_tiles_fit_the_rows_per_group():
+  # The Qwen3-30B gate_up entry (256 + 32 folded rows, shared rows) on a call
+  # with half its rows per group: one 160-row tile per group of ~128.
+  entry = dataclasses.replace(CFG, num_sms=None, tail_rows=32, tail_split=True,
+                              short_tile_rows=128, share_rows=True, swizzle_staging=True)
+  fitted = mf.fit_rows_per_group(entry, 16384, 128)
+  assert fitted == mf.one_tile_groups(entry, 160) == dataclasses.replace(
+      entry, swap_rows=160, tail_rows=0, tail_split=False, short_tile_rows=64,
+      share_rows=False)
+  assert mf.fit_rows_per_group(entry, 32768, 128) == entry  # ~256 rows: its own size
+  assert mf.fit_rows_per_group(entry, 8192, 128) == entry  # ~64: not measured, kept
+  assert mf.fit_rows_per_group(fitted, 16384, 128) == fitted
+  row_major = mf.MosaicFwdConfig(128, 256, 64, 4, num_compute_wgs=2, ring=True)
+  assert mf.fit_rows_per_group(row_major, 16384, 128) == row_major
+  assert [mf.swap_rows_for_mean(r) for r in (40, 100, 128, 150, 300)] == [64, 128, 160, 192, 256]
+  # Every swap entry of the table already has the fitted form on its own shape.
+  from ragdot import tables  # pylint: disable=g-import-not-at-top
+  table, _ = tables.table_for("NVIDIA H200", "9.0")
+  for key, entry in table.entries.items():
+    op, _, (m, _, _, g) = tables.parse_key(key)
+    if entry["backend"] == "mosaic" and op != "tgmm" and (entry.get("config") or {}).get("swap"):
+      cfg = mf.MosaicFwdConfig(**entry["config"])
+      assert mf.fit_rows_per_group(cfg, *entry["shape"][::3]) == cfg, key
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_fitted_tiles_on_partial_n_tiles_lower_for_sm90(transpose_rhs):
+  # What gpt-oss-120b runs: 160-row tiles over n 2880 (22.5 tiles of 128 columns).
+  cfg = mf.one_tile_groups(dataclasses.replace(CFG, num_sms=None, num_stages=4,
+                                               epilogue_split=2, swizzle_staging=True), 160)
+  assert_gmm_lowers(cfg, m=16384, k=2880, n=2880, g=128, transpose_rhs=transpose_rhs)
+
+
 def test_config_checks():
   with pytest.raises(ValueError, match="swap needs"):
     dataclasses.replace(CFG, block_n=256)

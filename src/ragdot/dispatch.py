@@ -265,6 +265,7 @@ def _automatic(top, dtype, precision_ok, out_dtype, m, k, n, g, num_groups,
   if not precision_ok:
     return xla("non-default precision requested")
   table, why = tables.table_for(device.kind, device.compute_capability)
+  g_eff = None
   if None in (m, k, n, g):
     default = table.data.get("defaults", {}).get(table.canonical_dtype(dtype), {}).get(top)
     if default is None:
@@ -286,10 +287,18 @@ def _automatic(top, dtype, precision_ok, out_dtype, m, k, n, g, num_groups,
                     reason=f"{bad}; table said mosaic; the Triton kernels take any shape")
   config, note = _built_config(hit.backend, top, hit.config_items, dtype,
                                out_dtype or dtype)
-  if has_offset and hit.backend == "mosaic" and top in ("gmm", "gmm_t") and config is not None:
-    # The config a shard call runs (the kernel resolves it the same way):
-    # producer_zeros made concrete, its epilogue split widened to fit.
+  if hit.backend == "mosaic" and top in ("gmm", "gmm_t") and config is not None:
     from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
-    config = mosaic_fwd.resolve_producer_zeros(config, True, dtype, out_dtype or dtype)
+    if has_offset:
+      # The config a shard call runs (the kernel resolves it the same way):
+      # producer_zeros made concrete, its epilogue split widened to fit.
+      config = mosaic_fwd.resolve_producer_zeros(config, True, dtype, out_dtype or dtype)
+    if g_eff:
+      # Swap tiles sized for this call's rows per group (an entry may come from
+      # a bucket with more of them).
+      fitted = mosaic_fwd.fit_rows_per_group(config, m, g_eff)
+      if fitted != config:
+        note += f"; swap tiles of {fitted.swap_rows} rows for {m / g_eff:.0f} rows per group"
+        config = fitted
   return Choice(hit.backend, config=config, automatic=True,
                 reason=hit.reason + note, measured=hit.measured and not note)

@@ -70,9 +70,12 @@ from ragdot.backends.mosaic_fwd_config import (  # noqa: F401  (re-exported)
     _chains_tiles,
     default_config,
     fit_config,
+    fit_rows_per_group,
     gpu_sweep_configs,
+    one_tile_groups,
     resolve_producer_zeros,
     row_major_ring,
+    swap_rows_for_mean,
 )
 
 _IN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

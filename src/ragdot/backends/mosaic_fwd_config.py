@@ -337,6 +337,42 @@ def resolve_producer_zeros(cfg: MosaicFwdConfig, has_offset: bool, dtype: Any,
   return dataclasses.replace(cfg, producer_zeros=False, zero_front=0)
 
 
+def swap_rows_for_mean(mean_rows: float, share: float = 5 / 4) -> int:
+  """Rows per swap tile for groups of ``mean_rows`` rows on average: ``share``
+  of that, a multiple of 16 from 64 to SWAP_ROWS, so most groups are one tile."""
+  return min(SWAP_ROWS, max(64, 16 * math.ceil(mean_rows * share / 16)))
+
+
+def one_tile_groups(cfg: MosaicFwdConfig, rows: int) -> MosaicFwdConfig:
+  """A swap config in tiles of ``rows`` rows without a folded tail, 64-row short
+  tiles and no shared rows: each group of up to ~``rows`` rows is one tile that
+  streams its weight block once."""
+  return dataclasses.replace(cfg, swap_rows=rows, tail_rows=0, tail_split=False,
+                             tail_on_m=False, short_tile_rows=64 if rows > 64 else 0,
+                             share_rows=False)
+
+
+def fit_rows_per_group(cfg: MosaicFwdConfig, m: int, groups: int) -> MosaicFwdConfig:
+  """``cfg`` for a call of ``m`` rows over ``groups`` groups: a swap config whose
+  tiles (rows + folded tail) exceed ``swap_rows_for_mean`` of groups of 96-192
+  rows on average takes ``one_tile_groups`` of that size, else ``cfg``.
+
+  A swap tile computes all its rows whatever its group holds, so the 256-row
+  tiles tuned on groups of ~256 rows run half padding on groups of ~128 (a
+  table entry borrowed by a call with fewer rows per group: gpt-oss-120b's
+  forward on Qwen3-235B's entry ran 1.6x the time of 160-row tiles,
+  docs/performance.md v40a; the Qwen calls at 2048 tokens 1.17-1.25x, v40c).
+  Every swap entry of the table on groups of ~128 rows has this form
+  (DeepSeek-V3, gpt-oss-120b)."""
+  if not cfg.swap or groups <= 0:
+    return cfg
+  mean = m / groups
+  rows = swap_rows_for_mean(mean)
+  if not 96 <= mean <= 192 or cfg.swap_rows + cfg.tail_rows <= rows or m < rows:
+    return cfg
+  return one_tile_groups(cfg, rows)
+
+
 def row_major_ring(cfg: MosaicFwdConfig) -> MosaicFwdConfig:
   """A swap config's row-major ring counterpart (128 x 256 tiles, no tails):
   what runs where swap cannot (shard calls with producer zeros, 32-bit outputs)."""
@@ -454,12 +490,20 @@ def gpu_sweep_configs(
     # from DRAM once per strip instead of once per row-tile strip (ncu: Mixtral
     # gate_up moved ~6x its minimal DRAM bytes with grid_minor_dim=0).
     out += [dataclasses.replace(base, grid_minor_dim=1, grid_tile_width=w) for w in (4, 8)]
+    if base.block_n == 192:  # the ring in the default's 192-column tiles (no tails)
+      c = fit_config(dataclasses.replace(base, ring=True, grid_tile_width=1), dtype, out_dtype)
+      if c is not None and c not in out:
+        out.append(c)
+    # The ring's tails, swap and split_n take tiles of 128 or 256 columns: where
+    # the default's are 192 wide (n an odd multiple of 64 such as gpt-oss's 2880,
+    # or 5760 = 30 x 192), theirs are 128 wide, the last one partly past n.
+    wide = dataclasses.replace(base, block_n=128) if base.block_n == 192 else base
     # The hand-written ring, bare and with folded tails (v14: DeepSeek-V3's
     # 128 +- 11-row groups 0.89x the table with 16; the bare ring 0.94-0.98x on
     # Qwen3-30B).
-    if base.block_n % 128 == 0:
+    if wide.block_n % 128 == 0:
       for tail in (0, 16, 32):  # fit_config drops tails for f32 (a duplicate then)
-        c = fit_config(dataclasses.replace(base, ring=True, tail_rows=tail, grid_tile_width=1),
+        c = fit_config(dataclasses.replace(wide, ring=True, tail_rows=tail, grid_tile_width=1),
                        dtype, out_dtype)
         if c is not None and c not in out:
           out.append(c)
@@ -473,10 +517,10 @@ def gpu_sweep_configs(
       # the time; 128-row short tiles 0.84-0.87x).
       # On 2-CTA clusters sharing the tile's rows (v32a-b: 0.970-0.998x on the six
       # Qwen forward / dX calls).
-      swap = dataclasses.replace(base, ring=True, swap=True, block_n=128, tail_rows=32,
+      swap = dataclasses.replace(wide, ring=True, swap=True, block_n=128, tail_rows=32,
                                  tail_split=True, epilogue_split=2, grid_tile_width=1,
                                  num_stages=4, swizzle_staging=True, short_tile_rows=64,
-                                 share_rows=base.num_sms is None or base.num_sms % 2 == 0)
+                                 share_rows=wide.num_sms is None or wide.num_sms % 2 == 0)
       # The same with the tail row-major on the first consumer (v20: 0.95 / 0.97x the
       # ring on the Qwen3-30B dX calls, a tie with the split fold on the gate_up forwards).
       swap_m = dataclasses.replace(swap, tail_split=False, tail_on_m=True)
@@ -492,15 +536,11 @@ def gpu_sweep_configs(
       # rows 0.942 / 0.924x in two A/Bs, v21h / v22a, and half the lowering time; the
       # forward lost, 1.02-1.05x the ring).  The one without a tail keeps the 64-row
       # short tiles (v27a-b, its dX: 0.986x routed, 0.874x skewed, with the staging).
-      mean = m // max(g, 1)
-      rows = min(SWAP_ROWS, max(64, 16 * math.ceil(mean * 9 / 8 / 16)))
+      mean = m / max(g, 1)  # (as fit_rows_per_group counts it)
       # (not measured with share_rows)
-      small = dataclasses.replace(swap, swap_rows=rows, tail_rows=16, short_tile_rows=0,
-                                  share_rows=False)
-      plain_rows = min(SWAP_ROWS, max(64, 16 * math.ceil(mean * 5 / 4 / 16)))
-      plain = dataclasses.replace(swap, swap_rows=plain_rows, tail_rows=0, tail_split=False,
-                                  short_tile_rows=64 if plain_rows > 64 else 0,
-                                  share_rows=False)
+      small = dataclasses.replace(swap, swap_rows=swap_rows_for_mean(mean, 9 / 8),
+                                  tail_rows=16, short_tile_rows=0, share_rows=False)
+      plain = one_tile_groups(swap, swap_rows_for_mean(mean))
       for c in (small, plain):
         if (96 <= mean <= 192 and m >= c.swap_rows + c.tail_rows
             and jnp.dtype(out_dtype).itemsize == 2 and _fits(c, dtype, out_dtype)):
@@ -508,11 +548,11 @@ def gpu_sweep_configs(
     # 64-row tiles split by columns: half the padding of a group's last tile,
     # 1.67x the L2 -> SMEM bytes per FLOP (the default already runs the L2 at
     # 81% on Qwen3-30B gate_up), so after the likelier winners.
-    if base.block_n % 128 == 0:
+    if wide.block_n % 128 == 0:
       for stages, split, width in ((4, 2, 4), (5, 4, 8)):
-        split = min(split, base.block_n // 64)  # chunks of >= 64 columns
+        split = min(split, wide.block_n // 64)  # chunks of >= 64 columns
         c = fit_config(dataclasses.replace(
-            base, block_m=_WG_ROWS, split_n=True, num_stages=stages,
+            wide, block_m=_WG_ROWS, split_n=True, num_stages=stages,
             epilogue_split=split, grid_tile_width=width), dtype, out_dtype)
         if c is not None and c not in out:
           out.append(c)
