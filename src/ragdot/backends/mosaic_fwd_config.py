@@ -17,6 +17,9 @@ from ragdot.backends import sm90
 _SMEM_RESERVE = 1024  # barriers and alignment (48 bytes measured for 2 warpgroups)
 _WG_ROWS = 64  # wgmma M per warpgroup
 SWAP_ROWS = 256  # wgmma's largest N: the default and largest swap_rows
+# Mean rows per group where swap tiles of ~the group's size are measured (v21h,
+# v22a, v40): the sweep offers them and the dispatcher fits entries to them.
+_SMALL_GROUPS = (96, 192)
 
 _EPILOGUE_SPLITS = (1, 2, 3, 4)
 
@@ -368,7 +371,8 @@ def fit_rows_per_group(cfg: MosaicFwdConfig, m: int, groups: int) -> MosaicFwdCo
     return cfg
   mean = m / groups
   rows = swap_rows_for_mean(mean)
-  if not 96 <= mean <= 192 or cfg.swap_rows + cfg.tail_rows <= rows or m < rows:
+  if (not _SMALL_GROUPS[0] <= mean <= _SMALL_GROUPS[1] or cfg.swap_rows + cfg.tail_rows <= rows
+      or m < rows):
     return cfg
   return one_tile_groups(cfg, rows)
 
@@ -542,7 +546,7 @@ def gpu_sweep_configs(
                                   tail_rows=16, short_tile_rows=0, share_rows=False)
       plain = one_tile_groups(swap, swap_rows_for_mean(mean))
       for c in (small, plain):
-        if (96 <= mean <= 192 and m >= c.swap_rows + c.tail_rows
+        if (_SMALL_GROUPS[0] <= mean <= _SMALL_GROUPS[1] and m >= c.swap_rows + c.tail_rows
             and jnp.dtype(out_dtype).itemsize == 2 and _fits(c, dtype, out_dtype)):
           out.append(c)
     # 64-row tiles split by columns: half the padding of a group's last tile,
