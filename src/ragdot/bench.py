@@ -100,6 +100,8 @@ PRESETS: dict[str, list[Shape]] = {
     # Half the tokens: groups of ~128 rows (Qwen), ~64 (DeepSeek-V3), ~1024 (Mixtral),
     # on table entries tuned for twice as many (docs/performance.md v40c).
     "training-2k": _model_shapes(2048, " 2k"),
+    # A quarter: ~64 rows per group (Qwen), ~32 (DeepSeek-V3), ~512 (Mixtral).
+    "training-1k": _model_shapes(1024, " 1k"),
     "decode": _model_shapes(64, " decode"),
     "ep": [Shape("qwen3-30b gate_up ep8 shard", 32768, 2048, 1536, 128, ep=8)],
     "skewed": [Shape("qwen3-30b gate_up skewed", 32768, 2048, 1536, 128, skewed=True)],
