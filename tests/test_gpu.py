@@ -185,6 +185,38 @@ def test_table_swap_entries_real_size(op, shape, shard, layout):
   np.testing.assert_array_equal(np.asarray(out), np.asarray(run(x, w)))
 
 
+@pytest.mark.parametrize("op,shape", [
+    ("fwd", (8192, 2048, 1536, 128)), ("dx", (8192, 768, 2048, 128)),
+    ("fwd", (8192, 4096, 3072, 128)), ("dx", (16384, 2048, 7168, 256)),
+    ("fwd", (8192, 2880, 5760, 128)), ("dx", (8192, 2880, 2880, 128))],
+                         ids=["qwen30b_gate_up_1k_fwd", "qwen30b_down_1k_dx",
+                              "qwen235b_gate_up_1k_fwd", "deepseek_down_2k_dx",
+                              "gpt_oss_120b_gate_up_2k_fwd", "gpt_oss_120b_down_2k_dx"])
+@pytest.mark.parametrize("layout", ["routed", "skewed"])
+def test_fitted_swap_tiles_real_size(op, shape, layout):
+  """The automatic choice on calls of ~64 rows per group, whose borrowed swap
+  entries the dispatcher fits to 80 + 16 rows (a split tail, no short tiles):
+  the oracle on NaN-poisoned memory, bitwise repeatable; skewed routing puts
+  most rows in a few groups (many tiles each) and leaves others empty."""
+  m, k, n, g = shape
+  sizes = _sizes(m, g, layout)
+  choice = dispatch_choice(op, Shape("t", m, k, n, g))
+  assert choice.implementation == "mosaic" and choice.config.swap
+  assert (choice.config.swap_rows, choice.config.tail_rows) == (80, 16), choice.reason
+  dx = op == "dx"
+  x, w = oracle.random_inputs(jax.random.key(m + k + n), [(m, n if dx else k), (g, k, n)],
+                              jnp.bfloat16)
+  gs = jnp.asarray(sizes)
+  dn = DN_DX if dx else ragdot.RaggedDotDimensionNumbers((([1], [1]), ([], [])), [0], [0])
+  run = jax.jit(lambda x, w: ragdot.ragged_dot_general(x, w, gs, dn))
+  _poison(4 * m * max(n, k))
+  out = run(x, w)
+  oracle.assert_close(out, oracle.np_ragged_dot(x, w, sizes, None, transpose_rhs=dx),
+                      jnp.bfloat16)
+  oracle.assert_zero_rows(out, sizes, None, g)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(run(x, w)))
+
+
 def _check_mosaic_gmm(cfg, shape, transpose_rhs, offset, seed):
   """mosaic_fwd.gmm with ``cfg`` at a real size on NaN-poisoned memory: against
   the f32 oracle, exact zeros outside the shard (``offset``: half the groups),

@@ -75,6 +75,10 @@ def test_matches_oracle(sizes, m, k, n, offset, num_local, transpose_rhs, tail_r
     ([130, 140, 150, 0, 60], 640, 128, 192, None, 5, False, 0, "fold", 160),
     ([70, 60, 0, 75, 9], 320, 64, 128, None, 5, False, 8, "fold", 64),
     ([70, 60, 0, 75, 9], 320, 64, 128, 1, 3, True, 0, "fold", 64),
+    # 80 + 16 split (groups of ~64 rows, tail_fold_groups): 90 and 96 rows fold 10 / 16,
+    # 100 rows is two tiles, 40 one short one; rows past the groups
+    ([90, 96, 0, 100, 40], 400, 128, 192, None, 5, False, 16, "split", 80),
+    ([90, 96, 0, 100, 40], 400, 64, 128, 1, 3, True, 16, "split", 80),  # a shard, dX
 ])
 def test_fewer_rows_per_tile_match_oracle(sizes, m, k, n, offset, num_local, transpose_rhs,
                                           tail_rows, tail, swap_rows):
@@ -225,8 +229,16 @@ def test_swap_tiles_fit_the_rows_per_group():
       entry, swap_rows=160, tail_rows=0, tail_split=False, short_tile_rows=64,
       share_rows=False)
   assert mf.fit_rows_per_group(entry, 32768, 128) == entry  # ~256 rows: its own size
-  assert mf.fit_rows_per_group(entry, 8192, 128) == entry  # ~64: not measured, kept
+  # ~64 rows: 80 + 16 rows folded as a split tail, no short tiles.
+  few = mf.fit_rows_per_group(entry, 8192, 128)
+  assert few == mf.tail_fold_groups(entry, 80) == dataclasses.replace(
+      entry, swap_rows=80, tail_rows=16, tail_split=True, short_tile_rows=0,
+      share_rows=False)
+  assert mf.fit_rows_per_group(few, 8192, 128) == few
+  assert mf.fit_rows_per_group(entry, 5000, 128) == entry  # ~39 rows: not measured, kept
+  assert mf.fit_rows_per_group(entry, 90, 1) == entry  # fewer rows than one fitted tile
   assert mf.fit_rows_per_group(fitted, 16384, 128) == fitted
+  assert mf.fit_rows_per_group(fitted, 8192, 128) == mf.tail_fold_groups(fitted, 80)
   row_major = mf.MosaicFwdConfig(128, 256, 64, 4, num_compute_wgs=2, ring=True)
   assert mf.fit_rows_per_group(row_major, 16384, 128) == row_major
   assert [mf.swap_rows_for_mean(r) for r in (40, 100, 128, 150, 300)] == [64, 128, 160, 192, 256]
@@ -242,10 +254,14 @@ def test_swap_tiles_fit_the_rows_per_group():
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 def test_fitted_tiles_on_partial_n_tiles_lower_for_sm90(transpose_rhs):
-  # What gpt-oss-120b runs: 160-row tiles over n 2880 (22.5 tiles of 128 columns).
-  cfg = mf.one_tile_groups(dataclasses.replace(CFG, num_sms=None, num_stages=4,
-                                               epilogue_split=2, swizzle_staging=True), 160)
-  assert_gmm_lowers(cfg, m=16384, k=2880, n=2880, g=128, transpose_rhs=transpose_rhs)
+  # What gpt-oss-120b runs: 160-row tiles over n 2880 (22.5 tiles of 128 columns),
+  # and at 2048 tokens (~64 rows per group) 80 + 16.
+  base = dataclasses.replace(CFG, num_sms=None, num_stages=4, epilogue_split=2,
+                             swizzle_staging=True)
+  assert_gmm_lowers(mf.one_tile_groups(base, 160), m=16384, k=2880, n=2880, g=128,
+                    transpose_rhs=transpose_rhs)
+  assert_gmm_lowers(mf.tail_fold_groups(base, 80), m=8192, k=2880, n=2880, g=128,
+                    transpose_rhs=transpose_rhs)
 
 
 def test_config_checks():
@@ -311,7 +327,8 @@ def test_config_checks():
     (0, 4, "fold", 256), (32, 4, "fold", 256), (64, 3, "fold", 256), (32, 4, "split", 256),
     (16, 4, "split", 256), (32, 4, "m", 256), (0, 4, "fold", 160), (16, 4, "m", 144),
     (16, 4, "split", 144), (32, 4, "split", (256, 128)), (32, 4, "m", (256, 64)),
-    (0, 4, "fold", (160, 64)), (0, 4, "fold", (160, 128)), (0, 4, "fold", (176, 128))])
+    (0, 4, "fold", (160, 64)), (0, 4, "fold", (160, 128)), (0, 4, "fold", (176, 128)),
+    (16, 4, "split", 80)])
 def test_lowers_for_sm90(transpose_rhs, tail_rows, stages, tail, swap_rows):
   m, k, n, g = 4096, 2048, 1536, 128
   swap_rows, short = swap_rows if isinstance(swap_rows, tuple) else (swap_rows, 0)

@@ -298,7 +298,9 @@ def _automatic(top, dtype, precision_ok, out_dtype, m, k, n, g, num_groups,
       # a bucket with more of them).
       fitted = mosaic_fwd.fit_rows_per_group(config, m, g_eff)
       if fitted != config:
-        note += f"; swap tiles of {fitted.swap_rows} rows for {m / g_eff:.0f} rows per group"
+        tail = f" + {fitted.tail_rows}" if fitted.tail_rows else ""
+        note += (f"; swap tiles of {fitted.swap_rows}{tail} rows for {m / g_eff:.0f} rows "
+                 "per group")
         config = fitted
   return Choice(hit.backend, config=config, automatic=True,
                 reason=hit.reason + note, measured=hit.measured and not note)

@@ -76,6 +76,7 @@ from ragdot.backends.mosaic_fwd_config import (  # noqa: F401  (re-exported)
     resolve_producer_zeros,
     row_major_ring,
     swap_rows_for_mean,
+    tail_fold_groups,
 )
 
 _IN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

@@ -20,6 +20,8 @@ SWAP_ROWS = 256  # wgmma's largest N: the default and largest swap_rows
 # Mean rows per group where swap tiles of ~the group's size are measured (v21h,
 # v22a, v40): the sweep offers them and the dispatcher fits entries to them.
 _SMALL_GROUPS = (96, 192)
+# Below that, down to ~48 rows: the folded-tail form (measured at 64, v41a).
+_FEW_ROWS = (48, 96)
 
 _EPILOGUE_SPLITS = (1, 2, 3, 4)
 
@@ -355,10 +357,31 @@ def one_tile_groups(cfg: MosaicFwdConfig, rows: int) -> MosaicFwdConfig:
                              share_rows=False)
 
 
+def tail_fold_groups(cfg: MosaicFwdConfig, rows: int) -> MosaicFwdConfig:
+  """A swap config in tiles of ``rows`` rows with 16 tail rows folded as a split
+  tail, no short tiles and no shared rows: a group of up to ``rows`` + 16 rows
+  is one tile."""
+  return dataclasses.replace(cfg, swap_rows=rows, tail_rows=16, tail_split=True,
+                             tail_on_m=False, short_tile_rows=0, share_rows=False)
+
+
+def _fitted_form(cfg: MosaicFwdConfig, mean: float) -> MosaicFwdConfig | None:
+  """The swap tiles for groups of ``mean`` rows on average (None outside the
+  windows where they are measured)."""
+  if _SMALL_GROUPS[0] <= mean <= _SMALL_GROUPS[1]:
+    return one_tile_groups(cfg, swap_rows_for_mean(mean))
+  if _FEW_ROWS[0] <= mean < _FEW_ROWS[1]:
+    return tail_fold_groups(cfg, swap_rows_for_mean(mean, 9 / 8))
+  return None
+
+
 def fit_rows_per_group(cfg: MosaicFwdConfig, m: int, groups: int) -> MosaicFwdConfig:
   """``cfg`` for a call of ``m`` rows over ``groups`` groups: a swap config whose
-  tiles (rows + folded tail) exceed ``swap_rows_for_mean`` of groups of 96-192
-  rows on average takes ``one_tile_groups`` of that size, else ``cfg``.
+  tiles (rows + folded tail) exceed those fitted to the call's mean group takes
+  the fitted ones, else ``cfg``.  Groups of 96-192 rows on average:
+  ``one_tile_groups`` of ``swap_rows_for_mean``; of 48-96: ``tail_fold_groups``
+  of 9/8 the mean (at 64 rows, 80 + 16: 0.80-0.97x the time of the entries tuned
+  on 4096 tokens that the Qwen3 calls at 1024 borrow, v41a).
 
   A swap tile computes all its rows whatever its group holds, so the 256-row
   tiles tuned on groups of ~256 rows run half padding on groups of ~128 (a
@@ -369,12 +392,13 @@ def fit_rows_per_group(cfg: MosaicFwdConfig, m: int, groups: int) -> MosaicFwdCo
   (DeepSeek-V3, gpt-oss-120b)."""
   if not cfg.swap or groups <= 0:
     return cfg
-  mean = m / groups
-  rows = swap_rows_for_mean(mean)
-  if (not _SMALL_GROUPS[0] <= mean <= _SMALL_GROUPS[1] or cfg.swap_rows + cfg.tail_rows <= rows
-      or m < rows):
+  fitted = _fitted_form(cfg, m / groups)
+  if fitted is None:
     return cfg
-  return one_tile_groups(cfg, rows)
+  rows = fitted.swap_rows + fitted.tail_rows
+  if cfg.swap_rows + cfg.tail_rows <= rows or m < rows:
+    return cfg
+  return fitted
 
 
 def row_major_ring(cfg: MosaicFwdConfig) -> MosaicFwdConfig:
@@ -540,13 +564,14 @@ def gpu_sweep_configs(
       # rows 0.942 / 0.924x in two A/Bs, v21h / v22a, and half the lowering time; the
       # forward lost, 1.02-1.05x the ring).  The one without a tail keeps the 64-row
       # short tiles (v27a-b, its dX: 0.986x routed, 0.874x skewed, with the staging).
+      # Groups of 48-96 rows: the same two (at 64, 80 + 16 rows 0.80-0.96x and 80
+      # rows 0.82-1.0x the borrowed 4096-token entries, v41a).
       mean = m / max(g, 1)  # (as fit_rows_per_group counts it)
       # (not measured with share_rows)
-      small = dataclasses.replace(swap, swap_rows=swap_rows_for_mean(mean, 9 / 8),
-                                  tail_rows=16, short_tile_rows=0, share_rows=False)
+      small = tail_fold_groups(swap, swap_rows_for_mean(mean, 9 / 8))
       plain = one_tile_groups(swap, swap_rows_for_mean(mean))
       for c in (small, plain):
-        if (_SMALL_GROUPS[0] <= mean <= _SMALL_GROUPS[1] and m >= c.swap_rows + c.tail_rows
+        if (_FEW_ROWS[0] <= mean <= _SMALL_GROUPS[1] and m >= c.swap_rows + c.tail_rows
             and jnp.dtype(out_dtype).itemsize == 2 and _fits(c, dtype, out_dtype)):
           out.append(c)
     # 64-row tiles split by columns: half the padding of a group's last tile,
