@@ -2,8 +2,9 @@
 bench preset's shapes (training by default), side by side (GPU machine).
 
   python3 scripts/ab_variants.py OUT_DIR [--ops fwd dx] [--preset training] [--shapes NAME ...]
+      [--shape m,k,n,g[,top_k] ...]
       [--variants "ring=True" "ring=True,tail_rows=16,epilogue_split=4" ...] [--rounds 3]
-      [--triton] [--group-rows R]
+      [--triton] [--unfitted] [--group-rows R]
 
 Per (shape, op): "table" = the dispatcher's automatic choice (backend and
 config from the shipped table), "mosaic" = ``mosaic_fwd.gmm`` with its default
@@ -33,11 +34,29 @@ from ragdot.backends import mosaic_fwd
 from ab_fwd import case_rows, gmm_inputs, parse_fields  # this folder (the script's sys.path[0])
 
 
+def unfitted_choice(s: bench.Shape, call, device: dispatch.Device | None = None
+                    ) -> dispatch.Choice:
+  """The dispatcher's choice for preset shape ``s``'s call with
+  ``fit_rows_per_group`` left out (the table entry's own swap tiles)."""
+  fit = mosaic_fwd.fit_rows_per_group
+  mosaic_fwd.fit_rows_per_group = lambda cfg, m, groups: cfg
+  dispatch.clear_cache()
+  try:
+    return dispatch.choose("gmm", None, dtype=jnp.bfloat16, m=s.m, k=call.k, n=call.n,
+                           g=s.g, num_groups=s.g, transpose_rhs=call.transpose_rhs,
+                           device=device)
+  finally:
+    mosaic_fwd.fit_rows_per_group = fit
+    dispatch.clear_cache()
+
+
 def main() -> None:
   p = argparse.ArgumentParser()
   p.add_argument("out_dir")
   p.add_argument("--ops", nargs="+", default=["fwd", "dx"], choices=["fwd", "dx"])
   p.add_argument("--shapes", nargs="+", default=None, help="preset names (default: all)")
+  p.add_argument("--shape", action="append", default=[], type=bench.parse_shape,
+                 help="m,k,n,g[,top_k] (repeatable): these shapes instead of the preset's")
   p.add_argument("--variants", nargs="+", default=["ring=True"], metavar="F=V,F=V")
   p.add_argument("--base", default="default", choices=["default", "table"],
                  help="the config the variants change")
@@ -47,6 +66,9 @@ def main() -> None:
   p.add_argument("--group-rows", type=int, default=None, metavar="R",
                  help="every group R rows instead of the routed sizes (rows past g x R: "
                       "zeros, the same work in every case)")
+  p.add_argument("--unfitted", action="store_true",
+                 help="also the table's entry as it stood before fit_rows_per_group "
+                      "(case 'unfitted'): the dispatcher's fitting measured against it")
   p.add_argument("--triton", action="store_true",
                  help="also the Triton kernel (its default config unless the table's "
                       "entry for the shape is a Triton one), as the bench's ragdot:triton")
@@ -54,7 +76,7 @@ def main() -> None:
   os.makedirs(args.out_dir, exist_ok=True)
   fields = {v: parse_fields([kv for kv in v.split(",") if kv]) for v in args.variants}
   rows = []
-  for s in bench.preset_shapes(args.preset, args.shapes):
+  for s in args.shape or bench.preset_shapes(args.preset, args.shapes):
     if s.ep > 1:
       raise SystemExit(f"{s.name}: EP shard shapes are timed by scripts/diag_ep.py")
     if args.group_rows is not None and args.group_rows * s.g > s.m:
@@ -77,6 +99,11 @@ def main() -> None:
       base = mosaic_fwd.default_config(s.m, call.k, call.n, s.g, jnp.bfloat16, tr, jnp.bfloat16)
       cases = {"table": run(mod, choice.config), "mosaic": run(mosaic_fwd, base)}
       configs = {"table": choice.config, "mosaic": base}
+      if args.unfitted:
+        entry = unfitted_choice(s, call)
+        if entry.config != choice.config:
+          cases["unfitted"] = run(backends.get_backend(entry.implementation), entry.config)
+          configs["unfitted"] = entry.config
       if args.triton:
         triton = dispatch.choose("gmm", "triton", dtype=jnp.bfloat16, m=s.m, k=call.k,
                                  n=call.n, g=s.g, num_groups=s.g, transpose_rhs=tr)

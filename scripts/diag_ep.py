@@ -1,10 +1,11 @@
 """Where does the EP-shard forward's time go? (GPU machine; a diagnostic, not a bench)
 
   python3 scripts/diag_ep.py OUT_DIR [--op fwd|dx] [--rounds 3] [--variant "FIELD=VALUE ..." ...]
+      [--shape m,k,n,g[,top_k] [--ep 8]]
 
 On the bench's EP preset (Qwen3-30B gate_up, shard 0 of 8: 16 local experts,
-full-m output with zeros outside the shard's rows) times, interleaved (CUPTI,
-all kernels of one call):
+full-m output with zeros outside the shard's rows; ``--shape``: shard 0 of
+``--ep`` of that call instead) times, interleaved (CUPTI, all kernels of one call):
   A     the automatic choice (group_offset);
   B     A's Mosaic config with ``guard_last_stage=False``;
   T     the Triton backend (group_offset);
@@ -46,9 +47,16 @@ def main() -> None:
   p.add_argument("--iterations", type=int, default=10)
   p.add_argument("--variant", action="append", default=[], metavar='"FIELD=VALUE ..."',
                  help="MosaicFwdConfig fields replaced in A's config (one case each)")
+  p.add_argument("--shape", type=bench.parse_shape, default=None, metavar="m,k,n,g[,top_k]",
+                 help="the full call whose shard is timed (default: the EP preset's)")
+  p.add_argument("--ep", type=int, default=8, help="shards of --shape's experts")
   args = p.parse_args()
   os.makedirs(args.out_dir, exist_ok=True)
   s = bench.PRESETS["ep"][0]
+  if args.shape is not None:
+    if args.shape.g % args.ep:
+      raise SystemExit(f"--ep {args.ep} must divide the {args.shape.g} experts")
+    s = dataclasses.replace(args.shape, name=f"{args.shape.name} ep{args.ep} shard", ep=args.ep)
   local = s.g // s.ep
   sizes, empty, rows8 = bench.ep_shard_sizes(s)
   rows = int(sizes[:local].sum())

@@ -40,3 +40,23 @@ def test_variant_table_is_what_the_dispatcher_reads(tmp_path, monkeypatch):
     monkeypatch.delenv(tables.ENV_DIR)
     dispatch.clear_cache()
   assert _dw_side_rows()
+
+
+def test_ab_variants_unfitted_case_is_the_entry_before_fitting():
+  import ab_variants  # pylint: disable=g-import-not-at-top
+  from ragdot import bench  # pylint: disable=g-import-not-at-top
+  from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
+  s = bench.preset_shapes("training-1k", ["qwen3-30b down 1k"])[0]
+  call = dispatch.backend_call("fwd", s.k, s.n)
+  dispatch.clear_cache()
+  fitted = dispatch.choose("gmm", None, dtype=jnp.bfloat16, m=s.m, k=call.k, n=call.n, g=s.g,
+                           num_groups=s.g, device=H200)
+  fit = mosaic_fwd.fit_rows_per_group
+  entry = ab_variants.unfitted_choice(s, call, H200)
+  assert mosaic_fwd.fit_rows_per_group is fit  # restored
+  assert fitted.config == mosaic_fwd.fit_rows_per_group(entry.config, s.m, s.g) != entry.config
+  assert entry.config.swap_rows + entry.config.tail_rows > 96 == (
+      fitted.config.swap_rows + fitted.config.tail_rows)
+  assert dispatch.choose(  # and the cache holds the fitted choice again
+      "gmm", None, dtype=jnp.bfloat16, m=s.m, k=call.k, n=call.n, g=s.g, num_groups=s.g,
+      device=H200).config == fitted.config
