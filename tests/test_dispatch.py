@@ -78,11 +78,21 @@ def test_swap_entry_fitted_to_the_call_rows_per_group():
   assert full.config.swap and full.config.swap_rows + full.config.tail_rows > 256
   assert half.config == mosaic_fwd.one_tile_groups(full.config, 160)
   assert "swap tiles of 160 rows for 128 rows per group" in half.reason and not half.measured
-  # A shard of that call: the full call's rows per group, the row-major ring.
+  # A shard of that call: the full call's rows per group; Qwen3-30B's 6 MB experts
+  # keep the row-major ring (v41f: 0.96x swap's time).
   shard = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=H200, has_offset=True,
                           **dict(GATE_UP, m=16384, g=16))
   assert shard.config.ring and not shard.config.swap and shard.config.producer_zeros
   assert "swap tiles" not in shard.reason  # the ring runs: nothing to fit
+  # gpt-oss-120b's shard (~128 rows per group, 17-33 MB experts): swap stays, its
+  # consumers writing the zero rows (v41e: 0.83-0.90x the ring's time).
+  for k, n in ((2880, 5760), (2880, 2880)):
+    full = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=H200, m=16384, k=k, n=n,
+                           g=128, num_groups=128)
+    ep = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=H200, has_offset=True,
+                         m=16384, k=k, n=n, g=16, num_groups=128)
+    assert ep.config == dataclasses.replace(full.config, producer_zeros=False, zero_front=0)
+    assert "consumer-written zeros for 128 rows per group" in ep.reason and not ep.measured
 
 
 def test_h200_rules_before_the_table():

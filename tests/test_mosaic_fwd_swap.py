@@ -252,6 +252,21 @@ def test_swap_tiles_fit_the_rows_per_group():
       assert mf.fit_rows_per_group(cfg, *entry["shape"][::3]) == cfg, key
 
 
+def test_shard_keeps_swap_on_groups_of_about_128_rows():
+  entry = dataclasses.replace(CFG, num_sms=None, swap_rows=160, short_tile_rows=64,
+                              swizzle_staging=True)
+  gpt_oss = 2880 * 2880 * 2  # an expert's weights, bytes (gpt-oss-120b down)
+  kept = mf.shard_keeps_swap(entry, 16384, 128, gpt_oss)
+  assert kept == dataclasses.replace(entry, producer_zeros=False, zero_front=0)
+  assert mf.resolve_producer_zeros(kept, True, jnp.bfloat16, jnp.bfloat16) == kept
+  # ~256 and ~64 rows per group, or Qwen3-30B gate_up's 6 MB experts: the ring as before
+  for m, expert in ((32768, gpt_oss), (8192, gpt_oss), (16384, 2048 * 1536 * 2)):
+    assert mf.shard_keeps_swap(entry, m, 128, expert) == entry
+    assert not mf.resolve_producer_zeros(entry, True, jnp.bfloat16, jnp.bfloat16).swap
+  explicit = dataclasses.replace(CFG, num_sms=None, swap=False, block_n=256, producer_zeros=True)
+  assert mf.shard_keeps_swap(explicit, 16384, 128, gpt_oss) == explicit
+
+
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 def test_fitted_tiles_on_partial_n_tiles_lower_for_sm90(transpose_rhs):
   # What gpt-oss-120b runs: 160-row tiles over n 2880 (22.5 tiles of 128 columns),
@@ -261,6 +276,11 @@ def test_fitted_tiles_on_partial_n_tiles_lower_for_sm90(transpose_rhs):
   assert_gmm_lowers(mf.one_tile_groups(base, 160), m=16384, k=2880, n=2880, g=128,
                     transpose_rhs=transpose_rhs)
   assert_gmm_lowers(mf.tail_fold_groups(base, 80), m=8192, k=2880, n=2880, g=128,
+                    transpose_rhs=transpose_rhs)
+  # An EP=8 shard of the first (swap, consumer-written zeros).
+  assert_gmm_lowers(mf.shard_keeps_swap(mf.one_tile_groups(base, 160), 16384, 128,
+                                        2880 * 2880 * 2),
+                    m=16384, k=2880, n=2880, g=128, local=16, with_offset=True,
                     transpose_rhs=transpose_rhs)
 
 

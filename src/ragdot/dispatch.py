@@ -290,6 +290,11 @@ def _automatic(top, dtype, precision_ok, out_dtype, m, k, n, g, num_groups,
   if hit.backend == "mosaic" and top in ("gmm", "gmm_t") and config is not None:
     from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
     if has_offset:
+      if g_eff:
+        kept = mosaic_fwd.shard_keeps_swap(config, m, g_eff, k * n * jnp.dtype(dtype).itemsize)
+        if kept != config:
+          note += f"; swap with consumer-written zeros for {m / g_eff:.0f} rows per group"
+          config = kept
       # The config a shard call runs (the kernel resolves it the same way):
       # producer_zeros made concrete, its epilogue split widened to fit.
       config = mosaic_fwd.resolve_producer_zeros(config, True, dtype, out_dtype or dtype)

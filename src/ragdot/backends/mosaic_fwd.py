@@ -75,6 +75,7 @@ from ragdot.backends.mosaic_fwd_config import (  # noqa: F401  (re-exported)
     one_tile_groups,
     resolve_producer_zeros,
     row_major_ring,
+    shard_keeps_swap,
     swap_rows_for_mean,
     tail_fold_groups,
 )

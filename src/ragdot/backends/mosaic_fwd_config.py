@@ -401,6 +401,32 @@ def fit_rows_per_group(cfg: MosaicFwdConfig, m: int, groups: int) -> MosaicFwdCo
   return fitted
 
 
+# A shard's swap tiles pay off where an expert's weights are this large (bytes).
+_SHARD_SWAP_EXPERT_BYTES = 10 << 20
+
+
+def shard_keeps_swap(cfg: MosaicFwdConfig, m: int, groups: int,
+                     expert_bytes: int) -> MosaicFwdConfig:
+  """``cfg`` for a shard call of a full call of ``m`` rows over ``groups``
+  groups whose experts' weights take ``expert_bytes`` each: a swap config
+  (``producer_zeros=None``) on groups of 96-192 rows on average and experts of
+  >= 10 MB stays swap, its consumers writing the zero rows
+  (``producer_zeros=False``), instead of becoming the row-major ring.
+
+  Measured on EP=8 shards of calls with ~128 rows per group (docs/performance.md
+  v41e-g), the ring's time over swap's: gpt-oss-120b (17-33 MB experts) 1.11-1.21x,
+  Qwen3-235B gate_up at 2048 tokens (25 MB) 1.26x, DeepSeek-V3 down's dX (29 MB)
+  1.21x, its gate_up (59 MB) 1.34x, Qwen3-30B gate_up at 2048 tokens (6 MB) 0.96x; on
+  groups of ~256 rows the ring is best (Qwen3-30B's shard, v17).  (A reading: the ring's
+  128-row tiles take two tiles for every group over 128 rows, and the second one
+  reads the expert's weights again, from L2 only where they are small.)"""
+  if (not cfg.swap or cfg.producer_zeros is not None or groups <= 0
+      or expert_bytes < _SHARD_SWAP_EXPERT_BYTES
+      or not _SMALL_GROUPS[0] <= m / groups <= _SMALL_GROUPS[1]):
+    return cfg
+  return dataclasses.replace(cfg, producer_zeros=False, zero_front=0)
+
+
 def row_major_ring(cfg: MosaicFwdConfig) -> MosaicFwdConfig:
   """A swap config's row-major ring counterpart (128 x 256 tiles, no tails):
   what runs where swap cannot (shard calls with producer zeros, 32-bit outputs)."""
