@@ -73,6 +73,8 @@ def main() -> None:
                  help="also the Triton kernel (its default config unless the table's "
                       "entry for the shape is a Triton one), as the bench's ragdot:triton")
   args = p.parse_args()
+  if args.shape and args.shapes:
+    p.error("--shape and --shapes: give one of them")
   os.makedirs(args.out_dir, exist_ok=True)
   fields = {v: parse_fields([kv for kv in v.split(",") if kv]) for v in args.variants}
   rows = []

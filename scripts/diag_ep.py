@@ -51,6 +51,10 @@ def main() -> None:
                  help="the full call whose shard is timed (default: the EP preset's)")
   p.add_argument("--ep", type=int, default=8, help="shards of --shape's experts")
   args = p.parse_args()
+  if args.ep < 2:
+    p.error("--ep: at least 2 shards")
+  if args.ep != 8 and args.shape is None:
+    p.error("--ep needs --shape (the EP preset is 8 shards)")
   os.makedirs(args.out_dir, exist_ok=True)
   s = bench.PRESETS["ep"][0]
   if args.shape is not None:

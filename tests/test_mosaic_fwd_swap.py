@@ -75,10 +75,10 @@ def test_matches_oracle(sizes, m, k, n, offset, num_local, transpose_rhs, tail_r
     ([130, 140, 150, 0, 60], 640, 128, 192, None, 5, False, 0, "fold", 160),
     ([70, 60, 0, 75, 9], 320, 64, 128, None, 5, False, 8, "fold", 64),
     ([70, 60, 0, 75, 9], 320, 64, 128, 1, 3, True, 0, "fold", 64),
-    # 80 + 16 split (groups of ~64 rows, tail_fold_groups): 90 and 96 rows fold 10 / 16,
-    # 100 rows is two tiles, 40 one short one; rows past the groups
-    ([90, 96, 0, 100, 40], 400, 128, 192, None, 5, False, 16, "split", 80),
-    ([90, 96, 0, 100, 40], 400, 64, 128, 1, 3, True, 16, "split", 80),  # a shard, dX
+    # 80 + 16 split (groups of ~64 rows, tail_fold_groups): 88 and 96 rows (from rows 0
+    # and 88) fold 8 / 16, 100 rows is two tiles, 40 one 80-row tile; rows past the groups
+    ([88, 96, 0, 100, 40], 400, 128, 192, None, 5, False, 16, "split", 80),
+    ([88, 96, 0, 100, 40], 400, 64, 128, 1, 3, True, 16, "split", 80),  # a shard, dX
 ])
 def test_fewer_rows_per_tile_match_oracle(sizes, m, k, n, offset, num_local, transpose_rhs,
                                           tail_rows, tail, swap_rows):
@@ -261,8 +261,9 @@ def test_shard_keeps_swap_on_groups_of_about_128_rows():
   assert mf.resolve_producer_zeros(kept, True, jnp.bfloat16, jnp.bfloat16) == kept
   # ~256 and ~64 rows per group, or Qwen3-30B gate_up's 6 MB experts: the ring as before
   for m, expert in ((32768, gpt_oss), (8192, gpt_oss), (16384, 2048 * 1536 * 2)):
-    assert mf.shard_keeps_swap(entry, m, 128, expert) == entry
-    assert not mf.resolve_producer_zeros(entry, True, jnp.bfloat16, jnp.bfloat16).swap
+    same = mf.shard_keeps_swap(entry, m, 128, expert)
+    assert same == entry
+    assert not mf.resolve_producer_zeros(same, True, jnp.bfloat16, jnp.bfloat16).swap
   explicit = dataclasses.replace(CFG, num_sms=None, swap=False, block_n=256, producer_zeros=True)
   assert mf.shard_keeps_swap(explicit, 16384, 128, gpt_oss) == explicit
 

@@ -360,7 +360,7 @@ def one_tile_groups(cfg: MosaicFwdConfig, rows: int) -> MosaicFwdConfig:
 def tail_fold_groups(cfg: MosaicFwdConfig, rows: int) -> MosaicFwdConfig:
   """A swap config in tiles of ``rows`` rows with 16 tail rows folded as a split
   tail, no short tiles and no shared rows: a group of up to ``rows`` + 16 rows
-  is one tile."""
+  (counted from its first row rounded down to a multiple of 8) is one tile."""
   return dataclasses.replace(cfg, swap_rows=rows, tail_rows=16, tail_split=True,
                              tail_on_m=False, short_tile_rows=0, share_rows=False)
 
@@ -380,8 +380,8 @@ def fit_rows_per_group(cfg: MosaicFwdConfig, m: int, groups: int) -> MosaicFwdCo
   tiles (rows + folded tail) exceed those fitted to the call's mean group takes
   the fitted ones, else ``cfg``.  Groups of 96-192 rows on average:
   ``one_tile_groups`` of ``swap_rows_for_mean``; of 48-96: ``tail_fold_groups``
-  of 9/8 the mean (at 64 rows, 80 + 16: 0.80-0.97x the time of the entries tuned
-  on 4096 tokens that the Qwen3 calls at 1024 borrow, v41a).
+  of 9/8 the mean (at 64 rows, 80 + 16: 0.78-0.97x the time of the entries tuned
+  on 4096 tokens that the Qwen3 calls at 1024 borrow, v41b).
 
   A swap tile computes all its rows whatever its group holds, so the 256-row
   tiles tuned on groups of ~256 rows run half padding on groups of ~128 (a
@@ -401,8 +401,11 @@ def fit_rows_per_group(cfg: MosaicFwdConfig, m: int, groups: int) -> MosaicFwdCo
   return fitted
 
 
-# A shard's swap tiles pay off where an expert's weights are this large (bytes).
+# A shard's swap tiles pay off where an expert's weights are this large (bytes), on
+# groups of this many rows on average: set between measured points (6 MB lost, 17-59
+# MB won, all at ~128 rows; v41e-g), not measured at their edges.
 _SHARD_SWAP_EXPERT_BYTES = 10 << 20
+_SHARD_SWAP_GROUPS = (96, 192)
 
 
 def shard_keeps_swap(cfg: MosaicFwdConfig, m: int, groups: int,
@@ -414,7 +417,7 @@ def shard_keeps_swap(cfg: MosaicFwdConfig, m: int, groups: int,
   (``producer_zeros=False``), instead of becoming the row-major ring.
 
   Measured on EP=8 shards of calls with ~128 rows per group (docs/performance.md
-  v41e-g), the ring's time over swap's: gpt-oss-120b (17-33 MB experts) 1.11-1.21x,
+  v41e-g), the ring's time over swap's: gpt-oss-120b (17-33 MB experts) 1.12-1.21x,
   Qwen3-235B gate_up at 2048 tokens (25 MB) 1.26x, DeepSeek-V3 down's dX (29 MB)
   1.21x, its gate_up (59 MB) 1.34x, Qwen3-30B gate_up at 2048 tokens (6 MB) 0.96x; on
   groups of ~256 rows the ring is best (Qwen3-30B's shard, v17).  (A reading: the ring's
@@ -422,7 +425,7 @@ def shard_keeps_swap(cfg: MosaicFwdConfig, m: int, groups: int,
   reads the expert's weights again, from L2 only where they are small.)"""
   if (not cfg.swap or cfg.producer_zeros is not None or groups <= 0
       or expert_bytes < _SHARD_SWAP_EXPERT_BYTES
-      or not _SMALL_GROUPS[0] <= m / groups <= _SMALL_GROUPS[1]):
+      or not _SHARD_SWAP_GROUPS[0] <= m / groups <= _SHARD_SWAP_GROUPS[1]):
     return cfg
   return dataclasses.replace(cfg, producer_zeros=False, zero_front=0)
 
@@ -590,7 +593,7 @@ def gpu_sweep_configs(
       # rows 0.942 / 0.924x in two A/Bs, v21h / v22a, and half the lowering time; the
       # forward lost, 1.02-1.05x the ring).  The one without a tail keeps the 64-row
       # short tiles (v27a-b, its dX: 0.986x routed, 0.874x skewed, with the staging).
-      # Groups of 48-96 rows: the same two (at 64, 80 + 16 rows 0.80-0.96x and 80
+      # Groups of 48-96 rows: the same two (at 64, 80 + 16 rows 0.80-0.97x and 80
       # rows 0.82-1.0x the borrowed 4096-token entries, v41a).
       mean = m / max(g, 1)  # (as fit_rows_per_group counts it)
       # (not measured with share_rows)
