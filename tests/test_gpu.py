@@ -198,9 +198,10 @@ def test_table_swap_entries_real_size(op, shape, shard, layout):
 @pytest.mark.parametrize("layout", ["routed", "skewed"])
 def test_fitted_swap_tiles_real_size(op, shape, layout):
   """The automatic choice on calls of ~64 rows per group, whose swap entries
-  (borrowed, or their own for DeepSeek-V3 / gpt-oss-120b) the dispatcher fits to 80 + 16 rows (a split tail, no short tiles):
-  the oracle on NaN-poisoned memory, bitwise repeatable; skewed routing puts
-  most rows in a few groups (many tiles each) and leaves others empty."""
+  (borrowed, or their own for DeepSeek-V3 / gpt-oss-120b) the dispatcher fits
+  to 80 + 16 rows (a split tail, no short tiles): the oracle on NaN-poisoned
+  memory, bitwise repeatable; skewed routing puts most rows in a few groups
+  (many tiles each) and leaves others empty."""
   m, k, n, g = shape
   sizes = _sizes(m, g, layout)
   choice = dispatch_choice(op, Shape("t", m, k, n, g))
