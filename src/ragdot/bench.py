@@ -88,6 +88,22 @@ def model_shapes(model: str, decode_tokens: int = 64) -> list[Shape]:
   return out
 
 
+def ep_local_shapes(ep: int = 8,
+                    models: tuple[str, ...] = ("qwen3-30b", "qwen3-235b", "deepseek-v3",
+                                               "gpt-oss-120b")) -> list[Shape]:
+  """The plain calls one rank of an ``ep``-way expert-parallel split makes after
+  its token all-to-all, at training size: 1/ep of the rows (tokens x top_k) over
+  the rank's 1/ep of the experts, gate_up and down, no group_offset."""
+  out = []
+  for model in models:
+    hidden, inter, experts, top_k, tokens = MODELS[model]
+    m, g = tokens * top_k // ep, experts // ep
+    top_k = min(top_k, g)
+    out.append(Shape(f"{model} gate_up ep{ep} local", m, hidden, 2 * inter, g, top_k))
+    out.append(Shape(f"{model} down ep{ep} local", m, inter, hidden, g, top_k))
+  return out
+
+
 def seed_sweep_shapes() -> list[Shape]:
   """K, N in {256, 512, 1024, 2048} x G in {16, 32} at M = 4096 and 16384."""
   dims = (256, 512, 1024, 2048)
@@ -104,6 +120,8 @@ PRESETS: dict[str, list[Shape]] = {
     "training-1k": _model_shapes(1024, " 1k"),
     "decode": _model_shapes(64, " decode"),
     "ep": [Shape("qwen3-30b gate_up ep8 shard", 32768, 2048, 1536, 128, ep=8)],
+    # What an EP=8 rank runs after its all-to-all: its own rows over its own experts.
+    "ep-local": ep_local_shapes(8),
     "skewed": [Shape("qwen3-30b gate_up skewed", 32768, 2048, 1536, 128, skewed=True)],
     # Every training shape under the skewed routing (a table entry serves both routings).
     "training-skewed": [dataclasses.replace(s, skewed=True)
