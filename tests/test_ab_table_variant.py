@@ -7,6 +7,7 @@ import os
 import sys
 
 import jax.numpy as jnp
+import pytest
 
 from ragdot import dispatch, tables
 
@@ -60,3 +61,35 @@ def test_ab_variants_unfitted_case_is_the_entry_before_fitting():
   assert dispatch.choose(  # and the cache holds the fitted choice again
       "gmm", None, dtype=jnp.bfloat16, m=s.m, k=call.k, n=call.n, g=s.g, num_groups=s.g,
       device=H200).config == fitted.config
+
+
+def test_ab_tables_resolved_choices_read_each_table_and_restore(tmp_path, monkeypatch):
+  import ab_tables  # pylint: disable=g-import-not-at-top
+  from ragdot import bench  # pylint: disable=g-import-not-at-top
+  monkeypatch.delenv(tables.ENV_DIR, raising=False)
+  shipped, _ = tables.table_for(H200.kind, H200.compute_capability)
+  s = bench.Shape("t", 4096, 768, 2048, 16)  # a bucket the new table gets an entry for
+  call = dispatch.backend_call("fwd", s.k, s.n)
+  key = tables.key(call.table_op, "bfloat16", s.m, call.k, call.n, s.g)
+  data = json.loads(json.dumps(shipped.data))
+  data["entries"].pop(key, None)
+  old_path = tmp_path / "old.json"
+  old_path.write_text(json.dumps(data))
+  fields = {"block_m": 128, "block_n": 192, "block_k": 64, "num_stages": 3,
+            "num_compute_wgs": 2}
+  data["entries"][key] = {"backend": "mosaic", "config": fields, "measured": True,
+                          "shape": [s.m, call.k, call.n, s.g]}
+  new_path = tmp_path / "new.json"
+  new_path.write_text(json.dumps(data))
+  old = ab_tables.resolved_choices(str(old_path), [s], H200)
+  new = ab_tables.resolved_choices(str(new_path), [s], H200)
+  assert set(old) == set(new) == {("t", "fwd"), ("t", "dx"), ("t", "dw")}
+  assert new[("t", "fwd")] != old[("t", "fwd")]
+  assert (new[("t", "fwd")][1].block_n, new[("t", "fwd")][1].num_stages) == (192, 3)
+  assert new[("t", "dx")] == old[("t", "dx")] and new[("t", "dw")] == old[("t", "dw")]
+  assert tables.ENV_DIR not in os.environ  # restored, and the caches hold the shipped table
+  assert tables.table_for(H200.kind, H200.compute_capability)[0].path == shipped.path
+  other = dict(data, device_kind="NVIDIA A100")
+  (tmp_path / "a100.json").write_text(json.dumps(other))
+  with pytest.raises(SystemExit, match="NVIDIA A100"):
+    ab_tables.resolved_choices(str(tmp_path / "a100.json"), [s], H200)
