@@ -93,6 +93,15 @@ def test_swap_entry_fitted_to_the_call_rows_per_group():
                          m=16384, k=k, n=n, g=16, num_groups=128)
     assert ep.config == dataclasses.replace(full.config, producer_zeros=False, zero_front=0)
     assert "consumer-written zeros for 128 rows per group" in ep.reason and not ep.measured
+  # Qwen3-30B gate_up's dX shard at ~256 rows per group keeps swap too (v42f: the
+  # ring 1.10-1.12x its time), its forward the ring (v42e).
+  dx = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=H200, has_offset=True,
+                       transpose_rhs=True, m=32768, k=1536, n=2048, g=16, num_groups=128)
+  assert dx.config.swap and dx.config.producer_zeros is False and not dx.config.zero_front
+  assert "consumer-written zeros for 256 rows per group" in dx.reason
+  fwd = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=H200, has_offset=True,
+                        **dict(GATE_UP, g=16))
+  assert not fwd.config.swap and fwd.config.producer_zeros
 
 
 def test_h200_rules_before_the_table():
@@ -219,3 +228,18 @@ def test_f32_weight_gradient_keeps_three_stages_with_a_split_epilogue():
                         **GATE_UP)
   assert f32.config is not None and f32.config.pingpong and f32.config.block_n == 192
   assert f32.config.num_stages == 4
+
+
+def test_1k_token_dx_entries_take_six_stages_and_their_shards_the_four_stage_ring():
+  # v41b / v42g: 6 stages on the fitted 80 + 16 swap tiles gained on these two dX calls
+  # (0.96-0.98x) and lost on Qwen3-30B down's (1.02x), which keeps its own 4-stage entry.
+  for k, n, stages in ((1536, 2048, 6), (3072, 4096, 6), (2048, 768, 4)):
+    full = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=H200, transpose_rhs=True,
+                           m=8192, k=k, n=n, g=128, num_groups=128)
+    assert full.measured and full.config.swap and full.config.num_stages == stages
+    assert full.config.swap_rows + full.config.tail_rows == 96
+    # Their EP=8 shards (~64 rows per group) run the row-major ring with producer zeros,
+    # at no more than the 4 stages it was measured with.
+    shard = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=H200, transpose_rhs=True,
+                            has_offset=True, m=8192, k=k, n=n, g=16, num_groups=128)
+    assert not shard.config.swap and shard.config.producer_zeros and shard.config.num_stages == 4

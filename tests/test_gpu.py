@@ -162,20 +162,21 @@ def test_table_swap_entries_real_size(op, shape, shard, layout):
   """The automatic choice on the shapes whose table entries run the swap kernel
   (Qwen3-30B: split fold, M tail; DeepSeek-V3's dX: 160-row tiles; short tiles
   of 64 / 128 rows, which skewed routing reaches): a swap config is chosen, and
-  the call through ``ragdot`` (a shard call: the row-major ring the swap entry
-  maps to, or on DeepSeek-V3's ~128-row groups swap with consumer-written zeros)
+  the call through ``ragdot`` (a shard call: swap with consumer-written zeros
+  for dX and for DeepSeek-V3's forward, else the row-major ring the swap entry maps to)
   matches the oracle on NaN-poisoned memory, zero rows outside, bitwise repeatable."""
   m, k, n, g = shape
   local = g // 8 if shard else g
   sizes = _sizes(m, g, layout)
   choice = dispatch_choice(op, Shape("t", m, k, n, g, ep=8 if shard else 1))
   assert choice.implementation == "mosaic" and choice.config.ring
-  # A shard call on ~256 rows per group: the entry's row-major ring; on ~128 with
-  # experts of >= 10 MB (DeepSeek-V3's dX) swap with consumer-written zeros.
-  assert choice.config.swap == (not shard or (m / g <= 192 and k * n * 2 >= 10 << 20)), (
-      choice.reason)
-  go = jnp.int32(local) if shard else None
   dx = op == "dx"
+  # A shard call: swap with consumer-written zeros for dX on up to ~288 rows per
+  # group and for the forward on ~128 with experts of >= 10 MB, else the entry's
+  # row-major ring (shard_keeps_swap).
+  assert choice.config.swap == (not shard or (dx and m / g <= 288)
+                                or (m / g <= 192 and k * n * 2 >= 10 << 20)), choice.reason
+  go = jnp.int32(local) if shard else None
   x, w = oracle.random_inputs(jax.random.key(m + k + n + shard),
                               [(m, n if dx else k), (local, k, n)], jnp.bfloat16)
   gs = jnp.asarray(sizes)

@@ -252,7 +252,7 @@ def test_swap_tiles_fit_the_rows_per_group():
       assert mf.fit_rows_per_group(cfg, *entry["shape"][::3]) == cfg, key
 
 
-def test_shard_keeps_swap_on_groups_of_about_128_rows():
+def test_shard_keeps_swap_on_groups_of_about_128_rows_and_dx_up_to_288():
   entry = dataclasses.replace(CFG, num_sms=None, swap_rows=160, short_tile_rows=64,
                               swizzle_staging=True)
   gpt_oss = 2880 * 2880 * 2  # an expert's weights, bytes (gpt-oss-120b down)
@@ -266,6 +266,28 @@ def test_shard_keeps_swap_on_groups_of_about_128_rows():
     assert not mf.resolve_producer_zeros(same, True, jnp.bfloat16, jnp.bfloat16).swap
   explicit = dataclasses.replace(CFG, num_sms=None, swap=False, block_n=256, producer_zeros=True)
   assert mf.shard_keeps_swap(explicit, 16384, 128, gpt_oss) == explicit
+  # dX shards keep swap on groups of up to ~288 rows, small experts included; not on ~64
+  # or ~512.
+  qwen30 = 2048 * 1536 * 2
+  for m, expert in ((32768, qwen30), (16384, qwen30), (16384, gpt_oss), (36864, qwen30)):
+    assert mf.shard_keeps_swap(entry, m, 128, expert, transpose_rhs=True) == kept, m
+  for m in (8192, 65536):
+    assert mf.shard_keeps_swap(entry, m, 128, qwen30, transpose_rhs=True) == entry, m
+  assert mf.shard_keeps_swap(explicit, 32768, 128, qwen30, transpose_rhs=True) == explicit
+
+
+@pytest.mark.parametrize("k,n", [(2048, 1536), (768, 2048)], ids=["gate_up", "down"])
+def test_qwen30b_dx_shard_keeps_swap_and_lowers_for_sm90(k, n):
+  # What the dispatcher hands the dX shard of Qwen3-30B (EP=8, ~256 rows per group):
+  # the full call's swap entry with consumer-written zeros.
+  from ragdot import dispatch  # pylint: disable=g-import-not-at-top
+  h200 = dispatch.Device("gpu", "NVIDIA H200", "9.0")
+  dispatch.clear_cache()
+  c = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=h200, has_offset=True,
+                      transpose_rhs=True, m=32768, k=n, n=k, g=16, num_groups=128)
+  assert c.config.swap and c.config.producer_zeros is False
+  assert_gmm_lowers(c.config, m=32768, k=n, n=k, g=128, local=16, with_offset=True,
+                    transpose_rhs=True)
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])

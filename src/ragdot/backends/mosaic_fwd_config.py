@@ -402,40 +402,51 @@ def fit_rows_per_group(cfg: MosaicFwdConfig, m: int, groups: int) -> MosaicFwdCo
 
 
 # A shard's swap tiles pay off where an expert's weights are this large (bytes), on
-# groups of this many rows on average: set between measured points (6 MB lost, 17-59
-# MB won, all at ~128 rows; v41e-g), not measured at their edges.
+# groups of this many rows on average: set between measured points (forward: 6 MB lost at
+# ~128 and ~256 rows, 17-59 MB won at ~128; v41e-g, v42e), not measured at their edges.
 _SHARD_SWAP_EXPERT_BYTES = 10 << 20
 _SHARD_SWAP_GROUPS = (96, 192)
+# dX shards (rhs read transposed) won at every point measured, 6 MB experts included
+# (~128 rows: 17-33 MB; ~256 rows: 6 MB; v41e-f, v42f): any expert size, up to this
+# many rows per group; 6 MB experts at ~128 rows are not measured.
+_SHARD_SWAP_GROUPS_DX = (96, 288)
 
 
-def shard_keeps_swap(cfg: MosaicFwdConfig, m: int, groups: int,
-                     expert_bytes: int) -> MosaicFwdConfig:
+def shard_keeps_swap(cfg: MosaicFwdConfig, m: int, groups: int, expert_bytes: int,
+                     transpose_rhs: bool = False) -> MosaicFwdConfig:
   """``cfg`` for a shard call of a full call of ``m`` rows over ``groups``
   groups whose experts' weights take ``expert_bytes`` each: a swap config
-  (``producer_zeros=None``) on groups of 96-192 rows on average and experts of
-  >= 10 MB stays swap, its consumers writing the zero rows
-  (``producer_zeros=False``), instead of becoming the row-major ring.
+  (``producer_zeros=None``) stays swap, its consumers writing the zero rows
+  (``producer_zeros=False``), instead of becoming the row-major ring, for
+  forward calls on groups of 96-192 rows on average with experts of >= 10 MB,
+  and for dX calls (``transpose_rhs``) on groups of 96-288 rows.
 
-  Measured on EP=8 shards of calls with ~128 rows per group (docs/performance.md
-  v41e-g), the ring's time over swap's: gpt-oss-120b (17-33 MB experts) 1.12-1.21x,
-  Qwen3-235B gate_up at 2048 tokens (25 MB) 1.26x, DeepSeek-V3 down's dX (29 MB)
-  1.21x, its gate_up (59 MB) 1.34x, Qwen3-30B gate_up at 2048 tokens (6 MB) 0.96x; on
-  groups of ~256 rows the ring is best (Qwen3-30B's shard, v17).  (A reading: the ring's
-  128-row tiles take two tiles for every group over 128 rows, and the second one
-  reads the expert's weights again, from L2 only where they are small.)"""
-  if (not cfg.swap or cfg.producer_zeros is not None or groups <= 0
-      or expert_bytes < _SHARD_SWAP_EXPERT_BYTES
-      or not _SHARD_SWAP_GROUPS[0] <= m / groups <= _SHARD_SWAP_GROUPS[1]):
+  Measured on EP=8 shards (docs/performance.md v41e-g, v42e-f), the ring's time over
+  swap's.  Forward: gpt-oss-120b (17-33 MB experts, ~128 rows) 1.12x,
+  Qwen3-235B gate_up at 2048 tokens (25 MB) 1.26x, DeepSeek-V3 gate_up (59 MB) 1.34x;
+  Qwen3-30B gate_up (6 MB) 0.96x at 2048 tokens (~128 rows) and 0.80-0.85x at 4096
+  (~256 rows).  dX: gpt-oss-120b 1.13-1.21x, DeepSeek-V3 down (29 MB) 1.21x, Qwen3-30B
+  gate_up at 4096 tokens (6 MB, ~256 rows) 1.10-1.12x.  (A reading: the ring's 128-row
+  tiles take two tiles for every group over 128 rows, and the second one reads the
+  expert's weights again, from L2 only where they are small.)"""
+  if not cfg.swap or cfg.producer_zeros is not None or groups <= 0:
+    return cfg
+  lo, hi = _SHARD_SWAP_GROUPS_DX if transpose_rhs else _SHARD_SWAP_GROUPS
+  if not lo <= m / groups <= hi:
+    return cfg
+  if not transpose_rhs and expert_bytes < _SHARD_SWAP_EXPERT_BYTES:
     return cfg
   return dataclasses.replace(cfg, producer_zeros=False, zero_front=0)
 
 
 def row_major_ring(cfg: MosaicFwdConfig) -> MosaicFwdConfig:
-  """A swap config's row-major ring counterpart (128 x 256 tiles, no tails):
-  what runs where swap cannot (shard calls with producer zeros, 32-bit outputs)."""
+  """A swap config's row-major ring counterpart (128 x 256 tiles, no tails, at
+  most 4 stages, as measured): what runs where swap cannot (shard calls with
+  producer zeros, 32-bit outputs)."""
   return dataclasses.replace(cfg, swap=False, block_n=256, tail_rows=0, tail_split=False,
                              tail_on_m=False, swap_rows=SWAP_ROWS, swizzle_staging=False,
-                             short_tile_rows=0, share_rows=False)
+                             short_tile_rows=0, share_rows=False,
+                             num_stages=min(cfg.num_stages, 4))
 
 
 def _fits(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> bool:
