@@ -101,6 +101,20 @@ def test_training_skewed_preset_is_the_training_shapes_skewed():
     assert bench.routed_group_sizes(s).sum() == s.m
 
 
+def test_ep_local_preset_is_one_rank_of_each_models_ep8_split():
+  from ragdot import bench  # pylint: disable=g-import-not-at-top
+  local = {s.name: s for s in bench.PRESETS["ep-local"]}
+  full = {s.name: s for p in ("qwen3-30b", "qwen3-235b", "deepseek-v3", "gpt-oss-120b")
+          for s in bench.PRESETS[p] if not s.name.endswith("decode")}
+  assert sorted(local) == sorted(f"{name} ep8 local" for name in full)
+  for name, f in full.items():
+    s = local[f"{name} ep8 local"]
+    assert (s.m * 8, s.k, s.n, s.g * 8, s.top_k) == (f.m, f.k, f.n, f.g, f.top_k)
+    sizes = bench.routed_group_sizes(s)
+    # Routed over the rank's own experts: every row in a group, every group used.
+    assert sizes.shape == (s.g,) and sizes.sum() == s.m and sizes.min() > 0
+
+
 @pytest.mark.parametrize("op", ["fwd", "dx", "dw", "fwdbwd"])
 def test_bench_baselines_select_their_rows(op, monkeypatch):
   from ragdot import bench  # pylint: disable=g-import-not-at-top
@@ -184,6 +198,29 @@ def test_tune_times_the_triton_candidates_before_the_mosaic_sweep():
   assert backends[:5] == ["mosaic"] + ["triton"] * 4 and "triton" not in backends[5:]
   deep = triton.TritonConfig(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=3)
   assert ("triton", deep) in tune.candidates(task, jnp.bfloat16)[:5]
+
+
+def test_tune_tries_todays_choice_right_after_the_defaults():
+  # v42b-c: twice the sweep's winner lost to the config the call had borrowed, which the
+  # sweep did not hold; today's choice is now a candidate, timed early.
+  from ragdot import dispatch, tune  # pylint: disable=g-import-not-at-top
+  h200 = dispatch.Device("gpu", "NVIDIA H200", "9.0")
+  task = tune.Task("fwd", "deepseek-v3 down ep8 local", 4096, 2048, 7168, 32, 8)
+  today = tune.incumbent_choice(task, jnp.bfloat16, h200)
+  dispatch.clear_cache()
+  auto = dispatch.choose("gmm", None, dtype=jnp.bfloat16, m=4096, k=2048, n=7168, g=32,
+                         num_groups=32, device=h200)
+  assert today == ("mosaic", auto.config) and auto.config.swap
+  cands = tune.candidates(task, jnp.bfloat16, today)
+  assert cands[5] == today and cands.count(today) == 1
+  assert cands[:5] + cands[6:] == [c for c in tune.candidates(task, jnp.bfloat16) if c != today]
+  # dX: the call's k and n are the backend call's (the forward's swapped).
+  dx = tune.Task("dx", "qwen3-30b gate_up", 32768, 1536, 2048, 128, 8)
+  backend, cfg = tune.incumbent_choice(dx, jnp.bfloat16, h200)
+  assert cfg == dispatch.choose("gmm", None, dtype=jnp.bfloat16, m=32768, k=1536, n=2048,
+                                g=128, num_groups=128, transpose_rhs=True, device=h200).config
+  # No GPU kernel today (the xla backend): nothing to add.
+  assert tune.incumbent_choice(task, jnp.bfloat16, dispatch.Device("cpu", "cpu")) is None
 
 
 def test_tune_refuses_without_gpu(capsys):

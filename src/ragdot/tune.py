@@ -36,6 +36,7 @@ import dataclasses
 import datetime
 import functools
 import json
+import os
 import re
 import statistics
 import sys
@@ -83,9 +84,12 @@ def config_fields(config: Any) -> dict[str, Any]:
   return {k: v for k, v in dataclasses.asdict(config).items() if v is not None}
 
 
-def candidates(task: Task, dtype) -> list[tuple[str, Any]]:
+def candidates(task: Task, dtype, incumbent: tuple[str, Any] | None = None
+               ) -> list[tuple[str, Any]]:
   """(backend, Config) pairs to try: the Mosaic default first, then the first
-  four Triton configs, the Mosaic sweep, and (for small problems) the xla backend."""
+  four Triton configs, ``incumbent`` (the config the dispatcher runs for the call
+  today: ``incumbent_choice``), the Mosaic sweep, and (for small problems) the
+  xla backend."""
   from ragdot.backends import mosaic_dw, mosaic_fwd, triton, xla  # pylint: disable=g-import-not-at-top
 
   if task.op == "dw":
@@ -102,12 +106,30 @@ def candidates(task: Task, dtype) -> list[tuple[str, Any]]:
   # Mosaic one in 2-5 s): a 25 s budget spent on the Mosaic sweep never reached
   # them, and on the decode dX calls they hold the winner (docs/performance.md 28g).
   out = [("mosaic", cfgs[0])] + tcfgs
+  # What runs today (a borrowed or fitted entry the sweep may not hold): an entry
+  # never ends up slower than it by the tuner's own timing (docs/performance.md v42b-c).
+  if incumbent is not None and incumbent[1] is not None and incumbent not in out:
+    out.append(incumbent)
   for c in cfgs[1:]:
     if c is not None and ("mosaic", c) not in out:
       out.append(("mosaic", c))
   if task.m * task.k * task.n <= 2**33:  # the xla fallback loops tiles: only small shapes
     out.append(("xla", xla.default_config(task.m, task.g)))
   return out
+
+
+def incumbent_choice(task: Task, dtype, device) -> tuple[str, Any] | None:
+  """(backend, config) the dispatcher picks for ``task``'s call on ``device``
+  with the installed tables (a kernel backend with a config; else None)."""
+  from ragdot import dispatch  # pylint: disable=g-import-not-at-top
+
+  # task.k / task.n are the backend call's already (dX: the forward's n and k).
+  c = dispatch.choose("tgmm" if task.op == "dw" else "gmm", None, dtype=dtype,
+                      out_dtype=dtype, m=task.m, k=task.k, n=task.n, g=task.g,
+                      num_groups=task.g, transpose_rhs=task.op == "dx", device=device)
+  if c.implementation not in ("mosaic", "triton") or c.config is None:
+    return None
+  return c.implementation, c.config
 
 
 def _group_sizes(task: Task, skewed: bool = False, seed: int = 0):
@@ -218,7 +240,8 @@ def _done(table: tables.Table, task: Task, dtype_name: str) -> str | None:
 def tune_task(task: Task, dtype, deadline: float, *, iterations: int, repeats: int,
               jobs: int, progress=None, log=None,
               watchdog: Watchdog | None = None,
-              sustained_s: float = 0.0, skew_slack: float = 0.02) -> dict[str, Any] | None:
+              sustained_s: float = 0.0, skew_slack: float = 0.02,
+              incumbent: tuple[str, Any] | None = None) -> dict[str, Any] | None:
   """Measures every candidate of ``task`` until ``deadline``; the best as an entry.
 
   The candidates within ``skew_slack`` of the fastest (and correct there too)
@@ -232,6 +255,7 @@ def tune_task(task: Task, dtype, deadline: float, *, iterations: int, repeats: i
   ``log``, when given, is called with one dict per candidate tried (backend,
   config, ms or error, rel_err): the A/B record behind the table entry.
   ``watchdog``, when given, is armed while each candidate runs on the device.
+  ``incumbent``: the call's config today, tried among the candidates.
   """
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -253,7 +277,7 @@ def tune_task(task: Task, dtype, deadline: float, *, iterations: int, repeats: i
 
   lhs, rhs, gs = _inputs(task, dtype)
   ref = _fn(task, "xla", None, jnp.float32)(lhs, rhs, gs)
-  cands = candidates(task, dtype)
+  cands = candidates(task, dtype, incumbent)
   bar = progress.add_task(f"{task.op:3s} {task.name}", total=len(cands)) if progress else None
 
   def compile_one(c):
@@ -481,7 +505,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--skew-slack", type=float, default=0.02,
                       help="re-time the candidates within this fraction of the fastest on a"
                            " skewed routing and keep the fastest there (< 0: off)")
-  parser.add_argument("--jobs", type=int, default=4, help="parallel compile threads")
+  parser.add_argument("--jobs", type=int, default=min(12, max(4, os.cpu_count() or 4)),
+                      help="parallel compile threads (default: the CPUs, 4 to 12; at 4 a"
+                           " 30 s budget left 10 of 14 m-4096 sweeps unfinished, v42a)")
   parser.add_argument("--hang-s", type=float, default=60.0,
                       help="a candidate whose device runs (check + timing) take longer than"
                            " this in all ends the run with exit status 3; 0: no watchdog")
@@ -528,6 +554,10 @@ def run(args: argparse.Namespace) -> int:
   tasks = tasks_for(shapes, args.ops)
   dtype = jnp.dtype(args.dtype)
 
+  from ragdot import dispatch  # pylint: disable=g-import-not-at-top
+  # Whose choice is "today's" (incumbent_choice): this GPU, or --device-kind's.
+  device = (dispatch.current_device() if on_gpu and not args.device_kind
+            else dispatch.Device("gpu", kind))
   if args.dry_run:
     print(f"table: {path} ({kind}){'' if on_gpu else '  [no GPU: dry run only]'}")
     for task in tasks:
@@ -537,8 +567,10 @@ def run(args: argparse.Namespace) -> int:
       state = f"skip: {done}" if done else "to tune"
       print(f"{task.op:3s} {task.name}  call m={task.m} k={task.k} n={task.n} g={task.g}"
             f"  key {k_}  [{state}]")
-      for backend, config in candidates(task, dtype):
-        print(f"    {backend:6s} {config_fields(config)}")
+      inc = incumbent_choice(task, dtype, device)
+      for backend, config in candidates(task, dtype, inc):
+        today = "  (today's choice)" if (backend, config) == inc else ""
+        print(f"    {backend:6s} {config_fields(config)}{today}")
     return 0
 
   if not on_gpu:
@@ -574,7 +606,8 @@ def run(args: argparse.Namespace) -> int:
         entry = tune_task(task, dtype, deadline, iterations=args.iterations,
                           repeats=args.repeats, jobs=args.jobs, progress=progress,
                           sustained_s=args.sustained_s, skew_slack=args.skew_slack,
-                          log=log, watchdog=watchdog)
+                          log=log, watchdog=watchdog,
+                          incumbent=incumbent_choice(task, dtype, device))
         if entry is None:
           progress.console.print(
               f"[red]{task.op} {name}: no candidate timed within {args.budget_s:.0f} s"
