@@ -89,7 +89,7 @@ def test_ab_tables_resolved_choices_read_each_table_and_restore(tmp_path, monkey
   assert new[("t", "dx")] == old[("t", "dx")] and new[("t", "dw")] == old[("t", "dw")]
   assert tables.ENV_DIR not in os.environ  # restored, and the caches hold the shipped table
   assert tables.table_for(H200.kind, H200.compute_capability)[0].path == shipped.path
-  other = dict(data, device_kind="NVIDIA A100")
+  other = dict(data, device_kind="NVIDIA A100", also_for={})  # (its "H20" would match)
   (tmp_path / "a100.json").write_text(json.dumps(other))
   with pytest.raises(SystemExit, match="NVIDIA A100"):
     ab_tables.resolved_choices(str(tmp_path / "a100.json"), [s], H200)

@@ -162,6 +162,7 @@ def test_tune_dry_run_lists_candidates(tmp_path, capsys):
   assert "MosaicFwdConfig" not in out  # fields, not reprs
   assert "block_m" in out and "gmm/bfloat16/m4096,k512,n512,g16" in out
   assert "tgmm/bfloat16/" in out and "xla" in out
+  assert out.count("(today's choice)") == 2  # the dispatcher's config for each call
   assert not (tmp_path / "t.json").exists()  # a dry run writes nothing
 
 
@@ -201,8 +202,9 @@ def test_tune_times_the_triton_candidates_before_the_mosaic_sweep():
 
 
 def test_tune_tries_todays_choice_right_after_the_defaults():
-  # v42b-c: twice the sweep's winner lost to the config the call had borrowed, which the
-  # sweep did not hold; today's choice is now a candidate, timed early.
+  # v42b-c: on DeepSeek-V3 down's forward the sweep's winner lost to the config the
+  # call had borrowed, which the sweep did not hold; today's choice is now a candidate,
+  # timed early.
   from ragdot import dispatch, tune  # pylint: disable=g-import-not-at-top
   h200 = dispatch.Device("gpu", "NVIDIA H200", "9.0")
   task = tune.Task("fwd", "deepseek-v3 down ep8 local", 4096, 2048, 7168, 32, 8)
@@ -214,11 +216,14 @@ def test_tune_tries_todays_choice_right_after_the_defaults():
   cands = tune.candidates(task, jnp.bfloat16, today)
   assert cands[5] == today and cands.count(today) == 1
   assert cands[:5] + cands[6:] == [c for c in tune.candidates(task, jnp.bfloat16) if c != today]
-  # dX: the call's k and n are the backend call's (the forward's swapped).
-  dx = tune.Task("dx", "qwen3-30b gate_up", 32768, 1536, 2048, 128, 8)
-  backend, cfg = tune.incumbent_choice(dx, jnp.bfloat16, h200)
-  assert cfg == dispatch.choose("gmm", None, dtype=jnp.bfloat16, m=32768, k=1536, n=2048,
-                                g=128, num_groups=128, transpose_rhs=True, device=h200).config
+  # dX: the task's k and n are the backend call's already (the forward's swapped);
+  # Qwen3-30B down's dX and the call with them swapped back have different configs.
+  dx = tune.Task("dx", "qwen3-30b down", 32768, 2048, 768, 128, 8)
+  choose = lambda k, n: dispatch.choose("gmm", None, dtype=jnp.bfloat16, m=32768, k=k, n=n,
+                                        g=128, num_groups=128, transpose_rhs=True,
+                                        device=h200).config
+  assert choose(2048, 768) != choose(768, 2048)
+  assert tune.incumbent_choice(dx, jnp.bfloat16, h200) == ("mosaic", choose(2048, 768))
   # No GPU kernel today (the xla backend): nothing to add.
   assert tune.incumbent_choice(task, jnp.bfloat16, dispatch.Device("cpu", "cpu")) is None
 

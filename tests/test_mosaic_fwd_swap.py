@@ -271,8 +271,9 @@ def test_shard_keeps_swap_on_groups_of_about_128_rows_and_dx_up_to_288():
   qwen30 = 2048 * 1536 * 2
   for m, expert in ((32768, qwen30), (16384, qwen30), (16384, gpt_oss), (36864, qwen30)):
     assert mf.shard_keeps_swap(entry, m, 128, expert, transpose_rhs=True) == kept, m
-  for m in (8192, 65536):
+  for m in (8192, 12160, 36992, 65536):  # 64, 95, 289 and 512 rows per group
     assert mf.shard_keeps_swap(entry, m, 128, qwen30, transpose_rhs=True) == entry, m
+  assert mf.shard_keeps_swap(entry, 12288, 128, qwen30, transpose_rhs=True) == kept  # 96
   assert mf.shard_keeps_swap(explicit, 32768, 128, qwen30, transpose_rhs=True) == explicit
 
 

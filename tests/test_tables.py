@@ -227,7 +227,8 @@ def test_tune_task_times_candidates_burst_or_sustained(monkeypatch, sustained_s)
   from ragdot.backends import xla  # pylint: disable=g-import-not-at-top
 
   monkeypatch.setattr(tune, "candidates",
-                      lambda task, dtype: [("xla", xla.default_config(task.m, task.g))])
+                      lambda task, dtype, incumbent=None: [
+                          ("xla", xla.default_config(task.m, task.g))])
   task = tune.Task("fwd", "tiny", 256, 64, 64, 4, top_k=2)
   entry = tune.tune_task(task, jnp.bfloat16, time_mod.time() + 60, iterations=2, repeats=1,
                          jobs=1, sustained_s=sustained_s)
@@ -257,7 +258,8 @@ def test_tune_task_checks_the_near_best_on_skewed_sizes(monkeypatch, slack, winn
   configs = [xla.default_config(256, 4), dataclasses.replace(xla.default_config(256, 4),
                                                              block_m=32)]
   assert configs[0] != configs[1]
-  monkeypatch.setattr(tune, "candidates", lambda task, dtype: [("xla", c) for c in configs])
+  monkeypatch.setattr(tune, "candidates",
+                      lambda task, dtype, incumbent=None: [("xla", c) for c in configs])
   task = tune.Task("fwd", "tiny", 512, 64, 64, 16, top_k=2)
   routed_max = int(tune._group_sizes(task).max())
   seen = []  # compiled callables in the order first timed: candidate 0, then 1
@@ -290,7 +292,8 @@ def test_tune_task_rearms_the_watchdog_for_each_sustained_window(monkeypatch):
   exits = []
   monkeypatch.setattr(wd.os, "_exit", exits.append)
   monkeypatch.setattr(tune, "candidates",
-                      lambda task, dtype: [("xla", xla.default_config(task.m, task.g))])
+                      lambda task, dtype, incumbent=None: [
+                          ("xla", xla.default_config(task.m, task.g))])
   task = tune.Task("fwd", "tiny", 256, 64, 64, 4, top_k=2)
   dog = wd.Watchdog(1.0, "test")
   entry = tune.tune_task(task, jnp.bfloat16, time_mod.time() + 60, iterations=2, repeats=2,

@@ -106,8 +106,9 @@ def candidates(task: Task, dtype, incumbent: tuple[str, Any] | None = None
   # Mosaic one in 2-5 s): a 25 s budget spent on the Mosaic sweep never reached
   # them, and on the decode dX calls they hold the winner (docs/performance.md 28g).
   out = [("mosaic", cfgs[0])] + tcfgs
-  # What runs today (a borrowed or fitted entry the sweep may not hold): an entry
-  # never ends up slower than it by the tuner's own timing (docs/performance.md v42b-c).
+  # What runs today (a borrowed or fitted entry the sweep may not hold): the pick is
+  # then at most the skew slack slower than it on routed sizes, and only where it is
+  # faster on skewed ones (docs/performance.md v42b-c).
   if incumbent is not None and incumbent[1] is not None and incumbent not in out:
     out.append(incumbent)
   for c in cfgs[1:]:
@@ -505,9 +506,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--skew-slack", type=float, default=0.02,
                       help="re-time the candidates within this fraction of the fastest on a"
                            " skewed routing and keep the fastest there (< 0: off)")
-  parser.add_argument("--jobs", type=int, default=min(12, max(4, os.cpu_count() or 4)),
-                      help="parallel compile threads (default: the CPUs, 4 to 12; at 4 a"
-                           " 30 s budget left 10 of 14 m-4096 sweeps unfinished, v42a)")
+  parser.add_argument("--jobs", type=int, default=min(12, max(4, _cpus())),
+                      help="parallel compile threads (default: the usable CPUs, 4 to 12;"
+                           " at 4 a 30 s budget left all 10 m-4096 forward / dX sweeps of"
+                           " docs/performance.md v42a-b unfinished)")
   parser.add_argument("--hang-s", type=float, default=60.0,
                       help="a candidate whose device runs (check + timing) take longer than"
                            " this in all ends the run with exit status 3; 0: no watchdog")
@@ -520,6 +522,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            " --json` file, where it beat the automatic choice, and exit")
   parser.add_argument("--device-kind", default=None,
                       help="device kind for --dry-run / --import-* (default: this device)")
+
+
+def _cpus() -> int:
+  """CPUs this process may run on (its affinity mask, where the OS has one)."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:
+    return os.cpu_count() or 4
 
 
 def run(args: argparse.Namespace) -> int:

@@ -332,8 +332,8 @@ def resolve_producer_zeros(cfg: MosaicFwdConfig, has_offset: bool, dtype: Any,
     return cfg
   if cfg.swap and has_offset:
     # swap has no producer zeros: a shard call runs the row-major ring with them,
-    # the same k steps and stages (measured best for Qwen3-30B's EP=8 shard, v17;
-    # not measured on other shapes' shards).
+    # the same k steps, at most 4 stages (measured best for Qwen3-30B's EP=8 shard
+    # forward, v17, v42e; not measured on other shapes' shards).
     cfg = row_major_ring(cfg)
   if cfg.ring and has_offset and cfg.zero_lead is None:  # (an explicit zero_lead: off)
     fitted = _fit_split(dataclasses.replace(cfg, producer_zeros=True), dtype, out_dtype)
