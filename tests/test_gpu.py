@@ -152,9 +152,11 @@ def test_triton_dw_real_size(layout):
 @pytest.mark.parametrize("op,shape", [
     ("fwd", (32768, 2048, 1536, 128)), ("dx", (32768, 2048, 1536, 128)),
     ("dx", (32768, 768, 2048, 128)), ("dx", (32768, 2048, 7168, 256)),
-    ("fwd", (32768, 4096, 3072, 128)), ("fwd", (32768, 768, 2048, 128))],
+    ("fwd", (32768, 4096, 3072, 128)), ("fwd", (32768, 768, 2048, 128)),
+    ("dx", (16384, 768, 2048, 128))],
                          ids=["qwen30b_gate_up_fwd", "qwen30b_gate_up_dx", "qwen30b_down_dx",
-                              "deepseek_down_dx", "qwen235b_gate_up_fwd", "qwen30b_down_fwd"])
+                              "deepseek_down_dx", "qwen235b_gate_up_fwd", "qwen30b_down_fwd",
+                              "qwen30b_down_2k_dx"])
 @pytest.mark.parametrize("shard,layout", [(False, "routed"), (True, "routed"),
                                           (False, "skewed")],
                          ids=["all", "shard", "all-skewed"])
@@ -163,7 +165,8 @@ def test_table_swap_entries_real_size(op, shape, shard, layout):
   (Qwen3-30B: split fold, M tail; DeepSeek-V3's dX: 160-row tiles; short tiles
   of 64 / 128 rows, which skewed routing reaches): a swap config is chosen, and
   the call through ``ragdot`` (a shard call: swap with consumer-written zeros
-  for dX and for DeepSeek-V3's forward, else the row-major ring the swap entry maps to)
+  for dX but Qwen3-30B down's at ~256 rows and for DeepSeek-V3's forward, else the
+  row-major ring the swap entry maps to)
   matches the oracle on NaN-poisoned memory, zero rows outside, bitwise repeatable."""
   m, k, n, g = shape
   local = g // 8 if shard else g
@@ -171,11 +174,13 @@ def test_table_swap_entries_real_size(op, shape, shard, layout):
   choice = dispatch_choice(op, Shape("t", m, k, n, g, ep=8 if shard else 1))
   assert choice.implementation == "mosaic" and choice.config.ring
   dx = op == "dx"
-  # A shard call: swap with consumer-written zeros for dX on up to ~288 rows per
-  # group and for the forward on ~128 with experts of >= 10 MB, else the entry's
-  # row-major ring (shard_keeps_swap).
-  assert choice.config.swap == (not shard or (dx and m / g <= 288)
-                                or (m / g <= 192 and k * n * 2 >= 10 << 20)), choice.reason
+  # A shard call: swap with consumer-written zeros for dX on up to ~192 rows per
+  # group, or ~288 where its output (k) is at least as wide as its contraction (n),
+  # and for the forward on ~128 with experts of >= 10 MB, else the entry's row-major
+  # ring (shard_keeps_swap).
+  assert choice.config.swap == (
+      not shard or (dx and (m / g <= 192 or (m / g <= 288 and k >= n)))
+      or (m / g <= 192 and k * n * 2 >= 10 << 20)), choice.reason
   go = jnp.int32(local) if shard else None
   x, w = oracle.random_inputs(jax.random.key(m + k + n + shard),
                               [(m, n if dx else k), (local, k, n)], jnp.bfloat16)

@@ -255,40 +255,61 @@ def test_swap_tiles_fit_the_rows_per_group():
 def test_shard_keeps_swap_on_groups_of_about_128_rows_and_dx_up_to_288():
   entry = dataclasses.replace(CFG, num_sms=None, swap_rows=160, short_tile_rows=64,
                               swizzle_staging=True)
-  gpt_oss = 2880 * 2880 * 2  # an expert's weights, bytes (gpt-oss-120b down)
-  kept = mf.shard_keeps_swap(entry, 16384, 128, gpt_oss)
+  gpt_oss = (2880, 2880)  # an expert's (k, n) (gpt-oss-120b down): 16.6 MB
+  kept = mf.shard_keeps_swap(entry, 16384, 128, *gpt_oss, 2)
   assert kept == dataclasses.replace(entry, producer_zeros=False, zero_front=0)
   assert mf.resolve_producer_zeros(kept, True, jnp.bfloat16, jnp.bfloat16) == kept
   # ~256 and ~64 rows per group, or Qwen3-30B gate_up's 6 MB experts: the ring as before
-  for m, expert in ((32768, gpt_oss), (8192, gpt_oss), (16384, 2048 * 1536 * 2)):
-    same = mf.shard_keeps_swap(entry, m, 128, expert)
+  for m, (k, n) in ((32768, gpt_oss), (8192, gpt_oss), (16384, (2048, 1536))):
+    same = mf.shard_keeps_swap(entry, m, 128, k, n, 2)
     assert same == entry
     assert not mf.resolve_producer_zeros(same, True, jnp.bfloat16, jnp.bfloat16).swap
+  # gpt-oss's experts in f32 would be 33 MB, in a 1-byte type 8 MB: the size is in bytes
+  assert mf.shard_keeps_swap(entry, 16384, 128, *gpt_oss, 1) == entry
   explicit = dataclasses.replace(CFG, num_sms=None, swap=False, block_n=256, producer_zeros=True)
-  assert mf.shard_keeps_swap(explicit, 16384, 128, gpt_oss) == explicit
-  # dX shards keep swap on groups of up to ~288 rows, small experts included; not on ~64
-  # or ~512.
-  qwen30 = 2048 * 1536 * 2
-  for m, expert in ((32768, qwen30), (16384, qwen30), (16384, gpt_oss), (36864, qwen30)):
-    assert mf.shard_keeps_swap(entry, m, 128, expert, transpose_rhs=True) == kept, m
-  for m in (8192, 12160, 36992, 65536):  # 64, 95, 289 and 512 rows per group
-    assert mf.shard_keeps_swap(entry, m, 128, qwen30, transpose_rhs=True) == entry, m
-  assert mf.shard_keeps_swap(entry, 12288, 128, qwen30, transpose_rhs=True) == kept  # 96
-  assert mf.shard_keeps_swap(explicit, 32768, 128, qwen30, transpose_rhs=True) == explicit
+  assert mf.shard_keeps_swap(explicit, 16384, 128, *gpt_oss, 2) == explicit
+  # dX shards (k the contraction, n the output width) keep swap on groups of 96-192
+  # rows, small experts included, and of 192-288 where n >= k (the gate_up
+  # projections' dX); not on ~64 or ~512, nor on down's dX (n < k) at ~256.
+  gate_up_dx, down_dx = (1536, 2048), (2048, 768)  # Qwen3-30B's dX calls
+  for m, (k, n) in ((32768, gate_up_dx), (16384, gate_up_dx), (16384, down_dx),
+                    (16384, gpt_oss), (36864, gate_up_dx), (24576, down_dx)):
+    assert mf.shard_keeps_swap(entry, m, 128, k, n, 2, transpose_rhs=True) == kept, (m, k, n)
+  for m, (k, n) in ((8192, gate_up_dx), (12160, gate_up_dx), (36992, gate_up_dx),
+                    (65536, gate_up_dx), (32768, down_dx), (24704, down_dx),
+                    (32768, (4096, 1536))):  # 64, 95, 289, 512 rows; down at 256, 193
+    assert mf.shard_keeps_swap(entry, m, 128, k, n, 2, transpose_rhs=True) == entry, (m, k, n)
+  assert mf.shard_keeps_swap(entry, 12288, 128, *gate_up_dx, 2, transpose_rhs=True) == kept
+  assert mf.shard_keeps_swap(entry, 32768, 128, 2048, 2048, 2, transpose_rhs=True) == kept
+  assert mf.shard_keeps_swap(explicit, 32768, 128, *gate_up_dx, 2,
+                             transpose_rhs=True) == explicit
 
 
-@pytest.mark.parametrize("k,n", [(2048, 1536), (768, 2048)], ids=["gate_up", "down"])
-def test_qwen30b_dx_shard_keeps_swap_and_lowers_for_sm90(k, n):
-  # What the dispatcher hands the dX shard of Qwen3-30B (EP=8, ~256 rows per group):
-  # the full call's swap entry with consumer-written zeros.
+@pytest.mark.parametrize("m,k,n", [(32768, 2048, 1536), (16384, 768, 2048)],
+                         ids=["gate_up", "down_2k"])
+def test_qwen30b_dx_shard_keeps_swap_and_lowers_for_sm90(m, k, n):
+  # What the dispatcher hands the dX shards of Qwen3-30B gate_up (EP=8, ~256 rows per
+  # group) and down at 2048 tokens (~128 rows): the full call's swap entry with
+  # consumer-written zeros.
   from ragdot import dispatch  # pylint: disable=g-import-not-at-top
   h200 = dispatch.Device("gpu", "NVIDIA H200", "9.0")
   dispatch.clear_cache()
   c = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=h200, has_offset=True,
-                      transpose_rhs=True, m=32768, k=n, n=k, g=16, num_groups=128)
+                      transpose_rhs=True, m=m, k=n, n=k, g=16, num_groups=128)
   assert c.config.swap and c.config.producer_zeros is False
-  assert_gmm_lowers(c.config, m=32768, k=n, n=k, g=128, local=16, with_offset=True,
+  assert_gmm_lowers(c.config, m=m, k=n, n=k, g=128, local=16, with_offset=True,
                     transpose_rhs=True)
+
+
+def test_down_dx_shard_on_256_row_groups_runs_the_ring():
+  # Qwen3-30B down's dX shard at 4096 tokens (output 768 wide, contraction 2048): the
+  # row-major ring with producer zeros (0.87x swap's time, v43a).
+  from ragdot import dispatch  # pylint: disable=g-import-not-at-top
+  h200 = dispatch.Device("gpu", "NVIDIA H200", "9.0")
+  dispatch.clear_cache()
+  c = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=h200, has_offset=True,
+                      transpose_rhs=True, m=32768, k=2048, n=768, g=16, num_groups=128)
+  assert not c.config.swap and c.config.producer_zeros is True and c.config.block_n == 256
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])
@@ -303,7 +324,7 @@ def test_fitted_tiles_on_partial_n_tiles_lower_for_sm90(transpose_rhs):
                     transpose_rhs=transpose_rhs)
   # An EP=8 shard of the first (swap, consumer-written zeros).
   assert_gmm_lowers(mf.shard_keeps_swap(mf.one_tile_groups(base, 160), 16384, 128,
-                                        2880 * 2880 * 2),
+                                        2880, 2880, 2),
                     m=16384, k=2880, n=2880, g=128, local=16, with_offset=True,
                     transpose_rhs=transpose_rhs)
 

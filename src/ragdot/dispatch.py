@@ -291,7 +291,7 @@ def _automatic(top, dtype, precision_ok, out_dtype, m, k, n, g, num_groups,
     from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
     if has_offset:
       if g_eff:
-        kept = mosaic_fwd.shard_keeps_swap(config, m, g_eff, k * n * jnp.dtype(dtype).itemsize,
+        kept = mosaic_fwd.shard_keeps_swap(config, m, g_eff, k, n, jnp.dtype(dtype).itemsize,
                                            transpose_rhs=top == "gmm_t")
         if kept != config:
           note += f"; swap with consumer-written zeros for {m / g_eff:.0f} rows per group"

@@ -406,36 +406,46 @@ def fit_rows_per_group(cfg: MosaicFwdConfig, m: int, groups: int) -> MosaicFwdCo
 # ~128 and ~256 rows, 17-59 MB won at ~128; v41e-g, v42e), not measured at their edges.
 _SHARD_SWAP_EXPERT_BYTES = 10 << 20
 _SHARD_SWAP_GROUPS = (96, 192)
-# dX shards (rhs read transposed) won at every point measured, 6 MB experts included
-# (~128 rows: 17-33 MB; ~256 rows: 6 MB; v41e-f, v42f): any expert size, up to this
-# many rows per group; 6 MB experts at ~128 rows are not measured.
+# dX shards (rhs read transposed): on groups of 96-192 rows they won at every point
+# measured, 3-59 MB experts (v41e-f, v43a); on ~256 rows only where the call's output
+# is at least as wide as its contraction (the gate_up projections' dX won 0.90-0.91x,
+# the down projections' lost 1.15-1.16x; v42f, v43a), up to this many rows per group.
 _SHARD_SWAP_GROUPS_DX = (96, 288)
 
 
-def shard_keeps_swap(cfg: MosaicFwdConfig, m: int, groups: int, expert_bytes: int,
-                     transpose_rhs: bool = False) -> MosaicFwdConfig:
-  """``cfg`` for a shard call of a full call of ``m`` rows over ``groups``
-  groups whose experts' weights take ``expert_bytes`` each: a swap config
-  (``producer_zeros=None``) stays swap, its consumers writing the zero rows
-  (``producer_zeros=False``), instead of becoming the row-major ring, for
-  forward calls on groups of 96-192 rows on average with experts of >= 10 MB,
-  and for dX calls (``transpose_rhs``) on groups of 96-288 rows.
+def shard_keeps_swap(cfg: MosaicFwdConfig, m: int, groups: int, k: int, n: int,
+                     itemsize: int, transpose_rhs: bool = False) -> MosaicFwdConfig:
+  """``cfg`` for a shard call (contraction ``k``, output width ``n``, elements of
+  ``itemsize`` bytes) of a full call of ``m`` rows over ``groups`` groups: a swap
+  config (``producer_zeros=None``) stays swap, its consumers writing the zero
+  rows (``producer_zeros=False``), instead of becoming the row-major ring, for
+  forward calls on groups of 96-192 rows on average with experts (k x n) of
+  >= 10 MB, and for dX calls (``transpose_rhs``) on groups of 96-192 rows, or
+  of 192-288 where n >= k.
 
-  Measured on EP=8 shards (docs/performance.md v41e-g, v42e-f), the ring's time over
-  swap's.  Forward: gpt-oss-120b (17-33 MB experts, ~128 rows) 1.12x,
-  Qwen3-235B gate_up at 2048 tokens (25 MB) 1.26x, DeepSeek-V3 gate_up (59 MB) 1.34x;
-  Qwen3-30B gate_up (6 MB) 0.96x at 2048 tokens (~128 rows) and 0.80-0.85x at 4096
-  (~256 rows).  dX: gpt-oss-120b 1.13-1.21x, DeepSeek-V3 down (29 MB) 1.21x, Qwen3-30B
-  gate_up at 4096 tokens (6 MB, ~256 rows) 1.10-1.12x.  (A reading: the ring's 128-row
-  tiles take two tiles for every group over 128 rows, and the second one reads the
-  expert's weights again, from L2 only where they are small.)"""
+  Measured on EP=8 shards (docs/performance.md v41e-g, v42e-f, v43a), the ring's time
+  over swap's.  Forward: gpt-oss-120b (17-33 MB experts, ~128 rows) 1.12x, Qwen3-235B
+  gate_up at 2048 tokens (25 MB) 1.26x, DeepSeek-V3 gate_up (59 MB) 1.34x; Qwen3-30B
+  gate_up (6 MB) 0.96x at 2048 tokens (~128 rows) and 0.80-0.85x at 4096 (~256 rows).
+  dX at ~128 rows: gpt-oss-120b 1.13-1.21x, DeepSeek-V3 down (29 MB) 1.21x, Qwen3-30B
+  gate_up / down at 2048 tokens (6 / 3 MB) 1.11x / 1.06x.  dX at ~256 rows: Qwen3-30B
+  gate_up (n 2048, k 1536) 1.10-1.12x, Qwen3-235B gate_up (4096 / 3072) 1.10x;
+  Qwen3-30B down (768 / 2048) 0.87x, Qwen3-235B down (1536 / 4096) 0.86x.  (A reading:
+  the ring's 128-row tiles take two tiles for every group over 128 rows, and the second
+  one reads the expert's weights again, from L2 only where they are small; the consumers'
+  zero rows come after the ring, where the ring's producer spreads them over its k
+  steps.)"""
   if not cfg.swap or cfg.producer_zeros is not None or groups <= 0:
     return cfg
-  lo, hi = _SHARD_SWAP_GROUPS_DX if transpose_rhs else _SHARD_SWAP_GROUPS
-  if not lo <= m / groups <= hi:
-    return cfg
-  if not transpose_rhs and expert_bytes < _SHARD_SWAP_EXPERT_BYTES:
-    return cfg
+  mean = m / groups
+  if transpose_rhs:
+    lo, hi = _SHARD_SWAP_GROUPS_DX
+    if not lo <= mean <= hi or (mean > _SHARD_SWAP_GROUPS[1] and n < k):
+      return cfg
+  else:
+    lo, hi = _SHARD_SWAP_GROUPS
+    if not lo <= mean <= hi or k * n * itemsize < _SHARD_SWAP_EXPERT_BYTES:
+      return cfg
   return dataclasses.replace(cfg, producer_zeros=False, zero_front=0)
 
 
