@@ -227,6 +227,38 @@ def test_fitted_swap_tiles_real_size(op, shape, layout):
   np.testing.assert_array_equal(np.asarray(out), np.asarray(run(x, w)))
 
 
+@pytest.mark.parametrize("shape,shard", [
+    ((4096, 2048, 7168, 32), False), ((2048, 2880, 2880, 16), False),
+    ((2048, 2880, 2880, 16), True), ((8192, 2048, 7168, 256), False)],
+                         ids=["deepseek_down_ep8_local", "gpt_oss_120b_down_ep8_local",
+                              "gpt_oss_120b_down_ep8_local-shard", "deepseek_down_1k"])
+@pytest.mark.parametrize("layout", ["routed", "skewed"])
+def test_five_stage_dx_entries_real_size(shape, shard, layout):
+  """The dX entries with 5 stages on 160-row swap tiles (v43c-d: the ep-local
+  DeepSeek-V3 / gpt-oss-120b calls, DeepSeek-V3 down at 1024 tokens), through the
+  dispatcher, whole and as a shard of half the groups (swap with consumer-written
+  zeros): the oracle on NaN-poisoned memory, zero rows outside, bitwise repeatable."""
+  m, k, n, g = shape
+  local = g // 2 if shard else g
+  sizes = _sizes(m, g, layout)
+  choice = dispatch_choice("dx", Shape("t", m, k, n, g, ep=2 if shard else 1))
+  cfg = choice.config
+  assert choice.implementation == "mosaic" and cfg.swap and cfg.num_stages == 5, choice.reason
+  assert (cfg.swap_rows, cfg.short_tile_rows, cfg.producer_zeros) == (
+      160, 64, False if shard else None), choice.reason
+  go = jnp.int32(local) if shard else None
+  dy, w = oracle.random_inputs(jax.random.key(m + k + n + shard), [(m, n), (local, k, n)],
+                               jnp.bfloat16)
+  gs = jnp.asarray(sizes)
+  run = jax.jit(lambda d, w: ragdot.ragged_dot_general(d, w, gs, DN_DX, group_offset=go))
+  _poison(4 * m * max(n, k))
+  out = run(dy, w)
+  oracle.assert_close(out, oracle.np_ragged_dot(dy, w, sizes, go, transpose_rhs=True),
+                      jnp.bfloat16)
+  oracle.assert_zero_rows(out, sizes, local if shard else None, local)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(run(dy, w)))
+
+
 def _check_mosaic_gmm(cfg, shape, transpose_rhs, offset, seed):
   """mosaic_fwd.gmm with ``cfg`` at a real size on NaN-poisoned memory: against
   the f32 oracle, exact zeros outside the shard (``offset``: half the groups),
