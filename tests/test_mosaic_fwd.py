@@ -337,6 +337,7 @@ def test_config_validation():
 @pytest.mark.parametrize(
     "m,k,n,g,transpose_rhs",
     [(32768, 2048, 1536, 128, False), (32768, 2048, 768, 128, True),
+     (32768, 7168, 2048, 256, True), (8192, 1536, 2048, 128, True),
      (512, 2048, 1536, 128, False), (64, 16, 16, 4096, False),
      (4096, 2048, 640, 8, False)],  # block_n 128: split_n chunks stay >= 64 columns
 )
@@ -345,7 +346,7 @@ def test_configs_fit_smem(m, k, n, g, transpose_rhs):
     cfg = mosaic_fwd.default_config(m, k, n, g, jnp.bfloat16, transpose_rhs, out_dtype)
     assert cfg.smem_bytes(jnp.bfloat16, out_dtype) <= 227 * 1024
     sweep = mosaic_fwd.gpu_sweep_configs(m, k, n, g, transpose_rhs, jnp.bfloat16, out_dtype)
-    assert sweep and sweep[0] == cfg and len(sweep) <= 23
+    assert sweep and sweep[0] == cfg and len(sweep) <= 27
     assert len(set(sweep)) == len(sweep)
     assert all(c.smem_bytes(jnp.bfloat16, out_dtype) <= 227 * 1024 for c in sweep)
 
@@ -364,6 +365,31 @@ def test_default_and_sweep_on_qwen_shapes():
   assert (cfg.num_stages, cfg.epilogue_split) == (4, 4)
   # A single k step: one warpgroup.
   assert mosaic_fwd.default_config(4096, 64, 512, 8, jnp.bfloat16, False).num_compute_wgs == 1
+
+
+@pytest.mark.parametrize("m,k,n,g,rows,deep", [
+    (32768, 7168, 2048, 256, (144, 160), (5,)),  # DeepSeek-V3 down's dX, ~128 rows per group
+    (8192, 1536, 2048, 128, (80, 80), (5, 6))])  # Qwen3-30B gate_up's at 1024 tokens, ~64
+def test_dx_sweep_offers_the_fitted_swap_tiles_on_more_stages(m, k, n, g, rows, deep):
+  # Bytes-bound dX calls ran 3-6% faster on 5 / 6 stages (docs/performance.md v43c-g):
+  # each fitted form (folded tail, then one tile) comes with its rings of 5 and 6
+  # stages that fit (6 does not beside 160-row tiles), on top of the 23 others; the
+  # forward sweep has none (its 5 stages lost, v43d).
+  sweep = mosaic_fwd.gpu_sweep_configs(m, k, n, g, True)
+  fitted = [c for c in sweep if c.swap and c.swap_rows < 256]
+  stages = (4,) + deep
+  assert [(c.swap_rows, c.num_stages) for c in fitted] == [
+      (r, st) for r in rows for st in stages]
+  first = fitted[:len(stages)]
+  assert first[1:] == [dataclasses.replace(first[0], num_stages=st) for st in deep]
+  assert len(sweep) == 23 + 2 * len(deep)
+  for c in fitted:
+    if c.num_stages > 4:
+      assert c.smem_bytes(jnp.bfloat16, jnp.bfloat16) <= c.smem_budget()
+      assert_gmm_lowers(c, m=m, k=k, n=n, g=g, transpose_rhs=True)
+  forward = mosaic_fwd.gpu_sweep_configs(m, n, k, g, False)
+  assert len(forward) <= 23
+  assert all(c.num_stages == 4 for c in forward if c.swap and c.swap_rows < 256)
 
 
 # Qwen3-30B gate_up and down, forward and dX (rhs read transposed), bf16 out;

@@ -556,6 +556,7 @@ def gpu_sweep_configs(
   out_dtype = dtype if out_dtype is None else out_dtype
   base = default_config(m, k, n, g, dtype, transpose_rhs, out_dtype)
   out = [base]
+  extra = 0  # candidates past the cap of 23
   if base.num_compute_wgs == 2:
     # Next to the default: skipping empty 64-row halves, one pipeline across
     # tiles, and the per-step release that needs on its own.
@@ -624,6 +625,10 @@ def gpu_sweep_configs(
         if (_FEW_ROWS[0] <= mean <= _SMALL_GROUPS[1] and m >= c.swap_rows + c.tail_rows
             and jnp.dtype(out_dtype).itemsize == 2 and _fits(c, dtype, out_dtype)):
           out.append(c)
+          if transpose_rhs:  # dX: the same tiles on 5 and 6 stages, where they fit
+            deeper = _deeper(c, dtype, out_dtype)
+            out += deeper
+            extra += len(deeper)
     # 64-row tiles split by columns: half the padding of a group's last tile,
     # 1.67x the L2 -> SMEM bytes per FLOP (the default already runs the L2 at
     # 81% on Qwen3-30B gate_up), so after the likelier winners.
@@ -644,8 +649,23 @@ def gpu_sweep_configs(
     c = _fit_split(c, dtype, out_dtype)
     if c is not None and c not in out:
       out.append(c)
-  # (23: the swap candidate with delay_release=0, v38, did not push one out)
-  return out[:23]
+  # (23: the swap candidate with delay_release=0, v38, did not push one out; the dX
+  # fitted forms' deeper rings come on top)
+  return out[:23 + extra]
+
+
+def _deeper(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any,
+            most: int = 6) -> list[MosaicFwdConfig]:
+  """``cfg`` on each stage count from num_stages + 1 to ``most`` that fits SMEM.
+  Bytes-bound dX calls on fitted swap tiles ran 3-6% faster on 5 or 6 stages than
+  on 4 (docs/performance.md v42g, v43c-g; 5 beat 6 on DeepSeek-V3 down's at 2048
+  tokens, v43g); their forwards did not (0.995-1.055x, v43d)."""
+  out = []
+  for stages in range(cfg.num_stages + 1, most + 1):
+    c = dataclasses.replace(cfg, num_stages=stages)
+    if _fits(c, dtype, out_dtype):
+      out.append(c)
+  return out
 
 
 def _chains_tiles(cfg: MosaicFwdConfig, k: int) -> bool:
