@@ -149,18 +149,20 @@ def test_triton_dw_real_size(layout):
   np.testing.assert_array_equal(np.asarray(got), np.asarray(run(x, dy)))
 
 
-@pytest.mark.parametrize("op,shape", [
-    ("fwd", (32768, 2048, 1536, 128)), ("dx", (32768, 2048, 1536, 128)),
-    ("dx", (32768, 768, 2048, 128)), ("dx", (32768, 2048, 7168, 256)),
-    ("fwd", (32768, 4096, 3072, 128)), ("fwd", (32768, 768, 2048, 128)),
-    ("dx", (16384, 768, 2048, 128))],
+# shard_swap: whether the call's EP=8 shard keeps swap (consumer-written zeros) rather
+# than the row-major ring (docs/performance.md v41e-g, v42e-f, v43a).
+@pytest.mark.parametrize("op,shape,shard_swap", [
+    ("fwd", (32768, 2048, 1536, 128), False), ("dx", (32768, 2048, 1536, 128), True),
+    ("dx", (32768, 768, 2048, 128), False), ("dx", (32768, 2048, 7168, 256), True),
+    ("fwd", (32768, 4096, 3072, 128), False), ("fwd", (32768, 768, 2048, 128), False),
+    ("dx", (16384, 768, 2048, 128), True)],
                          ids=["qwen30b_gate_up_fwd", "qwen30b_gate_up_dx", "qwen30b_down_dx",
                               "deepseek_down_dx", "qwen235b_gate_up_fwd", "qwen30b_down_fwd",
                               "qwen30b_down_2k_dx"])
 @pytest.mark.parametrize("shard,layout", [(False, "routed"), (True, "routed"),
                                           (False, "skewed")],
                          ids=["all", "shard", "all-skewed"])
-def test_table_swap_entries_real_size(op, shape, shard, layout):
+def test_table_swap_entries_real_size(op, shape, shard_swap, shard, layout):
   """The automatic choice on the shapes whose table entries run the swap kernel
   (Qwen3-30B: split fold, M tail; DeepSeek-V3's dX: 160-row tiles; short tiles
   of 64 / 128 rows, which skewed routing reaches): a swap config is chosen, and
@@ -174,13 +176,10 @@ def test_table_swap_entries_real_size(op, shape, shard, layout):
   choice = dispatch_choice(op, Shape("t", m, k, n, g, ep=8 if shard else 1))
   assert choice.implementation == "mosaic" and choice.config.ring
   dx = op == "dx"
-  # A shard call: swap with consumer-written zeros for dX on up to ~192 rows per
-  # group, or ~288 where its output (k) is at least as wide as its contraction (n),
-  # and for the forward on ~128 with experts of >= 10 MB, else the entry's row-major
-  # ring (shard_keeps_swap).
-  assert choice.config.swap == (
-      not shard or (dx and (m / g <= 192 or (m / g <= 288 and k >= n)))
-      or (m / g <= 192 and k * n * 2 >= 10 << 20)), choice.reason
+  # A shard call: swap with consumer-written zeros where shard_keeps_swap says so,
+  # else the entry's row-major ring.
+  assert choice.config.swap == (not shard or shard_swap), choice.reason
+  assert not shard or choice.config.producer_zeros is (not shard_swap), choice.reason
   go = jnp.int32(local) if shard else None
   x, w = oracle.random_inputs(jax.random.key(m + k + n + shard),
                               [(m, n if dx else k), (local, k, n)], jnp.bfloat16)
@@ -228,9 +227,11 @@ def test_fitted_swap_tiles_real_size(op, shape, layout):
 
 
 @pytest.mark.parametrize("shape,shard", [
-    ((4096, 2048, 7168, 32), False), ((2048, 2880, 2880, 16), False),
+    ((4096, 2048, 7168, 32), False), ((4096, 7168, 4096, 32), False),
+    ((2048, 2880, 2880, 16), False), ((2048, 2880, 5760, 16), False),
     ((2048, 2880, 2880, 16), True), ((8192, 2048, 7168, 256), False)],
-                         ids=["deepseek_down_ep8_local", "gpt_oss_120b_down_ep8_local",
+                         ids=["deepseek_down_ep8_local", "deepseek_gate_up_ep8_local",
+                              "gpt_oss_120b_down_ep8_local", "gpt_oss_120b_gate_up_ep8_local",
                               "gpt_oss_120b_down_ep8_local-shard", "deepseek_down_1k"])
 @pytest.mark.parametrize("layout", ["routed", "skewed"])
 def test_five_stage_dx_entries_real_size(shape, shard, layout):

@@ -346,7 +346,7 @@ def test_configs_fit_smem(m, k, n, g, transpose_rhs):
     cfg = mosaic_fwd.default_config(m, k, n, g, jnp.bfloat16, transpose_rhs, out_dtype)
     assert cfg.smem_bytes(jnp.bfloat16, out_dtype) <= 227 * 1024
     sweep = mosaic_fwd.gpu_sweep_configs(m, k, n, g, transpose_rhs, jnp.bfloat16, out_dtype)
-    assert sweep and sweep[0] == cfg and len(sweep) <= 27
+    assert sweep and sweep[0] == cfg and len(sweep) <= (27 if transpose_rhs else 23)
     assert len(set(sweep)) == len(sweep)
     assert all(c.smem_bytes(jnp.bfloat16, out_dtype) <= 227 * 1024 for c in sweep)
 
@@ -371,7 +371,7 @@ def test_default_and_sweep_on_qwen_shapes():
     (32768, 7168, 2048, 256, (144, 160), (5,)),  # DeepSeek-V3 down's dX, ~128 rows per group
     (8192, 1536, 2048, 128, (80, 80), (5, 6))])  # Qwen3-30B gate_up's at 1024 tokens, ~64
 def test_dx_sweep_offers_the_fitted_swap_tiles_on_more_stages(m, k, n, g, rows, deep):
-  # Bytes-bound dX calls ran 3-6% faster on 5 / 6 stages (docs/performance.md v43c-g):
+  # Bytes-bound dX calls ran 2-6% faster on 5 / 6 stages (docs/performance.md v43c-g):
   # each fitted form (folded tail, then one tile) comes with its rings of 5 and 6
   # stages that fit (6 does not beside 160-row tiles), on top of the 23 others; the
   # forward sweep has none (its 5 stages lost, v43d).

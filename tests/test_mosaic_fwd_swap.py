@@ -363,13 +363,15 @@ def test_config_checks():
   assert not any(c.swap for c in mf.gpu_sweep_configs(32768, 2048, 1536, 128, False,
                                                       jnp.bfloat16, jnp.float32))
   # Groups of ~128 rows (DeepSeek-V3): also swap tiles of 144 rows with 16 split tail
-  # rows and of 160 rows without (the table's entry for its dX).
+  # rows and of 160 rows without (the table's entry for its dX), each also on 5 stages
+  # for dX (6 do not fit beside them).
   sweep = mf.gpu_sweep_configs(32768, 7168, 2048, 256, True)
   small = [c for c in sweep if c.swap]
-  assert [(c.swap_rows, c.tail_rows, c.tail_split, c.short_tile_rows, c.delay_release)
-          for c in small] == [
-      (256, 32, True, 64, 1), (256, 32, True, 64, 0), (256, 32, False, 64, 1),
-      (144, 16, True, 0, 1), (160, 0, False, 64, 1)]
+  assert [(c.swap_rows, c.tail_rows, c.tail_split, c.short_tile_rows, c.delay_release,
+           c.num_stages) for c in small] == [
+      (256, 32, True, 64, 1, 4), (256, 32, True, 64, 0, 4), (256, 32, False, 64, 1, 4),
+      (144, 16, True, 0, 1, 4), (144, 16, True, 0, 1, 5), (160, 0, False, 64, 1, 4),
+      (160, 0, False, 64, 1, 5)]
   # 64 tail rows fit 3 stages; 32 fit 4 (the tail's stores share the staging buffer).
   assert dataclasses.replace(CFG, tail_rows=64, num_stages=3).smem_bytes(
       jnp.bfloat16, jnp.bfloat16) <= CFG.smem_budget()

@@ -407,10 +407,12 @@ def fit_rows_per_group(cfg: MosaicFwdConfig, m: int, groups: int) -> MosaicFwdCo
 _SHARD_SWAP_EXPERT_BYTES = 10 << 20
 _SHARD_SWAP_GROUPS = (96, 192)
 # dX shards (rhs read transposed): on groups of 96-192 rows they won at every point
-# measured, 3-59 MB experts (v41e-f, v43a); on ~256 rows only where the call's output
-# is at least as wide as its contraction (the gate_up projections' dX won 0.90-0.91x,
-# the down projections' lost 1.15-1.16x; v42f, v43a), up to this many rows per group.
+# measured, 3-33 MB experts (v41e-f, v43a); on ~256 rows only where the call's output
+# was wider than its contraction (the gate_up projections' dX won 0.89-0.91x, the down
+# projections' lost 1.15-1.16x; v42f, v43a): two points on each side, none near n == k
+# nor at the window's edges.
 _SHARD_SWAP_GROUPS_DX = (96, 288)
+_SHARD_SWAP_ANY_WIDTH_DX = 192  # up to this many rows per group whatever n / k
 
 
 def shard_keeps_swap(cfg: MosaicFwdConfig, m: int, groups: int, k: int, n: int,
@@ -440,7 +442,7 @@ def shard_keeps_swap(cfg: MosaicFwdConfig, m: int, groups: int, k: int, n: int,
   mean = m / groups
   if transpose_rhs:
     lo, hi = _SHARD_SWAP_GROUPS_DX
-    if not lo <= mean <= hi or (mean > _SHARD_SWAP_GROUPS[1] and n < k):
+    if not lo <= mean <= hi or (mean > _SHARD_SWAP_ANY_WIDTH_DX and n < k):
       return cfg
   else:
     lo, hi = _SHARD_SWAP_GROUPS
@@ -549,7 +551,8 @@ def gpu_sweep_configs(
     m: int, k: int, n: int, g: int, transpose_rhs: bool, dtype: Any = jnp.bfloat16,
     out_dtype: Any = None,
 ) -> list[MosaicFwdConfig]:
-  """Candidate configs for a GPU sweep (default first; SMEM-feasible only, <= 23).
+  """Candidate configs for a GPU sweep (default first; SMEM-feasible only, <= 23,
+  plus for dX the fitted swap forms' copies on 5 and 6 stages: <= 27).
 
   An f32 output gets a larger epilogue split where that makes a candidate fit.
   """
@@ -657,7 +660,7 @@ def gpu_sweep_configs(
 def _deeper(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any,
             most: int = 6) -> list[MosaicFwdConfig]:
   """``cfg`` on each stage count from num_stages + 1 to ``most`` that fits SMEM.
-  Bytes-bound dX calls on fitted swap tiles ran 3-6% faster on 5 or 6 stages than
+  Bytes-bound dX calls on fitted swap tiles ran 2-6% faster on 5 or 6 stages than
   on 4 (docs/performance.md v42g, v43c-g; 5 beat 6 on DeepSeek-V3 down's at 2048
   tokens, v43g); their forwards did not (0.995-1.055x, v43d)."""
   out = []
