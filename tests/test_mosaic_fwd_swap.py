@@ -285,31 +285,33 @@ def test_shard_keeps_swap_on_groups_of_about_128_rows_and_dx_up_to_288():
                              transpose_rhs=True) == explicit
 
 
+def _h200_qwen30b_dx_shard_config(m: int, k: int, n: int) -> mf.MosaicFwdConfig:
+  """The config the dispatcher hands an EP=8 shard (16 of 128 groups) of the dX of
+  forward projection (m, k, n) on an H200: the gmm call of k and n swapped."""
+  from ragdot import dispatch  # pylint: disable=g-import-not-at-top
+  h200 = dispatch.Device("gpu", "NVIDIA H200", "9.0")
+  dispatch.clear_cache()
+  return dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=h200, has_offset=True,
+                         transpose_rhs=True, m=m, k=n, n=k, g=16, num_groups=128).config
+
+
 @pytest.mark.parametrize("m,k,n", [(32768, 2048, 1536), (16384, 768, 2048)],
                          ids=["gate_up", "down_2k"])
 def test_qwen30b_dx_shard_keeps_swap_and_lowers_for_sm90(m, k, n):
   # What the dispatcher hands the dX shards of Qwen3-30B gate_up (EP=8, ~256 rows per
   # group) and down at 2048 tokens (~128 rows): the full call's swap entry with
   # consumer-written zeros.
-  from ragdot import dispatch  # pylint: disable=g-import-not-at-top
-  h200 = dispatch.Device("gpu", "NVIDIA H200", "9.0")
-  dispatch.clear_cache()
-  c = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=h200, has_offset=True,
-                      transpose_rhs=True, m=m, k=n, n=k, g=16, num_groups=128)
-  assert c.config.swap and c.config.producer_zeros is False
-  assert_gmm_lowers(c.config, m=m, k=n, n=k, g=128, local=16, with_offset=True,
+  cfg = _h200_qwen30b_dx_shard_config(m, k, n)
+  assert cfg.swap and cfg.producer_zeros is False
+  assert_gmm_lowers(cfg, m=m, k=n, n=k, g=128, local=16, with_offset=True,
                     transpose_rhs=True)
 
 
 def test_down_dx_shard_on_256_row_groups_runs_the_ring():
   # Qwen3-30B down's dX shard at 4096 tokens (output 768 wide, contraction 2048): the
   # row-major ring with producer zeros (0.87x swap's time, v43a).
-  from ragdot import dispatch  # pylint: disable=g-import-not-at-top
-  h200 = dispatch.Device("gpu", "NVIDIA H200", "9.0")
-  dispatch.clear_cache()
-  c = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=h200, has_offset=True,
-                      transpose_rhs=True, m=32768, k=2048, n=768, g=16, num_groups=128)
-  assert not c.config.swap and c.config.producer_zeros is True and c.config.block_n == 256
+  cfg = _h200_qwen30b_dx_shard_config(32768, 768, 2048)
+  assert not cfg.swap and cfg.producer_zeros is True and cfg.block_n == 256
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])
