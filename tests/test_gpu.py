@@ -150,15 +150,15 @@ def test_triton_dw_real_size(layout):
 
 
 # shard_swap: whether the call's EP=8 shard keeps swap (consumer-written zeros) rather
-# than the row-major ring (docs/performance.md v41e-g, v42e-f, v43a).
+# than the row-major ring (docs/performance.md v41e-g, v42e-f, v43a, v44f).
 @pytest.mark.parametrize("op,shape,shard_swap", [
     ("fwd", (32768, 2048, 1536, 128), False), ("dx", (32768, 2048, 1536, 128), True),
     ("dx", (32768, 768, 2048, 128), False), ("dx", (32768, 2048, 7168, 256), True),
-    ("fwd", (32768, 4096, 3072, 128), False), ("fwd", (32768, 768, 2048, 128), False),
-    ("dx", (16384, 768, 2048, 128), True)],
+    ("fwd", (32768, 4096, 3072, 128), False), ("fwd", (32768, 768, 2048, 128), True),
+    ("dx", (16384, 768, 2048, 128), True), ("fwd", (32768, 1536, 4096, 128), True)],
                          ids=["qwen30b_gate_up_fwd", "qwen30b_gate_up_dx", "qwen30b_down_dx",
                               "deepseek_down_dx", "qwen235b_gate_up_fwd", "qwen30b_down_fwd",
-                              "qwen30b_down_2k_dx"])
+                              "qwen30b_down_2k_dx", "qwen235b_down_fwd"])
 @pytest.mark.parametrize("shard,layout", [(False, "routed"), (True, "routed"),
                                           (False, "skewed")],
                          ids=["all", "shard", "all-skewed"])
@@ -167,8 +167,8 @@ def test_table_swap_entries_real_size(op, shape, shard_swap, shard, layout):
   (Qwen3-30B: split fold, M tail; DeepSeek-V3's dX: 160-row tiles; short tiles
   of 64 / 128 rows, which skewed routing reaches): a swap config is chosen, and
   the call through ``ragdot`` (a shard call: swap with consumer-written zeros
-  for dX but Qwen3-30B down's at ~256 rows and for DeepSeek-V3's forward, else the
-  row-major ring the swap entry maps to)
+  where ``shard_keeps_swap`` keeps it, ``shard_swap``, else the row-major ring
+  the swap entry maps to)
   matches the oracle on NaN-poisoned memory, zero rows outside, bitwise repeatable."""
   m, k, n, g = shape
   local = g // 8 if shard else g
@@ -258,6 +258,47 @@ def test_five_stage_dx_entries_real_size(shape, shard, layout):
                       jnp.bfloat16)
   oracle.assert_zero_rows(out, sizes, local if shard else None, local)
   np.testing.assert_array_equal(np.asarray(out), np.asarray(run(dy, w)))
+
+
+# (op, (m, k, n, g, top_k), ep): the entries tuned in v44a with today's sweep.
+@pytest.mark.parametrize("op,shape,ep", [
+    ("fwd", (4096, 4096, 28672, 8, 2), 1), ("dx", (4096, 4096, 28672, 8, 2), 1),
+    ("fwd", (4096, 4096, 28672, 8, 2), 2), ("dx", (8192, 4096, 28672, 8, 2), 1),
+    ("dx", (16384, 2048, 1536, 128, 8), 1), ("dx", (16384, 2048, 1536, 128, 8), 8),
+    ("dx", (16384, 768, 2048, 128, 8), 8)],
+                         ids=["mixtral_1k_fwd", "mixtral_1k_dx", "mixtral_1k_fwd-shard",
+                              "mixtral_2k_dx", "qwen30b_gate_up_2k_dx",
+                              "qwen30b_gate_up_2k_dx-shard", "qwen30b_down_2k_dx-shard"])
+@pytest.mark.parametrize("layout", ["routed", "skewed"])
+def test_2048_token_entries_real_size(op, shape, ep, layout):
+  """The 2048- / 4096-token entries of v44a through the dispatcher: Mixtral's
+  swap tiles on 2-CTA clusters (``share_rows``; ~512 rows per group), the
+  Qwen3-30B dX on 5 stages; whole and as a shard (a forward shard runs the
+  row-major ring with producer zeros, a dX shard of ~128-row groups keeps swap
+  with consumer-written zeros): the oracle on NaN-poisoned memory, zero rows
+  outside, bitwise repeatable."""
+  m, k, n, g, top_k = shape
+  local = g // ep
+  sizes = routed_group_sizes(Shape("t", m, k, n, g, top_k=top_k, skewed=layout == "skewed"))
+  choice = dispatch_choice(op, Shape("t", m, k, n, g, top_k=top_k, ep=ep))
+  cfg = choice.config
+  assert choice.implementation == "mosaic" and cfg.ring, choice.reason
+  if g == 8:  # Mixtral: swap with share_rows, whole; the shard its row-major ring
+    assert (cfg.swap, cfg.share_rows) == ((True, True) if ep == 1 else (False, False)), choice.reason
+  else:
+    assert cfg.swap and cfg.num_stages == 5, choice.reason
+  dx = op == "dx"
+  go = jnp.int32(local) if ep > 1 else None
+  x, w = oracle.random_inputs(jax.random.key(m + k + n + ep), [(m, n if dx else k), (local, k, n)],
+                              jnp.bfloat16)
+  gs = jnp.asarray(sizes)
+  dn = DN_DX if dx else ragdot.RaggedDotDimensionNumbers((([1], [1]), ([], [])), [0], [0])
+  run = jax.jit(lambda x, w: ragdot.ragged_dot_general(x, w, gs, dn, group_offset=go))
+  _poison(4 * m * max(n, k))
+  out = run(x, w)
+  oracle.assert_close(out, oracle.np_ragged_dot(x, w, sizes, go, transpose_rhs=dx), jnp.bfloat16)
+  oracle.assert_zero_rows(out, sizes, local if ep > 1 else None, local)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(run(x, w)))
 
 
 def _check_mosaic_gmm(cfg, shape, transpose_rhs, offset, seed):
