@@ -252,18 +252,27 @@ def test_swap_tiles_fit_the_rows_per_group():
       assert mf.fit_rows_per_group(cfg, *entry["shape"][::3]) == cfg, key
 
 
-def test_shard_keeps_swap_on_groups_of_about_128_rows_and_dx_up_to_288():
+def test_shard_keeps_swap_on_96_to_288_row_groups():
   entry = dataclasses.replace(CFG, num_sms=None, swap_rows=160, short_tile_rows=64,
                               swizzle_staging=True)
   gpt_oss = (2880, 2880)  # an expert's (k, n) (gpt-oss-120b down): 16.6 MB
   kept = mf.shard_keeps_swap(entry, 16384, 128, *gpt_oss, 2)
   assert kept == dataclasses.replace(entry, producer_zeros=False, zero_front=0)
   assert mf.resolve_producer_zeros(kept, True, jnp.bfloat16, jnp.bfloat16) == kept
-  # ~256 and ~64 rows per group, or Qwen3-30B gate_up's 6 MB experts: the ring as before
-  for m, (k, n) in ((32768, gpt_oss), (8192, gpt_oss), (16384, (2048, 1536))):
+  # Forward: ~64 rows per group, Qwen3-30B gate_up's 6 MB experts at ~128, and ~256
+  # where the output is narrower than the contraction (gate_up): the ring as before
+  gate_up, down = (2048, 1536), (768, 2048)  # Qwen3-30B's forward calls
+  for m, (k, n) in ((8192, gpt_oss), (16384, gate_up), (32768, gate_up),
+                    (32768, (4096, 3072))):
     same = mf.shard_keeps_swap(entry, m, 128, k, n, 2)
-    assert same == entry
+    assert same == entry, (m, k, n)
     assert not mf.resolve_producer_zeros(same, True, jnp.bfloat16, jnp.bfloat16).swap
+  # ... and swap on ~256 rows where n >= k (the down projections), small experts too,
+  # up to 288 rows, not past
+  for m, (k, n) in ((32768, down), (32768, (1536, 4096)), (32768, gpt_oss), (36864, down)):
+    assert mf.shard_keeps_swap(entry, m, 128, k, n, 2) == kept, (m, k, n)
+  assert mf.shard_keeps_swap(entry, 36992, 128, *down, 2) == entry
+  assert mf.shard_keeps_swap(entry, 16384, 128, *down, 2) == entry  # ~128 rows, 3 MB
   # gpt-oss's experts in f32 would be 33 MB, in a 1-byte type 8 MB: the size is in bytes
   assert mf.shard_keeps_swap(entry, 16384, 128, *gpt_oss, 1) == entry
   explicit = dataclasses.replace(CFG, num_sms=None, swap=False, block_n=256, producer_zeros=True)

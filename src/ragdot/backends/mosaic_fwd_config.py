@@ -402,17 +402,14 @@ def fit_rows_per_group(cfg: MosaicFwdConfig, m: int, groups: int) -> MosaicFwdCo
 
 
 # A shard's swap tiles pay off where an expert's weights are this large (bytes), on
-# groups of this many rows on average: set between measured points (forward: 6 MB lost at
-# ~128 and ~256 rows, 17-59 MB won at ~128; v41e-g, v42e), not measured at their edges.
+# forward calls with groups of 96-192 rows on average: set between measured points (6 MB
+# lost at ~128 rows, 17-59 MB won; v41e-g, v42e), not measured at the edges.
 _SHARD_SWAP_EXPERT_BYTES = 10 << 20
-_SHARD_SWAP_GROUPS = (96, 192)
-# dX shards (rhs read transposed): on groups of 96-192 rows they won at every point
-# measured, 3-33 MB experts (v41e-f, v43a); on ~256 rows only where the call's output
-# was wider than its contraction (the gate_up projections' dX won 0.89-0.91x, the down
-# projections' lost 1.15-1.16x; v42f, v43a): two points on each side, none near n == k
-# nor at the window's edges.
-_SHARD_SWAP_GROUPS_DX = (96, 288)
-_SHARD_SWAP_ANY_WIDTH_DX = 192  # up to this many rows per group whatever n / k
+# Groups of 96-288 rows on average keep swap; past 192 rows only where the call's output
+# is at least as wide as its contraction (n >= k), forward and dX alike: there the zero
+# rows are most of the shard's bytes (v43a, v44f).
+_SHARD_SWAP_GROUPS = (96, 288)
+_SHARD_SWAP_ANY_WIDTH = 192  # up to this many rows per group whatever n / k
 
 
 def shard_keeps_swap(cfg: MosaicFwdConfig, m: int, groups: int, k: int, n: int,
@@ -420,34 +417,33 @@ def shard_keeps_swap(cfg: MosaicFwdConfig, m: int, groups: int, k: int, n: int,
   """``cfg`` for a shard call (contraction ``k``, output width ``n``, elements of
   ``itemsize`` bytes) of a full call of ``m`` rows over ``groups`` groups: a swap
   config (``producer_zeros=None``) stays swap, its consumers writing the zero
-  rows (``producer_zeros=False``), instead of becoming the row-major ring, for
-  forward calls on groups of 96-192 rows on average with experts (k x n) of
-  >= 10 MB, and for dX calls (``transpose_rhs``) on groups of 96-192 rows, or
-  of 192-288 where n >= k.
+  rows (``producer_zeros=False``), instead of becoming the row-major ring, on
+  groups of 96-192 rows on average (forward calls: with experts (k x n) of
+  >= 10 MB; dX calls, ``transpose_rhs``: any), and on groups of 192-288 rows
+  where n >= k.
 
-  Measured on EP=8 shards (docs/performance.md v41e-g, v42e-f, v43a), the ring's time
-  over swap's.  Forward: gpt-oss-120b (17-33 MB experts, ~128 rows) 1.12x, Qwen3-235B
-  gate_up at 2048 tokens (25 MB) 1.26x, DeepSeek-V3 gate_up (59 MB) 1.34x; Qwen3-30B
-  gate_up (6 MB) 0.96x at 2048 tokens (~128 rows) and 0.80-0.85x at 4096 (~256 rows).
-  dX at ~128 rows: gpt-oss-120b 1.13-1.21x, DeepSeek-V3 down (29 MB) 1.21x, Qwen3-30B
-  gate_up / down at 2048 tokens (6 / 3 MB) 1.11x / 1.06x.  dX at ~256 rows: Qwen3-30B
-  gate_up (n 2048, k 1536) 1.10-1.12x, Qwen3-235B gate_up (4096 / 3072) 1.10x;
+  Measured on EP=8 shards (docs/performance.md v41e-g, v42e-f, v43a, v44f), the ring's
+  time over swap's.  ~128 rows: forward gpt-oss-120b (17-33 MB experts) 1.12x,
+  Qwen3-235B gate_up at 2048 tokens (25 MB) 1.26x, DeepSeek-V3 gate_up (59 MB) 1.34x,
+  Qwen3-30B gate_up (6 MB) 0.96x; dX gpt-oss-120b 1.13-1.21x, DeepSeek-V3 down (29 MB)
+  1.21x, Qwen3-30B gate_up / down at 2048 tokens (6 / 3 MB) 1.11x / 1.06x.  ~256 rows,
+  n >= k: forward Qwen3-30B down (n 2048, k 768) 1.17x, Qwen3-235B down (4096 / 1536)
+  1.07x; dX Qwen3-30B gate_up (2048 / 1536) 1.10-1.12x, Qwen3-235B gate_up (4096 / 3072)
+  1.10x.  ~256 rows, n < k: forward Qwen3-30B gate_up (1536 / 2048) 0.80-0.85x; dX
   Qwen3-30B down (768 / 2048) 0.87x, Qwen3-235B down (1536 / 4096) 0.86x.  (A reading:
-  the ring's 128-row tiles take two tiles for every group over 128 rows, and the second
-  one reads the expert's weights again, from L2 only where they are small; the consumers'
-  zero rows come after the ring, where the ring's producer spreads them over its k
-  steps.)"""
+  the ring's producer spreads the zero rows over its k steps, where swap's consumers
+  write them after the ring; where the zero rows outweigh the k loop's bytes, the ring
+  pays for its second weight read of every group over 128 rows and its tiles without
+  the rows' 2-CTA sharing.)"""
   if not cfg.swap or cfg.producer_zeros is not None or groups <= 0:
     return cfg
   mean = m / groups
-  if transpose_rhs:
-    lo, hi = _SHARD_SWAP_GROUPS_DX
-    if not lo <= mean <= hi or (mean > _SHARD_SWAP_ANY_WIDTH_DX and n < k):
-      return cfg
-  else:
-    lo, hi = _SHARD_SWAP_GROUPS
-    if not lo <= mean <= hi or k * n * itemsize < _SHARD_SWAP_EXPERT_BYTES:
-      return cfg
+  lo, hi = _SHARD_SWAP_GROUPS
+  if not lo <= mean <= hi or (mean > _SHARD_SWAP_ANY_WIDTH and n < k):
+    return cfg
+  if (not transpose_rhs and mean <= _SHARD_SWAP_ANY_WIDTH
+      and k * n * itemsize < _SHARD_SWAP_EXPERT_BYTES):
+    return cfg
   return dataclasses.replace(cfg, producer_zeros=False, zero_front=0)
 
 
