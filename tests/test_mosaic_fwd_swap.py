@@ -316,6 +316,48 @@ def test_qwen30b_dx_shard_keeps_swap_and_lowers_for_sm90(m, k, n):
                     transpose_rhs=True)
 
 
+def test_shard_over_share_counts_the_shards_rows():
+  sizes = jnp.asarray([150, 20, 300, 30], jnp.int32)  # m 768: fair share of 2 groups 384
+  over = lambda o, above, gs=sizes, m=768: bool(mf.shard_over_share(gs, jnp.int32(o), m, 2,
+                                                                    above))
+  assert over(1, 0.83) and not over(1, 0.84)  # 320 rows against 318.72 / 322.56
+  assert over(0, 0.44) and not over(0, 0.45)  # 170 rows against 168.96 / 172.8
+  assert over(3, 0.07) and not over(3, 0.08)  # the last group and one past G: 30 rows
+  assert not over(4, 0.001)  # past every group: no rows
+  # negative sizes own no rows; rows past m are cut there
+  assert not over(0, 0.2, jnp.asarray([-5, 0, 900, 9], jnp.int32))
+  assert over(1, 0.9, jnp.asarray([100, 900, 9, 0], jnp.int32), 768)  # 668 rows > 345
+
+
+@pytest.mark.parametrize("transpose_rhs,above", [(False, 0.5), (False, 1.0), (True, 0.5)])
+def test_shard_ring_above_matches_oracle(transpose_rhs, above):
+  """A shard of 2 of 4 groups with 320 of 768 rows (fair share 384): over half
+  its share runs the row-major ring, within its share swap; both branches are
+  in the program."""
+  sizes, m, k, n, offset, num_local = [150, 20, 300, 30], 768, 64, 256, 1, 2
+  rshape = (num_local, n, k) if transpose_rhs else (num_local, k, n)
+  x, w = oracle.random_inputs(jax.random.key(7 + transpose_rhs), [(m, k), rshape], jnp.bfloat16)
+  go = jnp.int32(offset)
+  cfg = dataclasses.replace(CFG, tail_rows=16, producer_zeros=False, shard_ring_above=above)
+  out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), go, transpose_rhs=transpose_rhs,
+               out_dtype=jnp.bfloat16, interpret=True, config=cfg)
+  oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, go, transpose_rhs), jnp.bfloat16)
+  oracle.assert_zero_rows(out, sizes, offset, num_local)
+
+
+def test_shard_ring_above_lowers_for_sm90():
+  # Qwen3-30B down's forward shard (swap with consumer zeros, v44f) with the ring
+  # behind the device-side branch: both kernels lower in one program.
+  from ragdot import dispatch  # pylint: disable=g-import-not-at-top
+  h200 = dispatch.Device("gpu", "NVIDIA H200", "9.0")
+  dispatch.clear_cache()
+  cfg = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=h200, has_offset=True,
+                        m=32768, k=768, n=2048, g=16, num_groups=128).config
+  assert cfg.swap and cfg.producer_zeros is False and cfg.share_rows
+  assert_gmm_lowers(dataclasses.replace(cfg, shard_ring_above=2.0), m=32768, k=768, n=2048,
+                    g=128, local=16, transpose_rhs=False, with_offset=True)
+
+
 def test_down_dx_shard_on_256_row_groups_runs_the_ring():
   # Qwen3-30B down's dX shard at 4096 tokens (output 768 wide, contraction 2048): the
   # row-major ring with producer zeros (0.87x swap's time, v43a).
@@ -359,6 +401,10 @@ def test_config_checks():
       dataclasses.replace(CFG, swap_rows=bad)
   with pytest.raises(ValueError, match="swap_rows needs"):
     dataclasses.replace(CFG, swap=False, block_n=256, swap_rows=144)
+  for bad in (dict(swap=False, block_n=256), dict(shard_ring_above=0.0)):
+    with pytest.raises(ValueError, match="shard_ring_above needs"):
+      dataclasses.replace(CFG, **{"shard_ring_above": 2.0, **bad})
+  assert mf.row_major_ring(dataclasses.replace(CFG, shard_ring_above=2.0)).shard_ring_above is None
   # The row-major counterpart of a 144-row swap config is the plain ring.
   assert mf.row_major_ring(dataclasses.replace(CFG, swap_rows=144)).swap_rows == 256
   # SMEM follows the tile's rows.

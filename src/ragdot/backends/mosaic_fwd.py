@@ -62,6 +62,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ragdot.manual_axes import make_varying, match_varying, out_struct, varying_axes
 from ragdot import backends
+from ragdot import metadata as md
 from ragdot.backends import sm90
 from ragdot.backends.mosaic_fwd_config import (  # noqa: F401  (re-exported)
     SWAP_ROWS,
@@ -484,6 +485,33 @@ def _gmm_kernel_2wg(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *,
     pl.when(wg < 2)(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
 
 
+def _shard_swap_or_ring(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: bool,
+                        out_dtype, config: MosaicFwdConfig, interpret):
+  """A shard call of a swap config with ``shard_ring_above``: swap while the
+  shard's rows are at most that multiple of its fair share, else the row-major
+  ring with producer zeros (the two kernels behind one device-side branch)."""
+  swap = dataclasses.replace(config, shard_ring_above=None)
+  ring = resolve_producer_zeros(dataclasses.replace(swap, producer_zeros=None), True,
+                                lhs.dtype, out_dtype)
+  over = shard_over_share(group_sizes, group_offset, lhs.shape[0], rhs.shape[0],
+                          config.shard_ring_above)
+
+  def call(cfg):
+    return lambda ops: gmm(*ops, group_offset, transpose_rhs=transpose_rhs,
+                           out_dtype=out_dtype, config=cfg, interpret=interpret)
+
+  return lax.cond(over, call(ring), call(swap), (lhs, rhs, group_sizes))
+
+
+def shard_over_share(group_sizes: jax.Array, group_offset: jax.Array, m: int, g_local: int,
+                     above: float) -> jax.Array:
+  """Device bool: whether the rows of the shard's ``g_local`` groups from
+  ``group_offset`` exceed ``above`` times its fair share, ``m * g_local / G``
+  rows (G = ``group_sizes``' length), rounded down."""
+  lo, hi = md.local_row_window(group_sizes, m, group_offset, g_local)
+  return hi - lo > int(above * m * g_local / max(group_sizes.shape[0], 1))
+
+
 def gmm(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -529,6 +557,10 @@ def gmm(
     config = fit_config(config, lhs.dtype, out_dtype)
   if config is not None:
     config = resolve_producer_zeros(config, has_offset, lhs.dtype, out_dtype)
+  if (has_offset and config is not None and config.shard_ring_above is not None
+      and config.swap and config.producer_zeros is False):
+    return _shard_swap_or_ring(lhs, rhs, group_sizes, group_offset, transpose_rhs=transpose_rhs,
+                               out_dtype=out_dtype, config=config, interpret=interpret)
   if config is not None and config.share_rows and interpret:
     # The interpreter hangs with two CTAs per cluster (docs/performance.md v23a,
     # v32a): interpret the same tiles unclustered.

@@ -177,6 +177,14 @@ class MosaicFwdConfig:
     split, and write them once their own loads are issued, in the time the
     others still compute; 0: every CTA the same share, spread over its k
     steps.
+  shard_ring_above: a swap config of a shard call that keeps swap
+    (``producer_zeros=False``, see ``shard_keeps_swap``): when the shard's rows
+    (known on the device only) exceed this multiple of its fair share
+    ``m * g_local / G``, run ``row_major_ring`` with producer zeros instead,
+    through a device-side branch (both kernels are compiled).  Swap shards
+    measured 4-17% faster than the ring on routed sizes and 7-22% slower with
+    3.8x the fair share (docs/performance.md v44f-h); the crossover is not
+    measured, so None (off) is the default.
   """
 
   block_m: int = 64
@@ -208,6 +216,7 @@ class MosaicFwdConfig:
   swizzle_staging: bool = False
   short_tile_rows: int = 0
   share_rows: bool = False
+  shard_ring_above: float | None = None
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -272,6 +281,8 @@ class MosaicFwdConfig:
                        f"got {self}")
     if self.share_rows and (not self.swap or (self.num_sms or 2) % 2):
       raise ValueError(f"share_rows needs swap=True and an even num_sms, got {self}")
+    if self.shard_ring_above is not None and (not self.swap or not self.shard_ring_above > 0):
+      raise ValueError(f"shard_ring_above needs swap=True and a value > 0, got {self}")
     if self.tail_rows and (not self.ring or self.block_n % 128):
       raise ValueError(f"tail_rows needs ring=True and block_n a multiple of 128, got {self}")
     if self.zero_lead is not None and (self.zero_lead < 0 or (self.zero_lead and not self.ring)):
@@ -453,7 +464,7 @@ def row_major_ring(cfg: MosaicFwdConfig) -> MosaicFwdConfig:
   producer zeros, 32-bit outputs)."""
   return dataclasses.replace(cfg, swap=False, block_n=256, tail_rows=0, tail_split=False,
                              tail_on_m=False, swap_rows=SWAP_ROWS, swizzle_staging=False,
-                             short_tile_rows=0, share_rows=False,
+                             short_tile_rows=0, share_rows=False, shard_ring_above=None,
                              num_stages=min(cfg.num_stages, 4))
 
 
