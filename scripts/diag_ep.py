@@ -1,7 +1,7 @@
 """Where does the EP-shard forward's time go? (GPU machine; a diagnostic, not a bench)
 
   python3 scripts/diag_ep.py OUT_DIR [--op fwd|dx] [--rounds 3] [--variant "FIELD=VALUE ..." ...]
-      [--shape m,k,n,g[,top_k] [--ep 8]] [--skewed]
+      [--shape m,k,n,g[,top_k] [--ep 8]] [--skewed | --skew H]
 
 On the bench's EP preset (Qwen3-30B gate_up, shard 0 of 8: 16 local experts,
 full-m output with zeros outside the shard's rows; ``--shape``: shard 0 of
@@ -52,6 +52,9 @@ def main() -> None:
   p.add_argument("--ep", type=int, default=8, help="shards of --shape's experts")
   p.add_argument("--skewed", action="store_true",
                  help="skewed routing (a few hot experts, shard 0's among them)")
+  p.add_argument("--skew", type=float, default=None, metavar="H",
+                 help="the logit ramp's height of the skewed routing (--skewed: 3.0; "
+                      "0: routed); shard 0 gets more rows the higher it is")
   args = p.parse_args()
   if args.ep < 2:
     p.error("--ep: at least 2 shards")
@@ -63,10 +66,10 @@ def main() -> None:
     if args.shape.g % args.ep:
       raise SystemExit(f"--ep {args.ep} must divide the {args.shape.g} experts")
     s = dataclasses.replace(args.shape, name=f"{args.shape.name} ep{args.ep} shard", ep=args.ep)
-  if args.skewed:
+  if args.skewed or args.skew:
     s = dataclasses.replace(s, name=f"{s.name} skewed", skewed=True)
   local = s.g // s.ep
-  sizes, empty, rows8 = bench.ep_shard_sizes(s)
+  sizes, empty, rows8 = bench.ep_shard_sizes(s, skew=args.skew)
   rows = int(sizes[:local].sum())
   kx, kw = jax.random.split(jax.random.key(0))
   w = (jax.random.normal(kw, (local, s.k, s.n), jnp.float32) / 32).astype(jnp.bfloat16)

@@ -358,6 +358,17 @@ def test_minimal_bytes_of_an_ep_shard_count_only_its_rows_and_experts():
       256 * 96 * 2 + int(np.count_nonzero(sizes)) * 64 * 32 * 2)
 
 
+def test_skew_sets_how_many_rows_the_first_experts_get():
+  from ragdot import bench  # pylint: disable=g-import-not-at-top
+  routed = bench.Shape("t", 32768, 64, 32, 128, ep=8)
+  skewed = dataclasses.replace(routed, skewed=True)
+  assert (bench.routed_group_sizes(routed, skew=0) == bench.routed_group_sizes(routed)).all()
+  assert (bench.routed_group_sizes(routed, skew=3.0) == bench.routed_group_sizes(skewed)).all()
+  shard_rows = [int(bench.ep_shard_sizes(routed, skew=h)[0][:16].sum()) for h in (0, 1, 2, 3)]
+  assert shard_rows == sorted(shard_rows) and shard_rows[0] < 4500 < 12000 < shard_rows[-1]
+  assert all(int(bench.routed_group_sizes(routed, skew=h).sum()) == 32768 for h in (0, 1.5))
+
+
 class _Labels:
   """A bench watchdog that only records what is being compiled or timed."""
   now = None

@@ -160,13 +160,19 @@ def parse_shape(text: str) -> Shape:
   return Shape(f"{m},{k},{n},{g}", m, k, n, g, top_k=min(top_k, g))
 
 
-def routed_group_sizes(shape: Shape, seed: int = 0) -> np.ndarray:
-  """Group sizes of top-k routing of random logits for m / top_k tokens."""
+def routed_group_sizes(shape: Shape, seed: int = 0, skew: float | None = None) -> np.ndarray:
+  """Group sizes of top-k routing of random logits for m / top_k tokens.
+
+  ``skew``: the height of a ramp added to the logits from the first expert (that
+  much) to the last (0), so the first experts run hot; None: 3.0 for a
+  ``skewed`` shape, else no ramp."""
   rng = np.random.default_rng(seed)
   tokens = shape.m // shape.top_k
   logits = rng.standard_normal((tokens, shape.g))
-  if shape.skewed:
-    logits += np.linspace(3.0, 0.0, shape.g)[None, :]  # a few hot experts
+  if skew is None:
+    skew = 3.0 if shape.skewed else 0.0
+  if skew:
+    logits += np.linspace(skew, 0.0, shape.g)[None, :]  # a few hot experts
   top = np.argsort(-logits, axis=1)[:, : shape.top_k]
   sizes = np.bincount(top.reshape(-1), minlength=shape.g).astype(np.int32)
   sizes[-1] += shape.m - sizes.sum()
@@ -180,15 +186,17 @@ def local_rows8(shape: Shape, sizes: np.ndarray) -> int:
   return -(-int(sizes[:shape.g // shape.ep].sum()) // 8) * 8
 
 
-def ep_shard_sizes(shape: Shape) -> tuple[np.ndarray, np.ndarray, int]:
+def ep_shard_sizes(shape: Shape, skew: float | None = None
+                   ) -> tuple[np.ndarray, np.ndarray, int]:
   """Shard 0 of an EP shape (``shape.ep`` > 1): ``(sizes, emptied, rows)``.
 
-  ``sizes``: the routed group sizes of all ``shape.g`` groups; ``emptied``: the
+  ``sizes``: the routed group sizes of all ``shape.g`` groups (``skew``: as in
+  ``routed_group_sizes``); ``emptied``: the
   same with the shard's ``g / ep`` local groups emptied (their rows moved to the
   next group), so a shard call writes only zero rows; ``rows``: ``local_rows8``.
   """
   local = shape.g // shape.ep
-  sizes = routed_group_sizes(shape)
+  sizes = routed_group_sizes(shape, skew=skew)
   emptied = sizes.copy()
   emptied[local] += emptied[:local].sum()
   emptied[:local] = 0
