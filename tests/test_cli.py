@@ -367,6 +367,13 @@ def test_skew_sets_how_many_rows_the_first_experts_get():
   shard_rows = [int(bench.ep_shard_sizes(routed, skew=h)[0][:16].sum()) for h in (0, 1, 2, 3)]
   assert shard_rows == sorted(shard_rows) and shard_rows[0] < 4500 < 12000 < shard_rows[-1]
   assert all(int(bench.routed_group_sizes(routed, skew=h).sum()) == 32768 for h in (0, 1.5))
+  # The EP presets: the same shards, routed and skewed; shard 0 holds more rows skewed.
+  plain, hot = bench.PRESETS["ep-models"], bench.PRESETS["ep-skewed"]
+  assert [dataclasses.replace(s, name="", skewed=False) for s in hot] == [
+      dataclasses.replace(s, name="") for s in plain]
+  assert all(s.ep == 8 and s.skewed for s in hot) and bench.PRESETS["ep"][0] == plain[0]
+  for a, b in zip(plain, hot):
+    assert bench.ep_shard_sizes(b)[2] > 3 * bench.ep_shard_sizes(a)[2], (a, b)
 
 
 class _Labels:

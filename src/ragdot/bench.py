@@ -104,6 +104,15 @@ def ep_local_shapes(ep: int = 8,
   return out
 
 
+def ep_shard_shapes(ep: int = 8, skewed: bool = False,
+                    models: tuple[str, ...] = ("qwen3-30b", "qwen3-235b")) -> list[Shape]:
+  """Shard 0 of an ``ep``-way split of each model's gate_up and down at training
+  size (``group_offset``; ``skewed``: shard 0's experts among the hot ones)."""
+  tag = " skewed" if skewed else ""
+  return [dataclasses.replace(s, name=f"{s.name} ep{ep} shard{tag}", ep=ep, skewed=skewed)
+          for model in models for s in model_shapes(model)[:2]]
+
+
 def seed_sweep_shapes() -> list[Shape]:
   """K, N in {256, 512, 1024, 2048} x G in {16, 32} at M = 4096 and 16384."""
   dims = (256, 512, 1024, 2048)
@@ -120,6 +129,10 @@ PRESETS: dict[str, list[Shape]] = {
     "training-1k": _model_shapes(1024, " 1k"),
     "decode": _model_shapes(64, " decode"),
     "ep": [Shape("qwen3-30b gate_up ep8 shard", 32768, 2048, 1536, 128, ep=8)],
+    # The Qwen3 projections' EP=8 shards, routed and skewed: a shard's kernel is chosen
+    # by shape, and routing moves which one is faster (docs/performance.md v44f-h).
+    "ep-models": ep_shard_shapes(8),
+    "ep-skewed": ep_shard_shapes(8, skewed=True),
     # What an EP=8 rank runs after its all-to-all: its own rows over its own experts.
     "ep-local": ep_local_shapes(8),
     "skewed": [Shape("qwen3-30b gate_up skewed", 32768, 2048, 1536, 128, skewed=True)],

@@ -23,7 +23,7 @@ def _info_parser(sub) -> None:
   p = sub.add_parser("info", help="versions, device, and what would run for preset shapes")
   p.add_argument("--preset", nargs="+", default=None, choices=sorted(bench.PRESETS),
                  help="default: the model presets (" + ", ".join(bench.MODELS)
-                 + "), ep and ep-local")
+                 + "), ep-models and ep-local")
   p.add_argument("--shape", action="append", default=[], type=bench.parse_shape,
                  help="m,k,n,g[,top_k] (repeatable)")
   p.add_argument("--device-kind", default=None,
@@ -75,7 +75,7 @@ def run_info(args: argparse.Namespace) -> int:
 
   presets = args.preset
   if presets is None:
-    presets = [] if args.shape else [*bench.MODELS, "ep", "ep-local"]
+    presets = [] if args.shape else [*bench.MODELS, "ep-models", "ep-local"]
   shapes = [s for p in presets for s in bench.PRESETS[p]] + list(args.shape)
   dtype = jnp.dtype(args.dtype)
   rows = []
