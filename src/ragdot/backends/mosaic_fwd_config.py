@@ -182,9 +182,9 @@ class MosaicFwdConfig:
     (known on the device only) exceed this multiple of its fair share
     ``m * g_local / G``, run ``row_major_ring`` with producer zeros instead,
     through a device-side branch (both kernels are compiled).  Swap shards
-    measured 4-17% faster than the ring on routed sizes and 7-22% slower with
-    3.8x the fair share (docs/performance.md v44f-h); the crossover is not
-    measured, so None (off) is the default.
+    measured faster than the ring on routed sizes (the ring 1.04-1.17x their
+    time) and slower with 3.8x the fair share (0.82-0.93x; docs/performance.md
+    v44f-h); the crossover is not measured, so None (off) is the default.
   """
 
   block_m: int = 64
@@ -418,7 +418,7 @@ def fit_rows_per_group(cfg: MosaicFwdConfig, m: int, groups: int) -> MosaicFwdCo
 _SHARD_SWAP_EXPERT_BYTES = 10 << 20
 # Groups of 96-288 rows on average keep swap; past 192 rows only where the call's output
 # is at least as wide as its contraction (n >= k), forward and dX alike: there the zero
-# rows are most of the shard's bytes (v43a, v44f).
+# rows weigh most against the k loop's work (v43a, v44f).
 _SHARD_SWAP_GROUPS = (96, 288)
 _SHARD_SWAP_ANY_WIDTH = 192  # up to this many rows per group whatever n / k
 
