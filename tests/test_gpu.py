@@ -37,6 +37,26 @@ def _poison(nbytes: int) -> None:
   del junk
 
 
+DN_FWD = ragdot.RaggedDotDimensionNumbers((([1], [1]), ([], [])), [0], [0])
+
+
+def _check_dispatched_call(op, m, k, n, local, sizes, go, seed):
+  """ragdot's automatic forward (``op`` "fwd") or dX ("dx") call over ``local``
+  groups' weights on NaN-poisoned memory: the f32 oracle, exact zeros outside
+  the shard (``go``: its group_offset, or None), bitwise the same on a second call."""
+  dx = op == "dx"
+  x, w = oracle.random_inputs(jax.random.key(seed), [(m, n if dx else k), (local, k, n)],
+                              jnp.bfloat16)
+  gs = jnp.asarray(sizes)
+  run = jax.jit(lambda x, w: ragdot.ragged_dot_general(x, w, gs, DN_DX if dx else DN_FWD,
+                                                       group_offset=go))
+  _poison(4 * m * max(n, k))
+  out = run(x, w)
+  oracle.assert_close(out, oracle.np_ragged_dot(x, w, sizes, go, transpose_rhs=dx), jnp.bfloat16)
+  oracle.assert_zero_rows(out, sizes, go, local)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(run(x, w)))
+
+
 SHAPES = [  # m, k, n, g, layout
     (4096, 2048, 1536, 128, "routed"),
     (4000, 768, 2048, 128, "routed"),      # m not a multiple of the row tile
@@ -175,22 +195,12 @@ def test_table_swap_entries_real_size(op, shape, shard_swap, shard, layout):
   sizes = _sizes(m, g, layout)
   choice = dispatch_choice(op, Shape("t", m, k, n, g, ep=8 if shard else 1))
   assert choice.implementation == "mosaic" and choice.config.ring
-  dx = op == "dx"
   # A shard call: swap with consumer-written zeros where shard_keeps_swap says so,
   # else the entry's row-major ring.
   assert choice.config.swap == (not shard or shard_swap), choice.reason
   assert not shard or choice.config.producer_zeros is (not shard_swap), choice.reason
-  go = jnp.int32(local) if shard else None
-  x, w = oracle.random_inputs(jax.random.key(m + k + n + shard),
-                              [(m, n if dx else k), (local, k, n)], jnp.bfloat16)
-  gs = jnp.asarray(sizes)
-  dn = DN_DX if dx else ragdot.RaggedDotDimensionNumbers((([1], [1]), ([], [])), [0], [0])
-  run = jax.jit(lambda x, w: ragdot.ragged_dot_general(x, w, gs, dn, group_offset=go))
-  _poison(4 * m * max(n, k))
-  out = run(x, w)
-  oracle.assert_close(out, oracle.np_ragged_dot(x, w, sizes, go, transpose_rhs=dx), jnp.bfloat16)
-  oracle.assert_zero_rows(out, sizes, local if shard else None, local)
-  np.testing.assert_array_equal(np.asarray(out), np.asarray(run(x, w)))
+  _check_dispatched_call(op, m, k, n, local, sizes, jnp.int32(local) if shard else None,
+                         m + k + n + shard)
 
 
 @pytest.mark.parametrize("op,shape", [
@@ -247,17 +257,8 @@ def test_five_stage_dx_entries_real_size(shape, shard, layout):
   assert choice.implementation == "mosaic" and cfg.swap and cfg.num_stages == 5, choice.reason
   assert (cfg.swap_rows, cfg.short_tile_rows, cfg.producer_zeros) == (
       160, 64, False if shard else None), choice.reason
-  go = jnp.int32(local) if shard else None
-  dy, w = oracle.random_inputs(jax.random.key(m + k + n + shard), [(m, n), (local, k, n)],
-                               jnp.bfloat16)
-  gs = jnp.asarray(sizes)
-  run = jax.jit(lambda d, w: ragdot.ragged_dot_general(d, w, gs, DN_DX, group_offset=go))
-  _poison(4 * m * max(n, k))
-  out = run(dy, w)
-  oracle.assert_close(out, oracle.np_ragged_dot(dy, w, sizes, go, transpose_rhs=True),
-                      jnp.bfloat16)
-  oracle.assert_zero_rows(out, sizes, local if shard else None, local)
-  np.testing.assert_array_equal(np.asarray(out), np.asarray(run(dy, w)))
+  _check_dispatched_call("dx", m, k, n, local, sizes, jnp.int32(local) if shard else None,
+                         m + k + n + shard)
 
 
 # (op, (m, k, n, g, top_k), ep): the entries tuned in v44a with today's sweep.
@@ -289,18 +290,8 @@ def test_2048_token_entries_real_size(op, shape, ep, layout):
     assert cfg.swap and cfg.num_stages == 5, choice.reason
   # zeros outside a shard: the ring's producer (forward), swap's consumers (dX)
   assert ep == 1 or cfg.producer_zeros is (op == "fwd"), choice.reason
-  dx = op == "dx"
-  go = jnp.int32(local) if ep > 1 else None
-  x, w = oracle.random_inputs(jax.random.key(m + k + n + ep), [(m, n if dx else k), (local, k, n)],
-                              jnp.bfloat16)
-  gs = jnp.asarray(sizes)
-  dn = DN_DX if dx else ragdot.RaggedDotDimensionNumbers((([1], [1]), ([], [])), [0], [0])
-  run = jax.jit(lambda x, w: ragdot.ragged_dot_general(x, w, gs, dn, group_offset=go))
-  _poison(4 * m * max(n, k))
-  out = run(x, w)
-  oracle.assert_close(out, oracle.np_ragged_dot(x, w, sizes, go, transpose_rhs=dx), jnp.bfloat16)
-  oracle.assert_zero_rows(out, sizes, local if ep > 1 else None, local)
-  np.testing.assert_array_equal(np.asarray(out), np.asarray(run(x, w)))
+  _check_dispatched_call(op, m, k, n, local, sizes, jnp.int32(local) if ep > 1 else None,
+                         m + k + n + ep)
 
 
 def _check_mosaic_gmm(cfg, shape, transpose_rhs, offset, seed):
