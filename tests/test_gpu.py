@@ -22,6 +22,7 @@ pytestmark = pytest.mark.gpu
 
 GPU_IMPLS = ["mosaic"]
 DN_DX = ragdot.RaggedDotDimensionNumbers((([1], [2]), ([], [])), [0], [0])
+DN_FWD = ragdot.RaggedDotDimensionNumbers((([1], [1]), ([], [])), [0], [0])
 
 
 @pytest.fixture(autouse=True)
@@ -35,9 +36,6 @@ def _poison(nbytes: int) -> None:
   junk = jnp.full((nbytes // 2 + 1,), jnp.nan, jnp.bfloat16)
   junk.block_until_ready()
   del junk
-
-
-DN_FWD = ragdot.RaggedDotDimensionNumbers((([1], [1]), ([], [])), [0], [0])
 
 
 def _check_dispatched_call(op, m, k, n, local, sizes, go, seed):
@@ -222,18 +220,7 @@ def test_fitted_swap_tiles_real_size(op, shape, layout):
   choice = dispatch_choice(op, Shape("t", m, k, n, g))
   assert choice.implementation == "mosaic" and choice.config.swap
   assert (choice.config.swap_rows, choice.config.tail_rows) == (80, 16), choice.reason
-  dx = op == "dx"
-  x, w = oracle.random_inputs(jax.random.key(m + k + n), [(m, n if dx else k), (g, k, n)],
-                              jnp.bfloat16)
-  gs = jnp.asarray(sizes)
-  dn = DN_DX if dx else ragdot.RaggedDotDimensionNumbers((([1], [1]), ([], [])), [0], [0])
-  run = jax.jit(lambda x, w: ragdot.ragged_dot_general(x, w, gs, dn))
-  _poison(4 * m * max(n, k))
-  out = run(x, w)
-  oracle.assert_close(out, oracle.np_ragged_dot(x, w, sizes, None, transpose_rhs=dx),
-                      jnp.bfloat16)
-  oracle.assert_zero_rows(out, sizes, None, g)
-  np.testing.assert_array_equal(np.asarray(out), np.asarray(run(x, w)))
+  _check_dispatched_call(op, m, k, n, g, sizes, None, m + k + n)
 
 
 @pytest.mark.parametrize("shape,shard", [
@@ -762,7 +749,7 @@ def test_gpt_oss_calls_real_size(op, shape, shard, layout):
     dx = op == "dx"
     x, w = oracle.random_inputs(jax.random.key(m + k + n), [(m, n if dx else k), (local, k, n)],
                                 jnp.bfloat16)
-    dn = DN_DX if dx else ragdot.RaggedDotDimensionNumbers((([1], [1]), ([], [])), [0], [0])
+    dn = DN_DX if dx else DN_FWD
     run = jax.jit(lambda a, b: ragdot.ragged_dot_general(a, b, gs, dn, group_offset=go))
     ref = oracle.np_ragged_dot(x, w, sizes, go, transpose_rhs=dx)
   args = (x, dy) if op == "dw" else (x, w)
