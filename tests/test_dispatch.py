@@ -99,6 +99,9 @@ def test_swap_entry_fitted_to_the_call_rows_per_group():
                        transpose_rhs=True, m=32768, k=1536, n=2048, g=16, num_groups=128)
   assert dx.config.swap and dx.config.producer_zeros is False and not dx.config.zero_front
   assert "consumer-written zeros for 256 rows per group" in dx.reason
+  # ... up to 1.25x the shard's fair share of rows, the ring above (v45a-b)
+  assert dx.config.shard_ring_above == 1.25 and "ring above 1.25x" in dx.reason
+  assert ep.config.shard_ring_above is None  # ~128 rows: swap whatever the rows
   fwd = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=H200, has_offset=True,
                         **dict(GATE_UP, g=16))
   assert not fwd.config.swap and fwd.config.producer_zeros

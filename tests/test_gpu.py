@@ -16,6 +16,7 @@ import pytest
 
 import oracle
 import ragdot
+from ragdot.backends import mosaic_fwd as mf
 from ragdot.bench import PRESETS, Shape, dispatch_choice, routed_group_sizes
 
 pytestmark = pytest.mark.gpu
@@ -199,6 +200,29 @@ def test_table_swap_entries_real_size(op, shape, shard_swap, shard, layout):
   assert not shard or choice.config.producer_zeros is (not shard_swap), choice.reason
   _check_dispatched_call(op, m, k, n, local, sizes, jnp.int32(local) if shard else None,
                          m + k + n + shard)
+
+
+@pytest.mark.parametrize("op,shape", [
+    ("fwd", (32768, 768, 2048, 128)), ("fwd", (32768, 1536, 4096, 128)),
+    ("dx", (32768, 2048, 1536, 128)), ("dx", (32768, 4096, 3072, 128))],
+                         ids=["qwen30b_down_fwd", "qwen235b_down_fwd", "qwen30b_gate_up_dx",
+                              "qwen235b_gate_up_dx"])
+@pytest.mark.parametrize("skew", [0.0, 0.5, 3.0])
+def test_gated_shard_pair_real_size(op, shape, skew):
+  """EP=8 shard 0 of the ~256-row-group calls whose shard runs swap or the
+  row-major ring by its rows (``shard_ring_above``, v45b): routed (the fair share:
+  swap runs, the ring exits), skew 0.5 and 3 (1.46x / 3.8x the share: swap exits
+  on NaN-poisoned memory and the ring writes every row): the oracle, exact zeros
+  outside the shard, bitwise repeatable."""
+  m, k, n, g = shape
+  s = Shape("t", m, k, n, g, ep=8, skewed=skew > 0)
+  choice = dispatch_choice(op, s)
+  assert choice.config.swap and choice.config.shard_ring_above == 1.25, choice.reason
+  sizes = routed_group_sizes(s, skew=skew)
+  local = g // 8
+  limit = mf.shard_row_limit(m, local, g, choice.config.shard_ring_above)
+  assert (int(sizes[:local].sum()) > limit) == (skew > 0)
+  _check_dispatched_call(op, m, k, n, local, sizes, jnp.int32(0), m + k + n + int(skew * 2))
 
 
 @pytest.mark.parametrize("op,shape", [

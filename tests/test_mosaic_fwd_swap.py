@@ -9,6 +9,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import oracle
@@ -259,6 +260,8 @@ def test_shard_keeps_swap_on_96_to_288_row_groups():
   kept = mf.shard_keeps_swap(entry, 16384, 128, *gpt_oss, 2)
   assert kept == dataclasses.replace(entry, producer_zeros=False, zero_front=0)
   assert mf.resolve_producer_zeros(kept, True, jnp.bfloat16, jnp.bfloat16) == kept
+  # over 192 rows per group the shard's rows pick swap or the ring at run time
+  gated = dataclasses.replace(kept, shard_ring_above=1.25)
   # Forward: ~64 rows per group, Qwen3-30B gate_up's 6 MB experts at ~128, and ~256
   # where the output is narrower than the contraction (gate_up): the ring as before
   gate_up, down = (2048, 1536), (768, 2048)  # Qwen3-30B's forward calls
@@ -270,7 +273,7 @@ def test_shard_keeps_swap_on_96_to_288_row_groups():
   # ... and swap on ~256 rows where n >= k (the down projections), small experts too,
   # up to 288 rows, not past
   for m, (k, n) in ((32768, down), (32768, (1536, 4096)), (32768, gpt_oss), (36864, down)):
-    assert mf.shard_keeps_swap(entry, m, 128, k, n, 2) == kept, (m, k, n)
+    assert mf.shard_keeps_swap(entry, m, 128, k, n, 2) == gated, (m, k, n)
   assert mf.shard_keeps_swap(entry, 36992, 128, *down, 2) == entry
   assert mf.shard_keeps_swap(entry, 16384, 128, *down, 2) == entry  # ~128 rows, 3 MB
   # gpt-oss's experts in f32 would be 33 MB, in a 1-byte type 8 MB: the size is in bytes
@@ -281,15 +284,15 @@ def test_shard_keeps_swap_on_96_to_288_row_groups():
   # rows, small experts included, and of 192-288 where n >= k (the gate_up
   # projections' dX); not on ~64 or ~512, nor on down's dX (n < k) at ~256.
   gate_up_dx, down_dx = (1536, 2048), (2048, 768)  # Qwen3-30B's dX calls
-  for m, (k, n) in ((32768, gate_up_dx), (16384, gate_up_dx), (16384, down_dx),
-                    (16384, gpt_oss), (36864, gate_up_dx), (24576, down_dx)):
+  for m, (k, n) in ((16384, gate_up_dx), (16384, down_dx), (16384, gpt_oss), (24576, down_dx)):
     assert mf.shard_keeps_swap(entry, m, 128, k, n, 2, transpose_rhs=True) == kept, (m, k, n)
+  for m, (k, n) in ((32768, gate_up_dx), (36864, gate_up_dx), (32768, (2048, 2048))):
+    assert mf.shard_keeps_swap(entry, m, 128, k, n, 2, transpose_rhs=True) == gated, (m, k, n)
   for m, (k, n) in ((8192, gate_up_dx), (12160, gate_up_dx), (36992, gate_up_dx),
                     (65536, gate_up_dx), (32768, down_dx), (24704, down_dx),
                     (32768, (4096, 1536))):  # 64, 95, 289, 512 rows; down at 256, 193
     assert mf.shard_keeps_swap(entry, m, 128, k, n, 2, transpose_rhs=True) == entry, (m, k, n)
   assert mf.shard_keeps_swap(entry, 12288, 128, *gate_up_dx, 2, transpose_rhs=True) == kept
-  assert mf.shard_keeps_swap(entry, 32768, 128, 2048, 2048, 2, transpose_rhs=True) == kept
   assert mf.shard_keeps_swap(explicit, 32768, 128, *gate_up_dx, 2,
                              transpose_rhs=True) == explicit
 
@@ -316,24 +319,44 @@ def test_qwen30b_dx_shard_keeps_swap_and_lowers_for_sm90(m, k, n):
                     transpose_rhs=True)
 
 
-def test_shard_over_share_counts_the_shards_rows():
-  sizes = jnp.asarray([150, 20, 300, 30], jnp.int32)  # m 768: fair share of 2 groups 384
-  over = lambda o, above, gs=sizes, m=768: bool(mf.shard_over_share(gs, jnp.int32(o), m, 2,
-                                                                    above))
-  assert over(1, 0.83) and not over(1, 0.84)  # 320 rows against 318.72 / 322.56
-  assert over(0, 0.44) and not over(0, 0.45)  # 170 rows against 168.96 / 172.8
-  assert over(3, 0.07) and not over(3, 0.08)  # the last group and one past G: 30 rows
-  assert not over(4, 0.001)  # past every group: no rows
-  # negative sizes own no rows; rows past m are cut there
-  assert not over(0, 0.2, jnp.asarray([-5, 0, 900, 9], jnp.int32))
-  assert over(1, 0.9, jnp.asarray([100, 900, 9, 0], jnp.int32), 768)  # 668 rows > 345
+def test_shard_row_limit_is_the_share_rounded_down():
+  assert mf.shard_row_limit(768, 2, 4, 0.83) == 318  # 0.83 x 384
+  assert mf.shard_row_limit(32768, 16, 128, 1.25) == 5120
+  assert mf.shard_row_limit(768, 2, 0, 1.0) == 1536  # no groups: no division by 0
+
+
+@pytest.mark.parametrize("ring_kernel,limit,above", [
+    (True, 319, True), (True, 320, True), (False, 320, False), (False, 319, False)])
+def test_row_gate_runs_the_kernel_only_on_its_side(ring_kernel, limit, above):
+  """A gated kernel writes all m rows when its gate opens (the shard's 320 rows
+  above / at most ``limit``) and not one when it is closed (the sentinel stays)."""
+  from ragdot.backends import mosaic_fwd_ring, mosaic_fwd_swap  # pylint: disable=g-import-not-at-top
+  sizes, m, k, n, offset, num_local = [150, 20, 300, 30], 768, 64, 256, 1, 2
+  x, w = oracle.random_inputs(jax.random.key(3), [(m, k), (num_local, k, n)], jnp.bfloat16)
+  go, gs = jnp.int32(offset), jnp.asarray(sizes, jnp.int32)
+  cfg = dataclasses.replace(CFG, tail_rows=16, producer_zeros=False)
+  module = mosaic_fwd_swap
+  if ring_kernel:
+    cfg, module = mf.resolve_producer_zeros(mf.row_major_ring(dataclasses.replace(
+        cfg, producer_zeros=None)), True, jnp.bfloat16, jnp.bfloat16), mosaic_fwd_ring
+  opens = (320 > limit) if above else (320 <= limit)
+  sentinel = jnp.full((m, n), 7.0, jnp.bfloat16)
+
+  out = jax.jit(lambda x, w, gs, go, into: module.gmm(
+      x, w, gs, go, transpose_rhs=False, out_dtype=jnp.bfloat16, config=cfg, interpret=True,
+      gate=mosaic_fwd_ring.RowGate(limit, above), into=into))(x, w, gs, go, sentinel)
+  if opens:
+    oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, go, False), jnp.bfloat16)
+    oracle.assert_zero_rows(out, sizes, offset, num_local)
+  else:
+    np.testing.assert_array_equal(np.asarray(out, np.float32), 7.0)
 
 
 @pytest.mark.parametrize("transpose_rhs,above", [(False, 0.5), (False, 1.0), (True, 0.5)])
 def test_shard_ring_above_matches_oracle(transpose_rhs, above):
   """A shard of 2 of 4 groups with 320 of 768 rows (fair share 384): over half
-  its share runs the row-major ring, within its share swap; both branches are
-  in the program."""
+  its share runs the row-major ring, within its share swap; both kernels are
+  launched, on one output buffer."""
   sizes, m, k, n, offset, num_local = [150, 20, 300, 30], 768, 64, 256, 1, 2
   rshape = (num_local, n, k) if transpose_rhs else (num_local, k, n)
   x, w = oracle.random_inputs(jax.random.key(7 + transpose_rhs), [(m, k), rshape], jnp.bfloat16)
@@ -347,7 +370,7 @@ def test_shard_ring_above_matches_oracle(transpose_rhs, above):
 
 def test_shard_ring_above_lowers_for_sm90():
   # Qwen3-30B down's forward shard (swap with consumer zeros, v44f) with the ring
-  # behind the device-side branch: both kernels lower in one program.
+  # launched after it on the same output: both kernels lower in one program.
   from ragdot import dispatch  # pylint: disable=g-import-not-at-top
   h200 = dispatch.Device("gpu", "NVIDIA H200", "9.0")
   dispatch.clear_cache()

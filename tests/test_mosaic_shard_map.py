@@ -33,6 +33,19 @@ def test_kernels_lower_for_sm90_inside_shard_map():
   assert text.count("mosaic_gpu") >= 2
 
 
+def _training_step(shard, mesh):
+  """jit(value_and_grad) w.r.t. x and w of a loss through ``shard(x, w, gs)`` under
+  shard_map: x and the group sizes replicated, w's experts split over "ep"."""
+  layer = jax.shard_map(shard, mesh=mesh, in_specs=(P(), P("ep"), P()), out_specs=P())
+  loss = lambda x, w, gs: jnp.sum(layer(x, w, gs).astype(jnp.float32))
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+
+def _operands(m: int, k: int, n: int, g: int):
+  return (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16),
+          jax.ShapeDtypeStruct((g,), jnp.int32))
+
+
 def test_vjp_through_kernels_traces_inside_shard_map():
   """The custom VJP's cotangents keep the operands' shard_map axis types."""
   import ragdot  # pylint: disable=g-import-not-at-top
@@ -47,13 +60,35 @@ def test_vjp_through_kernels_traces_inside_shard_map():
                           implementation="mosaic")
     return jax.lax.psum(y, "ep")
 
-  layer = jax.shard_map(shard, mesh=mesh, in_specs=(P(), P("ep"), P()), out_specs=P())
-  loss = lambda x, w, gs: jnp.sum(layer(x, w, gs).astype(jnp.float32))
-  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-  args = (jax.ShapeDtypeStruct((512, 128), jnp.bfloat16),
-          jax.ShapeDtypeStruct((8, 128, 128), jnp.bfloat16),
-          jax.ShapeDtypeStruct((8,), jnp.int32))
-  jaxpr = step.trace(*args).jaxpr
+  jaxpr = _training_step(shard, mesh).trace(*_operands(512, 128, 128, 8)).jaxpr
   text = str(jaxpr)
   # Before the fix, tracing raised: the bwd rule returned non-varying cotangents.
   assert text.count("custom_vjp_call") >= 2
+
+
+def test_gated_shard_pair_lowers_through_the_vjp_inside_shard_map(monkeypatch):
+  """Qwen3-30B down's EP=8 shard as the H200 dispatcher runs it: swap and the
+  row-major ring on one output buffer (``shard_ring_above``), forward and dX,
+  traced through the custom VJP inside shard_map and lowered for sm90, the
+  second kernel writing the first one's output in place (an aliased operand)."""
+  import ragdot  # pylint: disable=g-import-not-at-top
+  from ragdot import dispatch  # pylint: disable=g-import-not-at-top
+
+  monkeypatch.setattr(dispatch, "current_device",
+                      lambda: dispatch.Device("gpu", "NVIDIA H200", "9.0"))
+  dispatch.clear_cache()
+  try:
+    mesh = jax.make_mesh((8,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def shard(x, w, gs):
+      offset = jax.lax.axis_index("ep") * w.shape[0]
+      return jax.lax.psum(ragdot.ragged_dot(x, w, gs, group_offset=offset), "ep")
+
+    text = _training_step(shard, mesh).trace(*_operands(32768, 768, 2048, 128)).lower(
+        lowering_platforms=("cuda",)).as_text()
+  finally:
+    dispatch.clear_cache()
+  # the forward: swap and the ring; dX (its output narrower than its contraction): the
+  # ring; dW
+  assert text.count("mosaic_gpu") >= 4
+  assert "output_operand_alias" in text

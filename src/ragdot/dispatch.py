@@ -295,6 +295,9 @@ def _automatic(top, dtype, precision_ok, out_dtype, m, k, n, g, num_groups,
                                            transpose_rhs=top == "gmm_t")
         if kept != config:
           note += f"; swap with consumer-written zeros for {m / g_eff:.0f} rows per group"
+          if kept.shard_ring_above is not None:
+            note += (f", the row-major ring above {kept.shard_ring_above:g}x the shard's"
+                     " fair share of rows")
           config = kept
       # The config a shard call runs (the kernel resolves it the same way):
       # producer_zeros made concrete, its epilogue split widened to fit.

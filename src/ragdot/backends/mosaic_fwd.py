@@ -62,7 +62,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ragdot.manual_axes import make_varying, match_varying, out_struct, varying_axes
 from ragdot import backends
-from ragdot import metadata as md
 from ragdot.backends import sm90
 from ragdot.backends.mosaic_fwd_config import (  # noqa: F401  (re-exported)
     SWAP_ROWS,
@@ -489,27 +488,30 @@ def _shard_swap_or_ring(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: b
                         out_dtype, config: MosaicFwdConfig, interpret):
   """A shard call of a swap config with ``shard_ring_above``: swap while the
   shard's rows are at most that multiple of its fair share, else the row-major
-  ring with producer zeros (the two kernels behind one device-side branch)."""
+  ring with producer zeros.  Both kernels are launched, one after the other on
+  one output buffer (the second writes the first's in place); each reads the
+  shard's rows off its schedule and the one not chosen exits at once (no host
+  round trip, which a ``lax.cond`` takes)."""
+  from ragdot.backends import mosaic_fwd_ring, mosaic_fwd_swap  # pylint: disable=g-import-not-at-top  (import this module)
   swap = dataclasses.replace(config, shard_ring_above=None)
   ring = resolve_producer_zeros(dataclasses.replace(swap, producer_zeros=None), True,
                                 lhs.dtype, out_dtype)
-  over = shard_over_share(group_sizes, group_offset, lhs.shape[0], rhs.shape[0],
+  run = dict(transpose_rhs=transpose_rhs, out_dtype=out_dtype, interpret=interpret)
+  if ring.smem_bytes(lhs.dtype, out_dtype) > ring.smem_budget():
+    return mosaic_fwd_swap.gmm(lhs, rhs, group_sizes, group_offset, config=swap, **run)
+  limit = shard_row_limit(lhs.shape[0], rhs.shape[0], group_sizes.shape[0],
                           config.shard_ring_above)
-
-  def call(cfg):
-    return lambda ops: gmm(*ops, group_offset, transpose_rhs=transpose_rhs,
-                           out_dtype=out_dtype, config=cfg, interpret=interpret)
-
-  return lax.cond(over, call(ring), call(swap), (lhs, rhs, group_sizes))
+  out = mosaic_fwd_swap.gmm(lhs, rhs, group_sizes, group_offset, config=swap,
+                            gate=mosaic_fwd_ring.RowGate(limit, above=False), **run)
+  return mosaic_fwd_ring.gmm(lhs, rhs, group_sizes, group_offset, config=ring,
+                             gate=mosaic_fwd_ring.RowGate(limit, above=True), into=out, **run)
 
 
-def shard_over_share(group_sizes: jax.Array, group_offset: jax.Array, m: int, g_local: int,
-                     above: float) -> jax.Array:
-  """Device bool: whether the rows of the shard's ``g_local`` groups from
-  ``group_offset`` exceed ``above`` times its fair share, ``m * g_local / G``
-  rows (G = ``group_sizes``' length), rounded down."""
-  lo, hi = md.local_row_window(group_sizes, m, group_offset, g_local)
-  return hi - lo > int(above * m * g_local / max(group_sizes.shape[0], 1))
+def shard_row_limit(m: int, g_local: int, num_groups: int, above: float) -> int:
+  """The most rows a shard of ``g_local`` of ``num_groups`` groups in a call of
+  ``m`` rows keeps swap for: ``above`` times its fair share ``m * g_local /
+  num_groups``, rounded down."""
+  return int(above * m * g_local / max(num_groups, 1))
 
 
 def gmm(
@@ -557,10 +559,6 @@ def gmm(
     config = fit_config(config, lhs.dtype, out_dtype)
   if config is not None:
     config = resolve_producer_zeros(config, has_offset, lhs.dtype, out_dtype)
-  if (has_offset and config is not None and config.shard_ring_above is not None
-      and config.swap and config.producer_zeros is False):
-    return _shard_swap_or_ring(lhs, rhs, group_sizes, group_offset, transpose_rhs=transpose_rhs,
-                               out_dtype=out_dtype, config=config, interpret=interpret)
   if config is not None and config.share_rows and interpret:
     # The interpreter hangs with two CTAs per cluster (docs/performance.md v23a,
     # v32a): interpret the same tiles unclustered.
@@ -580,6 +578,10 @@ def gmm(
         f"config {config} needs {config.smem_bytes(lhs.dtype, out_dtype)} bytes of SMEM"
     )
 
+  if (has_offset and config.shard_ring_above is not None and config.swap
+      and config.producer_zeros is False):
+    return _shard_swap_or_ring(lhs, rhs, group_sizes, group_offset, transpose_rhs=transpose_rhs,
+                               out_dtype=out_dtype, config=config, interpret=interpret)
   if config.ring:
     if config.tail_rows and out_dtype.itemsize != 2:
       raise NotImplementedError(f"tail_rows needs a bf16/f16 output, got {out_dtype}")

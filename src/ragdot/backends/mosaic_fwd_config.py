@@ -180,11 +180,12 @@ class MosaicFwdConfig:
   shard_ring_above: a swap config of a shard call that keeps swap
     (``producer_zeros=False``, see ``shard_keeps_swap``): when the shard's rows
     (known on the device only) exceed this multiple of its fair share
-    ``m * g_local / G``, run ``row_major_ring`` with producer zeros instead,
-    through a device-side branch (both kernels are compiled).  Swap shards
-    measured faster than the ring on routed sizes (the ring 1.04-1.17x their
-    time) and slower with 3.8x the fair share (0.82-0.93x; docs/performance.md
-    v44f-h); the crossover is not measured, so None (off) is the default.
+    ``m * g_local / G``, run ``row_major_ring`` with producer zeros instead.
+    Both kernels are launched on one output buffer and the one not chosen
+    exits at once (a ``lax.cond`` costs a host round trip: +46 us a call,
+    docs/performance.md v45a).  Swap shards measured faster than the ring on
+    routed sizes (the ring 1.04-1.17x their time) and slower from 1.46x the
+    fair share on (0.80-0.96x; v44f-h, v45a-b).
   """
 
   block_m: int = 64
@@ -421,6 +422,9 @@ _SHARD_SWAP_EXPERT_BYTES = 10 << 20
 # rows weigh most against the k loop's work (v43a, v44f).
 _SHARD_SWAP_GROUPS = (96, 288)
 _SHARD_SWAP_ANY_WIDTH = 192  # up to this many rows per group whatever n / k
+# Over 192 rows per group the swap shards keep swap only up to this multiple of
+# their fair share of the rows (on the device; the ring above: v45a-b).
+_SHARD_RING_ABOVE = 1.25
 
 
 def shard_keeps_swap(cfg: MosaicFwdConfig, m: int, groups: int, k: int, n: int,
@@ -431,7 +435,9 @@ def shard_keeps_swap(cfg: MosaicFwdConfig, m: int, groups: int, k: int, n: int,
   rows (``producer_zeros=False``), instead of becoming the row-major ring, on
   groups of 96-192 rows on average (forward calls: with experts (k x n) of
   >= 10 MB; dX calls, ``transpose_rhs``: any), and on groups of 192-288 rows
-  where n >= k.
+  where n >= k.  On the latter the shard's rows pick the kernel at run time
+  (``shard_ring_above``): above 1.25x its fair share the row-major ring with
+  producer zeros runs instead.
 
   Measured on EP=8 shards (docs/performance.md v41e-g, v42e-f, v43a, v44f), the ring's
   time over swap's.  ~128 rows: forward gpt-oss-120b (17-33 MB experts) 1.12x,
@@ -445,7 +451,10 @@ def shard_keeps_swap(cfg: MosaicFwdConfig, m: int, groups: int, k: int, n: int,
   the ring's producer spreads the zero rows over its k steps, where swap's consumers
   write them after the ring; where the zero rows outweigh the k loop's bytes, the ring
   pays for its second weight read of every group over 128 rows and its tiles without
-  the rows' 2-CTA sharing.)"""
+  the rows' 2-CTA sharing.)  Under skewed routing the same ~256-row shards hold more
+  rows, and the ring took 0.80-0.96x swap's time from 1.46x the fair share on (v45a-b;
+  the gated pair 1.02-1.08x swap's time at the fair share, the ring's +0.3-5.4% above).
+  The ~128-row shards' crossover is not measured: they keep swap whatever their rows."""
   if not cfg.swap or cfg.producer_zeros is not None or groups <= 0:
     return cfg
   mean = m / groups
@@ -455,7 +464,8 @@ def shard_keeps_swap(cfg: MosaicFwdConfig, m: int, groups: int, k: int, n: int,
   if (not transpose_rhs and mean <= _SHARD_SWAP_ANY_WIDTH
       and k * n * itemsize < _SHARD_SWAP_EXPERT_BYTES):
     return cfg
-  return dataclasses.replace(cfg, producer_zeros=False, zero_front=0)
+  ring_above = _SHARD_RING_ABOVE if mean > _SHARD_SWAP_ANY_WIDTH else None
+  return dataclasses.replace(cfg, producer_zeros=False, zero_front=0, shard_ring_above=ring_above)
 
 
 def row_major_ring(cfg: MosaicFwdConfig) -> MosaicFwdConfig:

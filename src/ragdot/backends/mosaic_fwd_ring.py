@@ -170,16 +170,30 @@ class ItemSpace(NamedTuple):
   my_items: Any
 
 
+class RowGate(NamedTuple):
+  """A kernel that runs only when its shard's rows (``hi - lo``, counted on the
+  device) are above ``limit`` (``above``) or at most ``limit``; otherwise its
+  schedule is empty and it exits at once, writing nothing."""
+  limit: int
+  above: bool
+
+
 def item_space(tiles_gmem, scal_gmem, *, k: int, n: int, block_n: int, block_k: int,
-               transpose_rhs: bool, num_ctas: int, n_tiles_per_item: int = 1) -> ItemSpace:
+               transpose_rhs: bool, num_ctas: int, n_tiles_per_item: int = 1,
+               gate: RowGate | None = None) -> ItemSpace:
   """The ``ItemSpace`` of a ring body (``launch``'s schedule): items are
   (row tile, n tile) pairs, or (row tile, ``n_tiles_per_item`` n tiles) for a
   cluster of that many CTAs; CTA (or cluster) ``cta`` takes ``cta + j *
-  num_ctas``."""
+  num_ctas``.  With ``gate`` closed there are no items and no zero rows."""
   grid_n = pl.cdiv(n, block_n)
   k_steps = pl.cdiv(k, block_k)
   max_tiles = tiles_gmem.shape[0] // 4
   num_tiles, lo, hi, za, zb, num_zero_work, _ = mf._work_counts(scal_gmem, grid_n)
+  if gate is not None:
+    rows = hi - lo
+    run = rows > gate.limit if gate.above else rows <= gate.limit
+    num_tiles = jnp.where(run, num_tiles, 0)
+    num_zero_work = jnp.where(run, num_zero_work, 0)
   num_work = num_tiles * pl.cdiv(grid_n, n_tiles_per_item)
   b_shape = (block_n, block_k) if transpose_rhs else (block_k, block_n)
   cta = lax.axis_index("sm")
@@ -247,13 +261,14 @@ def consume_item(produced, consumed, step0, k_steps, stages: int, mma, in_flight
 
 
 def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int, n: int,
-          cfg: mf.MosaicFwdConfig, transpose_rhs: bool, num_ctas: int):
+          cfg: mf.MosaicFwdConfig, transpose_rhs: bool, num_ctas: int,
+          gate: RowGate | None = None):
   bn, bk, stages, cn = cfg.block_n, cfg.block_k, cfg.num_stages, cfg.epilogue_n
   tn = bn // 2  # tail columns per consumer
   tr = cfg.tail_rows
   (grid_n, k_steps, max_tiles, num_tiles, lo, hi, za, zb, num_zero_work, num_work, b_shape, cta,
    my_items) = item_space(tiles_gmem, scal_gmem, k=k, n=n, block_n=bn, block_k=bk,
-                          transpose_rhs=transpose_rhs, num_ctas=num_ctas)
+                          transpose_rhs=transpose_rhs, num_ctas=num_ctas, gate=gate)
   dtype, out_dtype = lhs_gmem.dtype, out_gmem.dtype
 
   scratch = dict(
@@ -410,11 +425,14 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
 
 def launch(body, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
            group_offset: jax.Array | None, *, rows: int, transpose_rhs: bool, out_dtype: Any,
-           config: mf.MosaicFwdConfig, interpret: Any = False) -> jax.Array:
+           config: mf.MosaicFwdConfig, interpret: Any = False, gate: RowGate | None = None,
+           into: jax.Array | None = None) -> jax.Array:
   """Builds the group-aligned schedule of ``rows``-row tiles (tails folded per
   ``config.tail_rows``) and runs ``body`` (a ring kernel body: producer and two
   consumer warpgroups, one CTA per SM; ``share_rows``: clusters of two, and
-  ``num_ctas`` counts clusters) over it."""
+  ``num_ctas`` counts clusters) over it.  ``gate``: see ``RowGate``.  ``into``:
+  an [m, n] output to write in place (rows the kernel does not write keep their
+  values; a gate closed leaves all of them), returned."""
   m, k = lhs.shape
   g_local = rhs.shape[0]
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -429,28 +447,46 @@ def launch(body, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
     cluster = dict(cluster=(2,), cluster_names=("cluster",))
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
-  kernel = plgpu.kernel(
-      functools.partial(body, m=m, k=k, n=n, cfg=config, transpose_rhs=transpose_rhs,
-                        num_ctas=num_ctas),
-      out_type=out_struct((m, n), out_dtype, lhs),
-      grid=(num_ctas,),
-      grid_names=("sm",),
-      **cluster,
-      num_threads=3,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=interpret if interpret else None,
-  )
+  body = functools.partial(body, m=m, k=k, n=n, cfg=config, transpose_rhs=transpose_rhs,
+                           num_ctas=num_ctas, gate=gate)
+  mesh = dict(grid=(num_ctas,), grid_names=("sm",), **cluster, num_threads=3, thread_name="wg")
+  params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+  if into is not None:
+    return _in_place(body, mesh, params, interpret or None)(tiles, scalars, lhs, rhs, into)
+  kernel = plgpu.kernel(body, out_type=out_struct((m, n), out_dtype, lhs), **mesh,
+                        compiler_params=params, interpret=interpret if interpret else None)
   return make_varying(kernel(tiles, scalars, lhs, rhs), varying_axes(lhs))
+
+
+def _in_place(body, mesh: dict, params, interpret):
+  """``plgpu.kernel(body)`` whose last operand is its output, written in place
+  (an input/output alias: the kernel may leave rows untouched).  plgpu.kernel
+  offers no aliases and takes no refs that vary over shard_map axes, so this
+  calls the mpmd entry point under it (private in jax 0.11.2, which ragdot pins)."""
+  from jax._src import config as jax_config  # pylint: disable=g-import-not-at-top
+  from jax._src.pallas import mpmd  # pylint: disable=g-import-not-at-top
+
+  def aliased(*refs):  # operands, the aliased operand's input ref, the output ref
+    body(*refs[:-2], refs[-1])
+
+  def call(*operands):
+    out_type = jax.ShapeDtypeStruct(operands[-1].shape, operands[-1].dtype)
+    with jax_config._check_vma(False):  # as plgpu.kernel
+      (out,) = mpmd._mpmd_map(
+          [(plgpu.Mesh(**mesh), aliased)], (out_type,),
+          input_output_aliases={len(operands) - 1: 0}, compiler_params=params,
+          interpret=interpret, name="ragdot_in_place")(*operands)
+    return out
+
+  return call
 
 
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: jax.Array | None,
         *, transpose_rhs: bool, out_dtype: Any, config: mf.MosaicFwdConfig,
-        interpret: Any = False) -> jax.Array:
+        interpret: Any = False, **gated: Any) -> jax.Array:
   """``mosaic_fwd.gmm`` for a ``ring=True`` config (checked by ``mosaic_fwd.gmm``:
   supported dtypes and alignments, non-empty operands, m >= 128 + tail_rows, a
-  config that fits SMEM)."""
+  config that fits SMEM).  ``gated``: ``launch``'s ``gate`` and ``into``."""
   return launch(_body, lhs, rhs, group_sizes, group_offset, rows=_ROWS,
                 transpose_rhs=transpose_rhs, out_dtype=out_dtype, config=config,
-                interpret=interpret)
+                interpret=interpret, **gated)

@@ -98,7 +98,8 @@ def _per_layout(layouts, fn) -> None:
 
 
 def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int, n: int,
-          cfg: mf.MosaicFwdConfig, transpose_rhs: bool, num_ctas: int):
+          cfg: mf.MosaicFwdConfig, transpose_rhs: bool, num_ctas: int,
+          gate: ring.RowGate | None = None):
   bn, bk, stages, tr = cfg.block_n, cfg.block_k, cfg.num_stages, cfg.tail_rows
   rows_t = cfg.swap_rows  # R, rows per tile
   swizzled, share = cfg.swizzle_staging, cfg.share_rows
@@ -106,7 +107,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
   (grid_n, k_steps, max_tiles, num_tiles, lo, hi, za, zb, num_zero_work, _, b_shape, cta,
    my_items) = ring.item_space(tiles_gmem, scal_gmem, k=k, n=n, block_n=bn, block_k=bk,
                                transpose_rhs=transpose_rhs, num_ctas=num_ctas,
-                               n_tiles_per_item=pair)
+                               n_tiles_per_item=pair, gate=gate)
   # share: cta counts clusters; each CTA takes its rank's n tile of an item.
   rank = lax.axis_index("cluster") if share else 0
   dtype, out_dtype = lhs_gmem.dtype, out_gmem.dtype
@@ -281,10 +282,11 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
 
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: jax.Array | None,
         *, transpose_rhs: bool, out_dtype: Any, config: mf.MosaicFwdConfig,
-        interpret: Any = False) -> jax.Array:
+        interpret: Any = False, **gated: Any) -> jax.Array:
   """``mosaic_fwd.gmm`` for a ``swap=True`` config (checked by ``mosaic_fwd.gmm``:
   supported dtypes and alignments, non-empty operands, m >= swap_rows + tail_rows,
-  a config that fits SMEM, a 16-bit output)."""
+  a config that fits SMEM, a 16-bit output).  ``gated``: ``ring.launch``'s
+  ``gate`` and ``into``."""
   return ring.launch(_body, lhs, rhs, group_sizes, group_offset, rows=config.swap_rows,
                      transpose_rhs=transpose_rhs, out_dtype=out_dtype, config=config,
-                     interpret=interpret)
+                     interpret=interpret, **gated)
