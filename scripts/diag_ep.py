@@ -18,7 +18,10 @@ and writes OUT_DIR/diag_ep.json.  ``--op dx``: the same cases for the shard's
 dX call (dy[m, n] @ w[g, k, n]^T, the rhs read transposed), as the backward
 of the forward makes it.  Outputs of A, B, T and the variants are
 compared bitwise; the per-kernel CUPTI times of A, Z, L and the variants are
-printed.
+printed.  ``--host-calls C``: A and the variants also as C back-to-back calls in
+one program (on C different x), host clock and CUPTI sum per call: what a
+host round trip inside a call (e.g. a ``lax.cond``) costs, which CUPTI's
+kernel sum does not see (docs/performance.md v45a).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +56,8 @@ def main() -> None:
   p.add_argument("--ep", type=int, default=8, help="shards of --shape's experts")
   p.add_argument("--skewed", action="store_true",
                  help="skewed routing (a few hot experts, shard 0's among them)")
+  p.add_argument("--host-calls", type=int, default=0, metavar="C",
+                 help="also time A and the variants as C back-to-back calls in one program")
   p.add_argument("--skew", type=float, default=None, metavar="H",
                  help="the logit ramp's height of the skewed routing (--skewed: 3.0; "
                       "0: routed); shard 0 gets more rows the higher it is")
@@ -128,14 +134,33 @@ def main() -> None:
     _, per_kernel = profiler.measure(f, aggregate=False, iterations=3)(*a)
     kernels[name] = per_kernel
     print(f"{name} kernels: {per_kernel}", flush=True)
+  host = _host_clock(cases, ["A", *variants], args.host_calls, x) if args.host_calls else {}
   with open(os.path.join(args.out_dir, "diag_ep.json"), "w") as f:
     json.dump(dict(device=jax.devices()[0].device_kind, op=args.op, rows=rows, m=s.m, ms=med,
                    equal=equal, variants=variants,
                    # the config A's shard call runs (producer_zeros resolved)
                    config=str(mosaic_fwd.resolve_producer_zeros(cfg, True, jnp.bfloat16,
                                                                 jnp.bfloat16)),
-                   auto=bench.describe_choice(auto), kernels=kernels),
+                   auto=bench.describe_choice(auto), kernels=kernels, host_calls=host),
               f, indent=1, default=str)
+
+
+def _host_clock(cases, names, calls: int, x) -> dict:
+  """{name: (host-clock us, CUPTI us) per call} of ``calls`` back-to-back calls of
+  each case in one jitted program, each on its own x."""
+  xs = jnp.stack([jnp.roll(x, i, axis=0) for i in range(calls)])
+  out = {}
+  for name in names:
+    f, (_, w, gs) = cases[name]
+    many = jax.jit(lambda xs, w, gs, f=f: [f(xs[i], w, gs) for i in range(calls)])
+    jax.block_until_ready(many(xs, w, gs))
+    wall = statistics.median(timing.host_time_ms(many, xs, w, gs, iterations=20, repeats=3)
+                             for _ in range(3))
+    dev, _ = timing.device_time_ms(many, xs, w, gs, iterations=10)
+    out[name] = (wall * 1e3 / calls, dev * 1e3 / calls)
+    print(f"{name} {calls} calls in one program: host clock {out[name][0]:.1f} us, "
+          f"CUPTI {out[name][1]:.1f} us a call", flush=True)
+  return out
 
 
 if __name__ == "__main__":
