@@ -352,8 +352,10 @@ def test_row_gate_runs_the_kernel_only_on_its_side(ring_kernel, limit, above):
     np.testing.assert_array_equal(np.asarray(out, np.float32), 7.0)
 
 
-@pytest.mark.parametrize("transpose_rhs,above", [(False, 0.5), (False, 1.0), (True, 0.5)])
-def test_shard_ring_above_matches_oracle(transpose_rhs, above):
+@pytest.mark.parametrize("transpose_rhs,above,pair", [
+    (False, 0.5, False), (False, 1.0, False), (True, 0.5, False), (False, 0.5, True),
+    (True, 1.0, True)])
+def test_shard_ring_above_matches_oracle(transpose_rhs, above, pair):
   """A shard of 2 of 4 groups with 320 of 768 rows (fair share 384): over half
   its share runs the row-major ring, within its share swap; both kernels are
   launched, on one output buffer."""
@@ -361,14 +363,16 @@ def test_shard_ring_above_matches_oracle(transpose_rhs, above):
   rshape = (num_local, n, k) if transpose_rhs else (num_local, k, n)
   x, w = oracle.random_inputs(jax.random.key(7 + transpose_rhs), [(m, k), rshape], jnp.bfloat16)
   go = jnp.int32(offset)
-  cfg = dataclasses.replace(CFG, tail_rows=16, producer_zeros=False, shard_ring_above=above)
+  cfg = dataclasses.replace(CFG, tail_rows=16, producer_zeros=False, shard_ring_above=above,
+                            pair_schedule=pair)
   out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), go, transpose_rhs=transpose_rhs,
                out_dtype=jnp.bfloat16, interpret=True, config=cfg)
   oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, go, transpose_rhs), jnp.bfloat16)
   oracle.assert_zero_rows(out, sizes, offset, num_local)
 
 
-def test_shard_ring_above_lowers_for_sm90():
+@pytest.mark.parametrize("pair", [False, True])
+def test_shard_ring_above_lowers_for_sm90(pair):
   # Qwen3-30B down's forward shard (swap with consumer zeros, v44f) with the ring
   # launched after it on the same output: both kernels lower in one program.
   from ragdot import dispatch  # pylint: disable=g-import-not-at-top
@@ -377,7 +381,8 @@ def test_shard_ring_above_lowers_for_sm90():
   cfg = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=h200, has_offset=True,
                         m=32768, k=768, n=2048, g=16, num_groups=128).config
   assert cfg.swap and cfg.producer_zeros is False and cfg.share_rows
-  assert_gmm_lowers(dataclasses.replace(cfg, shard_ring_above=2.0), m=32768, k=768, n=2048,
+  assert_gmm_lowers(dataclasses.replace(cfg, shard_ring_above=2.0, pair_schedule=pair),
+                    m=32768, k=768, n=2048,
                     g=128, local=16, transpose_rhs=False, with_offset=True)
 
 
@@ -427,7 +432,10 @@ def test_config_checks():
   for bad in (dict(swap=False, block_n=256), dict(shard_ring_above=0.0)):
     with pytest.raises(ValueError, match="shard_ring_above needs"):
       dataclasses.replace(CFG, **{"shard_ring_above": 2.0, **bad})
-  assert mf.row_major_ring(dataclasses.replace(CFG, shard_ring_above=2.0)).shard_ring_above is None
+  with pytest.raises(ValueError, match="pair_schedule needs shard_ring_above"):
+    dataclasses.replace(CFG, pair_schedule=True)
+  ring = mf.row_major_ring(dataclasses.replace(CFG, shard_ring_above=2.0, pair_schedule=True))
+  assert ring.shard_ring_above is None and not ring.pair_schedule
   # The row-major counterpart of a 144-row swap config is the plain ring.
   assert mf.row_major_ring(dataclasses.replace(CFG, swap_rows=144)).swap_rows == 256
   # SMEM follows the tile's rows.

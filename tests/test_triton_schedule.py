@@ -200,3 +200,21 @@ def test_bounds_equal_xla_builders(layout):
     assert g.shape[0] >= num_local
     np.testing.assert_array_equal(g[:num_local], np.asarray(want))
     np.testing.assert_array_equal(g[num_local:], 0)
+
+
+@settings(max_examples=10, deadline=None)
+@given(layouts(), st.sampled_from([((256, 32), (128, 0)), ((160, 16), (128, 0), (64, 0)),
+                                   ((24, 8),)]))
+def test_build_many_equals_one_build_each(layout, tiles):
+  """One launch for several schedules (the gated swap / ring pair's): each the
+  schedule ``build`` makes alone, padding included."""
+  sizes, offset, m, num_local, _ = layout
+  sizes = jnp.asarray(sizes, jnp.int32)
+  go = None if offset is None else jnp.int32(offset)
+  many = ts.build_many(sizes, go, m=m, num_local=num_local, tiles=tiles, interpret=True)
+  assert len(many) == len(tiles)
+  for (block_m, tail_rows), (got_tiles, got_scalars) in zip(tiles, many):
+    want_tiles, want_scalars = ts.build(sizes, go, m=m, num_local=num_local, block_m=block_m,
+                                        tail_rows=tail_rows, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got_tiles), np.asarray(want_tiles))
+    np.testing.assert_array_equal(np.asarray(got_scalars), np.asarray(want_scalars))

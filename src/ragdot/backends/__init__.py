@@ -77,12 +77,22 @@ def flat_schedule(group_sizes, group_offset, *, m: int, num_local: int, block_m:
   """``metadata.flat_schedule``'s values (tiles int32[4 * T'], scalars
   int32[>= 6]; the kernel pads T to whole programs), from one schedule kernel
   where ``use_kernel`` and ``schedule_kernels`` allow, else from XLA ops."""
+  (out,) = flat_schedules(group_sizes, group_offset, m=m, num_local=num_local,
+                          tiles=((block_m, tail_rows),), use_kernel=use_kernel,
+                          interpret=interpret)
+  return out
+
+
+def flat_schedules(group_sizes, group_offset, *, m: int, num_local: int,
+                   tiles: tuple[tuple[int, int], ...], use_kernel: bool, interpret
+                   ) -> list[tuple[jax.Array, jax.Array]]:
+  """``flat_schedule``'s values for each ``(block_m, tail_rows)`` of ``tiles``,
+  all from one schedule-kernel launch where the kernel serves the call."""
   kernels = _kernels_for(use_kernel, interpret, m, group_sizes.shape[0], num_local)
   if kernels is not None:
-    return kernels.build(group_sizes, group_offset, m=m, num_local=num_local, block_m=block_m,
-                         tail_rows=tail_rows)
-  return metadata.flat_schedule(group_sizes, group_offset, m, num_local, block_m,
-                                tail_rows=tail_rows)
+    return kernels.build_many(group_sizes, group_offset, m=m, num_local=num_local, tiles=tiles)
+  return [metadata.flat_schedule(group_sizes, group_offset, m, num_local, block_m,
+                                 tail_rows=tail_rows) for block_m, tail_rows in tiles]
 
 
 def row_blocks(group_sizes, group_offset, *, m: int, num_local: int, block_m: int, align: int,

@@ -493,18 +493,25 @@ def _shard_swap_or_ring(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: b
   shard's rows off its schedule and the one not chosen exits at once (no host
   round trip, which a ``lax.cond`` takes)."""
   from ragdot.backends import mosaic_fwd_ring, mosaic_fwd_swap  # pylint: disable=g-import-not-at-top  (import this module)
-  swap = dataclasses.replace(config, shard_ring_above=None)
+  swap = dataclasses.replace(config, shard_ring_above=None, pair_schedule=False)
   ring = resolve_producer_zeros(dataclasses.replace(swap, producer_zeros=None), True,
                                 lhs.dtype, out_dtype)
   run = dict(transpose_rhs=transpose_rhs, out_dtype=out_dtype, interpret=interpret)
   if ring.smem_bytes(lhs.dtype, out_dtype) > ring.smem_budget():
     return mosaic_fwd_swap.gmm(lhs, rhs, group_sizes, group_offset, config=swap, **run)
-  limit = shard_row_limit(lhs.shape[0], rhs.shape[0], group_sizes.shape[0],
-                          config.shard_ring_above)
+  m, g_local = lhs.shape[0], rhs.shape[0]
+  limit = shard_row_limit(m, g_local, group_sizes.shape[0], config.shard_ring_above)
+  swap_run, ring_run = {}, {}
+  if config.pair_schedule:
+    swap_run["schedule"], ring_run["schedule"] = backends.flat_schedules(
+        group_sizes, group_offset, m=m, num_local=g_local,
+        tiles=((swap.swap_rows, swap.tail_rows), (mosaic_fwd_ring.ROWS, ring.tail_rows)),
+        use_kernel=config.schedule_kernel, interpret=bool(interpret))
   out = mosaic_fwd_swap.gmm(lhs, rhs, group_sizes, group_offset, config=swap,
-                            gate=mosaic_fwd_ring.RowGate(limit, above=False), **run)
+                            gate=mosaic_fwd_ring.RowGate(limit, above=False), **swap_run, **run)
   return mosaic_fwd_ring.gmm(lhs, rhs, group_sizes, group_offset, config=ring,
-                             gate=mosaic_fwd_ring.RowGate(limit, above=True), into=out, **run)
+                             gate=mosaic_fwd_ring.RowGate(limit, above=True), into=out,
+                             **ring_run, **run)
 
 
 def shard_row_limit(m: int, g_local: int, num_groups: int, above: float) -> int:

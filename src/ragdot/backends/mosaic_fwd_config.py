@@ -186,6 +186,9 @@ class MosaicFwdConfig:
     docs/performance.md v45a).  Swap shards measured faster than the ring on
     routed sizes (the ring 1.04-1.17x their time) and slower from 1.46x the
     fair share on (0.80-0.96x; v44f-h, v45a-b).
+  pair_schedule: with ``shard_ring_above``, both kernels' tile schedules from
+    one schedule-kernel launch instead of one each (the second launch took
+    1.9-2.1 us, v45b).  Written after v45 and not run on a GPU: off.
   """
 
   block_m: int = 64
@@ -218,6 +221,7 @@ class MosaicFwdConfig:
   short_tile_rows: int = 0
   share_rows: bool = False
   shard_ring_above: float | None = None
+  pair_schedule: bool = False
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -284,6 +288,8 @@ class MosaicFwdConfig:
       raise ValueError(f"share_rows needs swap=True and an even num_sms, got {self}")
     if self.shard_ring_above is not None and (not self.swap or not self.shard_ring_above > 0):
       raise ValueError(f"shard_ring_above needs swap=True and a value > 0, got {self}")
+    if self.pair_schedule and self.shard_ring_above is None:
+      raise ValueError(f"pair_schedule needs shard_ring_above, got {self}")
     if self.tail_rows and (not self.ring or self.block_n % 128):
       raise ValueError(f"tail_rows needs ring=True and block_n a multiple of 128, got {self}")
     if self.zero_lead is not None and (self.zero_lead < 0 or (self.zero_lead and not self.ring)):
@@ -475,6 +481,7 @@ def row_major_ring(cfg: MosaicFwdConfig) -> MosaicFwdConfig:
   return dataclasses.replace(cfg, swap=False, block_n=256, tail_rows=0, tail_split=False,
                              tail_on_m=False, swap_rows=SWAP_ROWS, swizzle_staging=False,
                              short_tile_rows=0, share_rows=False, shard_ring_above=None,
+                             pair_schedule=False,
                              num_stages=min(cfg.num_stages, 4))
 
 

@@ -49,6 +49,7 @@ from ragdot.backends import sm90
 from ragdot.manual_axes import make_varying, match_varying, out_struct, varying_axes
 
 _ROWS = 128  # two consumers x 64 rows
+ROWS = _ROWS  # rows per tile (the schedule's block_m)
 _HALF = _ROWS // 2
 
 
@@ -426,17 +427,19 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
 def launch(body, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
            group_offset: jax.Array | None, *, rows: int, transpose_rhs: bool, out_dtype: Any,
            config: mf.MosaicFwdConfig, interpret: Any = False, gate: RowGate | None = None,
-           into: jax.Array | None = None) -> jax.Array:
+           into: jax.Array | None = None,
+           schedule: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
   """Builds the group-aligned schedule of ``rows``-row tiles (tails folded per
   ``config.tail_rows``) and runs ``body`` (a ring kernel body: producer and two
   consumer warpgroups, one CTA per SM; ``share_rows``: clusters of two, and
   ``num_ctas`` counts clusters) over it.  ``gate``: see ``RowGate``.  ``into``:
   an [m, n] output to write in place (rows the kernel does not write keep their
-  values; a gate closed leaves all of them), returned."""
+  values; a gate closed leaves all of them), returned.  ``schedule``: that
+  schedule, built already (``backends.flat_schedules``)."""
   m, k = lhs.shape
   g_local = rhs.shape[0]
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-  tiles, scalars = backends.flat_schedule(
+  tiles, scalars = schedule or backends.flat_schedule(
       group_sizes, group_offset, m=m, num_local=g_local, block_m=rows,
       use_kernel=config.schedule_kernel, interpret=bool(interpret), tail_rows=config.tail_rows)
   tiles, scalars, lhs, rhs = match_varying(tiles, scalars, lhs, rhs)

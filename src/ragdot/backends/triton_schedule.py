@@ -108,14 +108,28 @@ def _local_groups(sizes_ref, offset_ref, *, m: int, num_groups: int, num_local: 
   return j, valid, starts, ends, lo, hi
 
 
-def _kernel(sizes_ref, offset_ref, tiles_ref, scal_ref, *, m: int, num_groups: int,
-            num_local: int, block_m: int, align: int, tail_rows: int, tiles_len: int, tb: int,
-            has_offset: bool):
+def _kernel(sizes_ref, offset_ref, *out_refs, m: int, num_groups: int, num_local: int,
+            specs: tuple[tuple[int, int, int, int, int, int], ...], has_offset: bool):
+  """Programs [first, first + tiles_len / tb) of each spec (block_m, align, tail_rows,
+  tiles_len, tb, first) fill that spec's schedule (``out_refs``: tiles, scalars of
+  each spec in turn)."""
   pid = pl.program_id(0)
-  j, _, starts, ends, lo, hi = _local_groups(
-      sizes_ref, offset_ref, m=m, num_groups=num_groups, num_local=num_local,
-      has_offset=has_offset)
+  groups = _local_groups(sizes_ref, offset_ref, m=m, num_groups=num_groups,
+                         num_local=num_local, has_offset=has_offset)
+  for i, (block_m, align, tail_rows, tiles_len, tb, first) in enumerate(specs):
+    fill = functools.partial(_fill, out_refs[2 * i], out_refs[2 * i + 1], pid - first, groups,
+                             m=m, num_local=num_local, block_m=block_m, align=align,
+                             tail_rows=tail_rows, tiles_len=tiles_len, tb=tb)
+    if len(specs) == 1:
+      fill()
+    else:
+      pl.when((pid >= first) & (pid < first + tiles_len // tb))(fill)
 
+
+def _fill(tiles_ref, scal_ref, pid, groups, *, m: int, num_local: int, block_m: int, align: int,
+          tail_rows: int, tiles_len: int, tb: int):
+  """Program ``pid``'s block of ``tb`` tiles of one schedule (and its scalars, program 0)."""
+  j, _, starts, ends, lo, hi = groups
   base = (starts // align) * align
   count = jnp.where(ends > starts, (ends - base + block_m - 1) // block_m, 0)
   if tail_rows:
@@ -202,23 +216,46 @@ def build(
   Raises:
     ValueError: a problem ``supported`` refuses.
   """
+  (out,) = build_many(group_sizes, group_offset, m=m, num_local=num_local,
+                      tiles=((block_m, tail_rows),), align=align, interpret=interpret,
+                      elements=elements)
+  return out
+
+
+def build_many(
+    group_sizes: jax.Array,
+    group_offset: jax.Array | None,
+    *,
+    m: int,
+    num_local: int,
+    tiles: tuple[tuple[int, int], ...],
+    align: int = 8,
+    interpret: bool = False,
+    elements: int = _ELEMENTS,
+) -> list[tuple[jax.Array, jax.Array]]:
+  """``build``'s ``(tiles, scalars)`` for each ``(block_m, tail_rows)`` of ``tiles``,
+  from one kernel launch (programs in turn per schedule).  Same arguments and
+  limits as ``build``."""
   sizes, offset, num_groups = _kernel_inputs("build", group_sizes, group_offset, m, num_local)
-  has_offset = group_offset is not None
   tb = tile_block(num_local, elements)
-  tiles_len = padded_tiles(m, block_m, num_local, elements)
-  kernel = functools.partial(
-      _kernel, m=m, num_groups=num_groups, num_local=num_local, block_m=block_m,
-      align=math.gcd(align, block_m), tail_rows=tail_rows, tiles_len=tiles_len, tb=tb,
-      has_offset=has_offset)
-  return pl.pallas_call(
+  specs, first = [], 0
+  for block_m, tail_rows in tiles:
+    tiles_len = padded_tiles(m, block_m, num_local, elements)
+    specs.append((block_m, math.gcd(align, block_m), tail_rows, tiles_len, tb, first))
+    first += tiles_len // tb
+  kernel = functools.partial(_kernel, m=m, num_groups=num_groups, num_local=num_local,
+                             specs=tuple(specs), has_offset=group_offset is not None)
+  outs = pl.pallas_call(
       kernel,
-      out_shape=(out_struct((4 * tiles_len,), jnp.int32, sizes),
-                 out_struct((NUM_SCALARS,), jnp.int32, sizes)),
-      grid=(tiles_len // tb,),
+      out_shape=tuple(struct for spec in specs for struct in (
+          out_struct((4 * spec[3],), jnp.int32, sizes),
+          out_struct((NUM_SCALARS,), jnp.int32, sizes))),
+      grid=(first,),
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
       interpret=interpret,
       name="ragdot_tile_schedule",
   )(sizes, offset)
+  return [(outs[2 * i], outs[2 * i + 1]) for i in range(len(specs))]
 
 
 def _bounds_kernel(sizes_ref, offset_ref, starts_ref, ends_ref, first_ref, nblocks_ref, *,
