@@ -319,6 +319,24 @@ def test_qwen30b_dx_shard_keeps_swap_and_lowers_for_sm90(m, k, n):
                     transpose_rhs=True)
 
 
+def test_gated_pair_under_vmap():
+  """vmap over the tokens of a gated shard call (swap's kernel batches through
+  plgpu.kernel, the in-place ring one batch element at a time): every element the
+  oracle, for a shard within the row limit (swap) and one over it (the ring)."""
+  sizes, m, k, n, num_local = [150, 20, 300, 30], 768, 64, 256, 2
+  xs, w = oracle.random_inputs(jax.random.key(11), [(2, m, k), (num_local, k, n)],
+                               jnp.bfloat16)
+  cfg = dataclasses.replace(CFG, tail_rows=16, producer_zeros=False, shard_ring_above=0.5)
+  gs = jnp.asarray(sizes, jnp.int32)
+  for offset in (0, 1):  # 170 rows (at most 0.5 x 384 = 192: swap), 320 (over: the ring)
+    go = jnp.int32(offset)
+    out = jax.vmap(lambda x: mf.gmm(x, w, gs, go, transpose_rhs=False, out_dtype=jnp.bfloat16,
+                                    interpret=True, config=cfg))(xs)
+    for i in range(2):
+      oracle.assert_close(out[i], oracle.ref_ragged_dot(xs[i], w, sizes, go, False),
+                          jnp.bfloat16)
+
+
 def test_shard_row_limit_is_the_share_rounded_down():
   assert mf.shard_row_limit(768, 2, 4, 0.83) == 318  # 0.83 x 384
   assert mf.shard_row_limit(32768, 16, 128, 1.25) == 5120

@@ -472,6 +472,7 @@ def _in_place(body, mesh: dict, params, interpret):
   def aliased(*refs):  # operands, the aliased operand's input ref, the output ref
     body(*refs[:-2], refs[-1])
 
+  @jax.custom_batching.custom_vmap
   def call(*operands):
     out_type = jax.ShapeDtypeStruct(operands[-1].shape, operands[-1].dtype)
     with jax_config._check_vma(False):  # as plgpu.kernel
@@ -480,6 +481,16 @@ def _in_place(body, mesh: dict, params, interpret):
           input_output_aliases={len(operands) - 1: 0}, compiler_params=params,
           interpret=interpret, name="ragdot_in_place")(*operands)
     return out
+
+  @call.def_vmap
+  def _one_at_a_time(axis_size, in_batched, *operands):  # (mpmd_map has no batching rule)
+    del axis_size
+
+    def one(batched):
+      it = iter(batched)
+      return call(*[next(it) if b else op for op, b in zip(operands, in_batched)])
+
+    return lax.map(one, [op for op, b in zip(operands, in_batched) if b]), True
 
   return call
 
