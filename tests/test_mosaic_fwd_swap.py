@@ -295,6 +295,11 @@ def test_shard_keeps_swap_on_96_to_288_row_groups():
   assert mf.shard_keeps_swap(entry, 12288, 128, *gate_up_dx, 2, transpose_rhs=True) == kept
   assert mf.shard_keeps_swap(explicit, 32768, 128, *gate_up_dx, 2,
                              transpose_rhs=True) == explicit
+  # A limit set already stays, with its pair_schedule, on ~256 and ~128 rows alike.
+  paired = dataclasses.replace(entry, shard_ring_above=2.0, pair_schedule=True)
+  for m, (k, n) in ((32768, down), (16384, gpt_oss)):
+    assert mf.shard_keeps_swap(paired, m, 128, k, n, 2) == dataclasses.replace(
+        kept, shard_ring_above=2.0, pair_schedule=True), (m, k, n)
 
 
 def _h200_qwen30b_dx_shard_config(m: int, k: int, n: int) -> mf.MosaicFwdConfig:
@@ -337,6 +342,25 @@ def test_gated_pair_under_vmap():
                           jnp.bfloat16)
 
 
+def test_gated_shard_below_the_rings_rows_runs_swap_alone(monkeypatch):
+  """The ring's loads take 128 rows: a gated shard call of fewer (96, 64-row swap
+  tiles) runs swap alone, ungated."""
+  from ragdot.backends import mosaic_fwd_ring  # pylint: disable=g-import-not-at-top
+
+  def no_ring(*a, **kw):
+    raise AssertionError("the ring was launched")
+
+  monkeypatch.setattr(mosaic_fwd_ring, "gmm", no_ring)
+  cfg = dataclasses.replace(CFG, swap_rows=64, tail_rows=16, producer_zeros=False,
+                            shard_ring_above=1.0)
+  x, w = oracle.random_inputs(jax.random.key(5), [(96, 64), (2, 64, 256)], jnp.bfloat16)
+  sizes = [40, 30, 20, 6]
+  out = mf.gmm(x, w, jnp.asarray(sizes, jnp.int32), jnp.int32(1), transpose_rhs=False,
+               out_dtype=jnp.bfloat16, interpret=True, config=cfg)
+  oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, 1, False), jnp.bfloat16)
+  oracle.assert_zero_rows(out, sizes, 1, 2)
+
+
 def test_shard_row_limit_is_the_share_rounded_down():
   assert mf.shard_row_limit(768, 2, 4, 0.83) == 318  # 0.83 x 384
   assert mf.shard_row_limit(32768, 16, 128, 1.25) == 5120
@@ -373,10 +397,18 @@ def test_row_gate_runs_the_kernel_only_on_its_side(ring_kernel, limit, above):
 @pytest.mark.parametrize("transpose_rhs,above,pair", [
     (False, 0.5, False), (False, 1.0, False), (True, 0.5, False), (False, 0.5, True),
     (True, 1.0, True)])
-def test_shard_ring_above_matches_oracle(transpose_rhs, above, pair):
+def test_shard_ring_above_matches_oracle(transpose_rhs, above, pair, monkeypatch):
   """A shard of 2 of 4 groups with 320 of 768 rows (fair share 384): over half
   its share runs the row-major ring, within its share swap; both kernels are
-  launched, on one output buffer."""
+  launched, on one output buffer, swap's gate open at most at the limit and
+  the ring's above it (each gate alone: ``test_row_gate_runs_...``)."""
+  from ragdot.backends import mosaic_fwd_ring, mosaic_fwd_swap  # pylint: disable=g-import-not-at-top
+  gates = {}
+  for name, module in (("swap", mosaic_fwd_swap), ("ring", mosaic_fwd_ring)):
+    def spy(*a, _gmm=module.gmm, _name=name, **kw):
+      gates[_name] = kw["gate"]
+      return _gmm(*a, **kw)
+    monkeypatch.setattr(module, "gmm", spy)
   sizes, m, k, n, offset, num_local = [150, 20, 300, 30], 768, 64, 256, 1, 2
   rshape = (num_local, n, k) if transpose_rhs else (num_local, k, n)
   x, w = oracle.random_inputs(jax.random.key(7 + transpose_rhs), [(m, k), rshape], jnp.bfloat16)
@@ -387,6 +419,9 @@ def test_shard_ring_above_matches_oracle(transpose_rhs, above, pair):
                out_dtype=jnp.bfloat16, interpret=True, config=cfg)
   oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes, go, transpose_rhs), jnp.bfloat16)
   oracle.assert_zero_rows(out, sizes, offset, num_local)
+  limit = int(above * 384)
+  assert gates == {"swap": mosaic_fwd_ring.RowGate(limit, above=False),
+                   "ring": mosaic_fwd_ring.RowGate(limit, above=True)}
 
 
 @pytest.mark.parametrize("pair", [False, True])

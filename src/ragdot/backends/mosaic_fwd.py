@@ -497,9 +497,10 @@ def _shard_swap_or_ring(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: b
   ring = resolve_producer_zeros(dataclasses.replace(swap, producer_zeros=None), True,
                                 lhs.dtype, out_dtype)
   run = dict(transpose_rhs=transpose_rhs, out_dtype=out_dtype, interpret=interpret)
-  if ring.smem_bytes(lhs.dtype, out_dtype) > ring.smem_budget():
-    return mosaic_fwd_swap.gmm(lhs, rhs, group_sizes, group_offset, config=swap, **run)
   m, g_local = lhs.shape[0], rhs.shape[0]
+  if (ring.smem_bytes(lhs.dtype, out_dtype) > ring.smem_budget()
+      or m < mosaic_fwd_ring.ROWS + ring.tail_rows):  # (the ring's loads need that many rows)
+    return mosaic_fwd_swap.gmm(lhs, rhs, group_sizes, group_offset, config=swap, **run)
   limit = shard_row_limit(m, g_local, group_sizes.shape[0], config.shard_ring_above)
   swap_run, ring_run = {}, {}
   if config.pair_schedule:

@@ -188,7 +188,7 @@ class MosaicFwdConfig:
     fair share on (0.80-0.96x; v44f-h, v45a-b).
   pair_schedule: with ``shard_ring_above``, both kernels' tile schedules from
     one schedule-kernel launch instead of one each (the second launch took
-    1.9-2.1 us, v45b).  Written after v45 and not run on a GPU: off.
+    1.9-2.2 us, v45b).  Written after v45 and not run on a GPU: off.
   """
 
   block_m: int = 64
@@ -470,8 +470,11 @@ def shard_keeps_swap(cfg: MosaicFwdConfig, m: int, groups: int, k: int, n: int,
   if (not transpose_rhs and mean <= _SHARD_SWAP_ANY_WIDTH
       and k * n * itemsize < _SHARD_SWAP_EXPERT_BYTES):
     return cfg
-  ring_above = _SHARD_RING_ABOVE if mean > _SHARD_SWAP_ANY_WIDTH else None
-  return dataclasses.replace(cfg, producer_zeros=False, zero_front=0, shard_ring_above=ring_above)
+  ring_above = cfg.shard_ring_above  # (one set already stays)
+  if ring_above is None and mean > _SHARD_SWAP_ANY_WIDTH:
+    ring_above = _SHARD_RING_ABOVE
+  return dataclasses.replace(cfg, producer_zeros=False, zero_front=0, shard_ring_above=ring_above,
+                             pair_schedule=cfg.pair_schedule and ring_above is not None)
 
 
 def row_major_ring(cfg: MosaicFwdConfig) -> MosaicFwdConfig:

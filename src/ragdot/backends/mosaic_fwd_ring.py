@@ -455,7 +455,9 @@ def launch(body, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
   mesh = dict(grid=(num_ctas,), grid_names=("sm",), **cluster, num_threads=3, thread_name="wg")
   params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
   if into is not None:
-    return _in_place(body, mesh, params, interpret or None)(tiles, scalars, lhs, rhs, into)
+    tiles, scalars, lhs, rhs, into = match_varying(tiles, scalars, lhs, rhs, into)
+    out = _in_place(body, mesh, params, interpret or None)(tiles, scalars, lhs, rhs, into)
+    return make_varying(out, varying_axes(lhs))
   kernel = plgpu.kernel(body, out_type=out_struct((m, n), out_dtype, lhs), **mesh,
                         compiler_params=params, interpret=interpret if interpret else None)
   return make_varying(kernel(tiles, scalars, lhs, rhs), varying_axes(lhs))
@@ -483,7 +485,9 @@ def _in_place(body, mesh: dict, params, interpret):
     return out
 
   @call.def_vmap
-  def _one_at_a_time(axis_size, in_batched, *operands):  # (mpmd_map has no batching rule)
+  def _one_at_a_time(axis_size, in_batched, *operands):
+    # (under mpmd_map's own batching rule the call raised NotImplementedError and
+    # the dispatcher fell back to another backend)
     del axis_size
 
     def one(batched):
