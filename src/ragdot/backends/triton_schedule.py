@@ -117,7 +117,8 @@ def _kernel(sizes_ref, offset_ref, *out_refs, m: int, num_groups: int, num_local
   groups = _local_groups(sizes_ref, offset_ref, m=m, num_groups=num_groups,
                          num_local=num_local, has_offset=has_offset)
   for i, (block_m, align, tail_rows, tiles_len, tb, first) in enumerate(specs):
-    fill = functools.partial(_fill, out_refs[2 * i], out_refs[2 * i + 1], pid - first, groups,
+    fill = functools.partial(_fill, out_refs[2 * i], out_refs[2 * i + 1],
+                             pid - first if first else pid, groups,
                              m=m, num_local=num_local, block_m=block_m, align=align,
                              tail_rows=tail_rows, tiles_len=tiles_len, tb=tb)
     if len(specs) == 1:
