@@ -473,8 +473,7 @@ def shard_keeps_swap(cfg: MosaicFwdConfig, m: int, groups: int, k: int, n: int,
   ring_above = cfg.shard_ring_above  # (one set already stays)
   if ring_above is None and mean > _SHARD_SWAP_ANY_WIDTH:
     ring_above = _SHARD_RING_ABOVE
-  return dataclasses.replace(cfg, producer_zeros=False, zero_front=0, shard_ring_above=ring_above,
-                             pair_schedule=cfg.pair_schedule and ring_above is not None)
+  return dataclasses.replace(cfg, producer_zeros=False, zero_front=0, shard_ring_above=ring_above)
 
 
 def row_major_ring(cfg: MosaicFwdConfig) -> MosaicFwdConfig:

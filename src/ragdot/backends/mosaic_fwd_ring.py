@@ -504,7 +504,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: ja
         interpret: Any = False, **gated: Any) -> jax.Array:
   """``mosaic_fwd.gmm`` for a ``ring=True`` config (checked by ``mosaic_fwd.gmm``:
   supported dtypes and alignments, non-empty operands, m >= 128 + tail_rows, a
-  config that fits SMEM).  ``gated``: ``launch``'s ``gate`` and ``into``."""
+  config that fits SMEM).  ``gated``: ``launch``'s ``gate``, ``into`` and ``schedule``."""
   return launch(_body, lhs, rhs, group_sizes, group_offset, rows=_ROWS,
                 transpose_rhs=transpose_rhs, out_dtype=out_dtype, config=config,
                 interpret=interpret, **gated)

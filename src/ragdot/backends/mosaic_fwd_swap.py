@@ -286,7 +286,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: ja
   """``mosaic_fwd.gmm`` for a ``swap=True`` config (checked by ``mosaic_fwd.gmm``:
   supported dtypes and alignments, non-empty operands, m >= swap_rows + tail_rows,
   a config that fits SMEM, a 16-bit output).  ``gated``: ``ring.launch``'s
-  ``gate`` and ``into``."""
+  ``gate``, ``into`` and ``schedule``."""
   return ring.launch(_body, lhs, rhs, group_sizes, group_offset, rows=config.swap_rows,
                      transpose_rhs=transpose_rhs, out_dtype=out_dtype, config=config,
                      interpret=interpret, **gated)
