@@ -139,3 +139,43 @@ def test_every_row_written_on_named_layouts(impl, layout):
     case = (m, k, n, np.asarray(sizes, np.int32), offset, num_local, dtype,
             None, False, len(layout) + num_local)
     _run_forward(impl, case, jit_offset=offset is not None)
+
+
+def _map_over(fn, args, axes):
+  """lax.map of ``fn`` over the leading axis of the args whose axis is 0 (the
+  others shared)."""
+  def one(batched):
+    it = iter(batched)
+    return fn(*[next(it) if ax == 0 else a for a, ax in zip(args, axes)])
+
+  return jax.lax.map(one, [a for a, ax in zip(args, axes) if ax == 0])
+
+
+@pytest.mark.parametrize("impl", sorted(CONTRACT))
+@pytest.mark.parametrize("batched", ["lhs", "lhs_and_rhs"])
+def test_vmap_and_map_match_unbatched_calls(impl, batched):
+  """vmap and lax.map over two calls (a shard's forward and its trans_ragged_dot;
+  the weights batched too or shared) give each call's own result bitwise."""
+  dtype = CONTRACT[impl].dtypes[0]
+  m, k, n = 40, 64, 64
+  gs, go = jnp.asarray([10, 0, 17, 13], jnp.int32), jnp.int32(1)
+  lhs, rhs, dy = oracle.random_inputs(jax.random.key(7), [(2, m, k), (2, 2, k, n), (2, m, n)],
+                                      dtype)
+  fwd = lambda l, r: ragdot.ragged_dot(l, r, gs, group_offset=go, implementation=impl)
+  trans = lambda l, d: ragdot.trans_ragged_dot(l, d, gs, group_offset=go, num_groups=2,
+                                               implementation=impl)
+  if batched == "lhs":
+    rhs = rhs[0]
+    fwd_axes = (0, None)
+  else:
+    fwd_axes = (0, 0)
+  for name, fn, args, axes in [("forward", fwd, (lhs, rhs), fwd_axes),
+                               ("trans", trans, (lhs, dy), (0, 0))]:
+    one = jax.jit(fn)
+    want = [np.asarray(one(*[a[i] if ax == 0 else a for a, ax in zip(args, axes)]))
+            for i in range(2)]
+    by_vmap = np.asarray(jax.jit(jax.vmap(fn, in_axes=axes))(*args))
+    by_map = np.asarray(jax.jit(lambda *a: _map_over(fn, a, axes))(*args))
+    for i in range(2):
+      np.testing.assert_array_equal(by_vmap[i], want[i], err_msg=f"{name} vmap {i}")
+      np.testing.assert_array_equal(by_map[i], want[i], err_msg=f"{name} map {i}")

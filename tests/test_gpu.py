@@ -8,9 +8,11 @@ Deselected on CPU by ``-m "not gpu"``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 
@@ -39,16 +41,21 @@ def _poison(nbytes: int) -> None:
   del junk
 
 
-def _check_dispatched_call(op, m, k, n, local, sizes, go, seed):
+def _check_dispatched_call(op, m, k, n, local, sizes, go, seed, config=None):
   """ragdot's automatic forward (``op`` "fwd") or dX ("dx") call over ``local``
   groups' weights on NaN-poisoned memory: the f32 oracle, exact zeros outside
-  the shard (``go``: its group_offset, or None), bitwise the same on a second call."""
+  the shard (``go``: its group_offset, or None), bitwise the same on a second call.
+  With ``config``, the Mosaic forward kernel run with that config instead."""
   dx = op == "dx"
   x, w = oracle.random_inputs(jax.random.key(seed), [(m, n if dx else k), (local, k, n)],
                               jnp.bfloat16)
   gs = jnp.asarray(sizes)
-  run = jax.jit(lambda x, w: ragdot.ragged_dot_general(x, w, gs, DN_DX if dx else DN_FWD,
-                                                       group_offset=go))
+  if config is None:
+    run = jax.jit(lambda x, w: ragdot.ragged_dot_general(x, w, gs, DN_DX if dx else DN_FWD,
+                                                         group_offset=go))
+  else:
+    run = jax.jit(lambda x, w: mf.gmm(x, w, gs, go, transpose_rhs=dx, out_dtype=x.dtype,
+                                      config=config))
   _poison(4 * m * max(n, k))
   out = run(x, w)
   oracle.assert_close(out, oracle.np_ragged_dot(x, w, sizes, go, transpose_rhs=dx), jnp.bfloat16)
@@ -208,12 +215,14 @@ def test_table_swap_entries_real_size(op, shape, shard_swap, shard, layout):
                          ids=["qwen30b_down_fwd", "qwen235b_down_fwd", "qwen30b_gate_up_dx",
                               "qwen235b_gate_up_dx"])
 @pytest.mark.parametrize("skew", [0.0, 0.5, 3.0])
-def test_gated_shard_pair_real_size(op, shape, skew):
+@pytest.mark.parametrize("pair", [False, True], ids=["two_schedules", "pair_schedule"])
+def test_gated_shard_pair_real_size(op, shape, skew, pair):
   """EP=8 shard 0 of the ~256-row-group calls whose shard runs swap or the
   row-major ring by its rows (``shard_ring_above``, v45b): routed (the fair share:
   swap runs, the ring exits), skew 0.5 and 3 (1.46x / 3.8x the share: swap exits
   on NaN-poisoned memory and the ring writes every row): the oracle, exact zeros
-  outside the shard, bitwise repeatable."""
+  outside the shard, bitwise repeatable.  ``pair``: the dispatched config, whose
+  one launch builds both schedules (``pair_schedule``); else a launch each."""
   m, k, n, g = shape
   s = Shape("t", m, k, n, g, ep=8, skewed=skew > 0)
   choice = dispatch_choice(op, s)
@@ -222,7 +231,110 @@ def test_gated_shard_pair_real_size(op, shape, skew):
   local = g // 8
   limit = mf.shard_row_limit(m, local, g, choice.config.shard_ring_above)
   assert (int(sizes[:local].sum()) > limit) == (skew > 0)
-  _check_dispatched_call(op, m, k, n, local, sizes, jnp.int32(0), m + k + n + int(skew * 2))
+  assert choice.config.pair_schedule, choice.config
+  config = None if pair else dataclasses.replace(choice.config, pair_schedule=False)
+  _check_dispatched_call(op, m, k, n, local, sizes, jnp.int32(0), m + k + n + int(skew * 2),
+                         config)
+
+
+@pytest.mark.parametrize("skew", [0.0, 3.0])
+def test_gated_shard_pair_under_vmap_real_size(skew):
+  """vmap over two token batches of Qwen3-30B down's gated EP=8 shard forward
+  with its dispatched config (the in-place ring runs one element at a time):
+  each element bitwise equal to the unbatched call, whose config the test above
+  checks against the oracle."""
+  m, k, n, g = 32768, 768, 2048, 128
+  s = Shape("t", m, k, n, g, ep=8, skewed=skew > 0)
+  sizes = routed_group_sizes(s, skew=skew)
+  gs, go, local = jnp.asarray(sizes), jnp.int32(0), g // 8
+  xs, w = oracle.random_inputs(jax.random.key(int(skew) + 5), [(2, m, k), (local, k, n)],
+                               jnp.bfloat16)
+  config = dispatch_choice("fwd", s).config
+  assert config.shard_ring_above == 1.25, config
+  one = jax.jit(lambda x: mf.gmm(x, w, gs, go, transpose_rhs=False, out_dtype=x.dtype,
+                                 config=config))
+  _poison(8 * m * n)
+  out = jax.jit(jax.vmap(one))(xs)
+  assert not np.isnan(np.asarray(out, np.float32)).any()
+  for i in range(2):
+    np.testing.assert_array_equal(np.asarray(out[i]), np.asarray(one(xs[i])))
+
+
+def _loop_twice(mode: str, f, xs):
+  """``f`` over the two leading-axis elements of ``xs`` by ``mode``: "vmap",
+  "map" (lax.map: a loop whose outputs are stacked in place) or "scan_sum" (a
+  lax.scan summing the outputs in f32)."""
+  if mode == "vmap":
+    return jax.vmap(f)(xs)
+  if mode == "map":
+    return lax.map(f, xs)
+  return lax.scan(lambda acc, x: (acc + f(x).astype(jnp.float32), None),
+                  jnp.zeros(jax.eval_shape(f, xs[0]).shape, jnp.float32), xs)[0]
+
+
+@pytest.mark.parametrize("kernel", ["dispatched", "swap_shard", "ring_shard", "gated_pair",
+                                    "dw"])
+@pytest.mark.parametrize("mode", ["vmap", "map", "scan_sum"])
+def test_kernels_under_vmap_and_loops_real_size(kernel, mode):
+  """Qwen3-30B down (EP=8 shard 0, routed: the gated pair runs swap and its ring
+  exits) under vmap, lax.map and lax.scan over two inputs: each result bitwise
+  equal to the unbatched calls (summed in f32 for the scan), nothing left NaN."""
+  m, k, n, g = 32768, 768, 2048, 128
+  s = Shape("t", m, k, n, g, ep=8)
+  sizes = routed_group_sizes(s)
+  gs, go, local = jnp.asarray(sizes), jnp.int32(0), g // 8
+  xs, w, dys = oracle.random_inputs(jax.random.key(41), [(2, m, k), (local, k, n), (2, m, n)],
+                                    jnp.bfloat16)
+  config = dispatch_choice("fwd", s).config
+  assert config.shard_ring_above == 1.25, config
+  configs = {"swap_shard": dataclasses.replace(config, shard_ring_above=None,
+                                              pair_schedule=False),
+             "ring_shard": mf.row_major_ring(config), "gated_pair": config}
+  if kernel == "dispatched":
+    f = lambda x: ragdot.ragged_dot(x, w, gs, group_offset=go)
+  elif kernel == "dw":
+    f = lambda xd: ragdot.trans_ragged_dot(xd[:, :k], xd[:, k:], gs, group_offset=go,
+                                           num_groups=local)
+    xs = jnp.concatenate([xs, dys], axis=2)
+  else:
+    f = lambda x: mf.gmm(x, w, gs, go, transpose_rhs=False, out_dtype=x.dtype,
+                         config=configs[kernel])
+  one = jax.jit(f)
+  _poison(8 * m * n)
+  got = np.asarray(jax.jit(functools.partial(_loop_twice, mode, f))(xs), np.float32)
+  assert not np.isnan(got).any()
+  want = [np.asarray(one(xs[i]), np.float32) for i in range(2)]
+  if mode == "scan_sum":
+    np.testing.assert_array_equal(got, (np.float32(0) + want[0]) + want[1])
+  else:
+    for i in range(2):
+      np.testing.assert_array_equal(got[i], want[i], err_msg=f"element {i}")
+
+
+@pytest.mark.parametrize("op,skew", [("dx", 0.0), ("fwd", 3.0), ("dx", 3.0)],
+                         ids=["dx_routed", "fwd_skewed", "dx_skewed"])
+@pytest.mark.parametrize("mode", ["vmap", "map"])
+def test_gated_pair_in_loops_dx_and_skewed_real_size(op, skew, mode):
+  """The dispatched gated shard call in stacking loops beyond the case above:
+  Qwen3-30B gate_up's dX shard (swap runs, the ring exits) and both shards at 3.8x
+  their fair share (the in-place ring writes every row, swap exits), under vmap and
+  lax.map: each element bitwise equal to the unbatched call, nothing left NaN."""
+  m, k, n, g = (32768, 2048, 1536, 128) if op == "dx" else (32768, 768, 2048, 128)
+  s = Shape("t", m, k, n, g, ep=8, skewed=skew > 0)
+  sizes = routed_group_sizes(s, skew=skew)
+  gs, go, local = jnp.asarray(sizes), jnp.int32(0), g // 8
+  assert dispatch_choice(op, s).config.shard_ring_above == 1.25
+  xs, w = oracle.random_inputs(jax.random.key(43 + int(skew)),
+                               [(2, m, n if op == "dx" else k), (local, k, n)], jnp.bfloat16)
+  f = lambda x: ragdot.ragged_dot_general(x, w, gs, DN_DX if op == "dx" else DN_FWD,
+                                          group_offset=go)
+  _poison(8 * m * max(k, n))
+  got = np.asarray(jax.jit(functools.partial(_loop_twice, mode, f))(xs), np.float32)
+  assert not np.isnan(got).any()
+  one = jax.jit(f)
+  for i in range(2):
+    np.testing.assert_array_equal(got[i], np.asarray(one(xs[i]), np.float32),
+                                  err_msg=f"element {i}")
 
 
 @pytest.mark.parametrize("op,shape", [

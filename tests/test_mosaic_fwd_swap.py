@@ -6,6 +6,7 @@ checks and its lowering for sm90."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -261,7 +262,7 @@ def test_shard_keeps_swap_on_96_to_288_row_groups():
   assert kept == dataclasses.replace(entry, producer_zeros=False, zero_front=0)
   assert mf.resolve_producer_zeros(kept, True, jnp.bfloat16, jnp.bfloat16) == kept
   # over 192 rows per group the shard's rows pick swap or the ring at run time
-  gated = dataclasses.replace(kept, shard_ring_above=1.25)
+  gated = dataclasses.replace(kept, shard_ring_above=1.25, pair_schedule=True)
   # Forward: ~64 rows per group, Qwen3-30B gate_up's 6 MB experts at ~128, and ~256
   # where the output is narrower than the contraction (gate_up): the ring as before
   gate_up, down = (2048, 1536), (768, 2048)  # Qwen3-30B's forward calls
@@ -340,6 +341,34 @@ def test_gated_pair_under_vmap():
     for i in range(2):
       oracle.assert_close(out[i], oracle.ref_ragged_dot(xs[i], w, sizes, go, False),
                           jnp.bfloat16)
+
+
+def test_in_place_kernel_fenced_by_barriers_in_loops():
+  """Under lax.map and vmap (loops whose outputs are stacked) the in-place ring's
+  aliased operand comes out of an optimization barrier and its result goes into
+  one, as lowered for CUDA: without them XLA's dynamic-slice fusion had the
+  kernel write into the stacked buffer without the operand's contents (on the
+  H200, docs/performance.md v46b-d)."""
+  cfg = dataclasses.replace(CFG, tail_rows=16, producer_zeros=False, shard_ring_above=0.5,
+                            pair_schedule=True)
+  m, k, n, g = 768, 64, 256, 4
+  args = (jax.ShapeDtypeStruct((2, m, k), jnp.bfloat16),
+          jax.ShapeDtypeStruct((2, k, n), jnp.bfloat16), jax.ShapeDtypeStruct((g,), jnp.int32))
+  call = lambda x, w, gs: mf.gmm(x, w, gs, jnp.int32(1), transpose_rhs=False,
+                                 out_dtype=jnp.bfloat16, config=cfg)
+  loops = {"map": lambda xs, w, gs: jax.lax.map(lambda x: call(x, w, gs), xs),
+           "vmap": jax.vmap(call, in_axes=(0, None, None))}
+  for name, loop in loops.items():
+    text = jax.jit(loop).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    aliased = [line for line in text.splitlines()
+               if "stablehlo.custom_call @mosaic_gpu" in line and "output_operand_aliases" in line]
+    assert len(aliased) == 1, (name, len(aliased))
+    result, operands = re.match(r"\s*(%[\w#:]+) = stablehlo.custom_call @\w+\(([^)]*)\)",
+                                aliased[0]).groups()
+    operand = operands.split(", ")[-1]
+    assert re.search(rf"{re.escape(operand.split('#')[0])}(:\d+)? = stablehlo.optimization_barrier",
+                     text), (name, operand)
+    assert re.search(rf"stablehlo.optimization_barrier {re.escape(result)}\b", text), (name, result)
 
 
 def test_gated_shard_below_the_rings_rows_runs_swap_alone(monkeypatch):

@@ -187,8 +187,9 @@ class MosaicFwdConfig:
     routed sizes (the ring 1.04-1.17x their time) and slower from 1.46x the
     fair share on (0.80-0.96x; v44f-h, v45a-b).
   pair_schedule: with ``shard_ring_above``, both kernels' tile schedules from
-    one schedule-kernel launch instead of one each (the second launch took
-    1.9-2.2 us, v45b).  Written after v45 and not run on a GPU: off.
+    one schedule-kernel launch instead of one each: one kernel of 2.8-3.1 us
+    for two of 2.2-2.6 and 1.9-2.1 us, 0.980-0.993x the shard call's time
+    (docs/performance.md v46a).  ``shard_keeps_swap`` sets it with its limit.
   """
 
   block_m: int = 64
@@ -443,7 +444,8 @@ def shard_keeps_swap(cfg: MosaicFwdConfig, m: int, groups: int, k: int, n: int,
   >= 10 MB; dX calls, ``transpose_rhs``: any), and on groups of 192-288 rows
   where n >= k.  On the latter the shard's rows pick the kernel at run time
   (``shard_ring_above``): above 1.25x its fair share the row-major ring with
-  producer zeros runs instead.
+  producer zeros runs instead, both kernels' schedules built by one launch
+  (``pair_schedule``: 0.980-0.993x the time of two launches, v46a).
 
   Measured on EP=8 shards (docs/performance.md v41e-g, v42e-f, v43a, v44f), the ring's
   time over swap's.  ~128 rows: forward gpt-oss-120b (17-33 MB experts) 1.12x,
@@ -470,10 +472,11 @@ def shard_keeps_swap(cfg: MosaicFwdConfig, m: int, groups: int, k: int, n: int,
   if (not transpose_rhs and mean <= _SHARD_SWAP_ANY_WIDTH
       and k * n * itemsize < _SHARD_SWAP_EXPERT_BYTES):
     return cfg
-  ring_above = cfg.shard_ring_above  # (one set already stays)
+  ring_above, pair = cfg.shard_ring_above, cfg.pair_schedule  # (a limit set already stays)
   if ring_above is None and mean > _SHARD_SWAP_ANY_WIDTH:
-    ring_above = _SHARD_RING_ABOVE
-  return dataclasses.replace(cfg, producer_zeros=False, zero_front=0, shard_ring_above=ring_above)
+    ring_above, pair = _SHARD_RING_ABOVE, True
+  return dataclasses.replace(cfg, producer_zeros=False, zero_front=0, shard_ring_above=ring_above,
+                             pair_schedule=pair)
 
 
 def row_major_ring(cfg: MosaicFwdConfig) -> MosaicFwdConfig:

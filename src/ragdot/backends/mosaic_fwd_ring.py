@@ -463,11 +463,20 @@ def launch(body, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
   return make_varying(kernel(tiles, scalars, lhs, rhs), varying_axes(lhs))
 
 
+# Off only in scripts/probe_in_place_loops.py, which shows what they prevent.
+BARRIERS = True
+
+
 def _in_place(body, mesh: dict, params, interpret):
   """``plgpu.kernel(body)`` whose last operand is its output, written in place
   (an input/output alias: the kernel may leave rows untouched).  plgpu.kernel
   offers no aliases and takes no refs that vary over shard_map axes, so this
-  calls the mpmd entry point under it (private in jax 0.11.2, which ragdot pins)."""
+  calls the mpmd entry point under it (private in jax 0.11.2, which ragdot pins).
+
+  The aliased operand and the output pass through optimization barriers: inside
+  a loop body whose result is stacked (``lax.map``, vmap's one-at-a-time rule)
+  XLA's dynamic-slice fusion otherwise had the kernel write into the stacked
+  buffer without the operand's contents (docs/performance.md v46b-d)."""
   from jax._src import config as jax_config  # pylint: disable=g-import-not-at-top
   from jax._src.pallas import mpmd  # pylint: disable=g-import-not-at-top
 
@@ -477,12 +486,14 @@ def _in_place(body, mesh: dict, params, interpret):
   @jax.custom_batching.custom_vmap
   def call(*operands):
     out_type = jax.ShapeDtypeStruct(operands[-1].shape, operands[-1].dtype)
+    if BARRIERS:
+      operands = (*operands[:-1], lax.optimization_barrier(operands[-1]))
     with jax_config._check_vma(False):  # as plgpu.kernel
       (out,) = mpmd._mpmd_map(
           [(plgpu.Mesh(**mesh), aliased)], (out_type,),
           input_output_aliases={len(operands) - 1: 0}, compiler_params=params,
           interpret=interpret, name="ragdot_in_place")(*operands)
-    return out
+    return lax.optimization_barrier(out) if BARRIERS else out
 
   @call.def_vmap
   def _one_at_a_time(axis_size, in_batched, *operands):
