@@ -6,9 +6,9 @@ Qwen3-30B down's EP=8 shard 0 forward on routed sizes (swap runs, the in-place
 ring finds no work and must hand swap's output through), over two inputs under
 ``lax.map`` and ``vmap``, each also with ``lax.optimization_barrier`` on the
 call's output; prints how many rows differ from the unbatched call and writes
-the compiled HLO of the ``lax.map`` case to OUT_DIR (run it again under
+the compiled HLO of the two ``lax.map`` cases to OUT_DIR (run it again under
 ``XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=false`` to test whether that
-pass writes the ring's output straight into the stacked result; v46b-c).
+pass writes the ring's output straight into the stacked result; v46b-d).
 """
 
 from __future__ import annotations

@@ -287,9 +287,11 @@ def test_kernels_under_vmap_and_loops_real_size(kernel, mode):
                                     jnp.bfloat16)
   config = dispatch_choice("fwd", s).config
   assert config.shard_ring_above == 1.25, config
-  configs = {"swap_shard": dataclasses.replace(config, shard_ring_above=None,
-                                              pair_schedule=False),
-             "ring_shard": mf.row_major_ring(config), "gated_pair": config}
+  swap = dataclasses.replace(config, shard_ring_above=None, pair_schedule=False)
+  ring = mf.resolve_producer_zeros(dataclasses.replace(swap, producer_zeros=None), True,
+                                   jnp.bfloat16, jnp.bfloat16)  # the pair's own ring
+  assert ring.producer_zeros and not ring.swap, ring
+  configs = {"swap_shard": swap, "ring_shard": ring, "gated_pair": config}
   if kernel == "dispatched":
     f = lambda x: ragdot.ragged_dot(x, w, gs, group_offset=go)
   elif kernel == "dw":

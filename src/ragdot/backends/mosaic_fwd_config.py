@@ -461,7 +461,8 @@ def shard_keeps_swap(cfg: MosaicFwdConfig, m: int, groups: int, k: int, n: int,
   pays for its second weight read of every group over 128 rows and its tiles without
   the rows' 2-CTA sharing.)  Under skewed routing the same ~256-row shards hold more
   rows, and the ring took 0.80-0.96x swap's time from 1.46x the fair share on (v45a-b;
-  the gated pair 1.02-1.08x swap's time at the fair share, the ring's +0.3-5.4% above).
+  the gated pair 1.02-1.08x swap's time at the fair share, the ring's +0.3-5.4% above,
+  with two schedule launches; one launch saves 1.1-1.9 us a call, v46a).
   The ~128-row shards' crossover is not measured: they keep swap whatever their rows."""
   if not cfg.swap or cfg.producer_zeros is not None or groups <= 0:
     return cfg
