@@ -4,8 +4,9 @@
 
 Qwen3-30B down's EP=8 shard 0 forward on routed sizes (swap runs, the in-place
 ring finds no work and must hand swap's output through), over two inputs under
-``lax.map`` and ``vmap``, each also with ``lax.optimization_barrier`` on the
-call's output; prints how many rows differ from the unbatched call and writes
+``lax.map`` (also with ``lax.optimization_barrier`` on each call's output) and
+``vmap``, with and without the barriers around the in-place kernel's aliased
+operand and output (``mosaic_fwd_ring.BARRIERS``); prints how many rows differ from the unbatched call and writes
 the compiled HLO of the two ``lax.map`` cases to OUT_DIR (run it again under
 ``XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=false`` to test whether that
 pass writes the ring's output straight into the stacked result; v46b-d).

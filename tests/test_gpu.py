@@ -237,29 +237,6 @@ def test_gated_shard_pair_real_size(op, shape, skew, pair):
                          config)
 
 
-@pytest.mark.parametrize("skew", [0.0, 3.0])
-def test_gated_shard_pair_under_vmap_real_size(skew):
-  """vmap over two token batches of Qwen3-30B down's gated EP=8 shard forward
-  with its dispatched config (the in-place ring runs one element at a time):
-  each element bitwise equal to the unbatched call, whose config the test above
-  checks against the oracle."""
-  m, k, n, g = 32768, 768, 2048, 128
-  s = Shape("t", m, k, n, g, ep=8, skewed=skew > 0)
-  sizes = routed_group_sizes(s, skew=skew)
-  gs, go, local = jnp.asarray(sizes), jnp.int32(0), g // 8
-  xs, w = oracle.random_inputs(jax.random.key(int(skew) + 5), [(2, m, k), (local, k, n)],
-                               jnp.bfloat16)
-  config = dispatch_choice("fwd", s).config
-  assert config.shard_ring_above == 1.25, config
-  one = jax.jit(lambda x: mf.gmm(x, w, gs, go, transpose_rhs=False, out_dtype=x.dtype,
-                                 config=config))
-  _poison(8 * m * n)
-  out = jax.jit(jax.vmap(one))(xs)
-  assert not np.isnan(np.asarray(out, np.float32)).any()
-  for i in range(2):
-    np.testing.assert_array_equal(np.asarray(out[i]), np.asarray(one(xs[i])))
-
-
 def _loop_twice(mode: str, f, xs):
   """``f`` over the two leading-axis elements of ``xs`` by ``mode``: "vmap",
   "map" (lax.map: a loop whose outputs are stacked in place) or "scan_sum" (a
@@ -287,9 +264,7 @@ def test_kernels_under_vmap_and_loops_real_size(kernel, mode):
                                     jnp.bfloat16)
   config = dispatch_choice("fwd", s).config
   assert config.shard_ring_above == 1.25, config
-  swap = dataclasses.replace(config, shard_ring_above=None, pair_schedule=False)
-  ring = mf.resolve_producer_zeros(dataclasses.replace(swap, producer_zeros=None), True,
-                                   jnp.bfloat16, jnp.bfloat16)  # the pair's own ring
+  swap, ring = mf.gated_pair_configs(config, jnp.bfloat16, jnp.bfloat16)
   assert ring.producer_zeros and not ring.swap, ring
   configs = {"swap_shard": swap, "ring_shard": ring, "gated_pair": config}
   if kernel == "dispatched":

@@ -408,8 +408,7 @@ def test_row_gate_runs_the_kernel_only_on_its_side(ring_kernel, limit, above):
   cfg = dataclasses.replace(CFG, tail_rows=16, producer_zeros=False)
   module = mosaic_fwd_swap
   if ring_kernel:
-    cfg, module = mf.resolve_producer_zeros(mf.row_major_ring(dataclasses.replace(
-        cfg, producer_zeros=None)), True, jnp.bfloat16, jnp.bfloat16), mosaic_fwd_ring
+    cfg, module = mf.gated_pair_configs(cfg, jnp.bfloat16, jnp.bfloat16)[1], mosaic_fwd_ring
   opens = (320 > limit) if above else (320 <= limit)
   sentinel = jnp.full((m, n), 7.0, jnp.bfloat16)
 

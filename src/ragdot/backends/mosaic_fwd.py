@@ -493,9 +493,7 @@ def _shard_swap_or_ring(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: b
   shard's rows off its schedule and the one not chosen exits at once (no host
   round trip, which a ``lax.cond`` takes)."""
   from ragdot.backends import mosaic_fwd_ring, mosaic_fwd_swap  # pylint: disable=g-import-not-at-top  (import this module)
-  swap = dataclasses.replace(config, shard_ring_above=None, pair_schedule=False)
-  ring = resolve_producer_zeros(dataclasses.replace(swap, producer_zeros=None), True,
-                                lhs.dtype, out_dtype)
+  swap, ring = gated_pair_configs(config, lhs.dtype, out_dtype)
   run = dict(transpose_rhs=transpose_rhs, out_dtype=out_dtype, interpret=interpret)
   m, g_local = lhs.shape[0], rhs.shape[0]
   if (ring.smem_bytes(lhs.dtype, out_dtype) > ring.smem_budget()
@@ -513,6 +511,16 @@ def _shard_swap_or_ring(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: b
   return mosaic_fwd_ring.gmm(lhs, rhs, group_sizes, group_offset, config=ring,
                              gate=mosaic_fwd_ring.RowGate(limit, above=True), into=out,
                              **ring_run, **run)
+
+
+def gated_pair_configs(config: MosaicFwdConfig, dtype: Any, out_dtype: Any
+                       ) -> tuple[MosaicFwdConfig, MosaicFwdConfig]:
+  """The two kernels' configs of a gated shard call of swap ``config``: swap
+  ungated (consumer-written zeros) and its row-major ring with producer zeros."""
+  swap = dataclasses.replace(config, shard_ring_above=None, pair_schedule=False)
+  ring = resolve_producer_zeros(dataclasses.replace(swap, producer_zeros=None), True, dtype,
+                                out_dtype)
+  return swap, ring
 
 
 def shard_row_limit(m: int, g_local: int, num_groups: int, above: float) -> int:
