@@ -181,3 +181,59 @@ def test_ep_reduces_tokens_not_expert_rows():
   shapes = {tuple(int(d) for d in dims.split(",")) for _, dims in reduced}
   assert (T, cfg.hidden) in shapes, shapes
   assert (T * cfg.top_k, cfg.hidden) not in shapes, shapes
+
+
+def _row_dims(fn, params, x):
+  """Leading dims of the 2-D arrays with ``hidden`` columns in fn's compiled
+  (per-device) HLO: the sorted expert rows show up as ``[rows, hidden]``."""
+  hlo = jax.jit(fn).lower(params, x).compile().as_text()
+  return {int(r) for r in re.findall(rf"\[(\d+),{CFG.hidden}\]", hlo)}
+
+
+@pytest.mark.parametrize("manual,token_axes,split", [
+    ("auto", "auto", True), ("all", "auto", True), ("auto", ("dp",), True),
+    ("ep", "auto", False), ("auto", (), False)])
+def test_two_axis_mesh_splits_tokens_over_dp(manual, token_axes, split):
+  """On a (dp=2, ep=4) mesh each device sorts and computes only its dp slice's
+  rows (T * top_k / 2), unless the tokens are not split; results match either way."""
+  params, x, _ = _case(CFG, jnp.float32)
+  mesh = _mesh((2, 4), ("dp", "ep"))
+  x = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("dp")))
+  fn = lambda p, x: F.moe_mlp(p, x, CFG, mesh=mesh, manual=manual, token_axes=token_axes)
+  rows = T * CFG.top_k
+  dims = _row_dims(fn, params, x)
+  assert (rows in dims) != split and (rows // 2 in dims) == split, dims
+  with jax.default_matmul_precision("highest"):
+    got = _loss_and_grads(fn, params, x)
+  _compare(got, _reference(CFG, jnp.float32), F32_TOL)
+
+
+def test_token_split_rules():
+  from ragdot.moe.parallel import token_split  # pylint: disable=g-import-not-at-top
+  mesh = _mesh((2, 1, 4), ("dp", "fsdp", "ep"))
+  assert token_split(mesh, 48) == ("dp",)  # size-1 axes are left out
+  assert token_split(mesh, 48, manual="all") == ("dp",)
+  assert token_split(mesh, 47) == ()  # "auto" falls back to replicated tokens
+  assert token_split(mesh, 48, manual="ep") == ()
+  assert token_split(mesh, 48, token_axes=("fsdp", "dp")) == ("fsdp", "dp")
+  for bad, match in [(("ep",), "other than ep_axis"), (("tp",), "other than ep_axis"),
+                     (("dp", "dp"), "distinct"), ("dp", "'auto' or a tuple")]:
+    with pytest.raises(ValueError, match=match):
+      token_split(mesh, 48, token_axes=bad)
+  with pytest.raises(ValueError, match="does not divide the 47 tokens"):
+    token_split(mesh, 47, token_axes=("dp",))
+  with pytest.raises(ValueError, match="manual='ep'"):
+    token_split(mesh, 48, manual="ep", token_axes=("dp",))
+  with pytest.raises(ValueError, match="manual must be"):
+    token_split(mesh, 48, manual="some")
+
+
+def test_two_axis_mesh_with_tokens_not_dividing_dp():
+  """47 tokens on dp=2: "auto" keeps them whole (replicated over dp); still exact."""
+  params, x, _ = _case(CFG, jnp.float32)
+  x = x[:47]
+  mesh = _mesh((2, 4), ("dp", "ep"))
+  with jax.default_matmul_precision("highest"):
+    got = _loss_and_grads(lambda p, x: F.moe_mlp(p, x, CFG, mesh=mesh), params, x)
+    want = _loss_and_grads(lambda p, x: F.reference_moe_mlp(p, x, CFG), params, x)
+  _compare(got, want, F32_TOL)

@@ -86,7 +86,7 @@ def test_softmax_top_k_and_layout_with_adapters():
   r = rt.make_routing(w, ex, e, adapter_ids=ids, num_adapters=a)
   gs = np.asarray(r.group_sizes)
   assert gs.shape == (e * a,) and gs.sum() == t * k
-  groups = (np.asarray(ex) * a + np.asarray(ids)[:, None]).reshape(-1)[np.asarray(r.order)]
+  groups = groups_of(ex, ids, a).reshape(-1)[np.asarray(r.order)]
   assert np.all(np.diff(groups) >= 0)  # sorted by (expert, adapter) => by expert too
   np.testing.assert_array_equal(np.bincount(groups, minlength=e * a), gs)
   np.testing.assert_array_equal(np.asarray(rt.expert_group_sizes(r, e)),
@@ -101,6 +101,17 @@ def test_softmax_top_k_and_layout_with_adapters():
   y32 = rt.combine(rt.sort_tokens(xb, r1, k), r1, k, out_dtype=jnp.float32)
   assert y32.dtype == jnp.float32
   np.testing.assert_array_equal(np.asarray(y32), k * np.asarray(xb, np.float32))
+  # a slice of the tokens (a data-parallel shard's) regrouped from the per-token
+  # fields lays out like routing the slice alone, with its adapters
+  np.testing.assert_array_equal(np.asarray(r.groups), groups_of(ex, ids, a))
+  part = rt.regroup(r.weights[20:], r.experts[20:], r.groups[20:], e * a)
+  alone = rt.make_routing(w[20:], ex[20:], e, adapter_ids=ids[20:], num_adapters=a)
+  jax.tree.map(np.testing.assert_array_equal, part, alone)
+  assert int(part.group_sizes.sum()) == (t - 20) * k
+
+
+def groups_of(experts, adapter_ids, num_adapters):
+  return np.asarray(experts) * num_adapters + np.asarray(adapter_ids)[:, None]
 
 
 def test_routing_is_jittable_without_host_sync():

@@ -52,17 +52,21 @@ class MoEMLP(nnx.Module):
       ``ep_axis`` (None: no shard_map).  Expert weights are created with the
       sharding metadata ``(ep_axis, None, ...)``; place them with
       ``shard_moe_state`` or let jit reshard them.
+    token_axes: the mesh axes the tokens are split over (``"auto"``: every
+      axis other than ``ep_axis`` where the token count divides; see
+      ``parallel.token_split``).
     lora_init_b_zero: standard LoRA init (``b = 0``: adapters start as no-ops).
   """
 
   def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs, param_dtype: Any = jnp.bfloat16,
                dtype: Any = None, mesh: Any = None, ep_axis: str = "ep",
-               lora_init_b_zero: bool = True):
+               token_axes: Any = "auto", lora_init_b_zero: bool = True):
     self.cfg = cfg
     self.param_dtype = jnp.dtype(param_dtype)
     self.dtype = jnp.dtype(dtype or param_dtype)
     self.mesh = mesh
     self.ep_axis = ep_axis
+    self.token_axes = token_axes if isinstance(token_axes, str) else tuple(token_axes)
     p = F.init_params(rngs.params(), cfg, jnp.float32)
     cast = lambda a: a.astype(self.param_dtype)
     self.router = nnx.Param(cast(p["router"]))
@@ -100,7 +104,7 @@ class MoEMLP(nnx.Module):
       return F.reference_moe_mlp(params, x, self.cfg, adapter_ids=adapter_ids).astype(x.dtype)
     mesh = self.mesh if mesh is _SAME else mesh
     y = F.moe_mlp(params, x, self.cfg, adapter_ids=adapter_ids, mesh=mesh,
-                  ep_axis=self.ep_axis, dtype=self.dtype)
+                  ep_axis=self.ep_axis, token_axes=self.token_axes, dtype=self.dtype)
     return y.astype(x.dtype)
 
   def routing(self, x: jax.Array, adapter_ids: jax.Array | None = None) -> rt.Routing:

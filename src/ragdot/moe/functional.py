@@ -136,13 +136,15 @@ def expert_ffn(xs: jax.Array, group_sizes: jax.Array, experts: dict, cfg: MoECon
 def moe_mlp(params: dict, x: jax.Array, cfg: MoEConfig, *,
             adapter_ids: jax.Array | None = None, mesh: Any = None,
             ep_axis: str = "ep", dtype: Any = None, manual: str = "auto",
-            ragged_dot_fn: Any = None) -> jax.Array:
+            token_axes: Any = "auto", ragged_dot_fn: Any = None) -> jax.Array:
   """MoE MLP on ``x[..., d]`` -> same shape (dtype ``dtype`` or x.dtype).
 
   With ``mesh`` (having axis ``ep_axis``) sort, experts and combine run under
   expert parallelism (``parallel.sharded_moe_experts``); otherwise on one shard.
   ``adapter_ids[...]`` (same leading shape as x) picks each token's adapter.
-  ``manual``: which mesh axes the shard_map makes manual (see ``parallel``).
+  ``manual``: which mesh axes the shard_map makes manual; ``token_axes``: the
+  mesh axes the tokens are split over (default: every other axis, when the
+  token count divides; see ``parallel.token_split``).
   """
   if mesh is not None and ragged_dot_fn is not None:
     raise ValueError("ragged_dot_fn is only supported without expert parallelism (mesh=None)")
@@ -157,7 +159,8 @@ def moe_mlp(params: dict, x: jax.Array, cfg: MoEConfig, *,
   _, experts = split_params(params)
   if mesh is not None:
     from ragdot.moe.parallel import sharded_moe_experts  # pylint: disable=g-import-not-at-top
-    y = sharded_moe_experts(x2.astype(dtype), routing, experts, cfg, mesh, ep_axis, manual)
+    y = sharded_moe_experts(x2.astype(dtype), routing, experts, cfg, mesh, ep_axis, manual,
+                            token_axes=token_axes)
     return y.reshape(lead + (-1,))
   xs = rt.sort_tokens(x2.astype(dtype), routing, cfg.top_k)
   ys = expert_ffn(xs, routing.group_sizes, experts, cfg, ragged_dot_fn=ragged_dot_fn)

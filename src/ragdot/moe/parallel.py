@@ -1,25 +1,28 @@
 """Expert parallelism: the experts' ragged_dots under ``jax.shard_map``.
 
 The expert weights are sharded over mesh axis ``ep_axis`` (default "ep"; its
-size ``ep`` must divide E).  Every shard sees all tokens (replicated over
-"ep"), sorts them into its copy of the ``tokens * top_k`` expert rows, computes
-only the rows of its ``E / ep`` experts through ragdot's native
+size ``ep`` must divide E).  The tokens are split over the other mesh axes (the
+data-parallel ones, ``token_axes``) and replicated over "ep": every device sorts
+its slice of the tokens into its copy of their ``tokens * top_k`` expert rows,
+computes only the rows of its ``E / ep`` experts through ragdot's native
 ``group_offset = axis_index * E / ep`` (LoRA groups: times the adapter count;
 every other row is exactly 0), and combines its rows into a partial
-``[tokens, d]`` sum over k.  One ``psum`` of those f32 partials (``top_k / 2``
-times fewer bytes than the bf16 expert rows) makes the output; in the backward
-pass the transpose of making the tokens per-shard is one psum of the f32
-``[tokens, d]`` input cotangent (again ``top_k / 2`` times fewer bytes).  Only
-``ep_axis`` is manual: other mesh axes stay under automatic sharding.
+``[tokens, d]`` sum over k.  One ``psum`` over "ep" of those f32 partials
+(``top_k / 2`` times fewer bytes than the bf16 expert rows) makes the output; in
+the backward pass the transpose of making the tokens per-shard is one psum of
+the f32 ``[tokens, d]`` input cotangent (again ``top_k / 2`` times fewer bytes).
 
-``manual="ep"`` (only the ep axis manual, the default via ``"auto"``) leaves the
-other axes to automatic sharding; ``manual="all"`` makes every mesh axis manual
-inside the expert computation (tokens replicated over the other axes).
+``manual`` says which mesh axes the shard_map makes manual: "auto" (default)
+``ep_axis`` and the token axes, other axes stay under automatic sharding; "ep"
+only ``ep_axis`` (the tokens are not split, so every device of a data-parallel
+group computes all of the group's tokens' rows for its experts); "all" every
+mesh axis (tokens replicated over any that is not a token axis).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import math
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -50,32 +53,74 @@ def offset_expert_ffn(cfg: MoEConfig) -> Callable[..., jax.Array]:
   return lambda xs, gs, ex, offset: expert_ffn(xs, gs, ex, cfg, expert_offset=offset)
 
 
-def sharded_moe_experts(x: jax.Array, routing: rt.Routing, experts: dict, cfg: MoEConfig,
-                        mesh: Any, ep_axis: str = "ep", manual: str = "auto",
-                        ffn: Callable[..., jax.Array] | None = None) -> jax.Array:
-  """Sort, expert SwiGLU and weighted combine of ``x[tokens, d]`` with the
-  experts split over ``ep_axis``; returns ``[tokens, d]`` in x.dtype.
+def token_split(mesh: Any, tokens: int, ep_axis: str = "ep", manual: str = "auto",
+                token_axes: Sequence[str] | str = "auto") -> tuple[str, ...]:
+  """The mesh axes ``sharded_moe_experts`` splits ``tokens`` over.
 
-  Args:
-    x: the routed tokens (replicated over ``ep_axis``).
-    routing: ``functional.route``'s result for x (replicated).
-    experts: expert params, leading dim sharded over ``ep_axis``.
-    manual: "ep" (only ``ep_axis`` manual), "all" (every mesh axis manual) or
-      "auto" (same as "ep").
-    ffn: ``ffn(rows, group_sizes, local_experts, expert_offset) -> rows``
-      replacing ``offset_expert_ffn(cfg)`` (benchmarks: the masked workaround);
-      rows of other shards' experts must come out exactly 0.
+  ``"auto"``: every mesh axis other than ``ep_axis`` (of size > 1) when their
+  sizes' product divides ``tokens``, else none (each device then routes and
+  computes all tokens' rows of its experts); none with ``manual="ep"``, which
+  leaves those axes to automatic sharding.  An explicit tuple is checked.
   """
   if manual not in ("auto", "ep", "all"):
     raise ValueError(f"manual must be 'auto', 'ep' or 'all', got {manual!r}")
-  axes = frozenset({ep_axis}) if manual in ("auto", "ep") else frozenset(mesh.axis_names)
+  if isinstance(token_axes, str):
+    if token_axes != "auto":
+      raise ValueError(f"token_axes must be 'auto' or a tuple of mesh axis names, got {token_axes!r}")
+    if manual == "ep":
+      return ()
+    axes = tuple(a for a in mesh.axis_names if a != ep_axis and mesh.shape[a] > 1)
+    return axes if tokens % math.prod(mesh.shape[a] for a in axes) == 0 else ()
+  axes = tuple(token_axes)
+  bad = [a for a in axes if a not in mesh.axis_names or a == ep_axis]
+  if bad or len(set(axes)) != len(axes):
+    raise ValueError(f"token_axes {axes!r} must be distinct mesh axes other than"
+                     f" ep_axis {ep_axis!r} (mesh axes {mesh.axis_names})")
+  if axes and manual == "ep":
+    raise ValueError("token_axes must be () with manual='ep' (it leaves the other axes"
+                     " to automatic sharding)")
+  size = math.prod(mesh.shape[a] for a in axes)
+  if tokens % size:
+    raise ValueError(f"token_axes {axes!r} split the tokens {size} ways, which does not"
+                     f" divide the {tokens} tokens")
+  return axes
+
+
+def sharded_moe_experts(x: jax.Array, routing: rt.Routing, experts: dict, cfg: MoEConfig,
+                        mesh: Any, ep_axis: str = "ep", manual: str = "auto",
+                        ffn: Callable[..., jax.Array] | None = None,
+                        token_axes: Sequence[str] | str = "auto") -> jax.Array:
+  """Sort, expert SwiGLU and weighted combine of ``x[tokens, d]`` with the
+  experts split over ``ep_axis``; returns ``[tokens, d]`` in x.dtype.
+
+  Each device takes its slice of the tokens along ``token_axes`` (the
+  data-parallel axes; see ``token_split``) and sorts that slice's assignments
+  itself, so no device computes rows of another slice's tokens.
+
+  Args:
+    x: the routed tokens (replicated over ``ep_axis``).
+    routing: ``functional.route``'s result for x; only its per-token fields
+      (weights, experts, groups) are used.
+    experts: expert params, leading dim sharded over ``ep_axis``.
+    manual: "auto" (``ep_axis`` and the token axes manual, other axes
+      automatic), "ep" (only ``ep_axis`` manual; tokens not split) or "all"
+      (every mesh axis manual; tokens split over the token axes, replicated
+      over any other).
+    ffn: ``ffn(rows, group_sizes, local_experts, expert_offset) -> rows``
+      replacing ``offset_expert_ffn(cfg)`` (benchmarks: the masked workaround);
+      rows of other shards' experts must come out exactly 0.
+    token_axes: "auto" or the mesh axes to split the tokens over.
+  """
+  tok = token_split(mesh, x.shape[0], ep_axis, manual, token_axes)
+  axes = (frozenset(mesh.axis_names) if manual == "all" else frozenset((ep_axis,) + tok))
   ep = ep_size(mesh, ep_axis)
   if cfg.num_experts % ep:
     raise ValueError(f"mesh axis {ep_axis!r} of size {ep} must divide num_experts={cfg.num_experts}")
   local = cfg.num_experts // ep
+  num_groups = routing.group_sizes.shape[0]
   ffn = ffn or offset_expert_ffn(cfg)
 
-  def body(x, routing, experts):
+  def body(x, weights, chosen, groups, experts):
     # Mark the tokens per-shard here, in f32, so that the backward's psum (the
     # transpose of this step) is over d(tokens) in f32, not over the top_k
     # times larger d(rows) that autodiff would otherwise place after the sort.
@@ -83,11 +128,14 @@ def sharded_moe_experts(x: jax.Array, routing: rt.Routing, experts: dict, cfg: M
     # rounded once to it before the f32 psum; measured equal accuracy against
     # the f32 reference to ep=1, at half the gather bytes of an f32 sort.)
     xv = jax.lax.pcast(x.astype(jnp.float32), ep_axis, to="varying")
-    xs = rt.sort_tokens(xv.astype(x.dtype), routing, cfg.top_k)
-    ys = ffn(xs, routing.group_sizes, experts, jax.lax.axis_index(ep_axis) * local)
+    r = rt.regroup(weights, chosen, groups, num_groups)
+    xs = rt.sort_tokens(xv.astype(x.dtype), r, cfg.top_k)
+    ys = ffn(xs, r.group_sizes, experts, jax.lax.axis_index(ep_axis) * local)
     # Each token's k rows live on up to k shards: sum the shards' f32 partials.
-    return jax.lax.psum(rt.combine(ys, routing, cfg.top_k, out_dtype=jnp.float32), ep_axis)
+    return jax.lax.psum(rt.combine(ys, r, cfg.top_k, out_dtype=jnp.float32), ep_axis)
 
-  fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), expert_specs(experts, ep_axis)),
-                     out_specs=P(), axis_names=axes)
-  return fn(x, routing, experts).astype(x.dtype)
+  rows = P(tok) if tok else P()
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(rows, rows, rows, rows,
+                                                expert_specs(experts, ep_axis)),
+                     out_specs=rows, axis_names=axes)
+  return fn(x, routing.weights, routing.experts, routing.groups, experts).astype(x.dtype)

@@ -37,6 +37,8 @@ class Routing:
   group_sizes: int32[num_groups], rows per group in the sorted layout (groups
     are experts, or (expert, adapter) pairs ``expert * A + adapter``).
   weights: [tokens, top_k] f32 combine weights; experts: int32[tokens, top_k].
+  groups: int32[tokens, top_k], each assignment's group (``experts``, or
+    ``expert * A + adapter``): what ``regroup`` sorts a slice of tokens by.
   """
 
   order: jax.Array
@@ -44,6 +46,7 @@ class Routing:
   weights: jax.Array
   experts: jax.Array
   position: jax.Array
+  groups: jax.Array
 
 
 def softmax_top_k(logits: jax.Array, top_k: int, *, renormalize: bool = True,
@@ -102,17 +105,24 @@ def make_routing(weights: jax.Array, experts: jax.Array, num_experts: int, *,
   ``expert * num_adapters + adapter``: sorted this way the rows are also sorted
   by expert, so the base weights use ``expert_group_sizes`` of the same layout.
   """
-  tokens, top_k = experts.shape
-  groups = experts
+  groups = experts.astype(jnp.int32)
   if adapter_ids is not None and num_adapters > 1:
-    groups = experts * num_adapters + adapter_ids.astype(jnp.int32)[:, None]
+    groups = groups * num_adapters + adapter_ids.astype(jnp.int32)[:, None]
+  return regroup(weights, experts, groups, num_experts * num_adapters)
+
+
+def regroup(weights: jax.Array, experts: jax.Array, groups: jax.Array,
+            num_groups: int) -> Routing:
+  """The sorted layout of some tokens' assignments, from a ``Routing``'s
+  per-token fields (``[tokens, top_k]`` each): e.g. of a data-parallel shard's
+  slice of the tokens, with ``num_groups = routing.group_sizes.shape[0]``."""
   flat = groups.reshape(-1)
   order = jnp.argsort(flat, stable=True).astype(jnp.int32)
   position = jnp.zeros_like(order).at[order].set(
       jnp.arange(order.shape[0], dtype=jnp.int32), unique_indices=True)
-  group_sizes = jnp.bincount(flat, length=num_experts * num_adapters).astype(jnp.int32)
+  group_sizes = jnp.bincount(flat, length=num_groups).astype(jnp.int32)
   return Routing(order, group_sizes, weights.astype(jnp.float32), experts.astype(jnp.int32),
-                 position)
+                 position, groups)
 
 
 def expert_group_sizes(routing: Routing, num_experts: int) -> jax.Array:
