@@ -109,3 +109,14 @@ def test_no_dense_rewrite_temporaries():
   dense_rewrite = 4 * g * m * n  # what a per-group dense product would hold
   assert temp <= io_bytes, (temp, io_bytes)
   assert temp < dense_rewrite / 8
+
+
+@pytest.mark.parametrize("name", ["ragged_dot", "ragged_dot_general"])
+def test_signature_is_a_drop_in_for_lax(name):
+  """Every parameter of jax.lax's op, at the same position and of the same kind,
+  so that calls written for lax (positional or keyword) run unchanged."""
+  import inspect  # pylint: disable=g-import-not-at-top
+  theirs = list(inspect.signature(getattr(jax.lax, name)).parameters.values())
+  ours = list(inspect.signature(getattr(ragdot, name)).parameters.values())
+  assert [(p.name, p.kind) for p in ours[:len(theirs)]] == [(p.name, p.kind) for p in theirs]
+  assert all(p.kind == p.KEYWORD_ONLY for p in ours[len(theirs):])

@@ -92,3 +92,34 @@ def test_gated_shard_pair_lowers_through_the_vjp_inside_shard_map(monkeypatch):
   # ring; dW
   assert text.count("mosaic_gpu") >= 4
   assert "output_operand_alias" in text
+
+
+def test_explicit_sharding_runs_the_kernels_per_shard_for_sm90(monkeypatch):
+  """Operands split over explicit mesh axes (rows over "dp", experts over "ep"):
+  the training step's forward, dX and dW lower to Mosaic kernels on each
+  shard's block (``ragdot.sharded``) with the H200 table's configs."""
+  import ragdot  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
+  from ragdot import dispatch  # pylint: disable=g-import-not-at-top
+
+  monkeypatch.setattr(dispatch, "current_device",
+                      lambda: dispatch.Device("gpu", "NVIDIA H200", "9.0"))
+  dispatch.clear_cache()
+  mesh = jax.make_mesh((2, 4), ("dp", "ep"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  try:
+    with jax.set_mesh(mesh):
+      loss = lambda x, w, gs: jnp.sum(ragdot.ragged_dot(x, w, gs, implementation="mosaic")
+                                      .astype(jnp.float32))
+      step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+      x, w, gs = _operands(4096, 256, 512, 32)
+      x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P("dp")))
+      w = jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=NamedSharding(mesh, P("ep")))
+      traced = step.trace(x, w, gs)
+      text = traced.lower(lowering_platforms=("cuda",)).as_text()
+  finally:
+    dispatch.clear_cache()
+  assert "shard_map" in str(traced.jaxpr)
+  kernels = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+  assert len(kernels) == 3, len(kernels)  # forward, dX, dW
+  # each on its shard's block: 2048 of the 4096 rows, 8 of the 32 experts
+  assert all("tensor<2048x" in line and "tensor<8x256x512xbf16>" in line for line in kernels)

@@ -20,6 +20,7 @@ from jax import lax
 from jax.experimental import checkify
 
 from ragdot import dispatch
+from ragdot import sharded
 from ragdot.manual_axes import match_varying
 from ragdot import validate
 from ragdot.backends import get_backend
@@ -142,6 +143,37 @@ def _tgmm_bwd(num_groups, precision, out_dtype, implementation, res, ct):
 _tgmm.defvjp(_tgmm_fwd, _tgmm_bwd)
 
 
+# --- per shard where operands are split over explicit mesh axes ---------------
+
+
+def _gmm_sharded(lhs, rhs, group_sizes, group_offset, transpose_rhs, precision,
+                 out_dtype, implementation):
+  """``_gmm``, run per shard (``ragdot.sharded``) if an operand's type names
+  explicit mesh axes."""
+  def local(lhs, rhs, group_sizes, group_offset):
+    return _gmm(*match_varying(lhs, rhs, group_sizes, group_offset), transpose_rhs,
+                precision, out_dtype, implementation)
+
+  layout = sharded.gmm_layout(lhs, rhs, transpose_rhs)
+  if layout is None:
+    return local(lhs, rhs, group_sizes, group_offset)
+  return sharded.gmm(lhs, rhs, group_sizes, group_offset, layout, transpose_rhs, local)
+
+
+def _tgmm_sharded(lhs, rhs, group_sizes, group_offset, num_groups, precision,
+                  out_dtype, implementation):
+  """``_tgmm``, run per shard and summed over row shards where operands'
+  types name explicit mesh axes."""
+  def local(lhs, rhs, group_sizes, group_offset):
+    return _tgmm(*match_varying(lhs, rhs, group_sizes, group_offset), num_groups,
+                 precision, out_dtype, implementation)
+
+  layout = sharded.tgmm_layout(lhs, rhs)
+  if layout is None:
+    return local(lhs, rhs, group_sizes, group_offset)
+  return sharded.tgmm(lhs, rhs, group_sizes, group_offset, layout, local)
+
+
 # --- checked mode ---------------------------------------------------------------
 
 
@@ -180,6 +212,7 @@ def ragged_dot(
     precision: Any = None,
     preferred_element_type: Any = None,
     group_offset: jax.Array | None = None,
+    out_sharding: Any = None,
     *,
     implementation: str | None = None,
     checks: bool = False,
@@ -198,6 +231,10 @@ def ragged_dot(
     group_offset: optional int scalar (shape ``()`` or ``(1,)``, may be
       traced): rhs[j] is group ``group_offset + j``; every row outside those
       groups is exactly 0 and costs no matmul work.
+    out_sharding: optional ``NamedSharding`` / ``PartitionSpec`` the result
+      is resharded to (as in ``jax.lax.ragged_dot``).  Without it, operands
+      split over explicit mesh axes give a result split the same way (rows as
+      lhs, columns as rhs; see ``ragdot.sharded``).
     implementation: None (automatic), "xla", "mosaic" or "triton".
     checks: report negative sizes / out-of-range offsets through checkify
       (wrap the caller with ``ragdot.checked``).
@@ -211,8 +248,9 @@ def ragged_dot(
   if checks:
     _runtime_checks(gs, go, problem.num_groups)
   lhs, rhs, gs, go = _prepare(lhs, rhs, gs, go)
-  return _gmm(lhs, rhs, gs, go, False, _hashable_precision(precision),
-              problem.out_dtype, impl)
+  out = _gmm_sharded(lhs, rhs, gs, go, False, _hashable_precision(precision),
+                     problem.out_dtype, impl)
+  return sharded.constrain(out, out_sharding)
 
 
 def trans_ragged_dot(
@@ -224,6 +262,7 @@ def trans_ragged_dot(
     num_groups: int | None = None,
     precision: Any = None,
     preferred_element_type: Any = None,
+    out_sharding: Any = None,
     implementation: str | None = None,
     checks: bool = False,
 ) -> jax.Array:
@@ -237,8 +276,9 @@ def trans_ragged_dot(
     group_offset: optional int scalar ``o``; then ``num_groups`` (default G)
       groups starting at ``o`` are returned (groups past G are zeros).
     num_groups: static int in ``[1, G]``, only with ``group_offset``.
-    precision, preferred_element_type, implementation, checks: as in
-      ``ragged_dot``.
+    precision, preferred_element_type, out_sharding, implementation, checks:
+      as in ``ragged_dot``.  Rows split over explicit mesh axes give per-shard
+      results summed over those axes (in the output dtype).
 
   Returns:
     ``[num_groups or G, k, n]``.
@@ -249,8 +289,9 @@ def trans_ragged_dot(
   if checks:
     _runtime_checks(gs, go, problem.num_groups)
   lhs, rhs, gs, go = _prepare(lhs, rhs, gs, go)
-  return _tgmm(lhs, rhs, gs, go, problem.num_local,
-               _hashable_precision(precision), problem.out_dtype, impl)
+  out = _tgmm_sharded(lhs, rhs, gs, go, problem.num_local,
+                      _hashable_precision(precision), problem.out_dtype, impl)
+  return sharded.constrain(out, out_sharding)
 
 
 def _ints(xs: Sequence[int]) -> tuple[int, ...]:
@@ -282,6 +323,7 @@ def ragged_dot_general(
     precision: Any = None,
     preferred_element_type: Any = None,
     group_offset: jax.Array | None = None,
+    out_sharding: Any = None,
     *,
     num_groups: int | None = None,
     implementation: str | None = None,
@@ -312,7 +354,7 @@ def ragged_dot_general(
         f" gradient); these dimension numbers are mode {mode!r}")
   common = dict(precision=precision,
                 preferred_element_type=preferred_element_type,
-                implementation=impl, checks=checks)
+                out_sharding=out_sharding, implementation=impl, checks=checks)
   if mode == "forward":
     return ragged_dot(lhs, rhs, group_sizes, group_offset=group_offset, **common)
   if mode == "forward_rhs_nk":
@@ -322,8 +364,9 @@ def ragged_dot_general(
     if checks:
       _runtime_checks(gs, go, problem.num_groups)
     lhs, rhs, gs, go = _prepare(lhs, rhs, gs, go)
-    return _gmm(lhs, rhs, gs, go, True, _hashable_precision(precision),
-                problem.out_dtype, impl)
+    out = _gmm_sharded(lhs, rhs, gs, go, True, _hashable_precision(precision),
+                       problem.out_dtype, impl)
+    return sharded.constrain(out, out_sharding)
   if mode == "ragged_contracting":
     (lc, rc), _ = dn.dot_dimension_numbers
     lhs_rows_first = lhs if int(lc[0]) == 0 else jnp.swapaxes(lhs, 0, 1)
@@ -349,4 +392,4 @@ def ragged_dot_general(
         " jax.lax.ragged_dot_general unchecked")
   return lax.ragged_dot_general(
       lhs, rhs, group_sizes, dn, precision=precision,
-      preferred_element_type=preferred_element_type)
+      preferred_element_type=preferred_element_type, out_sharding=out_sharding)

@@ -1,0 +1,194 @@
+"""Operands sharded over explicit mesh axes: the ops per shard under ``shard_map``.
+
+Under explicit sharding (``jax.sharding.AxisType.Explicit``) an array's type
+names the mesh axes each of its dimensions is split over.  The kernels take
+whole arrays, so a call whose operands carry such axes runs on each device's
+block, and the result's type keeps the split:
+
+* ``ragged_dot`` (``lhs[m, k] x rhs[g, k, n]``, or rhs ``[g, n, k]``):
+  lhs rows over axes R: each shard runs its rows with the global groups cut to
+  its row range (output rows over R).  rhs columns over N: each shard computes
+  its columns (output columns over N).  rhs groups over E (expert parallelism):
+  each shard computes only its groups' rows through ``group_offset`` and the
+  shards' outputs are summed over E (every row comes from one shard, the others
+  add exact zeros).  A split contraction (k) is gathered first.
+* ``trans_ragged_dot`` (``lhs[m, k], rhs[m, n] -> [g, k, n]``): rows over R
+  give per-shard sums over their rows, summed over R in the output dtype (as a
+  data-parallel gradient is); lhs columns over K and rhs columns over N stay
+  split in the output.
+
+An axis named in two roles keeps the first (rows, then columns, then groups);
+the other operand is gathered along it, as is a dimension its axes do not
+divide.  Gradients flow through ``shard_map``: dX and dW run per shard too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+Axes = tuple[str, ...]
+
+
+def _dims(x: Any) -> tuple[Axes, ...]:
+  """Per dimension of ``x``, the explicit mesh axes it is split over."""
+  spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+  out = []
+  for i in range(jnp.ndim(x)):
+    entry = spec[i] if spec is not None and i < len(spec) else None
+    out.append(() if entry is None else (entry,) if isinstance(entry, str) else tuple(entry))
+  return tuple(out)
+
+
+def _mesh(*xs: Any) -> Any:
+  for x in xs:
+    if x is not None and any(_dims(x)):
+      return jax.typeof(x).sharding.mesh
+  return None
+
+
+def _take(axes: Axes, size: int, mesh: Any, used: set[str]) -> Axes:
+  """``axes`` less those already used, or () if they do not divide ``size``."""
+  axes = tuple(a for a in axes if a not in used)
+  if not axes or size % math.prod(mesh.shape[a] for a in axes):
+    return ()
+  used.update(axes)
+  return axes
+
+
+def _spec(*dims: Axes) -> P:
+  return P(*(d if d else None for d in dims))
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """How one call is split: ``rows`` (the ragged m), ``k`` and ``n`` (the
+  other dims of lhs / rhs) and ``groups`` (rhs's experts; ragged_dot only)."""
+
+  mesh: Any
+  rows: Axes = ()
+  k: Axes = ()
+  n: Axes = ()
+  groups: Axes = ()
+
+  @property
+  def axes(self) -> frozenset[str]:
+    return frozenset(self.rows + self.k + self.n + self.groups)
+
+
+def gmm_layout(lhs: jax.Array, rhs: jax.Array, transpose_rhs: bool) -> Layout | None:
+  """The split of ``lhs[m, k] x rhs[g, k|n, n|k]``, or None if neither operand
+  carries explicit mesh axes."""
+  mesh = _mesh(lhs, rhs)
+  if mesh is None:
+    return None
+  (rows, _), (groups, *rest) = _dims(lhs), _dims(rhs)
+  cols = rest[0] if transpose_rhs else rest[1]
+  used: set[str] = set()
+  m, n, g = lhs.shape[0], rhs.shape[1 if transpose_rhs else 2], rhs.shape[0]
+  rows = _take(rows, m, mesh, used)
+  cols = _take(cols, n, mesh, used)
+  return Layout(mesh, rows=rows, n=cols, groups=_take(groups, g, mesh, used))
+
+
+def tgmm_layout(lhs: jax.Array, rhs: jax.Array) -> Layout | None:
+  """The split of ``lhs[m, k], rhs[m, n] -> [g, k, n]``, or None."""
+  mesh = _mesh(lhs, rhs)
+  if mesh is None:
+    return None
+  (rows, k), (rows_rhs, n) = _dims(lhs), _dims(rhs)
+  used: set[str] = set()
+  rows = _take(rows or rows_rhs, lhs.shape[0], mesh, used)
+  k = _take(k, lhs.shape[1], mesh, used)
+  return Layout(mesh, rows=rows, k=k, n=_take(n, rhs.shape[1], mesh, used))
+
+
+def _reshard(x: jax.Array, layout: Layout, spec: P) -> jax.Array:
+  return jax.sharding.reshard(x, NamedSharding(layout.mesh, spec))
+
+
+def shard_sizes(group_sizes: jax.Array, start: jax.Array, rows: int) -> jax.Array:
+  """Rows of each group within rows ``[start, start + rows)`` of the ragged
+  dimension (groups own consecutive rows from 0, negative sizes count as 0)."""
+  sizes = jnp.maximum(group_sizes, 0)
+  ends = jnp.cumsum(sizes)
+  lo = jnp.clip(ends - sizes - start, 0, rows)
+  hi = jnp.clip(ends - start, 0, rows)
+  return (hi - lo).astype(jnp.int32)
+
+
+def _local_sizes(group_sizes: jax.Array, layout: Layout, rows: int) -> jax.Array:
+  if not layout.rows:
+    return group_sizes
+  return shard_sizes(group_sizes, jax.lax.axis_index(layout.rows) * rows, rows)
+
+
+def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
+        group_offset: jax.Array | None, layout: Layout, transpose_rhs: bool,
+        local_gmm: Callable[..., jax.Array]) -> jax.Array:
+  """``local_gmm(lhs, rhs, group_sizes, group_offset)`` per shard of ``layout``."""
+  rhs_dims = (layout.groups,) + (((layout.n, ()) if transpose_rhs else ((), layout.n)))
+  lhs = _reshard(lhs, layout, _spec(layout.rows, ()))
+  rhs = _reshard(rhs, layout, _spec(*rhs_dims))
+  group_sizes = _reshard(group_sizes, layout, P())
+  g_local = rhs.shape[0] // math.prod(layout.mesh.shape[a] for a in layout.groups)
+  m_local = lhs.shape[0] // math.prod(layout.mesh.shape[a] for a in layout.rows)
+  if layout.groups and group_offset is None:
+    group_offset = jnp.zeros((), jnp.int32)
+  args = [lhs, rhs, group_sizes]
+  if group_offset is not None:
+    args.append(_reshard(group_offset, layout, P()))
+
+  def body(lhs, rhs, group_sizes, group_offset=None):
+    sizes = _local_sizes(group_sizes, layout, m_local)
+    if layout.groups:
+      group_offset = group_offset + jax.lax.axis_index(layout.groups) * g_local
+    out = local_gmm(lhs, rhs, sizes, group_offset)
+    return jax.lax.psum(out, layout.groups) if layout.groups else out
+
+  in_specs = (_spec(layout.rows, ()), _spec(*rhs_dims), P()) + (P(),) * (len(args) - 3)
+  return jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs,
+                       out_specs=_spec(layout.rows, layout.n))(*args)
+
+
+def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
+         group_offset: jax.Array | None, layout: Layout,
+         local_tgmm: Callable[..., jax.Array]) -> jax.Array:
+  """``local_tgmm(lhs, rhs, group_sizes, group_offset)`` per shard of
+  ``layout``, summed over the row shards."""
+  lhs = _reshard(lhs, layout, _spec(layout.rows, layout.k))
+  rhs = _reshard(rhs, layout, _spec(layout.rows, layout.n))
+  group_sizes = _reshard(group_sizes, layout, P())
+  m_local = lhs.shape[0] // math.prod(layout.mesh.shape[a] for a in layout.rows)
+  args = [lhs, rhs, group_sizes]
+  if group_offset is not None:
+    args.append(_reshard(group_offset, layout, P()))
+
+  def body(lhs, rhs, group_sizes, group_offset=None):
+    out = local_tgmm(lhs, rhs, _local_sizes(group_sizes, layout, m_local), group_offset)
+    return jax.lax.psum(out, layout.rows) if layout.rows else out
+
+  in_specs = (_spec(layout.rows, layout.k), _spec(layout.rows, layout.n), P())
+  in_specs += (P(),) * (len(args) - 3)
+  return jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs,
+                       out_specs=_spec((), layout.k, layout.n))(*args)
+
+
+def constrain(out: jax.Array, out_sharding: Any) -> jax.Array:
+  """``out`` resharded to ``out_sharding`` (a ``NamedSharding`` or a
+  ``PartitionSpec`` of the context mesh, over explicit axes), as
+  ``jax.lax.ragged_dot`` takes it."""
+  if out_sharding is None:
+    return out
+  if not isinstance(out_sharding, (NamedSharding, P)):
+    raise TypeError("out_sharding must be None, a NamedSharding or a PartitionSpec, got"
+                    f" {type(out_sharding).__name__}")
+  try:
+    return jax.sharding.reshard(out, out_sharding)
+  except ValueError as e:
+    raise ValueError(f"out_sharding {out_sharding}: {e}") from e

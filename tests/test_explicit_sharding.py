@@ -1,0 +1,182 @@
+"""Operands split over explicit mesh axes: the ops run per shard (``ragdot.sharded``).
+
+jax.lax.ragged_dot under explicit sharding needs ``out_sharding`` and (on CPU)
+fails on row-split operands; ragdot infers the result's split, computes only
+each device's block, and matches the unsharded op.  Kernels in interpret mode
+do not run under shard_map, so these run the xla backend; the kernels' sm90
+lowering of the same calls is in test_mosaic_shard_map.py.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import ragdot
+from ragdot import sharded
+
+HIGHEST = jax.lax.Precision.HIGHEST
+M, K, N, G = 256, 64, 32, 8
+SIZES = np.array([40, 0, 33, 50, 7, 60, 20, 30], np.int32)  # 240 rows: 16 past the groups
+
+
+def _mesh():
+  if len(jax.devices()) < 8:
+    pytest.fail(f"needs 8 devices (conftest sets 8 CPU devices), got {len(jax.devices())}")
+  return jax.make_mesh((2, 4), ("dp", "ep"), devices=jax.devices()[:8],
+                       axis_types=(AxisType.Explicit,) * 2)
+
+
+def _operands(seed=0):
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((M, K)).astype(np.float32)
+  w = rng.standard_normal((G, K, N)).astype(np.float32)
+  d = rng.standard_normal((M, N)).astype(np.float32)
+  return x, w, d
+
+
+def _collectives(fn, *args):
+  hlo = jax.jit(fn).lower(*args).compile().as_text()
+  return re.findall(r"(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)\(", hlo)
+
+
+def _spec(x):
+  return tuple(jax.typeof(x).sharding.spec) + (None,) * (jnp.ndim(x) - len(jax.typeof(x).sharding.spec))
+
+
+# (lhs spec, rhs spec, the output's spec, the collectives the call may compile to)
+GMM_CASES = [
+    (P("dp"), P(), (("dp",), None), set()),  # rows: no gather of lhs
+    (P(), P(None, None, "ep"), (None, ("ep",)), set()),  # columns
+    (P(), P("ep"), (None, None), {"all-reduce"}),  # experts: group_offset per shard + psum
+    (P("dp"), P("ep"), (("dp",), None), {"all-reduce"}),
+    (P(("dp", "ep")), P(), (("dp", "ep"), None), set()),
+    (P(None, "ep"), P(None, "ep"), (None, None), {"all-gather"}),  # split contraction: gathered
+    (P("dp"), P("dp"), (("dp",), None), {"all-gather"}),  # dp taken by the rows: rhs gathered
+]
+
+
+@pytest.mark.parametrize("lspec,rspec,ospec,colls", GMM_CASES, ids=lambda c: str(c))
+def test_ragged_dot_per_shard_matches_unsharded(lspec, rspec, ospec, colls):
+  x, w, d = _operands()
+  want = ragdot.ragged_dot(x, w, SIZES, precision=HIGHEST, implementation="xla")
+  loss = lambda f: lambda x, w: jnp.sum(f(x, w) * d)
+  call = lambda x, w: ragdot.ragged_dot(x, w, jnp.asarray(SIZES), precision=HIGHEST,
+                                        implementation="xla")
+  want_grads = jax.grad(loss(call), (0, 1))(x, w)
+  with jax.set_mesh(_mesh()):
+    xs, ws = jax.device_put(x, lspec), jax.device_put(w, rspec)
+    out = jax.jit(call)(xs, ws)
+    grads = jax.jit(jax.grad(loss(call), (0, 1)))(xs, ws)
+    found = set(_collectives(call, xs, ws))
+  norm = lambda s: tuple(None if e is None else (e,) if isinstance(e, str) else tuple(e) for e in s)
+  assert norm(_spec(out)) == ospec
+  assert found <= colls, found
+  np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+  assert np.all(np.asarray(out)[SIZES.sum():] == 0)
+  for got, exp in zip(grads, want_grads):
+    np.testing.assert_allclose(got, exp, rtol=1e-5, atol=1e-4)
+  assert _spec(grads[0]) == _spec(xs) or lspec == P(None, "ep")
+
+
+def test_rows_split_run_each_shard_on_its_rows_only():
+  x, w, _ = _operands(1)
+  with jax.set_mesh(_mesh()):
+    xs = jax.device_put(x, P(("dp", "ep")))
+    hlo = jax.jit(lambda x, w: ragdot.ragged_dot(x, w, jnp.asarray(SIZES), implementation="xla")
+                  ).lower(xs, w).compile().as_text()
+  dims = {int(r) for r in re.findall(rf"f32\[(\d+),{K}\]", hlo)}
+  assert M not in dims and M // 8 in dims, dims
+
+
+def test_shard_sizes_cut_the_groups_at_each_shards_rows():
+  sizes = jnp.asarray([5, -2, 0, 9, 3, 100])
+  got = [np.asarray(sharded.shard_sizes(sizes, jnp.asarray(s), 4)) for s in (0, 4, 8, 12, 16)]
+  np.testing.assert_array_equal(got, [[4, 0, 0, 0, 0, 0], [1, 0, 0, 3, 0, 0],
+                                      [0, 0, 0, 4, 0, 0], [0, 0, 0, 2, 2, 0],
+                                      [0, 0, 0, 0, 1, 3]])
+
+
+def test_group_offset_with_experts_split():
+  """rhs holds groups 4..7 (group_offset 4), one per "ep" shard."""
+  x, w, _ = _operands(2)
+  want = ragdot.ragged_dot(x, w[4:], SIZES, precision=HIGHEST, group_offset=jnp.asarray(4),
+                           implementation="xla")
+  with jax.set_mesh(_mesh()):
+    ws = jax.device_put(w[4:], P("ep"))
+    out = jax.jit(lambda x, w: ragdot.ragged_dot(
+        x, w, jnp.asarray(SIZES), precision=HIGHEST, group_offset=jnp.asarray(4),
+        implementation="xla"))(jax.device_put(x, P("dp")), ws)
+  np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+  assert np.all(np.asarray(out)[:SIZES[:4].sum()] == 0)
+
+
+@pytest.mark.parametrize("lspec,dspec,ospec", [
+    (P("dp"), P("dp"), (None, None, None)),  # rows: per-shard sums, psum over dp
+    (P(None, "ep"), P(), (None, "ep", None)),
+    (P("dp"), P("dp", "ep"), (None, None, "ep")),
+], ids=str)
+def test_trans_ragged_dot_per_shard_matches_unsharded(lspec, dspec, ospec):
+  x, _, d = _operands(3)
+  want = ragdot.trans_ragged_dot(x, d, SIZES, precision=HIGHEST, implementation="xla")
+  with jax.set_mesh(_mesh()):
+    out = jax.jit(lambda x, d: ragdot.trans_ragged_dot(
+        x, d, jnp.asarray(SIZES), precision=HIGHEST, implementation="xla"))(
+            jax.device_put(x, lspec), jax.device_put(d, dspec))
+  assert _spec(out) == ospec
+  np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-4)
+  assert np.all(np.asarray(out)[1] == 0)  # the empty group
+
+
+def test_general_modes_and_out_sharding():
+  x, w, d = _operands(4)
+  dn_nk = jax.lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), [0], [0])
+  dn_dw = jax.lax.RaggedDotDimensionNumbers((([1], [1]), ([], [])), [1], [])
+  wt = np.swapaxes(w, 1, 2)
+  want_nk = ragdot.ragged_dot(x, w, SIZES, precision=HIGHEST, implementation="xla")
+  want_dw = ragdot.trans_ragged_dot(x, d, SIZES, precision=HIGHEST, implementation="xla")
+  with jax.set_mesh(_mesh()):
+    gs = jnp.asarray(SIZES)
+    nk = jax.jit(lambda x, w: ragdot.ragged_dot_general(
+        x, w, gs, dn_nk, precision=HIGHEST, implementation="xla"))(
+            jax.device_put(x, P("dp")), jax.device_put(wt, P(None, "ep")))
+    dw = jax.jit(lambda x, d: ragdot.ragged_dot_general(
+        x.T, d.T, gs, dn_dw, precision=HIGHEST, implementation="xla"))(
+            jax.device_put(x, P("dp")), jax.device_put(d, P("dp")))
+    moved = jax.jit(lambda x, w: ragdot.ragged_dot(
+        x, w, gs, precision=HIGHEST, implementation="xla", out_sharding=P(None, "ep")))(
+            jax.device_put(x, P("dp")), w)
+    named = jax.jit(lambda x, w: ragdot.ragged_dot(
+        x, w, gs, None, None, None, NamedSharding(_mesh(), P("ep")), implementation="xla"))(x, w)
+  assert _spec(nk) == ("dp", "ep")
+  np.testing.assert_allclose(nk, want_nk, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-4)
+  assert _spec(moved) == (None, "ep") and _spec(named) == ("ep", None)
+  np.testing.assert_allclose(moved, want_nk, rtol=1e-5, atol=1e-5)
+
+
+def test_vmap_over_row_split_operands():
+  x, w, _ = _operands(5)
+  xb = np.stack([x, -x])
+  want = np.stack([ragdot.ragged_dot(v, w, SIZES, precision=HIGHEST, implementation="xla")
+                   for v in xb])
+  with jax.set_mesh(_mesh()):
+    out = jax.jit(jax.vmap(lambda x: ragdot.ragged_dot(
+        x, w, jnp.asarray(SIZES), precision=HIGHEST, implementation="xla")))(
+            jax.device_put(xb, P(None, "dp")))
+  np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_out_sharding_is_named():
+  x, w, _ = _operands(6)
+  with pytest.raises(TypeError, match="out_sharding must be"):
+    ragdot.ragged_dot(x, w, SIZES, out_sharding="dp", implementation="xla")
+  auto = jax.make_mesh((8,), ("dp",), devices=jax.devices()[:8], axis_types=(AxisType.Auto,))
+  with pytest.raises(ValueError, match="out_sharding"):  # as lax: explicit axes only
+    ragdot.trans_ragged_dot(x, x, SIZES, implementation="xla",
+                            out_sharding=NamedSharding(auto, P("dp")))
