@@ -237,3 +237,17 @@ def test_two_axis_mesh_with_tokens_not_dividing_dp():
     got = _loss_and_grads(lambda p, x: F.moe_mlp(p, x, CFG, mesh=mesh), params, x)
     want = _loss_and_grads(lambda p, x: F.reference_moe_mlp(p, x, CFG), params, x)
   _compare(got, want, F32_TOL)
+
+
+def test_explicit_two_axis_mesh():
+  """A (dp=2, ep=4) mesh of explicit axes, x split over "dp": the router's
+  choices stay per token (no sort over the split tokens), each shard sorts its
+  own; loss and grads match the reference and x's gradient keeps the split."""
+  params, x, _ = _case(CFG, jnp.float32)
+  mesh = jax.make_mesh((2, 4), ("dp", "ep"), devices=jax.devices()[:8],
+                       axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
+    x = jax.device_put(x, jax.sharding.PartitionSpec("dp"))
+    got = _loss_and_grads(lambda p, x: F.moe_mlp(p, x, CFG, mesh=mesh), params, x)
+  _compare(got, _reference(CFG, jnp.float32), F32_TOL)
+  assert jax.typeof(got[1][1]).sharding.spec[0] == "dp"

@@ -104,7 +104,7 @@ def test_softmax_top_k_and_layout_with_adapters():
   # a slice of the tokens (a data-parallel shard's) regrouped from the per-token
   # fields lays out like routing the slice alone, with its adapters
   np.testing.assert_array_equal(np.asarray(r.groups), groups_of(ex, ids, a))
-  part = rt.regroup(r.weights[20:], r.experts[20:], r.groups[20:], e * a)
+  part = rt.regroup(rt.Assignment(r.weights[20:], r.experts[20:], r.groups[20:], r.num_groups))
   alone = rt.make_routing(w[20:], ex[20:], e, adapter_ids=ids[20:], num_adapters=a)
   jax.tree.map(np.testing.assert_array_equal, part, alone)
   assert int(part.group_sizes.sum()) == (t - 20) * k

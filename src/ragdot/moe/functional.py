@@ -61,6 +61,13 @@ def split_params(params: dict) -> tuple[dict, dict]:
 def route(params: dict, x: jax.Array, cfg: MoEConfig,
           adapter_ids: jax.Array | None = None) -> rt.Routing:
   """Router on ``x[tokens, d]`` (f32 math) -> sorted layout over E*A groups."""
+  return rt.regroup(assignment(params, x, cfg, adapter_ids))
+
+
+def assignment(params: dict, x: jax.Array, cfg: MoEConfig,
+               adapter_ids: jax.Array | None = None) -> rt.Assignment:
+  """Router on ``x[tokens, d]`` (f32 math) -> each token's choices (per
+  token: no sort over the tokens)."""
   w = params["router"]
   if cfg.freeze_base:
     w = jax.lax.stop_gradient(w)
@@ -77,8 +84,8 @@ def route(params: dict, x: jax.Array, cfg: MoEConfig,
         routed_scaling_factor=cfg.routed_scaling_factor)
   if cfg.num_adapters > 1 and adapter_ids is None:
     raise ValueError("num_adapters > 1 needs adapter_ids[tokens]")
-  return rt.make_routing(weights, experts, cfg.num_experts,
-                         adapter_ids=adapter_ids, num_adapters=cfg.adapters)
+  return rt.assign(weights, experts, cfg.num_experts, adapter_ids=adapter_ids,
+                   num_adapters=cfg.adapters)
 
 
 def expert_ffn(xs: jax.Array, group_sizes: jax.Array, experts: dict, cfg: MoEConfig, *,
@@ -155,13 +162,14 @@ def moe_mlp(params: dict, x: jax.Array, cfg: MoEConfig, *,
   dtype = jnp.dtype(dtype or x.dtype)
   x2 = x.reshape(-1, x.shape[-1])
   ids = None if adapter_ids is None else adapter_ids.reshape(-1)
-  routing = route(params, x2, cfg, ids)
+  chosen = assignment(params, x2, cfg, ids)
   _, experts = split_params(params)
   if mesh is not None:
     from ragdot.moe.parallel import sharded_moe_experts  # pylint: disable=g-import-not-at-top
-    y = sharded_moe_experts(x2.astype(dtype), routing, experts, cfg, mesh, ep_axis, manual,
+    y = sharded_moe_experts(x2.astype(dtype), chosen, experts, cfg, mesh, ep_axis, manual,
                             token_axes=token_axes)
     return y.reshape(lead + (-1,))
+  routing = rt.regroup(chosen)
   xs = rt.sort_tokens(x2.astype(dtype), routing, cfg.top_k)
   ys = expert_ffn(xs, routing.group_sizes, experts, cfg, ragged_dot_fn=ragged_dot_fn)
   return rt.combine(ys, routing, cfg.top_k).reshape(lead + (-1,))

@@ -86,7 +86,8 @@ def token_split(mesh: Any, tokens: int, ep_axis: str = "ep", manual: str = "auto
   return axes
 
 
-def sharded_moe_experts(x: jax.Array, routing: rt.Routing, experts: dict, cfg: MoEConfig,
+def sharded_moe_experts(x: jax.Array, routing: rt.Routing | rt.Assignment, experts: dict,
+                        cfg: MoEConfig,
                         mesh: Any, ep_axis: str = "ep", manual: str = "auto",
                         ffn: Callable[..., jax.Array] | None = None,
                         token_axes: Sequence[str] | str = "auto") -> jax.Array:
@@ -99,8 +100,8 @@ def sharded_moe_experts(x: jax.Array, routing: rt.Routing, experts: dict, cfg: M
 
   Args:
     x: the routed tokens (replicated over ``ep_axis``).
-    routing: ``functional.route``'s result for x; only its per-token fields
-      (weights, experts, groups) are used.
+    routing: ``functional.assignment``'s (or ``route``'s) result for x; only
+      its per-token fields (weights, experts, groups) are used.
     experts: expert params, leading dim sharded over ``ep_axis``.
     manual: "auto" (``ep_axis`` and the token axes manual, other axes
       automatic), "ep" (only ``ep_axis`` manual; tokens not split) or "all"
@@ -117,7 +118,7 @@ def sharded_moe_experts(x: jax.Array, routing: rt.Routing, experts: dict, cfg: M
   if cfg.num_experts % ep:
     raise ValueError(f"mesh axis {ep_axis!r} of size {ep} must divide num_experts={cfg.num_experts}")
   local = cfg.num_experts // ep
-  num_groups = routing.group_sizes.shape[0]
+  num_groups = routing.num_groups
   ffn = ffn or offset_expert_ffn(cfg)
 
   def body(x, weights, chosen, groups, experts):
@@ -128,14 +129,24 @@ def sharded_moe_experts(x: jax.Array, routing: rt.Routing, experts: dict, cfg: M
     # rounded once to it before the f32 psum; measured equal accuracy against
     # the f32 reference to ep=1, at half the gather bytes of an f32 sort.)
     xv = jax.lax.pcast(x.astype(jnp.float32), ep_axis, to="varying")
-    r = rt.regroup(weights, chosen, groups, num_groups)
+    r = rt.regroup(rt.Assignment(weights, chosen, groups, num_groups))
     xs = rt.sort_tokens(xv.astype(x.dtype), r, cfg.top_k)
     ys = ffn(xs, r.group_sizes, experts, jax.lax.axis_index(ep_axis) * local)
     # Each token's k rows live on up to k shards: sum the shards' f32 partials.
     return jax.lax.psum(rt.combine(ys, r, cfg.top_k, out_dtype=jnp.float32), ep_axis)
 
   rows = P(tok) if tok else P()
-  fn = jax.shard_map(body, mesh=mesh, in_specs=(rows, rows, rows, rows,
-                                                expert_specs(experts, ep_axis)),
-                     out_specs=rows, axis_names=axes)
-  return fn(x, routing.weights, routing.experts, routing.groups, experts).astype(x.dtype)
+  specs = (rows, rows, rows, rows, expert_specs(experts, ep_axis))
+  args = _placed(mesh, specs, (x, routing.weights, routing.experts, routing.groups, experts))
+  fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=rows, axis_names=axes)
+  return fn(*args).astype(x.dtype)
+
+
+def _placed(mesh: Any, specs: Any, args: Any) -> Any:
+  """``args`` resharded to ``specs`` on a mesh of explicit axes (whose
+  shard_map takes operands only as their types are split); as they are else."""
+  explicit = jax.sharding.AxisType.Explicit
+  if not all(t == explicit for t in getattr(mesh, "axis_types", ())):
+    return args
+  return jax.tree.map(lambda spec, a: jax.sharding.reshard(a, NamedSharding(mesh, spec)),
+                      specs, args, is_leaf=lambda s: isinstance(s, P))

@@ -48,6 +48,23 @@ class Routing:
   position: jax.Array
   groups: jax.Array
 
+  @property
+  def num_groups(self) -> int:
+    return self.group_sizes.shape[0]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Assignment:
+  """Each token's ``top_k`` choices before the sort (what ``regroup`` lays
+  out): weights f32, experts and groups int32, all ``[tokens, top_k]``; groups
+  are experts, or ``expert * A + adapter``; ``num_groups`` (static) of them."""
+
+  weights: jax.Array
+  experts: jax.Array
+  groups: jax.Array
+  num_groups: int = dataclasses.field(metadata=dict(static=True))
+
 
 def softmax_top_k(logits: jax.Array, top_k: int, *, renormalize: bool = True,
                   routed_scaling_factor: float = 1.0) -> tuple[jax.Array, jax.Array]:
@@ -105,17 +122,25 @@ def make_routing(weights: jax.Array, experts: jax.Array, num_experts: int, *,
   ``expert * num_adapters + adapter``: sorted this way the rows are also sorted
   by expert, so the base weights use ``expert_group_sizes`` of the same layout.
   """
+  return regroup(assign(weights, experts, num_experts, adapter_ids=adapter_ids,
+                        num_adapters=num_adapters))
+
+
+def assign(weights: jax.Array, experts: jax.Array, num_experts: int, *,
+           adapter_ids: jax.Array | None = None, num_adapters: int = 1) -> Assignment:
+  """``make_routing``'s choices per token, without the sort (per token only:
+  under data parallelism each shard sorts its own tokens' with ``regroup``)."""
   groups = experts.astype(jnp.int32)
   if adapter_ids is not None and num_adapters > 1:
     groups = groups * num_adapters + adapter_ids.astype(jnp.int32)[:, None]
-  return regroup(weights, experts, groups, num_experts * num_adapters)
+  return Assignment(weights.astype(jnp.float32), experts.astype(jnp.int32), groups,
+                    num_experts * num_adapters)
 
 
-def regroup(weights: jax.Array, experts: jax.Array, groups: jax.Array,
-            num_groups: int) -> Routing:
-  """The sorted layout of some tokens' assignments, from a ``Routing``'s
-  per-token fields (``[tokens, top_k]`` each): e.g. of a data-parallel shard's
-  slice of the tokens, with ``num_groups = routing.group_sizes.shape[0]``."""
+def regroup(a: Assignment | Routing) -> Routing:
+  """The sorted layout of ``a``'s tokens (``a``'s per-token fields: of an
+  ``Assignment``, or of a ``Routing`` sliced to some of its tokens)."""
+  weights, experts, groups, num_groups = a.weights, a.experts, a.groups, a.num_groups
   flat = groups.reshape(-1)
   order = jnp.argsort(flat, stable=True).astype(jnp.int32)
   position = jnp.zeros_like(order).at[order].set(
