@@ -180,3 +180,29 @@ def test_bad_out_sharding_is_named():
   with pytest.raises(ValueError, match="out_sharding"):  # as lax: explicit axes only
     ragdot.trans_ragged_dot(x, x, SIZES, implementation="xla",
                             out_sharding=NamedSharding(auto, P("dp")))
+
+
+def test_eager_calls_and_a_shard_of_the_weight_gradient():
+  """Eager calls (no jit), with and without a mesh context: before the per-shard
+  path ran in a jit, the eager xla backend under shard_map crashed the process.
+  trans_ragged_dot's shard (group_offset, num_groups) over row-split operands."""
+  x, w, d = _operands(7)
+  mesh = _mesh()
+  xs = jax.device_put(x, NamedSharding(mesh, P("dp")))
+  ws = jax.device_put(w, NamedSharding(mesh, P("ep")))
+  want = ragdot.ragged_dot(x, w, SIZES, precision=HIGHEST, implementation="xla")
+  eager = lambda: ragdot.ragged_dot(xs, ws, jnp.asarray(SIZES), precision=HIGHEST,
+                                    implementation="xla")
+  with jax.set_mesh(mesh):
+    in_context = eager()
+  for out in (in_context, eager()):
+    assert _spec(out) == ("dp", None)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+  go = jnp.asarray(3)
+  want_dw = ragdot.trans_ragged_dot(x, d, SIZES, group_offset=go, num_groups=4,
+                                    precision=HIGHEST, implementation="xla")
+  dw = jax.jit(lambda x, d: ragdot.trans_ragged_dot(
+      x, d, jnp.asarray(SIZES), group_offset=go, num_groups=4, precision=HIGHEST,
+      implementation="xla"))(xs, jax.device_put(d, NamedSharding(mesh, P("dp"))))
+  assert dw.shape == (4, K, N)
+  np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-4)

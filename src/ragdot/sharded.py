@@ -108,8 +108,18 @@ def tgmm_layout(lhs: jax.Array, rhs: jax.Array) -> Layout | None:
   return Layout(mesh, rows=rows, k=k, n=_take(n, rhs.shape[1], mesh, used))
 
 
-def _reshard(x: jax.Array, layout: Layout, spec: P) -> jax.Array:
-  return jax.sharding.reshard(x, NamedSharding(layout.mesh, spec))
+def _per_shard(body: Callable[..., jax.Array], layout: Layout, in_specs: list[P],
+               out_spec: P, args: list[jax.Array]) -> jax.Array:
+  """``body`` under shard_map on ``args`` resharded to ``in_specs``, in a jit:
+  called eagerly, shard_map would run its body op by op, and the xla backend's
+  loop then crashed the CPU runtime (segfault, jax 0.11.2); under a trace the
+  jit is inlined."""
+  def run(*args):
+    args = [jax.sharding.reshard(a, NamedSharding(layout.mesh, spec))
+            for a, spec in zip(args, in_specs)]
+    return jax.shard_map(body, mesh=layout.mesh, in_specs=tuple(in_specs),
+                         out_specs=out_spec)(*args)
+  return jax.jit(run)(*args)
 
 
 def shard_sizes(group_sizes: jax.Array, start: jax.Array, rows: int) -> jax.Array:
@@ -133,16 +143,11 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
         local_gmm: Callable[..., jax.Array]) -> jax.Array:
   """``local_gmm(lhs, rhs, group_sizes, group_offset)`` per shard of ``layout``."""
   rhs_dims = (layout.groups,) + (((layout.n, ()) if transpose_rhs else ((), layout.n)))
-  lhs = _reshard(lhs, layout, _spec(layout.rows, ()))
-  rhs = _reshard(rhs, layout, _spec(*rhs_dims))
-  group_sizes = _reshard(group_sizes, layout, P())
   g_local = rhs.shape[0] // math.prod(layout.mesh.shape[a] for a in layout.groups)
   m_local = lhs.shape[0] // math.prod(layout.mesh.shape[a] for a in layout.rows)
   if layout.groups and group_offset is None:
     group_offset = jnp.zeros((), jnp.int32)
-  args = [lhs, rhs, group_sizes]
-  if group_offset is not None:
-    args.append(_reshard(group_offset, layout, P()))
+  args = [lhs, rhs, group_sizes] + ([] if group_offset is None else [group_offset])
 
   def body(lhs, rhs, group_sizes, group_offset=None):
     sizes = _local_sizes(group_sizes, layout, m_local)
@@ -151,9 +156,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
     out = local_gmm(lhs, rhs, sizes, group_offset)
     return jax.lax.psum(out, layout.groups) if layout.groups else out
 
-  in_specs = (_spec(layout.rows, ()), _spec(*rhs_dims), P()) + (P(),) * (len(args) - 3)
-  return jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs,
-                       out_specs=_spec(layout.rows, layout.n))(*args)
+  in_specs = [_spec(layout.rows, ()), _spec(*rhs_dims)] + [P()] * (len(args) - 2)
+  return _per_shard(body, layout, in_specs, _spec(layout.rows, layout.n), args)
 
 
 def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
@@ -161,22 +165,16 @@ def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
          local_tgmm: Callable[..., jax.Array]) -> jax.Array:
   """``local_tgmm(lhs, rhs, group_sizes, group_offset)`` per shard of
   ``layout``, summed over the row shards."""
-  lhs = _reshard(lhs, layout, _spec(layout.rows, layout.k))
-  rhs = _reshard(rhs, layout, _spec(layout.rows, layout.n))
-  group_sizes = _reshard(group_sizes, layout, P())
   m_local = lhs.shape[0] // math.prod(layout.mesh.shape[a] for a in layout.rows)
-  args = [lhs, rhs, group_sizes]
-  if group_offset is not None:
-    args.append(_reshard(group_offset, layout, P()))
+  args = [lhs, rhs, group_sizes] + ([] if group_offset is None else [group_offset])
 
   def body(lhs, rhs, group_sizes, group_offset=None):
     out = local_tgmm(lhs, rhs, _local_sizes(group_sizes, layout, m_local), group_offset)
     return jax.lax.psum(out, layout.rows) if layout.rows else out
 
-  in_specs = (_spec(layout.rows, layout.k), _spec(layout.rows, layout.n), P())
-  in_specs += (P(),) * (len(args) - 3)
-  return jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs,
-                       out_specs=_spec((), layout.k, layout.n))(*args)
+  in_specs = [_spec(layout.rows, layout.k), _spec(layout.rows, layout.n)]
+  in_specs += [P()] * (len(args) - 2)
+  return _per_shard(body, layout, in_specs, _spec((), layout.k, layout.n), args)
 
 
 def constrain(out: jax.Array, out_sharding: Any) -> jax.Array:
