@@ -1,16 +1,18 @@
 """End-to-end example (`make demo`): train a small MoE language model with
-expert parallelism over every device (8 simulated CPU devices when there is no
-GPU), built from ragdot's flax NNX ``MoEMLP``.
+data and expert parallelism over every device (8 simulated CPU devices when
+there is no GPU: the batch split 2 ways over mesh axis "dp", the experts 4 ways
+over "ep"), built from ragdot's flax NNX ``MoEMLP``.
 
 Model: token embedding -> N x [RMSNorm -> causal token-shift mixing (attention-
 free: the previous two tokens' features) -> RMSNorm -> MoEMLP] -> RMSNorm -> LM head.
 Data: a fixed random order-2 Markov chain over a small vocabulary, so the loss
 falls from ln(V) towards the chain's entropy rate (printed as the floor).
-The expert ragged_dots run in bf16 under ``jax.shard_map`` over mesh axis "ep"
-with ragdot's native ``group_offset``; master weights are f32 (optax AdamW).
+The expert ragged_dots run in bf16 under ``jax.shard_map`` over mesh axes "dp"
+(each device's slice of the tokens) and "ep" (its experts, through ragdot's
+native ``group_offset``); master weights are f32 (optax AdamW).
 
 Before training, one step (loss and every gradient) is checked against
-(a) the same model with ep=1 (no shard_map) and (b) the per-token dense f32
+(a) the same model on one shard (no shard_map) and (b) the per-token dense f32
 reference of the MoE layers.  Ends with one line starting ``demo:``; exits
 non-zero when the check fails.
 """
@@ -133,7 +135,7 @@ def rel_err(a, b) -> float:
 
 
 def check_step(graphdef, graphdef_f32, params, rest, tokens) -> tuple[bool, dict]:
-  """Loss and gradients of the EP path vs ep=1 and vs the per-token dense reference."""
+  """Loss and gradients on the mesh vs one shard and vs the per-token dense reference."""
 
   def grads_of(gd, **kwargs):
     def loss_fn(p):
@@ -141,10 +143,10 @@ def check_step(graphdef, graphdef_f32, params, rest, tokens) -> tuple[bool, dict
     return jax.jit(jax.value_and_grad(loss_fn))(params)
 
   results = {}
-  # (a) training precision (bf16 experts): ep over all devices vs ep=1.
+  # (a) training precision (bf16 experts): the (dp, ep) mesh vs one shard.
   l_ep, g_ep = grads_of(graphdef)
   l_one, g_one = grads_of(graphdef, mesh=None)
-  # (b) f32 experts: ep over all devices vs per-token dense f32 reference.
+  # (b) f32 experts: the (dp, ep) mesh vs per-token dense f32 reference.
   with jax.default_matmul_precision("highest"):
     l_ep32, g_ep32 = grads_of(graphdef_f32)
     l_ref, g_ref = grads_of(graphdef_f32, reference=True)
@@ -178,15 +180,24 @@ def main(argv=None) -> None:
   parser.add_argument("--lr", type=float, default=3e-3)
   parser.add_argument("--routing", choices=("softmax", "deepseek"), default="softmax")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--dp", type=int, default=0,
+                      help="data-parallel ways: the batch is split over mesh axis \"dp\", the"
+                           " experts over \"ep\" (the other devices); 0: 2 where 4 or more"
+                           " devices divide by 2, else 1")
   args = parser.parse_args(argv)
   t0 = time.perf_counter()
 
   devices = jax.devices()
-  ep = len(devices)
+  dp = args.dp or (2 if len(devices) >= 4 and len(devices) % 2 == 0 and args.batch % 2 == 0
+                   else 1)
+  if dp < 1 or len(devices) % dp or args.batch % dp:
+    raise SystemExit(f"--dp {dp} must divide the {len(devices)} devices and --batch {args.batch}")
+  ep = len(devices) // dp
   while args.experts % ep:
     ep -= 1
-  mesh = jax.make_mesh((ep,), ("ep",), devices=devices[:ep],
-                       axis_types=(jax.sharding.AxisType.Auto,))
+  mesh = jax.make_mesh((dp, ep), ("dp", "ep"), devices=devices[:dp * ep],
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  batches = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("dp"))
   platform = devices[0].platform
   cfg = MoEConfig(hidden=args.hidden, intermediate=args.intermediate, num_experts=args.experts,
                   top_k=args.top_k, scoring=args.routing,
@@ -202,17 +213,18 @@ def main(argv=None) -> None:
   n_params = sum(x.size for x in jax.tree.leaves(params))
   print(f"ragdot demo: MoE LM, {args.layers} layers, hidden {args.hidden}, {args.experts} experts"
         f" top-{args.top_k} ({args.routing} routing), {n_params / 1e6:.2f} M params;"
-        f" ep={ep} over {ep} {platform} device(s)")
+        f" dp={dp} x ep={ep} over {dp * ep} {platform} device(s)")
 
   succ, probs, entropy = markov_chain(args.vocab, args.branching, args.seed)
   data = sample_batches(succ, probs, args.steps, args.batch, args.seq, args.seed + 1)
+  data = [jax.device_put(d, batches) for d in data]
   tokens_per_step = args.batch * args.seq
 
   # One step checked against ep=1 and the per-token dense reference.
-  ok, results = check_step(graphdef, graphdef_f32, params, rest, jnp.asarray(data[0]))
+  ok, results = check_step(graphdef, graphdef_f32, params, rest, data[0])
   for name, (lerr, gerr, tol) in results.items():
-    what = {"ep1": f"ep={ep} vs ep=1 (bf16 experts)",
-            "dense": f"ep={ep} vs per-token dense f32 reference (f32 experts)"}[name]
+    what = {"ep1": f"dp={dp} x ep={ep} vs one shard (bf16 experts)",
+            "dense": f"dp={dp} x ep={ep} vs per-token dense f32 reference (f32 experts)"}[name]
     print(f"  check {what}: loss rel err {lerr:.1e}, worst grad rel err {gerr:.1e} (tol {tol:.0e})")
 
   tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, args.lr, 20, args.steps, args.lr / 10),
@@ -263,9 +275,10 @@ def main(argv=None) -> None:
   print(f"  loss {first_loss:.3f} -> {final:.3f} (ln V = {math.log(args.vocab):.3f},"
         f" chain entropy floor ~{entropy:.3f}); {tps:,.0f} tokens/s; {elapsed:.0f} s total")
   worst = max(max(lv, gv) for lv, gv, _ in results.values())
-  print(f"demo: {ep} {platform} device(s), ep={ep}, {args.experts} experts top-{args.top_k},"
+  print(f"demo: {dp * ep} {platform} device(s), dp={dp} x ep={ep}, {args.experts} experts"
+        f" top-{args.top_k},"
         f" {args.steps} steps, loss {first_loss:.2f} -> {final:.2f} (floor ~{entropy:.2f}),"
-        f" {tps:,.0f} tok/s, one-step check vs ep=1 and dense reference"
+        f" {tps:,.0f} tok/s, one-step check vs one shard and dense reference"
         f" {'passed' if ok else 'FAILED'} (worst rel err {worst:.1e}) -> {'PASS' if ok else 'FAIL'}")
   if not ok:
     raise SystemExit(1)
