@@ -96,10 +96,15 @@ def test_rows_split_run_each_shard_on_its_rows_only():
 
 def test_shard_sizes_cut_the_groups_at_each_shards_rows():
   sizes = jnp.asarray([5, -2, 0, 9, 3, 100])
-  got = [np.asarray(sharded.shard_sizes(sizes, jnp.asarray(s), 4)) for s in (0, 4, 8, 12, 16)]
+  got = [np.asarray(sharded.shard_sizes(sizes, jnp.asarray(s), 4, 20)) for s in (0, 4, 8, 12, 16)]
   np.testing.assert_array_equal(got, [[4, 0, 0, 0, 0, 0], [1, 0, 0, 3, 0, 0],
                                       [0, 0, 0, 4, 0, 0], [0, 0, 0, 2, 2, 0],
                                       [0, 0, 0, 0, 1, 3]])
+  # sizes whose sum overflows int32: the ends saturate at m
+  big = jnp.asarray([10, 2**31 - 1, 2**31 - 1, 3], jnp.int32)
+  got = [np.asarray(sharded.shard_sizes(big, jnp.asarray(s), 8, 64)) for s in range(0, 64, 8)]
+  np.testing.assert_array_equal(np.sum(got, 0), [10, 54, 0, 0])
+  np.testing.assert_array_equal(got[1], [2, 6, 0, 0])
 
 
 def test_group_offset_with_experts_split():
@@ -206,3 +211,24 @@ def test_eager_calls_and_a_shard_of_the_weight_gradient():
       implementation="xla"))(xs, jax.device_put(d, NamedSharding(mesh, P("dp"))))
   assert dw.shape == (4, K, N)
   np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-4)
+
+
+def test_checked_calls_and_split_group_sizes():
+  """``checks=True`` on split operands still reports bad sizes (checkify failed
+  on them while the checks ran before the per-shard shard_map); group sizes
+  split over an axis while lhs and rhs are whole take the per-shard path too."""
+  x, w, _ = _operands(8)
+  mesh = _mesh()
+  with jax.set_mesh(mesh):
+    xs = jax.device_put(x, P("dp"))
+    for sizes, bad in [(SIZES, False), (np.where(np.arange(G) == 2, -1, SIZES), True)]:
+      fn = jax.jit(ragdot.checked(lambda x, s: ragdot.ragged_dot(
+          x, w, s, implementation="xla", checks=True)))
+      err, out = fn(xs, jnp.asarray(sizes, jnp.int32))
+      assert (err.get() is not None) == bad, err.get()
+      assert _spec(out) == ("dp", None)
+    gs = jax.device_put(jnp.asarray(SIZES), P("dp"))
+    out = jax.jit(lambda x, w, s: ragdot.ragged_dot(x, w, s, precision=HIGHEST,
+                                                   implementation="xla"))(x, w, gs)
+  np.testing.assert_allclose(out, ragdot.ragged_dot(x, w, SIZES, precision=HIGHEST,
+                                                    implementation="xla"), rtol=1e-5, atol=1e-5)

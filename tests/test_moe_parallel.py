@@ -214,6 +214,10 @@ def test_token_split_rules():
   assert token_split(mesh, 48) == ("dp",)  # size-1 axes are left out
   assert token_split(mesh, 48, manual="all") == ("dp",)
   assert token_split(mesh, 47) == ()  # "auto" falls back to replicated tokens
+  mesh3 = _mesh((2, 3, 1), ("dp", "tp", "ep"))
+  assert token_split(mesh3, 12) == ("dp", "tp")
+  assert token_split(mesh3, 10) == ("dp",)  # the axes that divide, in mesh order
+  assert token_split(mesh3, 9) == ("tp",)
   assert token_split(mesh, 48, manual="ep") == ()
   assert token_split(mesh, 48, token_axes=("fsdp", "dp")) == ("fsdp", "dp")
   for bad, match in [(("ep",), "other than ep_axis"), (("tp",), "other than ep_axis"),

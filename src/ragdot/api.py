@@ -154,7 +154,7 @@ def _gmm_sharded(lhs, rhs, group_sizes, group_offset, transpose_rhs, precision,
     return _gmm(*match_varying(lhs, rhs, group_sizes, group_offset), transpose_rhs,
                 precision, out_dtype, implementation)
 
-  layout = sharded.gmm_layout(lhs, rhs, transpose_rhs)
+  layout = sharded.gmm_layout(lhs, rhs, transpose_rhs, group_sizes, group_offset)
   if layout is None:
     return local(lhs, rhs, group_sizes, group_offset)
   return sharded.gmm(lhs, rhs, group_sizes, group_offset, layout, transpose_rhs, local)
@@ -168,7 +168,7 @@ def _tgmm_sharded(lhs, rhs, group_sizes, group_offset, num_groups, precision,
     return _tgmm(*match_varying(lhs, rhs, group_sizes, group_offset), num_groups,
                  precision, out_dtype, implementation)
 
-  layout = sharded.tgmm_layout(lhs, rhs)
+  layout = sharded.tgmm_layout(lhs, rhs, group_sizes, group_offset)
   if layout is None:
     return local(lhs, rhs, group_sizes, group_offset)
   return sharded.tgmm(lhs, rhs, group_sizes, group_offset, layout, local)
@@ -245,11 +245,12 @@ def ragged_dot(
   impl = validate.check_implementation(implementation)
   problem, gs, go = validate.check_ragged_dot(
       lhs, rhs, group_sizes, group_offset, preferred_element_type)
-  if checks:
-    _runtime_checks(gs, go, problem.num_groups)
   lhs, rhs, gs, go = _prepare(lhs, rhs, gs, go)
   out = _gmm_sharded(lhs, rhs, gs, go, False, _hashable_precision(precision),
                      problem.out_dtype, impl)
+  if checks:  # after the op: checkify cannot carry an error state into
+    # the per-shard shard_map of split operands (jax 0.11.2)
+    _runtime_checks(gs, go, problem.num_groups)
   return sharded.constrain(out, out_sharding)
 
 
@@ -286,11 +287,12 @@ def trans_ragged_dot(
   impl = validate.check_implementation(implementation)
   problem, gs, go = validate.check_trans_ragged_dot(
       lhs, rhs, group_sizes, group_offset, num_groups, preferred_element_type)
-  if checks:
-    _runtime_checks(gs, go, problem.num_groups)
   lhs, rhs, gs, go = _prepare(lhs, rhs, gs, go)
   out = _tgmm_sharded(lhs, rhs, gs, go, problem.num_local,
                       _hashable_precision(precision), problem.out_dtype, impl)
+  if checks:  # after the op: checkify cannot carry an error state into
+    # the per-shard shard_map of split operands (jax 0.11.2)
+    _runtime_checks(gs, go, problem.num_groups)
   return sharded.constrain(out, out_sharding)
 
 
@@ -361,11 +363,12 @@ def ragged_dot_general(
     problem, gs, go = validate.check_ragged_dot(
         lhs, rhs, group_sizes, group_offset, preferred_element_type,
         transpose_rhs=True)
-    if checks:
-      _runtime_checks(gs, go, problem.num_groups)
     lhs, rhs, gs, go = _prepare(lhs, rhs, gs, go)
     out = _gmm_sharded(lhs, rhs, gs, go, True, _hashable_precision(precision),
                        problem.out_dtype, impl)
+    if checks:  # after the op: checkify cannot carry an error state into
+      # the per-shard shard_map of split operands (jax 0.11.2)
+      _runtime_checks(gs, go, problem.num_groups)
     return sharded.constrain(out, out_sharding)
   if mode == "ragged_contracting":
     (lc, rc), _ = dn.dot_dimension_numbers

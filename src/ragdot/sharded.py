@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from ragdot import metadata
+
 Axes = tuple[str, ...]
 
 
@@ -81,10 +83,12 @@ class Layout:
     return frozenset(self.rows + self.k + self.n + self.groups)
 
 
-def gmm_layout(lhs: jax.Array, rhs: jax.Array, transpose_rhs: bool) -> Layout | None:
-  """The split of ``lhs[m, k] x rhs[g, k|n, n|k]``, or None if neither operand
-  carries explicit mesh axes."""
-  mesh = _mesh(lhs, rhs)
+def gmm_layout(lhs: jax.Array, rhs: jax.Array, transpose_rhs: bool,
+               *others: jax.Array | None) -> Layout | None:
+  """The split of ``lhs[m, k] x rhs[g, k|n, n|k]``, or None if no operand
+  (``others``: group sizes and offset, gathered when split) carries explicit
+  mesh axes."""
+  mesh = _mesh(lhs, rhs, *others)
   if mesh is None:
     return None
   (rows, _), (groups, *rest) = _dims(lhs), _dims(rhs)
@@ -96,9 +100,9 @@ def gmm_layout(lhs: jax.Array, rhs: jax.Array, transpose_rhs: bool) -> Layout | 
   return Layout(mesh, rows=rows, n=cols, groups=_take(groups, g, mesh, used))
 
 
-def tgmm_layout(lhs: jax.Array, rhs: jax.Array) -> Layout | None:
+def tgmm_layout(lhs: jax.Array, rhs: jax.Array, *others: jax.Array | None) -> Layout | None:
   """The split of ``lhs[m, k], rhs[m, n] -> [g, k, n]``, or None."""
-  mesh = _mesh(lhs, rhs)
+  mesh = _mesh(lhs, rhs, *others)
   if mesh is None:
     return None
   (rows, k), (rows_rhs, n) = _dims(lhs), _dims(rhs)
@@ -122,12 +126,13 @@ def _per_shard(body: Callable[..., jax.Array], layout: Layout, in_specs: list[P]
   return jax.jit(run)(*args)
 
 
-def shard_sizes(group_sizes: jax.Array, start: jax.Array, rows: int) -> jax.Array:
+def shard_sizes(group_sizes: jax.Array, start: jax.Array, rows: int, m: int) -> jax.Array:
   """Rows of each group within rows ``[start, start + rows)`` of the ragged
-  dimension (groups own consecutive rows from 0, negative sizes count as 0)."""
-  sizes = jnp.maximum(group_sizes, 0)
-  ends = jnp.cumsum(sizes)
-  lo = jnp.clip(ends - sizes - start, 0, rows)
+  dimension of ``m`` rows (groups own consecutive rows from 0, negative sizes
+  count as 0, the ends saturate at m: no int32 overflow)."""
+  ends = metadata.global_group_ends(group_sizes, m)
+  starts = jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
+  lo = jnp.clip(starts - start, 0, rows)
   hi = jnp.clip(ends - start, 0, rows)
   return (hi - lo).astype(jnp.int32)
 
@@ -135,7 +140,8 @@ def shard_sizes(group_sizes: jax.Array, start: jax.Array, rows: int) -> jax.Arra
 def _local_sizes(group_sizes: jax.Array, layout: Layout, rows: int) -> jax.Array:
   if not layout.rows:
     return group_sizes
-  return shard_sizes(group_sizes, jax.lax.axis_index(layout.rows) * rows, rows)
+  shards = math.prod(layout.mesh.shape[a] for a in layout.rows)
+  return shard_sizes(group_sizes, jax.lax.axis_index(layout.rows) * rows, rows, rows * shards)
 
 
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,

@@ -52,8 +52,8 @@ class MoEMLP(nnx.Module):
       ``ep_axis`` (None: no shard_map).  Expert weights are created with the
       sharding metadata ``(ep_axis, None, ...)``; place them with
       ``shard_moe_state`` or let jit reshard them.
-    token_axes: the mesh axes the tokens are split over (``"auto"``: every
-      axis other than ``ep_axis`` where the token count divides; see
+    token_axes: the mesh axes the tokens are split over (``"auto"``: the
+      axes other than ``ep_axis`` whose sizes divide the token count; see
       ``parallel.token_split``).
     lora_init_b_zero: standard LoRA init (``b = 0``: adapters start as no-ops).
   """

@@ -150,8 +150,8 @@ def moe_mlp(params: dict, x: jax.Array, cfg: MoEConfig, *,
   expert parallelism (``parallel.sharded_moe_experts``); otherwise on one shard.
   ``adapter_ids[...]`` (same leading shape as x) picks each token's adapter.
   ``manual``: which mesh axes the shard_map makes manual; ``token_axes``: the
-  mesh axes the tokens are split over (default: every other axis, when the
-  token count divides; see ``parallel.token_split``).
+  mesh axes the tokens are split over (default: the other axes whose sizes
+  divide the token count; see ``parallel.token_split``).
   """
   if mesh is not None and ragged_dot_fn is not None:
     raise ValueError("ragged_dot_fn is only supported without expert parallelism (mesh=None)")

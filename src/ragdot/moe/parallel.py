@@ -57,10 +57,11 @@ def token_split(mesh: Any, tokens: int, ep_axis: str = "ep", manual: str = "auto
                 token_axes: Sequence[str] | str = "auto") -> tuple[str, ...]:
   """The mesh axes ``sharded_moe_experts`` splits ``tokens`` over.
 
-  ``"auto"``: every mesh axis other than ``ep_axis`` (of size > 1) when their
-  sizes' product divides ``tokens``, else none (each device then routes and
-  computes all tokens' rows of its experts); none with ``manual="ep"``, which
-  leaves those axes to automatic sharding.  An explicit tuple is checked.
+  ``"auto"``: the mesh axes other than ``ep_axis`` (of size > 1), in mesh
+  order, each taken while the product of the sizes taken divides ``tokens``
+  (the tokens are replicated over the others: each device there computes all
+  of its slice's rows); none with ``manual="ep"``, which leaves those axes to
+  automatic sharding.  An explicit tuple is checked.
   """
   if manual not in ("auto", "ep", "all"):
     raise ValueError(f"manual must be 'auto', 'ep' or 'all', got {manual!r}")
@@ -69,8 +70,12 @@ def token_split(mesh: Any, tokens: int, ep_axis: str = "ep", manual: str = "auto
       raise ValueError(f"token_axes must be 'auto' or a tuple of mesh axis names, got {token_axes!r}")
     if manual == "ep":
       return ()
-    axes = tuple(a for a in mesh.axis_names if a != ep_axis and mesh.shape[a] > 1)
-    return axes if tokens % math.prod(mesh.shape[a] for a in axes) == 0 else ()
+    axes: tuple[str, ...] = ()
+    for a in mesh.axis_names:
+      if a != ep_axis and mesh.shape[a] > 1 and tokens % (
+          math.prod(mesh.shape[b] for b in axes) * mesh.shape[a]) == 0:
+        axes += (a,)
+    return axes
   axes = tuple(token_axes)
   bad = [a for a in axes if a not in mesh.axis_names or a == ep_axis]
   if bad or len(set(axes)) != len(axes):
