@@ -255,3 +255,22 @@ def test_explicit_two_axis_mesh():
     got = _loss_and_grads(lambda p, x: F.moe_mlp(p, x, CFG, mesh=mesh), params, x)
   _compare(got, _reference(CFG, jnp.float32), F32_TOL)
   assert jax.typeof(got[1][1]).sharding.spec[0] == "dp"
+
+
+def test_explicit_mesh_with_the_sequence_split():
+  """x[B, S, d] and the adapter ids split over "dp" along S (sequence
+  parallelism) on an explicit mesh: the flattening gathers S, the layer splits
+  the tokens again; matches the reference with LoRA adapters."""
+  cfg = MoEConfig(hidden=32, intermediate=16, num_experts=8, top_k=2, num_adapters=2,
+                  lora_rank=4, implementation="xla")
+  params = F.init_params(jax.random.key(0), cfg, jnp.float32)
+  x = jax.random.normal(jax.random.key(1), (2, 24, 32), jnp.float32)
+  ids = jnp.arange(48).reshape(2, 24) % 2
+  want = F.reference_moe_mlp(params, x, cfg, adapter_ids=ids)
+  mesh = jax.make_mesh((2, 4), ("dp", "ep"), devices=jax.devices()[:8],
+                       axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  seq = jax.sharding.PartitionSpec(None, "dp")
+  with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
+    got = jax.jit(lambda p, x, i: F.moe_mlp(p, x, cfg, adapter_ids=i, mesh=mesh))(
+        params, jax.device_put(x, seq), jax.device_put(ids, seq))
+  assert _rel(got, want) <= F32_TOL
