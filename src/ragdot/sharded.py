@@ -78,10 +78,6 @@ class Layout:
   n: Axes = ()
   groups: Axes = ()
 
-  @property
-  def axes(self) -> frozenset[str]:
-    return frozenset(self.rows + self.k + self.n + self.groups)
-
 
 def gmm_layout(lhs: jax.Array, rhs: jax.Array, transpose_rhs: bool,
                *others: jax.Array | None) -> Layout | None:
