@@ -200,7 +200,12 @@ def test_eager_calls_and_a_shard_of_the_weight_gradient():
                                     implementation="xla")
   with jax.set_mesh(mesh):
     in_context = eager()
-  for out in (in_context, eager()):
+  before = sharded._gmm_fn.cache_info()  # pylint: disable=protected-access
+  again = eager()
+  after = sharded._gmm_fn.cache_info()  # pylint: disable=protected-access
+  # the second eager call reuses the first one's jitted per-shard function
+  assert after.hits == before.hits + 1 and after.misses == before.misses
+  for out in (in_context, again):
     assert _spec(out) == ("dp", None)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
   go = jnp.asarray(3)

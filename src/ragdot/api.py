@@ -146,14 +146,30 @@ _tgmm.defvjp(_tgmm_fwd, _tgmm_bwd)
 # --- per shard where operands are split over explicit mesh axes ---------------
 
 
+@functools.lru_cache(maxsize=256)
+def _local_gmm(transpose_rhs, precision, out_dtype, implementation):
+  """``_gmm`` on one shard's operands: one function object per static
+  arguments (``ragdot.sharded`` caches compiled eager calls by it)."""
+  def local(lhs, rhs, group_sizes, group_offset):
+    return _gmm(*match_varying(lhs, rhs, group_sizes, group_offset), transpose_rhs,
+                precision, out_dtype, implementation)
+  return local
+
+
+@functools.lru_cache(maxsize=256)
+def _local_tgmm(num_groups, precision, out_dtype, implementation):
+  """``_tgmm`` on one shard's operands (as ``_local_gmm``)."""
+  def local(lhs, rhs, group_sizes, group_offset):
+    return _tgmm(*match_varying(lhs, rhs, group_sizes, group_offset), num_groups,
+                 precision, out_dtype, implementation)
+  return local
+
+
 def _gmm_sharded(lhs, rhs, group_sizes, group_offset, transpose_rhs, precision,
                  out_dtype, implementation):
   """``_gmm``, run per shard (``ragdot.sharded``) if an operand's type names
   explicit mesh axes."""
-  def local(lhs, rhs, group_sizes, group_offset):
-    return _gmm(*match_varying(lhs, rhs, group_sizes, group_offset), transpose_rhs,
-                precision, out_dtype, implementation)
-
+  local = _local_gmm(transpose_rhs, precision, out_dtype, implementation)
   layout = sharded.gmm_layout(lhs, rhs, transpose_rhs, group_sizes, group_offset)
   if layout is None:
     return local(lhs, rhs, group_sizes, group_offset)
@@ -164,10 +180,7 @@ def _tgmm_sharded(lhs, rhs, group_sizes, group_offset, num_groups, precision,
                   out_dtype, implementation):
   """``_tgmm``, run per shard and summed over row shards where operands'
   types name explicit mesh axes."""
-  def local(lhs, rhs, group_sizes, group_offset):
-    return _tgmm(*match_varying(lhs, rhs, group_sizes, group_offset), num_groups,
-                 precision, out_dtype, implementation)
-
+  local = _local_tgmm(num_groups, precision, out_dtype, implementation)
   layout = sharded.tgmm_layout(lhs, rhs, group_sizes, group_offset)
   if layout is None:
     return local(lhs, rhs, group_sizes, group_offset)

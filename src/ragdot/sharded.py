@@ -25,6 +25,7 @@ divide.  Gradients flow through ``shard_map``: dX and dW run per shard too.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable
 
@@ -108,18 +109,18 @@ def tgmm_layout(lhs: jax.Array, rhs: jax.Array, *others: jax.Array | None) -> La
   return Layout(mesh, rows=rows, k=k, n=_take(n, rhs.shape[1], mesh, used))
 
 
-def _per_shard(body: Callable[..., jax.Array], layout: Layout, in_specs: list[P],
-               out_spec: P, args: list[jax.Array]) -> jax.Array:
-  """``body`` under shard_map on ``args`` resharded to ``in_specs``, in a jit:
-  called eagerly, shard_map would run its body op by op, and the xla backend's
-  loop then crashed the CPU runtime (segfault, jax 0.11.2); under a trace the
-  jit is inlined."""
+def _per_shard(body: Callable[..., jax.Array], layout: Layout, in_specs: tuple[P, ...],
+               out_spec: P) -> Callable[..., jax.Array]:
+  """``body`` under shard_map on its arguments resharded to ``in_specs``, as a
+  jit: called eagerly, shard_map would run its body op by op, and the xla
+  backend's loop then crashed the CPU runtime (segfault, jax 0.11.2); under a
+  trace the jit is inlined.  Callers cache the result (``_gmm_fn``,
+  ``_tgmm_fn``) so that eager calls reuse its compilation."""
   def run(*args):
     args = [jax.sharding.reshard(a, NamedSharding(layout.mesh, spec))
             for a, spec in zip(args, in_specs)]
-    return jax.shard_map(body, mesh=layout.mesh, in_specs=tuple(in_specs),
-                         out_specs=out_spec)(*args)
-  return jax.jit(run)(*args)
+    return jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=out_spec)(*args)
+  return jax.jit(run)
 
 
 def shard_sizes(group_sizes: jax.Array, start: jax.Array, rows: int, m: int) -> jax.Array:
@@ -143,14 +144,20 @@ def _local_sizes(group_sizes: jax.Array, layout: Layout, rows: int) -> jax.Array
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
         group_offset: jax.Array | None, layout: Layout, transpose_rhs: bool,
         local_gmm: Callable[..., jax.Array]) -> jax.Array:
-  """``local_gmm(lhs, rhs, group_sizes, group_offset)`` per shard of ``layout``."""
-  rhs_dims = (layout.groups,) + (((layout.n, ()) if transpose_rhs else ((), layout.n)))
+  """``local_gmm(lhs, rhs, group_sizes, group_offset)`` per shard of ``layout``
+  (``local_gmm`` should be the same object for the same static arguments:
+  it keys the cache of compiled eager calls)."""
   g_local = rhs.shape[0] // math.prod(layout.mesh.shape[a] for a in layout.groups)
   m_local = lhs.shape[0] // math.prod(layout.mesh.shape[a] for a in layout.rows)
   if layout.groups and group_offset is None:
     group_offset = jnp.zeros((), jnp.int32)
   args = [lhs, rhs, group_sizes] + ([] if group_offset is None else [group_offset])
+  return _gmm_fn(layout, transpose_rhs, local_gmm, m_local, g_local, len(args))(*args)
 
+
+@functools.lru_cache(maxsize=256)
+def _gmm_fn(layout: Layout, transpose_rhs: bool, local_gmm: Callable[..., jax.Array],
+            m_local: int, g_local: int, num_args: int) -> Callable[..., jax.Array]:
   def body(lhs, rhs, group_sizes, group_offset=None):
     sizes = _local_sizes(group_sizes, layout, m_local)
     if layout.groups:
@@ -158,25 +165,31 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
     out = local_gmm(lhs, rhs, sizes, group_offset)
     return jax.lax.psum(out, layout.groups) if layout.groups else out
 
-  in_specs = [_spec(layout.rows, ()), _spec(*rhs_dims)] + [P()] * (len(args) - 2)
-  return _per_shard(body, layout, in_specs, _spec(layout.rows, layout.n), args)
+  rhs_dims = (layout.groups,) + (((layout.n, ()) if transpose_rhs else ((), layout.n)))
+  in_specs = (_spec(layout.rows, ()), _spec(*rhs_dims)) + (P(),) * (num_args - 2)
+  return _per_shard(body, layout, in_specs, _spec(layout.rows, layout.n))
 
 
 def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
          group_offset: jax.Array | None, layout: Layout,
          local_tgmm: Callable[..., jax.Array]) -> jax.Array:
   """``local_tgmm(lhs, rhs, group_sizes, group_offset)`` per shard of
-  ``layout``, summed over the row shards."""
+  ``layout``, summed over the row shards (``local_tgmm`` as in ``gmm``)."""
   m_local = lhs.shape[0] // math.prod(layout.mesh.shape[a] for a in layout.rows)
   args = [lhs, rhs, group_sizes] + ([] if group_offset is None else [group_offset])
+  return _tgmm_fn(layout, local_tgmm, m_local, len(args))(*args)
 
+
+@functools.lru_cache(maxsize=256)
+def _tgmm_fn(layout: Layout, local_tgmm: Callable[..., jax.Array], m_local: int,
+             num_args: int) -> Callable[..., jax.Array]:
   def body(lhs, rhs, group_sizes, group_offset=None):
     out = local_tgmm(lhs, rhs, _local_sizes(group_sizes, layout, m_local), group_offset)
     return jax.lax.psum(out, layout.rows) if layout.rows else out
 
-  in_specs = [_spec(layout.rows, layout.k), _spec(layout.rows, layout.n)]
-  in_specs += [P()] * (len(args) - 2)
-  return _per_shard(body, layout, in_specs, _spec((), layout.k, layout.n), args)
+  in_specs = ((_spec(layout.rows, layout.k), _spec(layout.rows, layout.n))
+              + (P(),) * (num_args - 2))
+  return _per_shard(body, layout, in_specs, _spec((), layout.k, layout.n))
 
 
 def constrain(out: jax.Array, out_sharding: Any) -> jax.Array:
