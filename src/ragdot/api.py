@@ -205,6 +205,17 @@ def _runtime_checks(group_sizes: jax.Array, group_offset: jax.Array | None,
     )
 
 
+def _finish(out: jax.Array, group_sizes: jax.Array, group_offset: jax.Array | None,
+            num_groups: int, checks: bool, out_sharding: Any) -> jax.Array:
+  """A public op's result: its runtime checks (when asked for) and the
+  resharding to ``out_sharding``.  The checks come after the op: checkify
+  failed to carry an error state into the per-shard shard_map of operands split
+  over explicit mesh axes (jax 0.11.2)."""
+  if checks:
+    _runtime_checks(group_sizes, group_offset, num_groups)
+  return sharded.constrain(out, out_sharding)
+
+
 def checked(fn):
   """Wraps ``fn`` so that ``checks=True`` calls inside it report errors.
 
@@ -261,10 +272,7 @@ def ragged_dot(
   lhs, rhs, gs, go = _prepare(lhs, rhs, gs, go)
   out = _gmm_sharded(lhs, rhs, gs, go, False, _hashable_precision(precision),
                      problem.out_dtype, impl)
-  if checks:  # after the op: checkify cannot carry an error state into
-    # the per-shard shard_map of split operands (jax 0.11.2)
-    _runtime_checks(gs, go, problem.num_groups)
-  return sharded.constrain(out, out_sharding)
+  return _finish(out, gs, go, problem.num_groups, checks, out_sharding)
 
 
 def trans_ragged_dot(
@@ -303,10 +311,7 @@ def trans_ragged_dot(
   lhs, rhs, gs, go = _prepare(lhs, rhs, gs, go)
   out = _tgmm_sharded(lhs, rhs, gs, go, problem.num_local,
                       _hashable_precision(precision), problem.out_dtype, impl)
-  if checks:  # after the op: checkify cannot carry an error state into
-    # the per-shard shard_map of split operands (jax 0.11.2)
-    _runtime_checks(gs, go, problem.num_groups)
-  return sharded.constrain(out, out_sharding)
+  return _finish(out, gs, go, problem.num_groups, checks, out_sharding)
 
 
 def _ints(xs: Sequence[int]) -> tuple[int, ...]:
@@ -379,10 +384,7 @@ def ragged_dot_general(
     lhs, rhs, gs, go = _prepare(lhs, rhs, gs, go)
     out = _gmm_sharded(lhs, rhs, gs, go, True, _hashable_precision(precision),
                        problem.out_dtype, impl)
-    if checks:  # after the op: checkify cannot carry an error state into
-      # the per-shard shard_map of split operands (jax 0.11.2)
-      _runtime_checks(gs, go, problem.num_groups)
-    return sharded.constrain(out, out_sharding)
+    return _finish(out, gs, go, problem.num_groups, checks, out_sharding)
   if mode == "ragged_contracting":
     (lc, rc), _ = dn.dot_dimension_numbers
     lhs_rows_first = lhs if int(lc[0]) == 0 else jnp.swapaxes(lhs, 0, 1)

@@ -38,8 +38,9 @@ from ragdot import metadata
 Axes = tuple[str, ...]
 
 
-def _dims(x: Any) -> tuple[Axes, ...]:
-  """Per dimension of ``x``, the explicit mesh axes it is split over."""
+def split_dims(x: Any) -> tuple[Axes, ...]:
+  """Per dimension of ``x``, the explicit mesh axes its type says it is split
+  over (all empty outside explicit sharding)."""
   spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
   out = []
   for i in range(jnp.ndim(x)):
@@ -50,7 +51,7 @@ def _dims(x: Any) -> tuple[Axes, ...]:
 
 def _mesh(*xs: Any) -> Any:
   for x in xs:
-    if x is not None and any(_dims(x)):
+    if x is not None and any(split_dims(x)):
       return jax.typeof(x).sharding.mesh
   return None
 
@@ -64,7 +65,8 @@ def _take(axes: Axes, size: int, mesh: Any, used: set[str]) -> Axes:
   return axes
 
 
-def _spec(*dims: Axes) -> P:
+def partition_spec(*dims: Axes) -> P:
+  """The ``PartitionSpec`` of per-dimension axes (``split_dims``'s form)."""
   return P(*(d if d else None for d in dims))
 
 
@@ -88,7 +90,7 @@ def gmm_layout(lhs: jax.Array, rhs: jax.Array, transpose_rhs: bool,
   mesh = _mesh(lhs, rhs, *others)
   if mesh is None:
     return None
-  (rows, _), (groups, *rest) = _dims(lhs), _dims(rhs)
+  (rows, _), (groups, *rest) = split_dims(lhs), split_dims(rhs)
   cols = rest[0] if transpose_rhs else rest[1]
   used: set[str] = set()
   m, n, g = lhs.shape[0], rhs.shape[1 if transpose_rhs else 2], rhs.shape[0]
@@ -102,7 +104,7 @@ def tgmm_layout(lhs: jax.Array, rhs: jax.Array, *others: jax.Array | None) -> La
   mesh = _mesh(lhs, rhs, *others)
   if mesh is None:
     return None
-  (rows, k), (rows_rhs, n) = _dims(lhs), _dims(rhs)
+  (rows, k), (rows_rhs, n) = split_dims(lhs), split_dims(rhs)
   used: set[str] = set()
   rows = _take(rows or rows_rhs, lhs.shape[0], mesh, used)
   k = _take(k, lhs.shape[1], mesh, used)
@@ -166,8 +168,8 @@ def _gmm_fn(layout: Layout, transpose_rhs: bool, local_gmm: Callable[..., jax.Ar
     return jax.lax.psum(out, layout.groups) if layout.groups else out
 
   rhs_dims = (layout.groups,) + (((layout.n, ()) if transpose_rhs else ((), layout.n)))
-  in_specs = (_spec(layout.rows, ()), _spec(*rhs_dims)) + (P(),) * (num_args - 2)
-  return _per_shard(body, layout, in_specs, _spec(layout.rows, layout.n))
+  in_specs = (partition_spec(layout.rows, ()), partition_spec(*rhs_dims)) + (P(),) * (num_args - 2)
+  return _per_shard(body, layout, in_specs, partition_spec(layout.rows, layout.n))
 
 
 def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
@@ -187,9 +189,9 @@ def _tgmm_fn(layout: Layout, local_tgmm: Callable[..., jax.Array], m_local: int,
     out = local_tgmm(lhs, rhs, _local_sizes(group_sizes, layout, m_local), group_offset)
     return jax.lax.psum(out, layout.rows) if layout.rows else out
 
-  in_specs = ((_spec(layout.rows, layout.k), _spec(layout.rows, layout.n))
+  in_specs = ((partition_spec(layout.rows, layout.k), partition_spec(layout.rows, layout.n))
               + (P(),) * (num_args - 2))
-  return _per_shard(body, layout, in_specs, _spec((), layout.k, layout.n))
+  return _per_shard(body, layout, in_specs, partition_spec((), layout.k, layout.n))
 
 
 def constrain(out: jax.Array, out_sharding: Any) -> jax.Array:

@@ -108,8 +108,7 @@ class MoEMLP(nnx.Module):
     return y.astype(x.dtype)
 
   def routing(self, x: jax.Array, adapter_ids: jax.Array | None = None) -> rt.Routing:
-    x2 = F.flat_tokens(x, 1)
-    ids = None if adapter_ids is None else F.flat_tokens(adapter_ids, 0)
+    x2, ids = F.flat_tokens(x, adapter_ids)
     return F.route(self.params(), x2, self.cfg, ids)
 
   def update_router_bias(self, x: jax.Array, rate: float = 1e-3) -> None:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ragdot
+from ragdot import sharded
 from ragdot.moe import routing as rt
 from ragdot.moe.config import MoEConfig
 
@@ -140,18 +141,20 @@ def expert_ffn(xs: jax.Array, group_sizes: jax.Array, experts: dict, cfg: MoECon
   return proj("down", h).astype(dtype)
 
 
-def flat_tokens(a: jax.Array, features: int) -> jax.Array:
-  """``a[*tokens, *features]`` with the token dims flattened into one.  On a
-  mesh of explicit axes a split of a token dim other than the first (e.g. the
-  sequence of ``[B, S, d]``) is gathered first: the flattening reshape cannot
-  keep it (the MoE layer splits the tokens again over its ``token_axes``)."""
-  shape = a.shape[:a.ndim - features]
-  spec = tuple(getattr(getattr(jax.typeof(a), "sharding", None), "spec", None) or ())
-  spec += (None,) * (a.ndim - len(spec))
-  if len(shape) > 1 and any(spec[1:len(shape)]):
-    a = jax.sharding.reshard(a, jax.sharding.PartitionSpec(
-        spec[0], *(None,) * (len(shape) - 1), *spec[len(shape):]))
-  return a.reshape((-1,) + a.shape[len(shape):])
+def flat_tokens(x: jax.Array, adapter_ids: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array | None]:
+  """``x[..., d]`` as ``[tokens, d]`` and ``adapter_ids[...]`` as ``[tokens]``.
+  On a mesh of explicit axes a split of a token dim other than the first (e.g.
+  the sequence of ``[B, S, d]``) is gathered first: the flattening reshape
+  cannot keep it (the MoE layer splits the tokens again over its ``token_axes``)."""
+  def flat(a: jax.Array, features: int) -> jax.Array:
+    lead = a.ndim - features
+    dims = sharded.split_dims(a)
+    if any(dims[1:lead]):
+      a = jax.sharding.reshard(a, sharded.partition_spec(dims[0], *((),) * (lead - 1),
+                                                         *dims[lead:]))
+    return a.reshape((-1,) + a.shape[lead:])
+  return flat(x, 1), None if adapter_ids is None else flat(adapter_ids, 0)
 
 
 def moe_mlp(params: dict, x: jax.Array, cfg: MoEConfig, *,
@@ -174,8 +177,7 @@ def moe_mlp(params: dict, x: jax.Array, cfg: MoEConfig, *,
                      f" num_experts={cfg.num_experts}")
   lead = x.shape[:-1]
   dtype = jnp.dtype(dtype or x.dtype)
-  x2 = flat_tokens(x, 1)
-  ids = None if adapter_ids is None else flat_tokens(adapter_ids, 0)
+  x2, ids = flat_tokens(x, adapter_ids)
   chosen = assignment(params, x2, cfg, ids)
   _, experts = split_params(params)
   if mesh is not None:
@@ -206,8 +208,7 @@ def reference_moe_mlp(params: dict, x: jax.Array, cfg: MoEConfig, *,
   LoRA merged into the weights; same routing as ``moe_mlp``.  Returns f32."""
   hi = jax.lax.Precision.HIGHEST
   lead = x.shape[:-1]
-  x2 = flat_tokens(x, 1)
-  ids = None if adapter_ids is None else flat_tokens(adapter_ids, 0)
+  x2, ids = flat_tokens(x, adapter_ids)
   routing = route(params, x2, cfg, ids)
   x2 = x2.astype(jnp.float32)
   a_idx = jnp.zeros(x2.shape[0], jnp.int32) if ids is None or cfg.adapters == 1 else ids

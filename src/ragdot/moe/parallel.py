@@ -92,8 +92,7 @@ def token_split(mesh: Any, tokens: int, ep_axis: str = "ep", manual: str = "auto
 
 
 def sharded_moe_experts(x: jax.Array, routing: rt.Routing | rt.Assignment, experts: dict,
-                        cfg: MoEConfig,
-                        mesh: Any, ep_axis: str = "ep", manual: str = "auto",
+                        cfg: MoEConfig, mesh: Any, ep_axis: str = "ep", manual: str = "auto",
                         ffn: Callable[..., jax.Array] | None = None,
                         token_axes: Sequence[str] | str = "auto") -> jax.Array:
   """Sort, expert SwiGLU and weighted combine of ``x[tokens, d]`` with the
