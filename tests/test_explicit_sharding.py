@@ -20,43 +20,21 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import ragdot
 from ragdot import sharded
 
-HIGHEST = jax.lax.Precision.HIGHEST
-M, K, N, G = 256, 64, 32, 8
-SIZES = np.array([40, 0, 33, 50, 7, 60, 20, 30], np.int32)  # 240 rows: 16 past the groups
+from split_cases import G, HIGHEST, K, M, N, SIZES
+from split_cases import collectives as _collectives
+from split_cases import operands as _operands
+import split_cases
 
 
 def _mesh():
-  if len(jax.devices()) < 8:
-    pytest.fail(f"needs 8 devices (conftest sets 8 CPU devices), got {len(jax.devices())}")
-  return jax.make_mesh((2, 4), ("dp", "ep"), devices=jax.devices()[:8],
-                       axis_types=(AxisType.Explicit,) * 2)
-
-
-def _operands(seed=0):
-  rng = np.random.default_rng(seed)
-  x = rng.standard_normal((M, K)).astype(np.float32)
-  w = rng.standard_normal((G, K, N)).astype(np.float32)
-  d = rng.standard_normal((M, N)).astype(np.float32)
-  return x, w, d
-
-
-def _collectives(fn, *args):
-  hlo = jax.jit(fn).lower(*args).compile().as_text()
-  return re.findall(r"(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)\(", hlo)
+  return split_cases.mesh(AxisType.Explicit)
 
 
 def _spec(x):
   return tuple(jax.typeof(x).sharding.spec) + (None,) * (jnp.ndim(x) - len(jax.typeof(x).sharding.spec))
 
 
-# (lhs spec, rhs spec, the output's spec, the collectives the call may compile to)
-GMM_CASES = [
-    (P("dp"), P(), (("dp",), None), set()),  # rows: no gather of lhs
-    (P(), P(None, None, "ep"), (None, ("ep",)), set()),  # columns
-    (P(), P("ep"), (None, None), {"all-reduce"}),  # experts: group_offset per shard + psum
-    (P("dp"), P("ep"), (("dp",), None), {"all-reduce"}),
-    (P(("dp", "ep")), P(), (("dp", "ep"), None), set()),
-    (P(None, "ep"), P(None, "ep"), (None, None), {"all-gather"}),  # split contraction: gathered
+GMM_CASES = split_cases.GMM_CASES + [
     (P("dp"), P("dp"), (("dp",), None), {"all-gather"}),  # dp taken by the rows: rhs gathered
 ]
 

@@ -138,19 +138,27 @@ def test_grads_through_kernels_real_size(impl):
     oracle.assert_close(a, b, jnp.bfloat16, factor=2)
 
 
+def _training_call(m, seed):
+  """Routed group sizes over 128 experts, bf16 operands x [m, 768], w [128, 768,
+  2048] and a cotangent, ``ragged_dot`` on them and its value and gradients
+  (jitted)."""
+  k, n, g = 768, 2048, 128
+  sizes = _sizes(m, g, "routed")
+  x, w, c = oracle.random_inputs(jax.random.key(seed), [(m, k), (g, k, n), (m, n)], jnp.bfloat16)
+  gs = jnp.asarray(sizes)
+  fwd = lambda x, w: ragdot.ragged_dot(x, w, gs)
+  step = jax.jit(jax.value_and_grad(
+      lambda x, w: jnp.sum(fwd(x, w).astype(jnp.float32) * c.astype(jnp.float32)), (0, 1)))
+  return sizes, (x, w, c), fwd, step
+
+
 def test_explicit_sharding_per_shard_path_on_one_gpu():
   """``ragdot.sharded`` with the kernels: on a 1 x 1 mesh of explicit axes (rows
   over "dp", experts over "ep") the call runs under shard_map with the shard's
   group sizes and group_offset; forward and both gradients bitwise equal to the
   plain call's, the forward against the f32 oracle."""
   from jax.sharding import AxisType, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  m, k, n, g = 4000, 768, 2048, 128
-  sizes = _sizes(m, g, "routed")
-  x, w, c = oracle.random_inputs(jax.random.key(11), [(m, k), (g, k, n), (m, n)], jnp.bfloat16)
-  gs = jnp.asarray(sizes)
-  fwd = lambda x, w: ragdot.ragged_dot(x, w, gs)
-  step = jax.jit(jax.value_and_grad(
-      lambda x, w: jnp.sum(fwd(x, w).astype(jnp.float32) * c.astype(jnp.float32)), (0, 1)))
+  sizes, (x, w, c), fwd, step = _training_call(4000, 11)
   want_out, want = jax.jit(fwd)(x, w), step(x, w)
   mesh = jax.make_mesh((1, 1), ("dp", "ep"), axis_types=(AxisType.Explicit,) * 2)
   with jax.set_mesh(mesh):
@@ -161,6 +169,29 @@ def test_explicit_sharding_per_shard_path_on_one_gpu():
   np.testing.assert_array_equal(np.asarray(out), np.asarray(want_out))
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_auto_sharding_over_the_gpus():
+  """``ragdot.auto_sharding`` with the kernels: the tokens split over "dp" of
+  an automatic mesh of every GPU present.  One GPU: the custom-partitioned call
+  is inlined; two or more: each GPU runs its rows (the result keeps the split).
+  Forward and dX bitwise equal to the plain call (a row's dot does not depend
+  on the rows around it), dW (summed over the GPUs in bf16) against the f32
+  oracle and, on one GPU, bitwise."""
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  gpus = len(jax.devices())
+  sizes, (x, w, c), fwd, step = _training_call(8192, 12)
+  want_out, (_, (want_dx, want_dw)) = jax.jit(fwd)(x, w), step(x, w)
+  mesh = jax.make_mesh((gpus,), ("dp",), axis_types=(AxisType.Auto,))
+  xs = jax.device_put(x, NamedSharding(mesh, P("dp")))
+  _poison(4 * 8192 * 2048)
+  out, (_, (dx, dw)) = jax.jit(fwd)(xs, w), step(xs, w)
+  assert gpus == 1 or tuple(out.sharding.spec)[:1] == ("dp",), out.sharding
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(want_out))
+  np.testing.assert_array_equal(np.asarray(dx), np.asarray(want_dx))
+  oracle.assert_close(dw, oracle.np_trans_ragged_dot(x, c, sizes), jnp.bfloat16)
+  if gpus == 1:
+    np.testing.assert_array_equal(np.asarray(dw), np.asarray(want_dw))
 
 
 @pytest.mark.parametrize("shape", SHAPES[:2], ids=[f"{s[0]}x{s[1]}x{s[2]}g{s[3]}" for s in SHAPES[:2]])

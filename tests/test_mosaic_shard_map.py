@@ -123,3 +123,57 @@ def test_explicit_sharding_runs_the_kernels_per_shard_for_sm90(monkeypatch):
   assert len(kernels) == 3, len(kernels)  # forward, dX, dW
   # each on its shard's block: 2048 of the 4096 rows, 8 of the 32 experts
   assert all("tensor<2048x" in line and "tensor<8x256x512xbf16>" in line for line in kernels)
+
+
+def test_auto_sharding_partitions_the_kernels_per_shard_for_sm90(monkeypatch):
+  """Operands split over automatic mesh axes (rows over "dp", experts over
+  "ep"): the training step lowers to three custom-partitioned calls, and the
+  partitioner's callback (what XLA calls when it compiles for the GPU; called
+  here directly, through jax 0.11.2's private hook) builds each shard's module
+  with one Mosaic kernel on its block: 2048 of the 4096 rows, 8 of the 32
+  experts; the dW's 32 groups split over "ep" as its result sharding asks."""
+  import re  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import ragdot  # pylint: disable=g-import-not-at-top
+  from jax._src import custom_partitioning as cp  # pylint: disable=g-import-not-at-top
+  from jax._src.interpreters import mlir  # pylint: disable=g-import-not-at-top
+  from jax._src.lib import xla_client as xc  # pylint: disable=g-import-not-at-top
+  from jax._src.lib.mlir import ir  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
+  from ragdot import dispatch  # pylint: disable=g-import-not-at-top
+
+  monkeypatch.setattr(dispatch, "current_device",
+                      lambda: dispatch.Device("gpu", "NVIDIA H200", "9.0"))
+  dispatch.clear_cache()
+  mesh = jax.make_mesh((2, 4), ("dp", "ep"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  sharding = lambda spec, ndim: NamedSharding(mesh, spec)._to_xla_hlo_sharding(ndim)
+  array = lambda shape: xc.Shape.array_shape(np.dtype(jnp.bfloat16), shape)
+  rows, weights = ((4096, 256), P("dp")), ((32, 256, 512), P("ep"))
+  # (operands, result) of forward, dX, dW: shapes and the shardings XLA hands over
+  calls = [([rows, weights], ((4096, 512), P("dp"))),
+           ([((4096, 512), P("dp")), weights], ((4096, 256), P("dp"))),
+           ([rows, ((4096, 512), P("dp"))], ((32, 256, 512), P("ep")))]
+  try:
+    loss = lambda x, w, gs: jnp.sum(ragdot.ragged_dot(x, w, gs, implementation="mosaic")
+                                    .astype(jnp.float32))
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    x, w, gs = _operands(4096, 256, 512, 32)
+    x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P("dp")))
+    w = jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=NamedSharding(mesh, P("ep")))
+    text = step.trace(x, w, gs).lower(lowering_platforms=("cuda",)).as_text()
+    keys = re.findall(r'@CustomSPMDPartitioning\(.*backend_config = "(\d+)"', text)
+    assert len(keys) == 3 and "mosaic_gpu" not in text, keys
+    modules = []
+    for key, (operands, (out_shape, out_spec)) in zip(keys, calls):
+      module, _, _ = cp._custom_partitioning_partition(  # pylint: disable=protected-access
+          [array(s) for s, _ in operands] + [xc.Shape.array_shape(np.dtype(np.int32), (32,))],
+          [sharding(p, len(s)) for s, p in operands] + [sharding(P(), 1)],
+          array(out_shape), sharding(out_spec, len(out_shape)), key.encode())
+      with mlir.make_ir_context():
+        modules.append(str(ir.Module.parse(module)))
+  finally:
+    dispatch.clear_cache()
+  for module in modules:
+    kernels = [line for line in module.splitlines() if "custom_call @mosaic_gpu" in line]
+    assert len(kernels) == 1 and "tensor<2048x" in kernels[0], kernels
+  assert all("tensor<8x256x512xbf16>" in m for m in modules)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import checkify
 
+from ragdot import auto_sharding
 from ragdot import dispatch
 from ragdot import sharded
 from ragdot.manual_axes import match_varying
@@ -72,6 +73,12 @@ def _prepare(lhs, rhs, group_sizes, group_offset):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def _gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs, precision,
          out_dtype, implementation):
+  return auto_sharding.gmm(_gmm_kernel, (transpose_rhs, precision, out_dtype, implementation),
+                           transpose_rhs, lhs, rhs, group_sizes, group_offset)
+
+
+def _gmm_kernel(static, lhs, rhs, group_sizes, group_offset):
+  transpose_rhs, precision, out_dtype, implementation = static
   return _run(
       "gmm", implementation, lhs=lhs, rhs=rhs, group_sizes=group_sizes,
       group_offset=group_offset, transpose_rhs=transpose_rhs,
@@ -114,6 +121,12 @@ _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def _tgmm(lhs, rhs, group_sizes, group_offset, num_groups, precision,
           out_dtype, implementation):
+  return auto_sharding.tgmm(_tgmm_kernel, (precision, out_dtype, implementation),
+                            num_groups, lhs, rhs, group_sizes, group_offset)
+
+
+def _tgmm_kernel(static, lhs, rhs, group_sizes, group_offset, num_groups):
+  precision, out_dtype, implementation = static
   return _run(
       "tgmm", implementation, lhs=lhs, rhs=rhs, group_sizes=group_sizes,
       group_offset=group_offset, num_groups=num_groups, out_dtype=out_dtype,
@@ -157,9 +170,10 @@ def _local_gmm(transpose_rhs, precision, out_dtype, implementation):
 
 
 @functools.lru_cache(maxsize=256)
-def _local_tgmm(num_groups, precision, out_dtype, implementation):
-  """``_tgmm`` on one shard's operands (as ``_local_gmm``)."""
-  def local(lhs, rhs, group_sizes, group_offset):
+def _local_tgmm(precision, out_dtype, implementation):
+  """``_tgmm`` on one shard's operands (as ``_local_gmm``; the shard's number
+  of groups is an argument)."""
+  def local(lhs, rhs, group_sizes, group_offset, num_groups):
     return _tgmm(*match_varying(lhs, rhs, group_sizes, group_offset), num_groups,
                  precision, out_dtype, implementation)
   return local
@@ -180,11 +194,11 @@ def _tgmm_sharded(lhs, rhs, group_sizes, group_offset, num_groups, precision,
                   out_dtype, implementation):
   """``_tgmm``, run per shard and summed over row shards where operands'
   types name explicit mesh axes."""
-  local = _local_tgmm(num_groups, precision, out_dtype, implementation)
+  local = _local_tgmm(precision, out_dtype, implementation)
   layout = sharded.tgmm_layout(lhs, rhs, group_sizes, group_offset)
   if layout is None:
-    return local(lhs, rhs, group_sizes, group_offset)
-  return sharded.tgmm(lhs, rhs, group_sizes, group_offset, layout, local)
+    return local(lhs, rhs, group_sizes, group_offset, num_groups)
+  return sharded.tgmm(lhs, rhs, group_sizes, group_offset, num_groups, layout, local)
 
 
 # --- checked mode ---------------------------------------------------------------

@@ -20,6 +20,9 @@ block, and the result's type keeps the split:
 An axis named in two roles keeps the first (rows, then columns, then groups);
 the other operand is gathered along it, as is a dimension its axes do not
 divide.  Gradients flow through ``shard_map``: dX and dW run per shard too.
+The per-shard bodies (``gmm_shard``, ``tgmm_shard``) also serve operands split
+over automatic axes (``ragdot.auto_sharding``), where a weight gradient's
+groups can be split too.
 """
 
 from __future__ import annotations
@@ -41,12 +44,13 @@ Axes = tuple[str, ...]
 def split_dims(x: Any) -> tuple[Axes, ...]:
   """Per dimension of ``x``, the explicit mesh axes its type says it is split
   over (all empty outside explicit sharding)."""
-  spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
-  out = []
-  for i in range(jnp.ndim(x)):
-    entry = spec[i] if spec is not None and i < len(spec) else None
-    out.append(() if entry is None else (entry,) if isinstance(entry, str) else tuple(entry))
-  return tuple(out)
+  return spec_dims(getattr(getattr(jax.typeof(x), "sharding", None), "spec", None), jnp.ndim(x))
+
+
+def spec_dims(spec: P | None, ndim: int) -> tuple[Axes, ...]:
+  """Per dimension of an ``ndim``-dim array, the mesh axes ``spec`` names."""
+  entries = tuple(spec or ()) + (None,) * (ndim - len(spec or ()))
+  return tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in entries)
 
 
 def _mesh(*xs: Any) -> Any:
@@ -90,10 +94,18 @@ def gmm_layout(lhs: jax.Array, rhs: jax.Array, transpose_rhs: bool,
   mesh = _mesh(lhs, rhs, *others)
   if mesh is None:
     return None
-  (rows, _), (groups, *rest) = split_dims(lhs), split_dims(rhs)
+  return gmm_split(mesh, split_dims(lhs), split_dims(rhs), lhs.shape, rhs.shape, transpose_rhs)
+
+
+def gmm_split(mesh: Any, lhs_dims: tuple[Axes, ...], rhs_dims: tuple[Axes, ...],
+              lhs_shape: tuple[int, ...], rhs_shape: tuple[int, ...],
+              transpose_rhs: bool) -> Layout:
+  """The split of ``lhs[m, k] x rhs[g, k|n, n|k]`` whose dimensions are split
+  over the mesh axes ``lhs_dims`` / ``rhs_dims`` (``split_dims``'s form)."""
+  (rows, _), (groups, *rest) = lhs_dims, rhs_dims
   cols = rest[0] if transpose_rhs else rest[1]
   used: set[str] = set()
-  m, n, g = lhs.shape[0], rhs.shape[1 if transpose_rhs else 2], rhs.shape[0]
+  m, n, g = lhs_shape[0], rhs_shape[1 if transpose_rhs else 2], rhs_shape[0]
   rows = _take(rows, m, mesh, used)
   cols = _take(cols, n, mesh, used)
   return Layout(mesh, rows=rows, n=cols, groups=_take(groups, g, mesh, used))
@@ -104,14 +116,23 @@ def tgmm_layout(lhs: jax.Array, rhs: jax.Array, *others: jax.Array | None) -> La
   mesh = _mesh(lhs, rhs, *others)
   if mesh is None:
     return None
-  (rows, k), (rows_rhs, n) = split_dims(lhs), split_dims(rhs)
+  return tgmm_split(mesh, split_dims(lhs), split_dims(rhs), lhs.shape, rhs.shape)
+
+
+def tgmm_split(mesh: Any, lhs_dims: tuple[Axes, ...], rhs_dims: tuple[Axes, ...],
+               lhs_shape: tuple[int, ...], rhs_shape: tuple[int, ...],
+               groups: Axes = (), num_groups: int = 1) -> Layout:
+  """The split of ``lhs[m, k], rhs[m, n] -> [num_groups, k, n]`` (as
+  ``gmm_split``); ``groups``: axes the result's groups may be split over."""
+  (rows, k), (rows_rhs, n) = lhs_dims, rhs_dims
   used: set[str] = set()
-  rows = _take(rows or rows_rhs, lhs.shape[0], mesh, used)
-  k = _take(k, lhs.shape[1], mesh, used)
-  return Layout(mesh, rows=rows, k=k, n=_take(n, rhs.shape[1], mesh, used))
+  rows = _take(rows or rows_rhs, lhs_shape[0], mesh, used)
+  k = _take(k, lhs_shape[1], mesh, used)
+  n = _take(n, rhs_shape[1], mesh, used)
+  return Layout(mesh, rows=rows, k=k, n=n, groups=_take(groups, num_groups, mesh, used))
 
 
-def _per_shard(body: Callable[..., jax.Array], layout: Layout, in_specs: tuple[P, ...],
+def _per_shard(layout: Layout, body: Callable[..., jax.Array], in_specs: tuple[P, ...],
                out_spec: P) -> Callable[..., jax.Array]:
   """``body`` under shard_map on its arguments resharded to ``in_specs``, as a
   jit: called eagerly, shard_map would run its body op by op, and the xla
@@ -139,59 +160,97 @@ def shard_sizes(group_sizes: jax.Array, start: jax.Array, rows: int, m: int) -> 
 def _local_sizes(group_sizes: jax.Array, layout: Layout, rows: int) -> jax.Array:
   if not layout.rows:
     return group_sizes
-  shards = math.prod(layout.mesh.shape[a] for a in layout.rows)
-  return shard_sizes(group_sizes, jax.lax.axis_index(layout.rows) * rows, rows, rows * shards)
+  return shard_sizes(group_sizes, jax.lax.axis_index(layout.rows) * rows, rows,
+                     rows * _shards(layout, layout.rows))
+
+
+def _shards(layout: Layout, axes: Axes) -> int:
+  return math.prod(layout.mesh.shape[a] for a in axes)
+
+
+def _shard_offset(group_offset: jax.Array | None, layout: Layout,
+                  g_local: int) -> jax.Array | None:
+  """The group_offset of this shard's ``g_local`` groups when the groups are
+  split (the call's offset, if any, plus the shard's first group)."""
+  if not layout.groups:
+    return group_offset
+  first = jax.lax.axis_index(layout.groups) * g_local
+  return first if group_offset is None else group_offset + first
+
+
+def gmm_shard(layout: Layout, transpose_rhs: bool, local_gmm: Callable[..., jax.Array],
+              lhs_shape: tuple[int, ...], rhs_shape: tuple[int, ...],
+              num_args: int) -> tuple[Callable[..., jax.Array], tuple[P, ...], P]:
+  """One shard's ``ragged_dot`` under ``layout``: its body (``local_gmm`` on
+  the shard's rows, columns and groups, named mesh axes in scope), the
+  operands' specs and the result's.  Without a group_offset, split groups get
+  one (the shard's first group)."""
+  m_local = lhs_shape[0] // _shards(layout, layout.rows)
+  g_local = rhs_shape[0] // _shards(layout, layout.groups)
+
+  def body(lhs, rhs, group_sizes, group_offset=None):
+    sizes = _local_sizes(group_sizes, layout, m_local)
+    out = local_gmm(lhs, rhs, sizes, _shard_offset(group_offset, layout, g_local))
+    return jax.lax.psum(out, layout.groups) if layout.groups else out
+
+  rhs_dims = (layout.groups,) + (((layout.n, ()) if transpose_rhs else ((), layout.n)))
+  in_specs = (partition_spec(layout.rows, ()), partition_spec(*rhs_dims)) + (P(),) * (num_args - 2)
+  return body, in_specs, partition_spec(layout.rows, layout.n)
+
+
+def tgmm_shard(layout: Layout, local_tgmm: Callable[..., jax.Array],
+               lhs_shape: tuple[int, ...], num_groups: int,
+               num_args: int) -> tuple[Callable[..., jax.Array], tuple[P, ...], P]:
+  """One shard's ``trans_ragged_dot`` (``num_groups`` results) under
+  ``layout`` (as ``gmm_shard``; ``local_tgmm(lhs, rhs, group_sizes,
+  group_offset, num_groups)``): the sum over the shard's rows, summed over the
+  row shards in the output dtype; split groups run through group_offset."""
+  m_local = lhs_shape[0] // _shards(layout, layout.rows)
+  g_local = num_groups // _shards(layout, layout.groups)
+
+  def body(lhs, rhs, group_sizes, group_offset=None):
+    sizes = _local_sizes(group_sizes, layout, m_local)
+    out = local_tgmm(lhs, rhs, sizes, _shard_offset(group_offset, layout, g_local), g_local)
+    return jax.lax.psum(out, layout.rows) if layout.rows else out
+
+  in_specs = ((partition_spec(layout.rows, layout.k), partition_spec(layout.rows, layout.n))
+              + (P(),) * (num_args - 2))
+  return body, in_specs, partition_spec(layout.groups, layout.k, layout.n)
 
 
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
         group_offset: jax.Array | None, layout: Layout, transpose_rhs: bool,
         local_gmm: Callable[..., jax.Array]) -> jax.Array:
   """``local_gmm(lhs, rhs, group_sizes, group_offset)`` per shard of ``layout``
-  (``local_gmm`` should be the same object for the same static arguments:
-  it keys the cache of compiled eager calls)."""
-  g_local = rhs.shape[0] // math.prod(layout.mesh.shape[a] for a in layout.groups)
-  m_local = lhs.shape[0] // math.prod(layout.mesh.shape[a] for a in layout.rows)
-  if layout.groups and group_offset is None:
-    group_offset = jnp.zeros((), jnp.int32)
+  under shard_map (``local_gmm`` should be the same object for the same static
+  arguments: it keys the cache of compiled eager calls)."""
   args = [lhs, rhs, group_sizes] + ([] if group_offset is None else [group_offset])
-  return _gmm_fn(layout, transpose_rhs, local_gmm, m_local, g_local, len(args))(*args)
+  return _gmm_fn(layout, transpose_rhs, local_gmm, lhs.shape, rhs.shape, len(args))(*args)
 
 
 @functools.lru_cache(maxsize=256)
 def _gmm_fn(layout: Layout, transpose_rhs: bool, local_gmm: Callable[..., jax.Array],
-            m_local: int, g_local: int, num_args: int) -> Callable[..., jax.Array]:
-  def body(lhs, rhs, group_sizes, group_offset=None):
-    sizes = _local_sizes(group_sizes, layout, m_local)
-    if layout.groups:
-      group_offset = group_offset + jax.lax.axis_index(layout.groups) * g_local
-    out = local_gmm(lhs, rhs, sizes, group_offset)
-    return jax.lax.psum(out, layout.groups) if layout.groups else out
-
-  rhs_dims = (layout.groups,) + (((layout.n, ()) if transpose_rhs else ((), layout.n)))
-  in_specs = (partition_spec(layout.rows, ()), partition_spec(*rhs_dims)) + (P(),) * (num_args - 2)
-  return _per_shard(body, layout, in_specs, partition_spec(layout.rows, layout.n))
+            lhs_shape: tuple[int, ...], rhs_shape: tuple[int, ...],
+            num_args: int) -> Callable[..., jax.Array]:
+  return _per_shard(layout, *gmm_shard(layout, transpose_rhs, local_gmm, lhs_shape,
+                                       rhs_shape, num_args))
 
 
 def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
-         group_offset: jax.Array | None, layout: Layout,
+         group_offset: jax.Array | None, num_groups: int, layout: Layout,
          local_tgmm: Callable[..., jax.Array]) -> jax.Array:
-  """``local_tgmm(lhs, rhs, group_sizes, group_offset)`` per shard of
-  ``layout``, summed over the row shards (``local_tgmm`` as in ``gmm``)."""
-  m_local = lhs.shape[0] // math.prod(layout.mesh.shape[a] for a in layout.rows)
+  """``local_tgmm(lhs, rhs, group_sizes, group_offset, num_groups)`` per shard
+  of ``layout`` under shard_map, summed over the row shards (``local_tgmm``
+  as in ``gmm``)."""
   args = [lhs, rhs, group_sizes] + ([] if group_offset is None else [group_offset])
-  return _tgmm_fn(layout, local_tgmm, m_local, len(args))(*args)
+  return _tgmm_fn(layout, local_tgmm, lhs.shape, num_groups, len(args))(*args)
 
 
 @functools.lru_cache(maxsize=256)
-def _tgmm_fn(layout: Layout, local_tgmm: Callable[..., jax.Array], m_local: int,
+def _tgmm_fn(layout: Layout, local_tgmm: Callable[..., jax.Array],
+             lhs_shape: tuple[int, ...], num_groups: int,
              num_args: int) -> Callable[..., jax.Array]:
-  def body(lhs, rhs, group_sizes, group_offset=None):
-    out = local_tgmm(lhs, rhs, _local_sizes(group_sizes, layout, m_local), group_offset)
-    return jax.lax.psum(out, layout.rows) if layout.rows else out
-
-  in_specs = ((partition_spec(layout.rows, layout.k), partition_spec(layout.rows, layout.n))
-              + (P(),) * (num_args - 2))
-  return _per_shard(body, layout, in_specs, partition_spec((), layout.k, layout.n))
+  return _per_shard(layout, *tgmm_shard(layout, local_tgmm, lhs_shape, num_groups, num_args))
 
 
 def constrain(out: jax.Array, out_sharding: Any) -> jax.Array:

@@ -1,0 +1,163 @@
+"""Operands under automatic sharding (``AxisType.Auto``, GSPMD / Shardy): the
+ops per shard through ``custom_partitioning``.
+
+Under ``jax.jit`` with operands split over automatic mesh axes, XLA cannot
+split a Pallas kernel (an opaque custom call) and would gather its operands
+onto every device.  Each op is therefore a custom-partitioned call: when XLA
+partitions the program it hands over the operands' shardings, and the op runs
+on each device's block with the split of ``ragdot.sharded`` (rows, rhs
+columns, rhs experts through ``group_offset`` plus a psum; the contraction
+gathered; dW summed over row shards in the output dtype).  The kernel is then
+chosen for the shard's shapes.
+
+Not partitioned (the plain call): inside ``shard_map`` (manual axes; a
+full-manual region is already per device), under a context mesh of explicit
+axes (``ragdot.sharded`` splits those calls; custom partitioning there fails
+to compile, jax 0.11.2), on one device, under ``vmap`` (the
+batched call runs on gathered operands), kernels whose trace has side effects
+(the Mosaic GPU interpret mode on a CPU), and with ``RAGDOT_AUTO_PARTITION=0``
+in the environment.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable
+
+import jax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ragdot import dispatch
+from ragdot import sharded
+
+# The kernels: ``gmm_kernel(static, lhs, rhs, group_sizes, group_offset)`` and
+# ``tgmm_kernel(static, lhs, rhs, group_sizes, group_offset, num_groups)``,
+# with hashable ``static`` (the op's other static arguments).
+Kernel = Callable[..., jax.Array]
+
+
+def enabled() -> bool:
+  """Whether calls are custom-partitioned: yes unless the context mesh has
+  manual axes (inside shard_map) or explicit ones (operand types carry their
+  split: ``ragdot.sharded``), or ``RAGDOT_AUTO_PARTITION=0`` is set."""
+  if os.environ.get("RAGDOT_AUTO_PARTITION", "1") == "0":
+    return False
+  mesh = jax.sharding.get_abstract_mesh()
+  return not (mesh.manual_axes or mesh.explicit_axes)
+
+
+def gmm(kernel: Kernel, static: Any, transpose_rhs: bool, lhs: jax.Array, rhs: jax.Array,
+        group_sizes: jax.Array, group_offset: jax.Array | None) -> jax.Array:
+  """``kernel(static, lhs, rhs, group_sizes, group_offset)`` (``lhs[m, k] x
+  rhs[g, k|n, n|k] -> [m, n]``), per shard of the operands' automatic split."""
+  return _call(("gmm", transpose_rhs, None), kernel, static, lhs, rhs, group_sizes,
+               group_offset)
+
+
+def tgmm(kernel: Kernel, static: Any, num_groups: int, lhs: jax.Array, rhs: jax.Array,
+         group_sizes: jax.Array, group_offset: jax.Array | None) -> jax.Array:
+  """``kernel(static, lhs, rhs, group_sizes, group_offset, num_groups)``
+  (``lhs[m, k], rhs[m, n] -> [num_groups, k, n]``), per shard: summed over
+  row shards, and the groups split where the result's sharding asks for it."""
+  return _call(("tgmm", False, num_groups), kernel, static, lhs, rhs, group_sizes,
+               group_offset)
+
+
+def _call(op: tuple[str, bool, int | None], kernel: Kernel, static: Any,
+          *args: jax.Array | None) -> jax.Array:
+  """``kernel(static, *args)`` (lhs, rhs, group sizes and offset),
+  custom-partitioned unless ``enabled()`` says no or the kernel has side
+  effects.  ``op``: the op's name, transpose_rhs, and tgmm's number of groups."""
+  local = functools.partial(kernel, static)
+  num_groups = op[2]
+  tail = () if num_groups is None else (num_groups,)
+  if not enabled():
+    return local(*args, *tail)
+  args = tuple(a for a in args if a is not None)
+  if _has_effects(kernel, static, tail, tuple((a.shape, a.dtype) for a in args)):
+    return local(*_with_offset(args), *tail)
+  partitioned = _partitioned(op, kernel, static, len(args))
+
+  @jax.custom_batching.custom_vmap
+  def call(*args):
+    return partitioned(*args)
+
+  @call.def_vmap
+  def _batched(axis_size, in_batched, *args):
+    del axis_size
+    out = jax.vmap(lambda *a: local(*_with_offset(a), *tail),
+                   in_axes=tuple(0 if b else None for b in in_batched))(*args)
+    return out, True
+
+  return call(*args)
+
+
+@functools.lru_cache(maxsize=256)
+def _has_effects(kernel: Kernel, static: Any, tail: tuple[int, ...],
+                 types: tuple[Any, ...]) -> bool:
+  """Whether the kernel's trace has side effects (the interpret mode of the
+  Mosaic GPU kernels calls back to the host in order), which
+  ``custom_partitioning`` cannot carry."""
+  if dispatch.has_gpu():  # kernels compile there: no interpret mode (dispatch.choose)
+    return False
+  avals = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in types]
+  fn = lambda *a: kernel(static, *_with_offset(a), *tail)
+  return bool(jax.make_jaxpr(fn)(*avals).effects)
+
+
+def _with_offset(args: tuple[jax.Array, ...]) -> tuple[jax.Array | None, ...]:
+  return args if len(args) == 4 else (*args, None)
+
+
+# Shardy's view of each op: the factors of the operands and the result.  Group
+# sizes / offset are never split ("G" needs replication); the contraction of
+# the forward ("k") is gathered by ``sharded``, so it needs replication too.
+_RULES = {
+    ("gmm", False): "m k, g k n, G{} -> m n",
+    ("gmm", True): "m k, g n k, G{} -> m n",
+    ("tgmm", False): "m k, m n, G{} -> g k n",
+}
+_FACTORS = {
+    "gmm": dict(reduction_factors=("g",), need_replication_factors=("k", "G")),
+    "tgmm": dict(reduction_factors=("m",), need_replication_factors=("G",)),
+}
+
+
+@functools.lru_cache(maxsize=256)
+def _partitioned(op: tuple[str, bool, int | None], kernel: Kernel, static: Any,
+                 num_args: int) -> Any:
+  name, transpose_rhs, num_groups = op
+  local = functools.partial(kernel, static)
+
+  def fun(*args):
+    return local(*_with_offset(args), *(() if num_groups is None else (num_groups,)))
+
+  def partition(mesh, arg_shapes, result_shape):
+    lhs, rhs = arg_shapes[:2]
+    if name == "gmm":
+      layout = sharded.gmm_split(mesh, _dims(lhs), _dims(rhs), lhs.shape, rhs.shape,
+                                 transpose_rhs)
+      body, in_specs, out_spec = sharded.gmm_shard(layout, transpose_rhs, local, lhs.shape,
+                                                   rhs.shape, num_args)
+    else:
+      layout = sharded.tgmm_split(mesh, _dims(lhs), _dims(rhs), lhs.shape, rhs.shape,
+                                  _dims(result_shape)[0], num_groups)
+      body, in_specs, out_spec = sharded.tgmm_shard(layout, local, lhs.shape, num_groups,
+                                                    num_args)
+    return (mesh, body, NamedSharding(mesh, out_spec),
+            tuple(NamedSharding(mesh, s) for s in in_specs))
+
+  wrapped = custom_partitioning(fun)
+  offset = ", " if num_args == 4 else ""
+  wrapped.def_partition(partition, sharding_rule=_RULES[name, transpose_rhs].format(offset),
+                        **_FACTORS[name])
+  return wrapped
+
+
+def _dims(shape: Any) -> tuple[sharded.Axes, ...]:
+  """The mesh axes of each dimension of an operand XLA hands over (none where
+  its sharding is not a ``NamedSharding``)."""
+  spec = shape.sharding.spec if isinstance(shape.sharding, NamedSharding) else None
+  return sharded.spec_dims(spec, len(shape.shape))
