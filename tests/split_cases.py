@@ -21,7 +21,7 @@ GMM_CASES = [
     (P(), P("ep"), (None, None), {"all-reduce"}),  # experts: group_offset per shard + psum
     (P("dp"), P("ep"), (("dp",), None), {"all-reduce"}),
     (P(("dp", "ep")), P(), (("dp", "ep"), None), set()),
-    (P(None, "ep"), P(None, "ep"), (None, None), {"all-gather"}),  # split contraction: gathered
+    (P(None, "ep"), P(None, "ep"), (None, None), {"all-reduce"}),  # contraction: partials summed
 ]
 
 

@@ -6,16 +6,20 @@ split a Pallas kernel (an opaque custom call) and would gather its operands
 onto every device.  Each op is therefore a custom-partitioned call: when XLA
 partitions the program it hands over the operands' shardings, and the op runs
 on each device's block with the split of ``ragdot.sharded`` (rows, rhs
-columns, rhs experts through ``group_offset`` plus a psum; the contraction
-gathered; dW summed over row shards in the output dtype).  The kernel is then
-chosen for the shard's shapes.
+columns, rhs experts through ``group_offset`` plus a psum, the contraction's
+partial products summed; dW summed over row shards in the output dtype, its
+groups split where the result's sharding asks).  The kernel is then chosen
+for the shard's shapes.  Eager calls on arrays over several devices run
+jitted, so that they are partitioned too.
 
-Not partitioned (the plain call): inside ``shard_map`` (manual axes; a
-full-manual region is already per device), under a context mesh of explicit
-axes (``ragdot.sharded`` splits those calls; custom partitioning there fails
-to compile, jax 0.11.2), on one device, under ``vmap`` (the
-batched call runs on gathered operands), kernels whose trace has side effects
-(the Mosaic GPU interpret mode on a CPU), and with ``RAGDOT_AUTO_PARTITION=0``
+Not partitioned (the plain call, operands gathered): inside ``shard_map``
+(manual axes; a full-manual region is already per device), under a context
+mesh of explicit axes (``ragdot.sharded`` splits those calls; custom
+partitioning there fails to compile, jax 0.11.2), on one device (JAX inlines
+the call), under ``vmap`` (a custom_vmap rule runs the batched plain call),
+operands split over part of a mesh axis, kernels whose trace has side effects
+(the Mosaic GPU interpret mode on a CPU), in ``jax.export`` (which cannot
+serialize the partitioner's callback), and with ``RAGDOT_AUTO_PARTITION=0``
 in the environment.
 """
 
@@ -26,6 +30,10 @@ import os
 from typing import Any, Callable
 
 import jax
+from jax._src import core
+from jax._src import custom_partitioning as custom_partitioning_impl
+from jax._src import sharding_impls
+from jax._src.interpreters import mlir
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -75,6 +83,8 @@ def _call(op: tuple[str, bool, int | None], kernel: Kernel, static: Any,
   tail = () if num_groups is None else (num_groups,)
   if not enabled():
     return local(*args, *tail)
+  if _eager_over_devices(args):  # run op by op, the call would not be partitioned
+    return _jitted(op, kernel, static)(*args)
   args = tuple(a for a in args if a is not None)
   if _has_effects(kernel, static, tail, tuple((a.shape, a.dtype) for a in args)):
     return local(*_with_offset(args), *tail)
@@ -92,6 +102,17 @@ def _call(op: tuple[str, bool, int | None], kernel: Kernel, static: Any,
     return out, True
 
   return call(*args)
+
+
+def _eager_over_devices(args: tuple[jax.Array | None, ...]) -> bool:
+  arrays = [a for a in args if a is not None]
+  return (not any(isinstance(a, core.Tracer) for a in arrays)
+          and any(len(a.sharding.device_set) > 1 for a in arrays if isinstance(a, jax.Array)))
+
+
+@functools.lru_cache(maxsize=256)
+def _jitted(op: tuple[str, bool, int | None], kernel: Kernel, static: Any) -> Any:
+  return jax.jit(functools.partial(_call, op, kernel, static))
 
 
 @functools.lru_cache(maxsize=256)
@@ -112,15 +133,15 @@ def _with_offset(args: tuple[jax.Array, ...]) -> tuple[jax.Array | None, ...]:
 
 
 # Shardy's view of each op: the factors of the operands and the result.  Group
-# sizes / offset are never split ("G" needs replication); the contraction of
-# the forward ("k") is gathered by ``sharded``, so it needs replication too.
+# sizes / offset are never split ("G" needs replication); a split of the
+# forward's groups or contraction, or of the weight gradient's rows, is summed.
 _RULES = {
     ("gmm", False): "m k, g k n, G{} -> m n",
     ("gmm", True): "m k, g n k, G{} -> m n",
     ("tgmm", False): "m k, m n, G{} -> g k n",
 }
 _FACTORS = {
-    "gmm": dict(reduction_factors=("g",), need_replication_factors=("k", "G")),
+    "gmm": dict(reduction_factors=("k", "g"), need_replication_factors=("G",)),  # in rule order
     "tgmm": dict(reduction_factors=("m",), need_replication_factors=("G",)),
 }
 
@@ -136,6 +157,7 @@ def _partitioned(op: tuple[str, bool, int | None], kernel: Kernel, static: Any,
 
   def partition(mesh, arg_shapes, result_shape):
     lhs, rhs = arg_shapes[:2]
+    _dims = functools.partial(_split_dims, mesh)
     if name == "gmm":
       layout = sharded.gmm_split(mesh, _dims(lhs), _dims(rhs), lhs.shape, rhs.shape,
                                  transpose_rhs)
@@ -149,15 +171,47 @@ def _partitioned(op: tuple[str, bool, int | None], kernel: Kernel, static: Any,
     return (mesh, body, NamedSharding(mesh, out_spec),
             tuple(NamedSharding(mesh, s) for s in in_specs))
 
+  partition.inline_for_export = True  # see _lower_for_export
   wrapped = custom_partitioning(fun)
   offset = ", " if num_args == 4 else ""
+  # decode_shardings=False: JAX's own decoding asserts on a split over part of
+  # a mesh axis (e.g. rows of a micro-batch sliced from split tokens) before
+  # the callback runs; _split_dims reads those as unsplit instead.
   wrapped.def_partition(partition, sharding_rule=_RULES[name, transpose_rhs].format(offset),
-                        **_FACTORS[name])
+                        decode_shardings=False, **_FACTORS[name])
   return wrapped
 
 
-def _dims(shape: Any) -> tuple[sharded.Axes, ...]:
-  """The mesh axes of each dimension of an operand XLA hands over (none where
-  its sharding is not a ``NamedSharding``)."""
-  spec = shape.sharding.spec if isinstance(shape.sharding, NamedSharding) else None
+def _lower_for_export() -> None:
+  """Make ``jax.export`` inline ragdot's custom-partitioned calls (the plain
+  call, as with ``RAGDOT_AUTO_PARTITION=0``): a custom-partitioned call lowers
+  to a custom call holding a Python callback, which export cannot serialize
+  (jax 0.11.2: "serialization of host_callbacks is not yet implemented").
+  Other libraries' custom-partitioned calls keep JAX's own lowering."""
+  primitive = custom_partitioning_impl.custom_partitioning_p
+  jax_rule = mlir._lowerings[primitive].rule  # pylint: disable=protected-access
+
+  def rule(ctx, *values, call, partition, **params):
+    if (getattr(partition, "inline_for_export", False)
+        and ctx.module_context.lowering_parameters.for_export):
+      return mlir.lower_fun(core.jaxpr_as_fun(call), multiple_results=True)(ctx, *values)
+    return jax_rule(ctx, *values, call=call, partition=partition, **params)
+
+  mlir.register_lowering(primitive, rule)
+
+
+_lower_for_export()
+
+
+def _split_dims(mesh: Any, shape: Any) -> tuple[sharded.Axes, ...]:
+  """The mesh axes of each dimension of an operand (or result) XLA hands over;
+  none where its sharding has no form in whole mesh axes."""
+  sharding = shape.sharding
+  if isinstance(sharding, NamedSharding):
+    spec = sharding.spec
+  else:
+    try:
+      spec = sharding_impls.parse_flatten_op_sharding(sharding._hlo_sharding, mesh)[0]  # pylint: disable=protected-access
+    except Exception:  # pylint: disable=broad-except
+      spec = None  # e.g. a sub-axis split: the operand is gathered
   return sharded.spec_dims(spec, len(shape.shape))

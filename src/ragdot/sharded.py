@@ -11,15 +11,17 @@ block, and the result's type keeps the split:
   its columns (output columns over N).  rhs groups over E (expert parallelism):
   each shard computes only its groups' rows through ``group_offset`` and the
   shards' outputs are summed over E (every row comes from one shard, the others
-  add exact zeros).  A split contraction (k) is gathered first.
+  add exact zeros).  The contraction split over K (lhs columns and rhs's k, as
+  in tensor parallelism): each shard's partial product, summed over K in the
+  output dtype (as XLA's partitioned dot sums).
 * ``trans_ragged_dot`` (``lhs[m, k], rhs[m, n] -> [g, k, n]``): rows over R
   give per-shard sums over their rows, summed over R in the output dtype (as a
   data-parallel gradient is); lhs columns over K and rhs columns over N stay
   split in the output.
 
-An axis named in two roles keeps the first (rows, then columns, then groups);
-the other operand is gathered along it, as is a dimension its axes do not
-divide.  Gradients flow through ``shard_map``: dX and dW run per shard too.
+An axis named in two roles keeps the first (rows, then columns, groups,
+contraction); the other operand is gathered along it, as is a dimension its
+axes do not divide.  Gradients flow through ``shard_map``: dX and dW run per shard too.
 The per-shard bodies (``gmm_shard``, ``tgmm_shard``) also serve operands split
 over automatic axes (``ragdot.auto_sharding``), where a weight gradient's
 groups can be split too.
@@ -76,8 +78,9 @@ def partition_spec(*dims: Axes) -> P:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """How one call is split: ``rows`` (the ragged m), ``k`` and ``n`` (the
-  other dims of lhs / rhs) and ``groups`` (rhs's experts; ragged_dot only)."""
+  """How one call is split: ``rows`` (the ragged m), ``k`` and ``n`` (lhs's
+  and rhs's other dims; ragged_dot's k is the contraction) and ``groups``
+  (ragged_dot's rhs experts, or trans_ragged_dot's result groups)."""
 
   mesh: Any
   rows: Axes = ()
@@ -102,13 +105,14 @@ def gmm_split(mesh: Any, lhs_dims: tuple[Axes, ...], rhs_dims: tuple[Axes, ...],
               transpose_rhs: bool) -> Layout:
   """The split of ``lhs[m, k] x rhs[g, k|n, n|k]`` whose dimensions are split
   over the mesh axes ``lhs_dims`` / ``rhs_dims`` (``split_dims``'s form)."""
-  (rows, _), (groups, *rest) = lhs_dims, rhs_dims
-  cols = rest[0] if transpose_rhs else rest[1]
+  (rows, k_lhs), (groups, *rest) = lhs_dims, rhs_dims
+  cols, k_rhs = (rest[0], rest[1]) if transpose_rhs else (rest[1], rest[0])
   used: set[str] = set()
-  m, n, g = lhs_shape[0], rhs_shape[1 if transpose_rhs else 2], rhs_shape[0]
+  m, k, n, g = lhs_shape[0], lhs_shape[1], rhs_shape[1 if transpose_rhs else 2], rhs_shape[0]
   rows = _take(rows, m, mesh, used)
   cols = _take(cols, n, mesh, used)
-  return Layout(mesh, rows=rows, n=cols, groups=_take(groups, g, mesh, used))
+  groups = _take(groups, g, mesh, used)
+  return Layout(mesh, rows=rows, k=_take(k_lhs or k_rhs, k, mesh, used), n=cols, groups=groups)
 
 
 def tgmm_layout(lhs: jax.Array, rhs: jax.Array, *others: jax.Array | None) -> Layout | None:
@@ -182,19 +186,24 @@ def gmm_shard(layout: Layout, transpose_rhs: bool, local_gmm: Callable[..., jax.
               lhs_shape: tuple[int, ...], rhs_shape: tuple[int, ...],
               num_args: int) -> tuple[Callable[..., jax.Array], tuple[P, ...], P]:
   """One shard's ``ragged_dot`` under ``layout``: its body (``local_gmm`` on
-  the shard's rows, columns and groups, named mesh axes in scope), the
-  operands' specs and the result's.  Without a group_offset, split groups get
-  one (the shard's first group)."""
+  the shard's rows, columns, groups and part of the contraction, named mesh
+  axes in scope), the operands' specs and the result's.  Without a
+  group_offset, split groups get one (the shard's first group); the shards of
+  the groups and of the contraction are summed (in the output dtype, as XLA
+  sums a dot over a split contraction)."""
   m_local = lhs_shape[0] // _shards(layout, layout.rows)
   g_local = rhs_shape[0] // _shards(layout, layout.groups)
+
+  summed = layout.groups + layout.k
 
   def body(lhs, rhs, group_sizes, group_offset=None):
     sizes = _local_sizes(group_sizes, layout, m_local)
     out = local_gmm(lhs, rhs, sizes, _shard_offset(group_offset, layout, g_local))
-    return jax.lax.psum(out, layout.groups) if layout.groups else out
+    return jax.lax.psum(out, summed) if summed else out
 
-  rhs_dims = (layout.groups,) + (((layout.n, ()) if transpose_rhs else ((), layout.n)))
-  in_specs = (partition_spec(layout.rows, ()), partition_spec(*rhs_dims)) + (P(),) * (num_args - 2)
+  rhs_dims = (layout.groups,) + ((layout.n, layout.k) if transpose_rhs else (layout.k, layout.n))
+  in_specs = ((partition_spec(layout.rows, layout.k), partition_spec(*rhs_dims))
+              + (P(),) * (num_args - 2))
   return body, in_specs, partition_spec(layout.rows, layout.n)
 
 
