@@ -20,10 +20,14 @@ from ragdot.watchdog import Watchdog
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
-def test_info(capsys):
+def test_info(capsys, monkeypatch):
   assert cli.main(["info", "--preset", "small"]) == 0
   out = capsys.readouterr().out
   assert "jax 0.11.2" in out and "platform cpu" in out and "xla" in out
+  assert "automatic sharding: per shard" in out
+  monkeypatch.setenv("RAGDOT_AUTO_PARTITION", "0")
+  assert cli.main(["info", "--preset", "small"]) == 0
+  assert "automatic sharding: off" in capsys.readouterr().out
 
 
 def test_info_explains_h200_choices(capsys):

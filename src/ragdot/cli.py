@@ -53,7 +53,7 @@ def _versions() -> dict[str, str]:
 def run_info(args: argparse.Namespace) -> int:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from ragdot import bench, dispatch, tables  # pylint: disable=g-import-not-at-top
+  from ragdot import auto_sharding, bench, dispatch, tables  # pylint: disable=g-import-not-at-top
 
   print("versions: " + "  ".join(f"{k} {v}" for k, v in _versions().items()))
   devs = jax.devices()
@@ -72,6 +72,9 @@ def run_info(args: argparse.Namespace) -> int:
     print(f"tuning table: none (platform {device.platform}: every op runs on the xla backend;"
           " --device-kind 'NVIDIA H200' shows the H200 choices)")
   print("tables read from: " + ", ".join(str(d) for d in tables.table_dirs()))
+  print("automatic sharding: " + ("per shard (custom_partitioning; RAGDOT_AUTO_PARTITION=0 turns it"
+                                  " off)" if auto_sharding.enabled() else
+                                  "off: operands gathered (RAGDOT_AUTO_PARTITION=0)"))
 
   presets = args.preset
   if presets is None:
