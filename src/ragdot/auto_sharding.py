@@ -78,16 +78,14 @@ def _call(op: tuple[str, bool, int | None], kernel: Kernel, static: Any,
   """``kernel(static, *args)`` (lhs, rhs, group sizes and offset),
   custom-partitioned unless ``enabled()`` says no or the kernel has side
   effects.  ``op``: the op's name, transpose_rhs, and tgmm's number of groups."""
-  local = functools.partial(kernel, static)
-  num_groups = op[2]
-  tail = () if num_groups is None else (num_groups,)
-  if not enabled():
-    return local(*args, *tail)
-  if _eager_over_devices(args):  # run op by op, the call would not be partitioned
+  partition = enabled()
+  if partition and _eager_over_devices(args):  # op by op, the call would not be partitioned
     return _jitted(op, kernel, static)(*args)
   args = tuple(a for a in args if a is not None)
-  if _has_effects(kernel, static, tail, tuple((a.shape, a.dtype) for a in args)):
-    return local(*_with_offset(args), *tail)
+  plain = _plain(kernel, static, op[2])
+  if not partition or _has_effects(kernel, static, op[2],
+                                   tuple((a.shape, a.dtype) for a in args)):
+    return plain(*args)
   partitioned = _partitioned(op, kernel, static, len(args))
 
   @jax.custom_batching.custom_vmap
@@ -97,8 +95,7 @@ def _call(op: tuple[str, bool, int | None], kernel: Kernel, static: Any,
   @call.def_vmap
   def _batched(axis_size, in_batched, *args):
     del axis_size
-    out = jax.vmap(lambda *a: local(*_with_offset(a), *tail),
-                   in_axes=tuple(0 if b else None for b in in_batched))(*args)
+    out = jax.vmap(plain, in_axes=tuple(0 if b else None for b in in_batched))(*args)
     return out, True
 
   return call(*args)
@@ -116,7 +113,7 @@ def _jitted(op: tuple[str, bool, int | None], kernel: Kernel, static: Any) -> An
 
 
 @functools.lru_cache(maxsize=256)
-def _has_effects(kernel: Kernel, static: Any, tail: tuple[int, ...],
+def _has_effects(kernel: Kernel, static: Any, num_groups: int | None,
                  types: tuple[Any, ...]) -> bool:
   """Whether the kernel's trace has side effects (the interpret mode of the
   Mosaic GPU kernels calls back to the host in order), which
@@ -124,12 +121,17 @@ def _has_effects(kernel: Kernel, static: Any, tail: tuple[int, ...],
   if dispatch.has_gpu():  # kernels compile there: no interpret mode (dispatch.choose)
     return False
   avals = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in types]
-  fn = lambda *a: kernel(static, *_with_offset(a), *tail)
-  return bool(jax.make_jaxpr(fn)(*avals).effects)
+  return bool(jax.make_jaxpr(_plain(kernel, static, num_groups))(*avals).effects)
 
 
-def _with_offset(args: tuple[jax.Array, ...]) -> tuple[jax.Array | None, ...]:
-  return args if len(args) == 4 else (*args, None)
+def _plain(kernel: Kernel, static: Any, num_groups: int | None) -> Callable[..., jax.Array]:
+  """The unpartitioned kernel call on the op's arrays (lhs, rhs, group sizes,
+  then the group_offset if there is one)."""
+  tail = () if num_groups is None else (num_groups,)
+
+  def plain(*args):
+    return kernel(static, *args, *((None,) if len(args) == 3 else ()), *tail)
+  return plain
 
 
 # Shardy's view of each op: the factors of the operands and the result.  Group
@@ -152,9 +154,6 @@ def _partitioned(op: tuple[str, bool, int | None], kernel: Kernel, static: Any,
   name, transpose_rhs, num_groups = op
   local = functools.partial(kernel, static)
 
-  def fun(*args):
-    return local(*_with_offset(args), *(() if num_groups is None else (num_groups,)))
-
   def partition(mesh, arg_shapes, result_shape):
     lhs, rhs = arg_shapes[:2]
     _dims = functools.partial(_split_dims, mesh)
@@ -172,7 +171,7 @@ def _partitioned(op: tuple[str, bool, int | None], kernel: Kernel, static: Any,
             tuple(NamedSharding(mesh, s) for s in in_specs))
 
   partition.inline_for_export = True  # see _lower_for_export
-  wrapped = custom_partitioning(fun)
+  wrapped = custom_partitioning(_plain(kernel, static, num_groups))
   offset = ", " if num_args == 4 else ""
   # decode_shardings=False: JAX's own decoding asserts on a split over part of
   # a mesh axis (e.g. rows of a micro-batch sliced from split tokens) before
