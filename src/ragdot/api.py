@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src import core
 from jax.experimental import checkify
 
 from ragdot import auto_sharding
@@ -35,21 +36,48 @@ def _hashable_precision(precision: Any) -> Any:
   return precision
 
 
+_ARRAYS = ("lhs", "rhs", "group_sizes", "group_offset")
+
+
 def _run(op: dispatch.Op, implementation: str | None, **kwargs) -> jax.Array:
   choice = dispatch.choose(op, implementation, **dispatch.facts(op, **kwargs))
-  fn = getattr(get_backend(choice.implementation), op)
+  arrays = {name: kwargs.pop(name) for name in _ARRAYS if name in kwargs}
+  # Op by op (no tracer: an eager call), the kernel runs as one compiled program
+  # cached per choice and static arguments; else each call would lower and
+  # compile its kernels anew (0.56 s a call on the H200, 49a).  Not the Mosaic
+  # GPU interpret mode (a CPU harness whose kernels call back to the host): a
+  # CPU test run hung once with it compiled in one program, so it stays op by op.
+  eager = (not any(isinstance(a, core.Tracer) for a in arrays.values())
+           and not (choice.interpret and choice.implementation == "mosaic"))
+  static = tuple(sorted(kwargs.items()))
+  call = _compiled if eager else _backend_call
   try:
-    return fn(**kwargs, interpret=choice.interpret, config=choice.config)
+    return call(op, choice.implementation, choice.interpret, choice.config, static)(**arrays)
   except NotImplementedError:
     if not choice.automatic or choice.implementation == "xla":
       raise
   # Automatic choice refused by its kernel: Triton (any shape) on a GPU, then XLA.
   if dispatch.has_gpu() and choice.implementation != "triton":
     try:
-      return getattr(get_backend("triton"), op)(**kwargs, interpret=False)
+      return call(op, "triton", False, None, static)(**arrays)
     except NotImplementedError:
       pass
-  return getattr(get_backend("xla"), op)(**kwargs, interpret=False)
+  return call(op, "xla", False, None, static)(**arrays)
+
+
+def _backend_call(op: dispatch.Op, implementation: str, interpret: bool, config: Any,
+                  static: tuple[tuple[str, Any], ...]):
+  """The backend's entry point for ``op`` with its static arguments bound; it
+  takes the arrays (lhs, rhs, group_sizes, group_offset) as keywords."""
+  fn = getattr(get_backend(implementation), op)
+  return functools.partial(fn, **dict(static), interpret=interpret, config=config)
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(op: dispatch.Op, implementation: str, interpret: bool, config: Any,
+              static: tuple[tuple[str, Any], ...]):
+  """``_backend_call`` under ``jax.jit``, one per choice (for eager calls)."""
+  return jax.jit(_backend_call(op, implementation, interpret, config, static))
 
 
 def _promote(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:

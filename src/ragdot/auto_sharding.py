@@ -79,12 +79,15 @@ def _call(op: tuple[str, bool, int | None], kernel: Kernel, static: Any,
   custom-partitioned unless ``enabled()`` says no or the kernel has side
   effects.  ``op``: the op's name, transpose_rhs, and tgmm's number of groups."""
   partition = enabled()
-  if partition and _eager_over_devices(args):  # op by op, the call would not be partitioned
+  eager = not any(isinstance(a, core.Tracer) for a in args if a is not None)
+  if partition and eager and _over_devices(args):  # op by op, it would not be partitioned
     return _jitted(op, kernel, static)(*args)
   args = tuple(a for a in args if a is not None)
   plain = _plain(kernel, static, op[2])
-  if not partition or _has_effects(kernel, static, op[2],
-                                   tuple((a.shape, a.dtype) for a in args)):
+  # Eager on one device there is nothing to split, and the plain call compiles
+  # its kernel once (``api._run``); a custom-partitioned one would trace anew.
+  if eager or not partition or _has_effects(kernel, static, op[2],
+                                            tuple((a.shape, a.dtype) for a in args)):
     return plain(*args)
   partitioned = _partitioned(op, kernel, static, len(args))
 
@@ -101,10 +104,8 @@ def _call(op: tuple[str, bool, int | None], kernel: Kernel, static: Any,
   return call(*args)
 
 
-def _eager_over_devices(args: tuple[jax.Array | None, ...]) -> bool:
-  arrays = [a for a in args if a is not None]
-  return (not any(isinstance(a, core.Tracer) for a in arrays)
-          and any(len(a.sharding.device_set) > 1 for a in arrays if isinstance(a, jax.Array)))
+def _over_devices(args: tuple[jax.Array | None, ...]) -> bool:
+  return any(len(a.sharding.device_set) > 1 for a in args if isinstance(a, jax.Array))
 
 
 @functools.lru_cache(maxsize=256)
