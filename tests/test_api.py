@@ -66,6 +66,25 @@ def test_result_dtype_like_lax(a, b, pref, want):
   np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(lax.ragged_dot(x, w, gs, preferred_element_type=pref), np.float32))
 
 
+def test_weak_typed_operand_keeps_its_dtype_like_lax():
+  # An f32 array filled from a Python float is weakly typed: jnp's promotion
+  # would give bf16 with a bf16 rhs, lax.ragged_dot (and ragdot) give f32.
+  x = jnp.full((6, 4), 0.75)
+  assert x.weak_type and x.dtype == jnp.float32
+  w = jnp.asarray(np.linspace(-2, 2, 24).reshape(2, 4, 3), jnp.bfloat16)
+  d = jnp.ones((6, 3), jnp.bfloat16)
+  gs = jnp.array([2, 3], jnp.int32)
+  want = lax.ragged_dot(x, w, gs)
+  got = ragdot.ragged_dot(x, w, gs)
+  assert got.dtype == want.dtype == jnp.float32
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  dn = lax.RaggedDotDimensionNumbers((([0], [0]), ([], [])), [0], [])
+  want_t = lax.ragged_dot_general(x, d, gs, dn)
+  got_t = ragdot.ragged_dot_general(x, d, gs, dn)
+  assert got_t.dtype == want_t.dtype == jnp.float32
+  np.testing.assert_allclose(got_t, want_t, rtol=1e-6)
+
+
 def test_negative_sizes_count_as_zero():
   x, w, _, _ = _inputs(2)
   gs = jnp.array([-3, 10, -1, 12], jnp.int32)

@@ -81,7 +81,7 @@ def _compiled(op: dispatch.Op, implementation: str, interpret: bool, config: Any
 
 
 def _promote(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
-  dtype = jnp.result_type(a, b)
+  dtype = validate.common_dtype(a, b)
   return a.astype(dtype), b.astype(dtype)
 
 

@@ -32,6 +32,13 @@ class Problem:
   has_offset: bool
 
 
+
+def common_dtype(lhs: Any, rhs: Any) -> np.dtype:
+  """The operands' common dtype as ``jax.lax.ragged_dot`` takes it: a weak type
+  (e.g. an f32 array made from a Python float) does not yield to the other
+  operand's dtype, as it would in ``jnp.result_type``."""
+  return jnp.promote_types(jnp.result_type(lhs), jnp.result_type(rhs))
+
 def check_implementation(implementation: Any) -> str | None:
   if implementation is None:
     return None
@@ -147,7 +154,7 @@ def check_ragged_dot(
         f"rhs has {g_local} groups, more than len(group_sizes)={num_groups}"
         " (with group_offset rhs holds a shard of the groups)"
     )
-  dtype = jnp.result_type(lhs, rhs)
+  dtype = common_dtype(lhs, rhs)
   problem = Problem(
       m=m, k=k, n=n, num_groups=num_groups, num_local=g_local, dtype=dtype,
       out_dtype=_out_dtype(dtype, preferred_element_type),
@@ -198,7 +205,7 @@ def check_trans_ragged_dot(
           f"num_groups must be in [1, len(group_sizes)={total}], got {num_groups}"
       )
     num_local = int(num_groups)
-  dtype = jnp.result_type(lhs, rhs)
+  dtype = common_dtype(lhs, rhs)
   problem = Problem(
       m=m, k=k, n=n, num_groups=total, num_local=num_local, dtype=dtype,
       out_dtype=_out_dtype(dtype, preferred_element_type),
