@@ -27,14 +27,6 @@ from ragdot import timing
 DEFAULT_SHAPES = ("qwen3-30b gate_up decode", "qwen3-30b gate_up")
 
 
-def _shape(name: str) -> bench.Shape:
-  for shapes in bench.PRESETS.values():
-    for s in shapes:
-      if s.name == name:
-        return s
-  raise ValueError(f"unknown shape {name!r}")
-
-
 def _measure(fn, args) -> dict:
   jitted = jax.jit(fn)
   t0 = time.perf_counter()
@@ -63,8 +55,10 @@ def main() -> None:
   p.add_argument("--json", default=None)
   args = p.parse_args()
   rows = []
-  for name in args.shapes:
-    _, inputs = bench.shape_inputs(_shape(name), 0)
+  # A name may sit in several presets: one shape per name.
+  shapes = {s.name: s for s in bench.preset_shapes(list(bench.PRESETS), args.shapes)}
+  for name, shape in shapes.items():
+    _, inputs = bench.shape_inputs(shape, 0)
     # A first compile of the shape, so that neither mode pays the process's first-use costs.
     jax.block_until_ready(jax.jit(bench._ragdot_fns("fwd", None))(*inputs))  # pylint: disable=protected-access
     for op in args.ops:
