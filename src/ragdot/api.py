@@ -17,7 +17,6 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import core
 from jax.experimental import checkify
 
 from ragdot import auto_sharding
@@ -47,7 +46,7 @@ def _run(op: dispatch.Op, implementation: str | None, **kwargs) -> jax.Array:
   # compile its kernels anew (0.56 s a call on the H200, 49a).  Not the Mosaic
   # GPU interpret mode (a CPU harness whose kernels call back to the host): a
   # CPU test run hung once with it compiled in one program, so it stays op by op.
-  eager = (not any(isinstance(a, core.Tracer) for a in arrays.values())
+  eager = (auto_sharding.is_eager(arrays.values())
            and not (choice.interpret and choice.implementation == "mosaic"))
   static = tuple(sorted(kwargs.items()))
   call = _compiled if eager else _backend_call

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import jax
 from jax._src import core
@@ -79,7 +79,7 @@ def _call(op: tuple[str, bool, int | None], kernel: Kernel, static: Any,
   custom-partitioned unless ``enabled()`` says no or the kernel has side
   effects.  ``op``: the op's name, transpose_rhs, and tgmm's number of groups."""
   partition = enabled()
-  eager = not any(isinstance(a, core.Tracer) for a in args if a is not None)
+  eager = is_eager(args)
   if partition and eager and _over_devices(args):  # op by op, it would not be partitioned
     return _jitted(op, kernel, static)(*args)
   args = tuple(a for a in args if a is not None)
@@ -102,6 +102,11 @@ def _call(op: tuple[str, bool, int | None], kernel: Kernel, static: Any,
     return out, True
 
   return call(*args)
+
+
+def is_eager(args: Iterable[jax.Array | None]) -> bool:
+  """Whether the call runs op by op: no argument is a tracer."""
+  return not any(isinstance(a, core.Tracer) for a in args)
 
 
 def _over_devices(args: tuple[jax.Array | None, ...]) -> bool:
