@@ -1,4 +1,4 @@
-"""Custom VJPs equal lax autodiff of the oracle, first and second order."""
+"""Reverse mode of the ops equals lax autodiff of the oracle, first and second order."""
 
 from __future__ import annotations
 

@@ -5,8 +5,9 @@ Semantics (see README): group i owns rows ``[c[i-1], c[i])`` with
 With ``group_offset = o`` the rhs holds groups ``o .. o + g_local - 1`` only,
 their rows use ``rhs[group - o]`` and every other row is exactly 0.
 
-Both core ops carry a custom VJP that calls the same dispatch as the forward,
-so whichever backend runs the forward also provides dX and dW.
+Both core ops are primitives (``ragdot.primitives``) whose transpose rules call
+the same dispatch as the forward, so whichever backend runs the forward also
+provides dX and dW; their JVP rules give forward-mode autodiff.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from jax.experimental import checkify
 
 from ragdot import auto_sharding
 from ragdot import dispatch
+from ragdot import primitives
 from ragdot import sharded
 from ragdot.manual_axes import match_varying
 from ragdot import validate
@@ -87,7 +89,7 @@ def _promote(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
 def _prepare(lhs, rhs, group_sizes, group_offset):
   """Promoted operands, all varying over the same shard_map axes.
 
-  Marking replicated operands varying *outside* the custom VJP lets JAX's own
+  Marking replicated operands varying *outside* the ops lets JAX's own
   transpose of that marking psum their cotangents across the shards.
   """
   lhs, rhs = _promote(jnp.asarray(lhs), jnp.asarray(rhs))
@@ -97,9 +99,15 @@ def _prepare(lhs, rhs, group_sizes, group_offset):
 # --- grouped matmul with ragged rows: out[m, n] --------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def _gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs, precision,
          out_dtype, implementation):
+  return primitives.gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs=transpose_rhs,
+                        precision=precision, out_dtype=out_dtype,
+                        implementation=implementation)
+
+
+def _gmm_impl(lhs, rhs, group_sizes, group_offset, *, transpose_rhs, precision,
+              out_dtype, implementation):
   return auto_sharding.gmm(_gmm_kernel, (transpose_rhs, precision, out_dtype, implementation),
                            transpose_rhs, lhs, rhs, group_sizes, group_offset)
 
@@ -113,41 +121,18 @@ def _gmm_kernel(static, lhs, rhs, group_sizes, group_offset):
   )
 
 
-def _gmm_fwd(lhs, rhs, group_sizes, group_offset, transpose_rhs, precision,
-             out_dtype, implementation):
-  out = _gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs, precision,
-             out_dtype, implementation)
-  return out, (lhs, rhs, group_sizes, group_offset)
-
-
-def _gmm_bwd(transpose_rhs, precision, out_dtype, implementation, res, ct):
-  del out_dtype
-  lhs, rhs, group_sizes, group_offset = res
-  num_local = rhs.shape[0]
-  # The cotangent is rounded to the operands' (common) dtype, as if the forward
-  # had produced that dtype: the backward matmuls then run on the same kernels.
-  ct = ct.astype(lhs.dtype)
-  # rows outside the shard get 0 in dlhs; dW covers only the shard's groups.
-  dlhs = _gmm(ct, rhs, group_sizes, group_offset, not transpose_rhs,
-              precision, lhs.dtype, implementation)
-  if transpose_rhs:  # out = lhs @ rhs[i]^T with rhs[i]: [n, k]
-    a, b = ct, lhs
-  else:  # out = lhs @ rhs[i] with rhs[i]: [k, n]
-    a, b = lhs, ct
-  drhs = _tgmm(a, b, group_sizes, group_offset, num_local, precision,
-               rhs.dtype, implementation)
-  return dlhs, drhs, None, None
-
-
-_gmm.defvjp(_gmm_fwd, _gmm_bwd)
-
-
 # --- ragged contracting dimension: out[g, k, n] --------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def _tgmm(lhs, rhs, group_sizes, group_offset, num_groups, precision,
           out_dtype, implementation):
+  return primitives.tgmm(lhs, rhs, group_sizes, group_offset, num_groups=num_groups,
+                         precision=precision, out_dtype=out_dtype,
+                         implementation=implementation)
+
+
+def _tgmm_impl(lhs, rhs, group_sizes, group_offset, *, num_groups, precision, out_dtype,
+               implementation):
   return auto_sharding.tgmm(_tgmm_kernel, (precision, out_dtype, implementation),
                             num_groups, lhs, rhs, group_sizes, group_offset)
 
@@ -161,26 +146,8 @@ def _tgmm_kernel(static, lhs, rhs, group_sizes, group_offset, num_groups):
   )
 
 
-def _tgmm_fwd(lhs, rhs, group_sizes, group_offset, num_groups, precision,
-              out_dtype, implementation):
-  out = _tgmm(lhs, rhs, group_sizes, group_offset, num_groups, precision,
-              out_dtype, implementation)
-  return out, (lhs, rhs, group_sizes, group_offset)
-
-
-def _tgmm_bwd(num_groups, precision, out_dtype, implementation, res, ct):
-  del num_groups, out_dtype
-  lhs, rhs, group_sizes, group_offset = res
-  ct = ct.astype(lhs.dtype)  # as in _gmm_bwd
-  # Y[i] = X_i^T D_i  =>  dX_i = D_i dY[i]^T,  dD_i = X_i dY[i].
-  dlhs = _gmm(rhs, ct, group_sizes, group_offset, True, precision, lhs.dtype,
-              implementation)
-  drhs = _gmm(lhs, ct, group_sizes, group_offset, False, precision, rhs.dtype,
-              implementation)
-  return dlhs, drhs, None, None
-
-
-_tgmm.defvjp(_tgmm_fwd, _tgmm_bwd)
+primitives.register("gmm", _gmm_impl)
+primitives.register("tgmm", _tgmm_impl)
 
 
 # --- per shard where operands are split over explicit mesh axes ---------------

@@ -16,8 +16,7 @@ Not partitioned (the plain call, operands gathered): inside ``shard_map``
 (manual axes; a full-manual region is already per device), under a context
 mesh of explicit axes (``ragdot.sharded`` splits those calls; custom
 partitioning there fails to compile, jax 0.11.2), on one device (JAX inlines
-the call), under ``vmap`` (a custom_vmap rule runs the batched plain call),
-operands split over part of a mesh axis, kernels whose trace has side effects
+the call), operands split over part of a mesh axis, kernels whose trace has side effects
 (the Mosaic GPU interpret mode on a CPU), in ``jax.export`` (which cannot
 serialize the partitioner's callback), and with ``RAGDOT_AUTO_PARTITION=0``
 in the environment.
@@ -89,19 +88,7 @@ def _call(op: tuple[str, bool, int | None], kernel: Kernel, static: Any,
   if eager or not partition or _has_effects(kernel, static, op[2],
                                             tuple((a.shape, a.dtype) for a in args)):
     return plain(*args)
-  partitioned = _partitioned(op, kernel, static, len(args))
-
-  @jax.custom_batching.custom_vmap
-  def call(*args):
-    return partitioned(*args)
-
-  @call.def_vmap
-  def _batched(axis_size, in_batched, *args):
-    del axis_size
-    out = jax.vmap(plain, in_axes=tuple(0 if b else None for b in in_batched))(*args)
-    return out, True
-
-  return call(*args)
+  return _partitioned(op, kernel, static, len(args))(*args)
 
 
 def is_eager(args: Iterable[jax.Array | None]) -> bool:

@@ -1,0 +1,143 @@
+"""The two core ops as JAX primitives, so that every transformation reaches them.
+
+``gmm`` (``lhs[m, k] x rhs[g, k|n, n|k] -> [m, n]``, rows ragged) and ``tgmm``
+(``lhs[m, k], rhs[m, n] -> [num_groups, k, n]``, the contraction ragged) are
+bilinear in (lhs, rhs).  Each is a primitive (``ragdot.traced_primitive``)
+whose implementation is the kernel call ``ragdot.api`` registers, with:
+
+* a JVP rule, ``d op(a, b) = op(da, b) + op(a, db)`` skipping symbolic-zero
+  tangents: ``jax.jvp``, ``jax.linearize``, ``jax.jacfwd`` and ``jax.hessian``
+  work (a custom VJP allows reverse mode only);
+* a transpose rule: lhs's cotangent through ``gmm`` (dX), rhs's through
+  ``tgmm`` (dW) or ``gmm``, so reverse mode runs the kernels as a custom VJP
+  did, and any order of forward and reverse mode works;
+* a batching rule: ``lax.map`` over the batch axis, each element the
+  unbatched call on the kernels the dispatcher picks for it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.interpreters import ad
+
+from ragdot import traced_primitive as tp
+
+# The implementation of each op, ``impl(lhs, rhs, group_sizes, group_offset,
+# **params)`` (group_offset may be None), set by ``ragdot.api``.
+_IMPLS: dict[str, Callable[..., jax.Array]] = {}
+
+
+def register(op: str, impl: Callable[..., jax.Array]) -> None:
+  """Sets the implementation of op "gmm" or "tgmm"."""
+  _IMPLS[op] = impl
+
+
+def gmm(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: bool, precision: Any,
+        out_dtype: Any, implementation: str | None) -> jax.Array:
+  """``out[m, n]``: the rows of group ``o + j`` times ``rhs[j]`` (``rhs[j]^T``
+  when ``transpose_rhs``); other rows 0.  lhs and rhs of one dtype."""
+  return _bind(gmm_p, lhs, rhs, group_sizes, group_offset, transpose_rhs=transpose_rhs,
+               precision=precision, out_dtype=out_dtype, implementation=implementation)
+
+
+def tgmm(lhs, rhs, group_sizes, group_offset, *, num_groups: int, precision: Any,
+         out_dtype: Any, implementation: str | None) -> jax.Array:
+  """``out[j] = lhs_rows(o + j)^T @ rhs_rows(o + j)`` for ``j < num_groups``."""
+  return _bind(tgmm_p, lhs, rhs, group_sizes, group_offset, num_groups=num_groups,
+               precision=precision, out_dtype=out_dtype, implementation=implementation)
+
+
+def _bind(prim, lhs, rhs, group_sizes, group_offset, **params) -> jax.Array:
+  args = (lhs, rhs, group_sizes) + (() if group_offset is None else (group_offset,))
+  return tp.bind(prim, *args, **params)
+
+
+def _make_fn(op: str, params: dict[str, Any]) -> Callable[..., jax.Array]:
+  def fn(lhs, rhs, group_sizes, group_offset=None):
+    return _IMPLS[op](lhs, rhs, group_sizes, group_offset, **params)
+  return fn
+
+
+def _offset(args: tuple[Any, ...]) -> Any:
+  return args[3] if len(args) == 4 else None
+
+
+def _jvp(op, primals, tangents, **params):
+  params = tp.params_of(params)
+  lhs, rhs, group_sizes = primals[:3]
+  go = _offset(primals)
+  dlhs, drhs = tangents[:2]
+  out = op(lhs, rhs, group_sizes, go, **params)
+  # rhs's term first: the transposed program then computes dX before dW, as
+  # the backward of a custom VJP did.
+  terms = []
+  if not tp.is_zero(drhs):
+    terms.append(op(lhs, drhs, group_sizes, go, **params))
+  if not tp.is_zero(dlhs):
+    terms.append(op(dlhs, rhs, group_sizes, go, **params))
+  if not terms:
+    return out, ad.Zero.from_primal_value(out)
+  return out, functools.reduce(jnp.add, terms)
+
+
+def _transpose(op, ct, lhs, rhs, group_sizes, *rest, **params):
+  """Cotangents of the linear operand(s); None for the others."""
+  params = tp.params_of(params)
+  go = _offset((lhs, rhs, group_sizes, *rest))
+  cts = [None] * (3 + len(rest))
+  if tp.is_zero(ct):
+    return cts
+  lhs_linear, rhs_linear = ad.is_undefined_primal(lhs), ad.is_undefined_primal(rhs)
+  # The cotangent is rounded to the operands' (common) dtype, as if the op had
+  # produced that dtype: the backward ops then run on the same kernels.
+  ct = ct.astype((lhs.aval if lhs_linear else lhs).dtype)
+  common = dict(precision=params["precision"], implementation=params["implementation"])
+  lhs_dtype = lhs.aval.dtype if lhs_linear else None
+  rhs_dtype = rhs.aval.dtype if rhs_linear else None
+  if op is gmm:
+    transpose_rhs = params["transpose_rhs"]
+    if lhs_linear:  # rows outside the shard get 0
+      cts[0] = gmm(ct, rhs, group_sizes, go, transpose_rhs=not transpose_rhs,
+                   out_dtype=lhs_dtype, **common)
+    if rhs_linear:  # the shard's groups only
+      a, b = (ct, lhs) if transpose_rhs else (lhs, ct)
+      cts[1] = tgmm(a, b, group_sizes, go, num_groups=rhs.aval.shape[0], out_dtype=rhs_dtype,
+                    **common)
+  else:  # Y[i] = X_i^T D_i  =>  dX_i = D_i dY[i]^T,  dD_i = X_i dY[i].
+    if lhs_linear:
+      cts[0] = gmm(rhs, ct, group_sizes, go, transpose_rhs=True, out_dtype=lhs_dtype, **common)
+    if rhs_linear:
+      cts[1] = gmm(lhs, ct, group_sizes, go, transpose_rhs=False, out_dtype=rhs_dtype, **common)
+  return cts
+
+
+def _batch(op, args, dims, **params):
+  """The op mapped over the batch axis, one unbatched call per element (a
+  batched kernel call would not be differentiable where a JVP trace sits
+  below the batch trace, as in ``jax.grad`` of a function that vmaps)."""
+  params = tp.params_of(params)
+  mapped = [i for i, d in enumerate(dims) if d is not None]
+  xs = tuple(jnp.moveaxis(args[i], dims[i], 0) for i in mapped)
+
+  def one(xs):
+    full = list(args)
+    for i, x in zip(mapped, xs):
+      full[i] = x
+    return op(*full[:3], _offset(tuple(full)), **params)
+
+  return lax.map(one, xs), 0
+
+
+def _define(name: str, op: Callable[..., jax.Array], op_name: str) -> Any:
+  return tp.define(name, functools.partial(_make_fn, op_name),
+                   jvp=functools.partial(_jvp, op), transpose=functools.partial(_transpose, op),
+                   batch=functools.partial(_batch, op))
+
+
+gmm_p = _define("ragdot_gmm", gmm, "gmm")
+tgmm_p = _define("ragdot_tgmm", tgmm, "tgmm")
