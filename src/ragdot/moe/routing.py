@@ -19,10 +19,14 @@ experts), with on-device group sizes.  Nothing here syncs to the host.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.interpreters import ad
+
+from ragdot import traced_primitive as tp
 
 
 @jax.tree_util.register_dataclass
@@ -161,49 +165,72 @@ def top_k_routing(logits: jax.Array, top_k: int, *, renormalize: bool = True) ->
   return make_routing(weights, experts, logits.shape[-1])
 
 
-# Both layout changes are gathers with gather-only VJPs: autodiff of a gather
-# would scatter-add the cotangent (atomics; for bf16 a compare-and-swap loop).
-# Being custom_vjp functions, they support reverse-mode AD only (as do ragdot's
-# own ops).
+# Both layout changes are gathers whose transposes are gathers too: autodiff of
+# a gather would scatter-add the cotangent (atomics; for bf16 a compare-and-swap
+# loop).  Each is a primitive linear in its first operand (the routing is
+# integer data): its JVP applies it to the tangent, its transpose is the other
+# gather, and under vmap it is the plain gather batched.
 
 
-@jax.custom_vjp
-def _expand(x: jax.Array, order: jax.Array, position: jax.Array) -> jax.Array:
-  top_k = order.shape[0] // max(x.shape[0], 1)
-  return x[order // max(top_k, 1)]
+def _expand_fn(params: dict[str, Any]) -> Any:
+  del params
+
+  def fn(x, order, position):
+    del position
+    top_k = order.shape[0] // max(x.shape[0], 1)
+    return x[order // max(top_k, 1)]
+  return fn
 
 
-def _expand_fwd(x, order, position):
-  return _expand(x, order, position), (position, x.shape[0])
-
-
-def _expand_bwd(res, g):
-  position, tokens = res
+def _expand_transpose(g, x, order, position, **params):
+  del order, params
+  tokens = x.aval.shape[0]
+  if tp.is_zero(g):
+    return [None, None, None]
   if tokens == 0:
-    return jnp.zeros((0,) + g.shape[1:], g.dtype), None, None
+    return [jnp.zeros(x.aval.shape, g.dtype), None, None]
   # Token t's rows sit at position[t*top_k : (t+1)*top_k]: gather and sum them.
   dx = g[position].reshape((tokens, -1) + g.shape[1:]).astype(jnp.float32).sum(1)
-  return dx.astype(g.dtype), None, None
+  return [dx.astype(g.dtype), None, None]
 
 
-_expand.defvjp(_expand_fwd, _expand_bwd)
+def _unsort_fn(params: dict[str, Any]) -> Any:
+  del params
+  return lambda y_sorted, order, position: y_sorted[position]
 
 
-@jax.custom_vjp
+def _unsort_transpose(g, y_sorted, order, position, **params):
+  del y_sorted, position, params
+  # a permutation: its transpose is the inverse gather
+  return [None if tp.is_zero(g) else g[order], None, None]
+
+
+def _linear_jvp(op, primals, tangents, **params):
+  del params
+  out = op(*primals)
+  if tp.is_zero(tangents[0]):
+    return out, ad.Zero.from_primal_value(out)
+  return out, op(tangents[0], *primals[1:])
+
+
+def _vmapped(make_fn, args, dims, **params):
+  return jax.vmap(make_fn(tp.params_of(params)), in_axes=tuple(dims))(*args), 0
+
+
+def _expand(x: jax.Array, order: jax.Array, position: jax.Array) -> jax.Array:
+  return tp.bind(_expand_p, x, order, position)
+
+
 def _unsort(y_sorted: jax.Array, order: jax.Array, position: jax.Array) -> jax.Array:
-  return y_sorted[position]
+  return tp.bind(_unsort_p, y_sorted, order, position)
 
 
-def _unsort_fwd(y_sorted, order, position):
-  return _unsort(y_sorted, order, position), (order,)
-
-
-def _unsort_bwd(res, g):
-  (order,) = res
-  return g[order], None, None  # a permutation: its transpose is the inverse gather
-
-
-_unsort.defvjp(_unsort_fwd, _unsort_bwd)
+_expand_p = tp.define(
+    "ragdot_expand_rows", _expand_fn, jvp=functools.partial(_linear_jvp, _expand),
+    transpose=_expand_transpose, batch=functools.partial(_vmapped, _expand_fn))
+_unsort_p = tp.define(
+    "ragdot_unsort_rows", _unsort_fn, jvp=functools.partial(_linear_jvp, _unsort),
+    transpose=_unsort_transpose, batch=functools.partial(_vmapped, _unsort_fn))
 
 
 def sort_tokens(x: jax.Array, routing: Routing, top_k: int) -> jax.Array:
