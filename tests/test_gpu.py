@@ -138,6 +138,34 @@ def test_grads_through_kernels_real_size(impl):
     oracle.assert_close(a, b, jnp.bfloat16, factor=2)
 
 
+@pytest.mark.parametrize("offset", [None, 2])
+def test_forward_mode_through_kernels_real_size(offset):
+  """jax.jvp of the dispatched call (two forwards on the kernels) and a
+  Hessian-vector product (forward over reverse: the JVP of dX and dW) against
+  the f32 oracle's, on NaN-poisoned memory."""
+  m, k, n, g = 2048, 512, 256, 8
+  local = g if offset is None else 4
+  sizes = _sizes(m, g, "routed")
+  x, w, tx, tw, c = oracle.random_inputs(
+      jax.random.key(10), [(m, k), (local, k, n), (m, k), (local, k, n), (m, n)], jnp.bfloat16)
+  gs, go = jnp.asarray(sizes), None if offset is None else jnp.int32(offset)
+  f = lambda x, w: ragdot.ragged_dot(x, w, gs, group_offset=go,
+                                     preferred_element_type=jnp.float32)
+  ref = lambda x, w: oracle.ref_ragged_dot(x, w, sizes, offset)
+  _poison(16 * m * n)
+  _, tangent = jax.jit(lambda *a: jax.jvp(f, a[:2], a[2:]))(x, w, tx, tw)
+  f32 = lambda *a: [v.astype(jnp.float32) for v in a]
+  _, want = jax.jvp(ref, f32(x, w), f32(tx, tw))
+  oracle.assert_close(tangent, want, jnp.bfloat16, factor=2)
+  oracle.assert_zero_rows(tangent, sizes, offset, local)
+  loss = lambda f: (lambda x, w: jnp.sum(jnp.tanh(f(x, w)) * c.astype(jnp.float32)))
+  hvp = lambda f, x, w, tx, tw: jax.jvp(jax.grad(loss(f), (0, 1)), (x, w), (tx, tw))[1]
+  got = jax.jit(functools.partial(hvp, f))(x, w, tx, tw)
+  want = hvp(ref, *f32(x, w, tx, tw))
+  for a, b in zip(got, want):
+    oracle.assert_close(a, b, jnp.bfloat16, factor=4)
+
+
 def _training_call(m, seed):
   """Routed group sizes over 128 experts, bf16 operands x [m, 768], w [128, 768,
   2048] and a cotangent, ``ragged_dot`` on them and its value and gradients
