@@ -71,8 +71,8 @@ def main() -> None:
   def under(table_dir: str | None, fn=None, inputs=()):
     """``fn`` compiled ahead of time for ``inputs`` while the dispatcher
     reads ``table_dir`` first (None: the shipped tables).  JAX's trace caches
-    are cleared first: a custom_vjp's traced rules would otherwise carry the
-    other table's choices over."""
+    are cleared first, so that no cached trace carries the other table's
+    choices over."""
     if table_dir is None:
       os.environ.pop(tables.ENV_DIR, None)
     else:
