@@ -183,6 +183,35 @@ def test_eager_calls_trace_each_kernel_once(monkeypatch, impl):
   assert len(fwd) == 3
 
 
+def test_refused_automatic_choice_falls_back_and_is_not_retried_eagerly(monkeypatch):
+  """An automatic choice whose kernel refuses the call (NotImplementedError
+  while tracing) falls back to XLA on the CPU, eagerly and under jit.  Eager
+  calls remember the refusal: the refused kernel is traced once, not on every
+  call (each eager call traced it again before)."""
+  from ragdot import api, dispatch  # pylint: disable=import-outside-toplevel
+  x, w, _, gs = _inputs(5)
+  want = ragdot.ragged_dot(x, w, gs, implementation="xla")
+  monkeypatch.setattr(dispatch, "choose", lambda op, implementation, **facts: dispatch.Choice(
+      "triton", automatic=implementation is None))
+  traces = []
+
+  def refusing(**kwargs):
+    traces.append(kwargs)
+    raise NotImplementedError("refused for the test")
+  monkeypatch.setattr(ragdot.backends.get_backend("triton"), "gmm", refusing)
+  api._compiled.cache_clear()  # pylint: disable=protected-access
+  api._REFUSED.clear()  # pylint: disable=protected-access
+  outs = [ragdot.ragged_dot(x, w, gs) for _ in range(3)]
+  assert len(traces) == 1
+  for out in outs:
+    np.testing.assert_array_equal(out, want)
+  np.testing.assert_array_equal(jax.jit(lambda x, w: ragdot.ragged_dot(x, w, gs))(x, w), want)
+  assert len(traces) > 1  # under jit the kernel is tried again (per trace)
+  with pytest.raises(NotImplementedError, match="refused for the test"):
+    ragdot.ragged_dot(x, w, gs, implementation="triton")  # a chosen backend is not replaced
+  api._REFUSED.clear()  # pylint: disable=protected-access
+
+
 def test_eager_call_equals_the_jitted_call_bitwise():
   x, w, d, gs = _inputs(3)
   for f in (lambda x, w, d, gs: ragdot.ragged_dot(x, w, gs, implementation="triton"),

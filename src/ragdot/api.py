@@ -52,18 +52,32 @@ def _run(op: dispatch.Op, implementation: str | None, **kwargs) -> jax.Array:
            and not (choice.interpret and choice.implementation == "mosaic"))
   static = tuple(sorted(kwargs.items()))
   call = _compiled if eager else _backend_call
-  try:
-    return call(op, choice.implementation, choice.interpret, choice.config, static)(**arrays)
-  except NotImplementedError:
-    if not choice.automatic or choice.implementation == "xla":
-      raise
-  # Automatic choice refused by its kernel: Triton (any shape) on a GPU, then XLA.
-  if dispatch.has_gpu() and choice.implementation != "triton":
+  # The automatic choice, then (if its kernel refuses the call) Triton (any
+  # shape) on a GPU, then XLA; a chosen implementation is not replaced.
+  candidates = [(choice.implementation, choice.interpret, choice.config)]
+  if choice.automatic and choice.implementation != "xla":
+    if dispatch.has_gpu() and choice.implementation != "triton":
+      candidates.append(("triton", False, None))
+    candidates.append(("xla", False, None))
+  types = tuple((name, a.shape, a.dtype) for name, a in arrays.items() if a is not None)
+  for i, (impl, interpret, config) in enumerate(candidates):
+    last = i == len(candidates) - 1
+    key = (op, impl, interpret, config, static, types)
+    if eager and not last and key in _REFUSED:
+      continue  # refused before: an eager call would trace the kernel again to find out
     try:
-      return call(op, "triton", False, None, static)(**arrays)
+      return call(op, impl, interpret, config, static)(**arrays)
     except NotImplementedError:
-      pass
-  return call(op, "xla", False, None, static)(**arrays)
+      if last:
+        raise
+      if eager:
+        _REFUSED.add(key)
+  raise AssertionError("unreachable")
+
+
+# Eager calls whose kernel refused them (NotImplementedError while tracing), by
+# op, backend, config, static arguments and operand types.
+_REFUSED: set[tuple[Any, ...]] = set()
 
 
 def _backend_call(op: dispatch.Op, implementation: str, interpret: bool, config: Any,
