@@ -143,6 +143,13 @@ def test_vmap_and_loops_over_split_operands():
   xbs, ws = _put(xb, P(None, "dp")), _put(w, P("ep"))
   out = jax.jit(jax.vmap(_gmm(), (0, None)))(xbs, ws)
   np.testing.assert_allclose(out[1], -np.asarray(_gmm()(x, w)), rtol=1e-5, atol=1e-5)
+  # vmap loops over the unbatched op (lax.map), each element custom-partitioned
+  # (before: a custom_vmap rule ran the plain call, which XLA cannot split when
+  # it is a kernel), and every device computes its own rows.
+  vmapped = jax.jit(jax.vmap(_gmm(), (0, None)))
+  assert "CustomSPMDPartitioning" in vmapped.lower(xbs, ws).as_text()
+  rows = {int(r) for r in re.findall(rf"f32\[(\d+),{K}\]", _compiled(vmapped, xbs, ws))}
+  assert M not in rows and M // 2 in rows, rows
   grad_w = jax.jit(jax.vmap(jax.grad(lambda x, w: jnp.sum(_gmm()(x, w)), 1), (0, None)))(xbs, ws)
   np.testing.assert_allclose(grad_w[1], -grad_w[0], rtol=1e-5, atol=1e-5)
 
