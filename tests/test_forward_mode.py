@@ -235,3 +235,25 @@ def test_jvp_and_hvp_of_sharded_operands(axis_type):
   np.testing.assert_allclose(tangent, want[1], rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(got_hvp, want_hvp, rtol=1e-4, atol=1e-4)
   assert tangent.sharding.spec[0] == "dp"
+
+
+def test_vmap_over_a_batch_split_over_explicit_axes():
+  """lax.map cannot scan an axis split over explicit mesh axes; the batching
+  rule then maps each device's own elements under shard_map: the result keeps
+  the batch's split and equals the per-element calls, gradients too."""
+  mesh = jax.make_mesh((2,), ("dp",), axis_types=(jax.sharding.AxisType.Explicit,))
+  xs, w = oracle.random_inputs(jax.random.key(8), [(4, 24, 8), (2, 8, 16)], jnp.float32)
+  gs = jnp.array([9, 11], jnp.int32)
+  f = lambda x, w: ragdot.ragged_dot(x, w, gs, precision=HIGHEST, implementation="xla")
+  loss = lambda xs, w: jnp.sum(jax.vmap(f, (0, None))(xs, w) ** 2)
+  want = jnp.stack([f(x, w) for x in xs])
+  want_grads = jax.grad(loss, (0, 1))(xs, w)
+  with jax.set_mesh(mesh):
+    xs_split = jax.device_put(xs, jax.sharding.PartitionSpec("dp"))
+    for run in (jax.vmap(f, (0, None)), jax.jit(jax.vmap(f, (0, None)))):
+      out = run(xs_split, w)
+      assert jax.typeof(out).sharding.spec[0] == "dp"
+      np.testing.assert_array_equal(out, want)
+    grads = jax.jit(jax.grad(loss, (0, 1)))(xs_split, w)
+  np.testing.assert_allclose(grads[0], want_grads[0], rtol=1e-6)
+  np.testing.assert_allclose(grads[1], want_grads[1], rtol=1e-5)

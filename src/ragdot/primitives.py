@@ -18,14 +18,18 @@ whose implementation is the kernel call ``ragdot.api`` registers, with:
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.interpreters import ad
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from ragdot import sharded
 from ragdot import traced_primitive as tp
+from ragdot.manual_axes import match_varying
 
 # The implementation of each op, ``impl(lhs, rhs, group_sizes, group_offset,
 # **params)`` (group_offset may be None), set by ``ragdot.api``.
@@ -122,15 +126,53 @@ def _batch(op, args, dims, **params):
   below the batch trace, as in ``jax.grad`` of a function that vmaps)."""
   params = tp.params_of(params)
   mapped = [i for i, d in enumerate(dims) if d is not None]
-  xs = tuple(jnp.moveaxis(args[i], dims[i], 0) for i in mapped)
+  xs = [jnp.moveaxis(args[i], dims[i], 0) for i in mapped]
+  rest = [a for i, a in enumerate(args) if i not in mapped]
 
-  def one(xs):
-    full = list(args)
-    for i, x in zip(mapped, xs):
-      full[i] = x
-    return op(*full[:3], _offset(tuple(full)), **params)
+  def loop(xs, rest):
+    def one(xs):
+      it, others = iter(xs), iter(rest)
+      full = [next(it) if i in mapped else next(others) for i in range(len(args))]
+      full = match_varying(*full)
+      return op(*full[:3], _offset(tuple(full)), **params)
+    return lax.map(one, xs)
 
-  return lax.map(one, xs), 0
+  split = _batch_split(xs)
+  if split is None:
+    return loop(xs, rest), 0
+  # The batch is split over explicit mesh axes, which lax.map cannot scan:
+  # each device maps over its own elements, under shard_map over those axes.
+  mesh, axes = split
+  xs = [_reshard(x, mesh, axes, batch=True) for x in xs]
+  rest = [_reshard(a, mesh, axes, batch=False) for a in rest]
+  in_specs = ([P(axes)] * len(xs), [P()] * len(rest))
+  local = jax.shard_map(loop, mesh=mesh, in_specs=in_specs, out_specs=P(axes),
+                        axis_names=set(axes))
+  return local(xs, rest), 0
+
+
+def _batch_split(xs: list[Any]) -> tuple[Any, tuple[str, ...]] | None:
+  """The mesh and the explicit axes of the first batch dimension split over
+  any, when they divide the batch; else None."""
+  for x in xs:
+    axes = sharded.split_dims(x)[0]
+    if axes:
+      mesh = jax.typeof(x).sharding.mesh
+      if x.shape[0] % math.prod(mesh.shape[a] for a in axes) == 0:
+        return mesh, axes
+  return None
+
+
+def _reshard(x: Any, mesh: Any, axes: tuple[str, ...], batch: bool) -> Any:
+  """``x`` split over ``axes`` along its leading dimension if it is a batch,
+  and over none of them along every other dimension."""
+  dims = sharded.split_dims(x)
+  keep = [tuple(a for a in d if a not in axes) for d in dims]
+  if batch:
+    keep[0] = axes
+  if keep == list(dims):
+    return x
+  return jax.sharding.reshard(x, NamedSharding(mesh, sharded.partition_spec(*keep)))
 
 
 def _define(name: str, op: Callable[..., jax.Array], op_name: str) -> Any:
