@@ -150,3 +150,29 @@ def test_sort_tokens_gradient_with_trailing_dims():
   got = jax.grad(lambda x: jnp.sum(rt.sort_tokens(x, r, 2) ** 2))(x)
   want = jax.grad(lambda x: jnp.sum(x[r.order // 2] ** 2))(x)
   np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_layout_under_vmap_is_one_gather_and_keeps_gather_only_gradients():
+  """vmap of sort_tokens / combine (a batch of sequences, each with its own
+  routing) equals the per-sequence calls, value, gradient and JVP; the batch is
+  one gather on the concatenated layouts, so its gradient has no scatter-add
+  (a plain batched gather would scatter-add the cotangent)."""
+  e, k, d, t = 6, 2, 5, 7
+  logits = jax.random.normal(jax.random.key(5), (3, t, e))
+  xs = jax.random.normal(jax.random.key(6), (3, t, d))
+  c = jax.random.normal(jax.random.key(7), (3, t, d))
+
+  def one(x, logits, c):
+    r = rt.top_k_routing(logits, k)
+    return jnp.sum(rt.combine(rt.sort_tokens(x, r, k) * 1.5, r, k) * c)
+
+  batched = lambda xs: jnp.sum(jax.vmap(one)(xs, logits, c))
+  per_seq = lambda xs: sum(one(xs[b], logits[b], c[b]) for b in range(3))
+  np.testing.assert_allclose(batched(xs), per_seq(xs), rtol=1e-6)
+  np.testing.assert_allclose(jax.grad(batched)(xs), jax.grad(per_seq)(xs), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(jax.jvp(batched, (xs,), (c,))[1], jax.jvp(per_seq, (xs,), (c,))[1],
+                             rtol=1e-5)
+  jaxpr = jax.make_jaxpr(jax.grad(lambda xs: batched(xs)))(xs)
+  scatters = [e_ for e_ in jaxpr.eqns if e_.primitive.name == "scatter-add"
+              and jnp.issubdtype(e_.outvars[0].aval.dtype, jnp.floating)]
+  assert not scatters, scatters

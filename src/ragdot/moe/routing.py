@@ -169,7 +169,7 @@ def top_k_routing(logits: jax.Array, top_k: int, *, renormalize: bool = True) ->
 # a gather would scatter-add the cotangent (atomics; for bf16 a compare-and-swap
 # loop).  Each is a primitive linear in its first operand (the routing is
 # integer data): its JVP applies it to the tangent, its transpose is the other
-# gather, and under vmap it is the plain gather batched.
+# gather, and under vmap it is one op on the batch's concatenated layouts.
 
 
 def _expand_fn(params: dict[str, Any]) -> Any:
@@ -213,8 +213,22 @@ def _linear_jvp(op, primals, tangents, **params):
   return out, op(tangents[0], *primals[1:])
 
 
-def _vmapped(make_fn, args, dims, **params):
-  return jax.vmap(make_fn(tp.params_of(params)), in_axes=tuple(dims))(*args), 0
+def _batched(op, args, dims, **params):
+  """The op on a batch of layouts as one op on their concatenation: batch
+  element b's rows are offset by b times its rows, so its indices (order and
+  position, over ``tokens * top_k`` rows) are offset by b times that count.
+  It stays the primitive, whose transpose is a gather (a plain batched gather
+  would scatter-add its cotangent under ``jax.grad`` of a vmapped block)."""
+  del params
+  size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+  x, order, position = (jnp.moveaxis(a, d, 0) if d is not None
+                        else jnp.broadcast_to(a, (size,) + a.shape)
+                        for a, d in zip(args, dims))
+  rows = order.shape[1]  # tokens * top_k of one element
+  shift = (jnp.arange(size, dtype=order.dtype) * rows)[:, None]
+  out = op(x.reshape((-1,) + x.shape[2:]), (order + shift).reshape(-1),
+           (position + shift).reshape(-1))
+  return out.reshape((size, -1) + out.shape[1:]), 0
 
 
 def _expand(x: jax.Array, order: jax.Array, position: jax.Array) -> jax.Array:
@@ -227,10 +241,10 @@ def _unsort(y_sorted: jax.Array, order: jax.Array, position: jax.Array) -> jax.A
 
 _expand_p = tp.define(
     "ragdot_expand_rows", _expand_fn, jvp=functools.partial(_linear_jvp, _expand),
-    transpose=_expand_transpose, batch=functools.partial(_vmapped, _expand_fn))
+    transpose=_expand_transpose, batch=functools.partial(_batched, _expand))
 _unsort_p = tp.define(
     "ragdot_unsort_rows", _unsort_fn, jvp=functools.partial(_linear_jvp, _unsort),
-    transpose=_unsort_transpose, batch=functools.partial(_vmapped, _unsort_fn))
+    transpose=_unsort_transpose, batch=functools.partial(_batched, _unsort))
 
 
 def sort_tokens(x: jax.Array, routing: Routing, top_k: int) -> jax.Array:
