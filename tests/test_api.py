@@ -206,7 +206,6 @@ def test_refused_automatic_choice_falls_back_and_is_not_retried_eagerly(monkeypa
   for out in outs:
     np.testing.assert_array_equal(out, want)
   np.testing.assert_array_equal(jax.jit(lambda x, w: ragdot.ragged_dot(x, w, gs))(x, w), want)
-  assert len(traces) > 1  # under jit the kernel is tried again (per trace)
   with pytest.raises(NotImplementedError, match="refused for the test"):
     ragdot.ragged_dot(x, w, gs, implementation="triton")  # a chosen backend is not replaced
   api._REFUSED.clear()  # pylint: disable=protected-access

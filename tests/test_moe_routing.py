@@ -176,3 +176,12 @@ def test_layout_under_vmap_is_one_gather_and_keeps_gather_only_gradients():
   scatters = [e_ for e_ in jaxpr.eqns if e_.primitive.name == "scatter-add"
               and jnp.issubdtype(e_.outvars[0].aval.dtype, jnp.floating)]
   assert not scatters, scatters
+
+
+def test_layout_keeps_a_weak_type_under_jit_as_eagerly():
+  """A weakly typed input stays weak through sort_tokens traced as eagerly (so
+  weak f32 times bf16 is bf16 in both)."""
+  r = rt.top_k_routing(jax.random.normal(jax.random.key(0), (8, 4)), 2)
+  weak = jnp.full((8, 4), 2.0)
+  f = lambda x: rt.sort_tokens(x, r, 2) * jnp.ones((16, 4), jnp.bfloat16)
+  assert f(weak).dtype == jax.jit(f)(weak).dtype == jnp.bfloat16

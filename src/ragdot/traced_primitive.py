@@ -44,6 +44,9 @@ def bind(prim: jex_core.Primitive, *args: Any, **params: Any) -> jax.Array:
   fn = _FNS[prim](params)
   if not any(isinstance(a, jax.core.Tracer) for a in args):
     return fn(*args)
+  # Traced now, not lazily when first needed: JAX scans parameters for jaxprs
+  # (e.g. for a custom_partitioning call, which needs the jit's devices when it
+  # lowers), so the parameter must be the ClosedJaxpr itself.
   jaxpr = jax.make_jaxpr(fn)(*[_struct(a) for a in args])
   return prim.bind(*args, jaxpr=jaxpr, **params)
 
@@ -62,7 +65,8 @@ def _struct(x: Any) -> jax.ShapeDtypeStruct:
   aval = jax.typeof(x)
   mat = getattr(aval, "mat", None)  # the shard_map axes it varies over
   kwargs = {} if mat is None else {"manual_axis_type": mat}
-  return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=aval.sharding, **kwargs)
+  return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=aval.sharding,
+                              weak_type=aval.weak_type, **kwargs)
 
 
 def _abstract_eval(*avals, jaxpr, **params):
