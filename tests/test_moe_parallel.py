@@ -274,3 +274,20 @@ def test_explicit_mesh_with_the_sequence_split():
     got = jax.jit(lambda p, x, i: F.moe_mlp(p, x, cfg, adapter_ids=i, mesh=mesh))(
         params, jax.device_put(x, seq), jax.device_put(ids, seq))
   assert _rel(got, want) <= F32_TOL
+
+
+@pytest.mark.parametrize("ep", [None, 2])
+def test_no_tokens(ep):
+  """An empty batch (0 tokens, also as a (2, 0) leading shape) gives an empty
+  result and empty gradients, with and without expert parallelism (the final
+  reshape to ``lead + (-1,)`` could not infer its size from 0 elements)."""
+  params, _, _ = _case(CFG, jnp.float32)
+  mesh = None if ep is None else _mesh((ep,), ("ep",))
+  fn = lambda p, x: F.moe_mlp(p, x, CFG, mesh=mesh)
+  for lead in [(0,), (2, 0)]:
+    x = jnp.zeros(lead + (CFG.hidden,), jnp.float32)
+    assert fn(params, x).shape == x.shape
+    assert F.reference_moe_mlp(params, x, CFG).shape == x.shape
+    grads = jax.jit(jax.grad(lambda p, x: jnp.sum(fn(p, x)), (0, 1)))(params, x)
+    assert grads[1].shape == x.shape
+    assert all(float(jnp.abs(g).max()) == 0 for g in jax.tree.leaves(grads[0]) if g.size)

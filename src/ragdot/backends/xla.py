@@ -74,8 +74,8 @@ def gmm(
   num_local = rhs.shape[0]
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   out = jnp.zeros((m, n), out_dtype)
-  if m == 0 or n == 0 or num_local == 0:
-    return out
+  if m == 0 or n == 0 or num_local == 0:  # varying like the operands (in shard_map)
+    return make_varying(out, varying_axes(lhs, rhs, group_sizes, group_offset))
   bm = _block_m(config, m, num_local)
   starts, ends = md.group_bounds(group_sizes, m, group_offset, num_local)
   sched = md.tile_schedule(starts, ends, m, bm)
@@ -116,7 +116,8 @@ def tgmm(
   acc_dtype = accumulation_dtype(lhs.dtype, out_dtype)
   acc = jnp.zeros((num_groups, k, n), acc_dtype)
   if m == 0 or k == 0 or n == 0 or num_groups == 0:
-    return acc.astype(out_dtype)
+    return make_varying(acc.astype(out_dtype),
+                        varying_axes(lhs, rhs, group_sizes, group_offset))
   bm = _block_m(config, m, num_groups)
   starts, ends = md.group_bounds(group_sizes, m, group_offset, num_groups)
   sched = md.tile_schedule(starts, ends, m, bm)

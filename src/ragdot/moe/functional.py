@@ -16,6 +16,8 @@ the weights (``W + scale * A @ B``), for checking.
 
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 import jax
@@ -177,6 +179,10 @@ def moe_mlp(params: dict, x: jax.Array, cfg: MoEConfig, *,
                      f" num_experts={cfg.num_experts}")
   lead = x.shape[:-1]
   dtype = jnp.dtype(dtype or x.dtype)
+  if mesh is not None and math.prod(lead) == 0:
+    # No tokens: nothing to compute (XLA fails to compile a zero-size
+    # shard_map operand: "expected ... GlobalToLocalShape", jax 0.11.2).
+    return jnp.zeros(x.shape, dtype)
   x2, ids = flat_tokens(x, adapter_ids)
   chosen = assignment(params, x2, cfg, ids)
   _, experts = split_params(params)
@@ -184,11 +190,12 @@ def moe_mlp(params: dict, x: jax.Array, cfg: MoEConfig, *,
     from ragdot.moe.parallel import sharded_moe_experts  # pylint: disable=g-import-not-at-top
     y = sharded_moe_experts(x2.astype(dtype), chosen, experts, cfg, mesh, ep_axis, manual,
                             token_axes=token_axes)
-    return y.reshape(lead + (-1,))
+    return y.reshape(lead + y.shape[-1:])
   routing = rt.regroup(chosen)
   xs = rt.sort_tokens(x2.astype(dtype), routing, cfg.top_k)
   ys = expert_ffn(xs, routing.group_sizes, experts, cfg, ragged_dot_fn=ragged_dot_fn)
-  return rt.combine(ys, routing, cfg.top_k).reshape(lead + (-1,))
+  y = rt.combine(ys, routing, cfg.top_k)
+  return y.reshape(lead + y.shape[-1:])
 
 
 def merged_weights(params: dict, cfg: MoEConfig, name: str) -> jax.Array:
@@ -234,4 +241,5 @@ def reference_moe_mlp(params: dict, x: jax.Array, cfg: MoEConfig, *,
   # combine matrix: token t gives weight w_tj to expert e_tj.
   comb = jnp.zeros((x2.shape[0], cfg.num_experts), jnp.float32)
   comb = comb.at[jnp.arange(x2.shape[0])[:, None], routing.experts].add(routing.weights)
-  return jnp.einsum("te,ted->td", comb, y_all, precision=hi).reshape(lead + (-1,))
+  y = jnp.einsum("te,ted->td", comb, y_all, precision=hi)
+  return y.reshape(lead + y.shape[-1:])

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.interpreters import ad
 
 from ragdot import traced_primitive as tp
+from ragdot.manual_axes import make_varying, varying_axes
 
 
 @jax.tree_util.register_dataclass
@@ -187,8 +188,8 @@ def _expand_transpose(g, x, order, position, **params):
   tokens = x.aval.shape[0]
   if tp.is_zero(g):
     return [None, None, None]
-  if tokens == 0:
-    return [jnp.zeros(x.aval.shape, g.dtype), None, None]
+  if tokens == 0:  # varying like the cotangent (in shard_map)
+    return [make_varying(jnp.zeros(x.aval.shape, g.dtype), varying_axes(g)), None, None]
   # Token t's rows sit at position[t*top_k : (t+1)*top_k]: gather and sum them.
   dx = g[position].reshape((tokens, -1) + g.shape[1:]).astype(jnp.float32).sum(1)
   return [dx.astype(g.dtype), None, None]
