@@ -24,6 +24,7 @@ from ragdot import auto_sharding
 from ragdot import dispatch
 from ragdot import primitives
 from ragdot import sharded
+from ragdot import traced_primitive
 from ragdot.manual_axes import match_varying
 from ragdot import validate
 from ragdot.backends import get_backend
@@ -48,7 +49,7 @@ def _run(op: dispatch.Op, implementation: str | None, **kwargs) -> jax.Array:
   # compile its kernels anew (0.56 s a call on the H200, 49a).  Not the Mosaic
   # GPU interpret mode (a CPU harness whose kernels call back to the host): a
   # CPU test run hung once with it compiled in one program, so it stays op by op.
-  eager = (auto_sharding.is_eager(arrays.values())
+  eager = (traced_primitive.is_eager(arrays.values())
            and not (choice.interpret and choice.implementation == "mosaic"))
   static = tuple(sorted(kwargs.items()))
   call = _compiled if eager else _backend_call
@@ -59,7 +60,9 @@ def _run(op: dispatch.Op, implementation: str | None, **kwargs) -> jax.Array:
     if dispatch.has_gpu() and choice.implementation != "triton":
       candidates.append(("triton", False, None))
     candidates.append(("xla", False, None))
-  types = tuple((name, a.shape, a.dtype) for name, a in arrays.items() if a is not None)
+  # (the operand types key the refusals of eager calls only)
+  types = (tuple((name, a.shape, a.dtype) for name, a in arrays.items() if a is not None)
+           if eager else ())
   for i, (impl, interpret, config) in enumerate(candidates):
     last = i == len(candidates) - 1
     key = (op, impl, interpret, config, static, types)

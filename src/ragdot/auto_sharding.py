@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import jax
 from jax._src import core
@@ -38,6 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ragdot import dispatch
 from ragdot import sharded
+from ragdot import traced_primitive as tp
 
 # The kernels: ``gmm_kernel(static, lhs, rhs, group_sizes, group_offset)`` and
 # ``tgmm_kernel(static, lhs, rhs, group_sizes, group_offset, num_groups)``,
@@ -78,7 +79,7 @@ def _call(op: tuple[str, bool, int | None], kernel: Kernel, static: Any,
   custom-partitioned unless ``enabled()`` says no or the kernel has side
   effects.  ``op``: the op's name, transpose_rhs, and tgmm's number of groups."""
   partition = enabled()
-  eager = is_eager(args)
+  eager = tp.is_eager(args)
   if partition and eager and _over_devices(args):  # op by op, it would not be partitioned
     return _jitted(op, kernel, static)(*args)
   args = tuple(a for a in args if a is not None)
@@ -89,11 +90,6 @@ def _call(op: tuple[str, bool, int | None], kernel: Kernel, static: Any,
                                             tuple((a.shape, a.dtype) for a in args)):
     return plain(*args)
   return _partitioned(op, kernel, static, len(args))(*args)
-
-
-def is_eager(args: Iterable[jax.Array | None]) -> bool:
-  """Whether the call runs op by op: no argument is a tracer."""
-  return not any(isinstance(a, core.Tracer) for a in args)
 
 
 def _over_devices(args: tuple[jax.Array | None, ...]) -> bool:

@@ -11,7 +11,7 @@ what the primitive lowers to.  With no tracer among the arguments (op by op)
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import jax
 from jax.extend import core as jex_core
@@ -42,13 +42,18 @@ def bind(prim: jex_core.Primitive, *args: Any, **params: Any) -> jax.Array:
   """``prim`` on ``args``: bound with the trace of its function, or, with no
   tracer among ``args``, its function called directly."""
   fn = _FNS[prim](params)
-  if not any(isinstance(a, jax.core.Tracer) for a in args):
+  if is_eager(args):
     return fn(*args)
   # Traced now, not lazily when first needed: JAX scans parameters for jaxprs
   # (e.g. for a custom_partitioning call, which needs the jit's devices when it
   # lowers), so the parameter must be the ClosedJaxpr itself.
   jaxpr = jax.make_jaxpr(fn)(*[_struct(a) for a in args])
   return prim.bind(*args, jaxpr=jaxpr, **params)
+
+
+def is_eager(args: Iterable[Any]) -> bool:
+  """Whether a call runs op by op: no argument is a tracer."""
+  return not any(isinstance(a, jax.core.Tracer) for a in args)
 
 
 def params_of(params: dict[str, Any]) -> dict[str, Any]:
