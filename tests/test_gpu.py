@@ -166,6 +166,40 @@ def test_forward_mode_through_kernels_real_size(offset):
     oracle.assert_close(a, b, jnp.bfloat16, factor=4)
 
 
+@pytest.mark.parametrize("offset", [None, 2])
+def test_fp8_operands_through_kernels_real_size(offset):
+  """fp8 operands (exact in bf16) run the dispatched bf16 kernels: forward, the
+  fp8 result rounded once from f32, and the gradients, bitwise equal to the
+  same calls on the bf16 copies; the forward against the f32 oracle."""
+  m, k, n, g = 2048, 512, 256, 8
+  local = g if offset is None else 4
+  sizes = _sizes(m, g, "routed")
+  x, w, c = oracle.random_inputs(jax.random.key(11), [(m, k), (local, k, n), (m, n)],
+                                 jnp.float32)
+  x, w = x.astype(jnp.float8_e4m3fn), w.astype(jnp.float8_e4m3fn)
+  gs, go = jnp.asarray(sizes), None if offset is None else jnp.int32(offset)
+  f = lambda x, w, out: ragdot.ragged_dot(x, w, gs, group_offset=go,
+                                          preferred_element_type=out)
+  bf = lambda a: a.astype(jnp.bfloat16)
+  _poison(16 * m * n)
+  got = jax.jit(lambda x, w: f(x, w, None))(x, w)
+  assert got.dtype == jnp.float8_e4m3fn
+  f32 = jax.jit(lambda x, w: f(x, w, jnp.float32))(bf(x), bf(w))
+  np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
+                                np.asarray(f32.astype(jnp.float8_e4m3fn).astype(jnp.float32)))
+  oracle.assert_close(f32, oracle.ref_ragged_dot(x.astype(jnp.float32), w.astype(jnp.float32),
+                                                 sizes, offset), jnp.bfloat16, factor=2)
+  oracle.assert_zero_rows(got.astype(jnp.float32), sizes, offset, local)
+  loss = lambda x, w: jnp.sum(f(x, w, jnp.bfloat16).astype(jnp.float32) * c)
+  gx, gw = jax.jit(jax.grad(loss, (0, 1)))(x, w)
+  hx, hw = jax.jit(jax.grad(loss, (0, 1)))(bf(x), bf(w))
+  assert gx.dtype == gw.dtype == jnp.float8_e4m3fn
+  np.testing.assert_array_equal(np.asarray(gx.astype(jnp.float32)),
+                                np.asarray(hx.astype(jnp.float8_e4m3fn).astype(jnp.float32)))
+  np.testing.assert_array_equal(np.asarray(gw.astype(jnp.float32)),
+                                np.asarray(hw.astype(jnp.float8_e4m3fn).astype(jnp.float32)))
+
+
 def _training_call(m, seed):
   """Routed group sizes over 128 experts, bf16 operands x [m, 768], w [128, 768,
   2048] and a cotangent, ``ragged_dot`` on them and its value and gradients

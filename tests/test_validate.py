@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -28,7 +29,8 @@ CASES = [
     ("float group_offset", lambda: ragdot.ragged_dot(L, R[:1], GS, group_offset=jnp.float32(0)), TypeError, "group_offset"),
     ("group_offset shape", lambda: ragdot.ragged_dot(L, R[:1], GS, group_offset=jnp.zeros((2,), jnp.int32)), TypeError, "group_offset"),
     ("group_offset str", lambda: ragdot.ragged_dot(L, R[:1], GS, group_offset="0"), TypeError, "group_offset"),
-    ("bool lhs", lambda: ragdot.ragged_dot(L > 0, R, GS), TypeError, "lhs"),
+    ("PRNG key lhs", lambda: ragdot.ragged_dot(jax.random.split(jax.random.key(0), (8, 4)), R, GS), TypeError, "lhs"),
+    ("integer result narrowed", lambda: ragdot.ragged_dot(L.astype(jnp.int32), R.astype(jnp.int32), GS, preferred_element_type=jnp.int8), TypeError, "preferred_element_type"),
     ("bad preferred_element_type", lambda: ragdot.ragged_dot(L, R, GS, preferred_element_type="nope"), TypeError, "preferred_element_type"),
     ("unknown implementation", lambda: ragdot.ragged_dot(L, R, GS, implementation="cuda"), ValueError, "implementation"),
     ("implementation not a str", lambda: ragdot.ragged_dot(L, R, GS, implementation=1), ValueError, "implementation"),

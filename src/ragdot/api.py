@@ -276,7 +276,7 @@ def ragged_dot(
       sum above m cuts the groups at m; rows past the sum are 0).
     precision, preferred_element_type: as in ``jax.lax.dot``.  Low-precision
       inputs accumulate in f32; the result has ``preferred_element_type`` or
-      the promoted input dtype.
+      the dtype ``jax.lax.ragged_dot`` gives the pair (``validate.result_dtype``).
     group_offset: optional int scalar (shape ``()`` or ``(1,)``, may be
       traced): rhs[j] is group ``group_offset + j``; every row outside those
       groups is exactly 0 and costs no matmul work.
@@ -296,8 +296,9 @@ def ragged_dot(
       lhs, rhs, group_sizes, group_offset, preferred_element_type)
   lhs, rhs, gs, go = _prepare(lhs, rhs, gs, go)
   out = _gmm_sharded(lhs, rhs, gs, go, False, _hashable_precision(precision),
-                     problem.out_dtype, impl)
-  return _finish(out, gs, go, problem.num_groups, checks, out_sharding)
+                     problem.backend_out_dtype, impl)
+  return _finish(out.astype(problem.out_dtype), gs, go, problem.num_groups, checks,
+                 out_sharding)
 
 
 def trans_ragged_dot(
@@ -335,8 +336,9 @@ def trans_ragged_dot(
       lhs, rhs, group_sizes, group_offset, num_groups, preferred_element_type)
   lhs, rhs, gs, go = _prepare(lhs, rhs, gs, go)
   out = _tgmm_sharded(lhs, rhs, gs, go, problem.num_local,
-                      _hashable_precision(precision), problem.out_dtype, impl)
-  return _finish(out, gs, go, problem.num_groups, checks, out_sharding)
+                      _hashable_precision(precision), problem.backend_out_dtype, impl)
+  return _finish(out.astype(problem.out_dtype), gs, go, problem.num_groups, checks,
+                 out_sharding)
 
 
 def _ints(xs: Sequence[int]) -> tuple[int, ...]:
@@ -408,8 +410,9 @@ def ragged_dot_general(
         transpose_rhs=True)
     lhs, rhs, gs, go = _prepare(lhs, rhs, gs, go)
     out = _gmm_sharded(lhs, rhs, gs, go, True, _hashable_precision(precision),
-                       problem.out_dtype, impl)
-    return _finish(out, gs, go, problem.num_groups, checks, out_sharding)
+                       problem.backend_out_dtype, impl)
+    return _finish(out.astype(problem.out_dtype), gs, go, problem.num_groups, checks,
+                 out_sharding)
   if mode == "ragged_contracting":
     (lc, rc), _ = dn.dot_dimension_numbers
     lhs_rows_first = lhs if int(lc[0]) == 0 else jnp.swapaxes(lhs, 0, 1)

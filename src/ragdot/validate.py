@@ -31,13 +31,72 @@ class Problem:
   out_dtype: jnp.dtype
   has_offset: bool
 
+  @property
+  def backend_out_dtype(self) -> jnp.dtype:
+    """The dtype the backends write: ``out_dtype``, but f32 for a float
+    narrower than 16 bits (fp8), which the caller then rounds to once."""
+    if jnp.issubdtype(self.out_dtype, jnp.floating) and jnp.finfo(self.out_dtype).bits < 16:
+      return jnp.dtype(jnp.float32)
+    return self.out_dtype
+
+
+
+def _input_dtype(x: Any) -> np.dtype:
+  # jnp.result_type canonicalizes (f64 -> f32 without x64); alone, a weak type
+  # keeps its dtype: lax does not let it yield to the other operand's.
+  return np.dtype(jnp.result_type(x))
+
+
+def _rank(dtype: np.dtype) -> tuple[bool, int, int, int, bool]:
+  """Where ``jax.lax.dot_general`` ranks an input dtype for its result type
+  (XLA's HigherPrecisionType): complex, exponent range, mantissa, bits, signed."""
+  complex_ = jnp.issubdtype(dtype, jnp.complexfloating)
+  real = np.dtype(jnp.finfo(dtype).dtype) if complex_ else dtype
+  floating = jnp.issubdtype(real, jnp.floating)
+  if floating:
+    bits = jnp.finfo(real).bits
+  elif real == np.dtype(bool):
+    bits = 1
+  else:
+    bits = jnp.iinfo(real).bits
+  return (complex_, jnp.finfo(real).maxexp if floating else -1,
+          jnp.finfo(real).nmant if floating else -1, bits,
+          not jnp.issubdtype(real, jnp.unsignedinteger))
+
+
+def result_dtype(lhs: Any, rhs: Any) -> np.dtype:
+  """The result dtype of ``jax.lax.ragged_dot`` without preferred_element_type:
+  the operand dtype lax ranks higher (bf16 over f16, int8 over uint8, any
+  float over any integer); TypeError for two distinct dtypes it ranks equal."""
+  a, b = _input_dtype(lhs), _input_dtype(rhs)
+  if _rank(a) > _rank(b):
+    return a
+  if _rank(b) > _rank(a):
+    return b
+  if a != b:
+    raise TypeError(f"lhs and rhs dtypes {a} and {b} have no common result dtype")
+  return a
+
+
+def _widened(dtype: np.dtype) -> np.dtype:
+  """A dtype the backends compute in that holds every value of ``dtype``:
+  8-bit and narrower floats as bf16, sub-byte integers as int8."""
+  if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 16:
+    return np.dtype(jnp.bfloat16)
+  if jnp.issubdtype(dtype, jnp.integer) and jnp.iinfo(dtype).bits < 8:
+    return np.dtype(jnp.int8)
+  return dtype
 
 
 def common_dtype(lhs: Any, rhs: Any) -> np.dtype:
-  """The operands' common dtype as ``jax.lax.ragged_dot`` takes it: a weak type
-  (e.g. an f32 array made from a Python float) does not yield to the other
-  operand's dtype, as it would in ``jnp.result_type``."""
-  return jnp.promote_types(jnp.result_type(lhs), jnp.result_type(rhs))
+  """The dtype both operands are cast to before a backend runs: the operands'
+  dtype, else one that holds both exactly (bf16 and f16 meet in f32, fp8 is
+  computed in bf16, int4 in int8; an integer meets a float in that float)."""
+  a, b = _input_dtype(lhs), _input_dtype(rhs)
+  if a == b and _widened(a) == a:
+    return a
+  return np.dtype(jnp.promote_types(_widened(a), _widened(b)))
+
 
 def check_implementation(implementation: Any) -> str | None:
   if implementation is None:
@@ -53,9 +112,9 @@ def check_implementation(implementation: Any) -> str | None:
 def _check_numeric(name: str, x: Any) -> None:
   dtype = getattr(x, "dtype", None)
   if dtype is None or not (
-      jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+      jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)
   ):
-    raise TypeError(f"{name} must be a floating or integer array, got dtype {dtype}")
+    raise TypeError(f"{name} must be a numeric or bool array, got dtype {dtype}")
 
 
 def _check_rank(name: str, x: Any, rank: int, layout: str) -> None:
@@ -102,15 +161,23 @@ def check_group_offset(group_offset: Any) -> jax.Array | None:
   return jnp.reshape(group_offset, ()).astype(jnp.int32)
 
 
-def _out_dtype(dtype: jnp.dtype, preferred_element_type: Any) -> jnp.dtype:
+def _out_dtype(result: np.dtype, preferred_element_type: Any) -> jnp.dtype:
+  """preferred_element_type if given, else ``result``; as lax, a non-float
+  result may not be narrowed (int32 inputs cannot give int8)."""
   if preferred_element_type is None:
-    return dtype
+    return result
   try:
-    return jnp.dtype(preferred_element_type)
+    preferred = jnp.dtype(preferred_element_type)
   except TypeError as e:
     raise TypeError(
         f"preferred_element_type must be a dtype, got {preferred_element_type!r}"
     ) from e
+  if (preferred != result and not jnp.issubdtype(result, jnp.floating)
+      and _rank(preferred)[3] < _rank(result)[3]):
+    raise TypeError(
+        f"preferred_element_type {preferred} is narrower than the inputs' result"
+        f" dtype {result}")
+  return preferred
 
 
 def check_ragged_dot(
@@ -157,7 +224,7 @@ def check_ragged_dot(
   dtype = common_dtype(lhs, rhs)
   problem = Problem(
       m=m, k=k, n=n, num_groups=num_groups, num_local=g_local, dtype=dtype,
-      out_dtype=_out_dtype(dtype, preferred_element_type),
+      out_dtype=_out_dtype(result_dtype(lhs, rhs), preferred_element_type),
       has_offset=go is not None,
   )
   return problem, gs, go
@@ -208,7 +275,7 @@ def check_trans_ragged_dot(
   dtype = common_dtype(lhs, rhs)
   problem = Problem(
       m=m, k=k, n=n, num_groups=total, num_local=num_local, dtype=dtype,
-      out_dtype=_out_dtype(dtype, preferred_element_type),
+      out_dtype=_out_dtype(result_dtype(lhs, rhs), preferred_element_type),
       has_offset=go is not None,
   )
   return problem, gs, go
@@ -216,7 +283,7 @@ def check_trans_ragged_dot(
 
 def accumulation_dtype(dtype: jnp.dtype, out_dtype: jnp.dtype) -> jnp.dtype:
   """f32 (or wider) for floats, int32 (or wider) for integers."""
-  wide = jnp.promote_types(dtype, out_dtype)
+  wide = jnp.promote_types(_widened(np.dtype(dtype)), _widened(np.dtype(out_dtype)))
   if jnp.issubdtype(wide, jnp.floating):
     return jnp.promote_types(wide, jnp.float32)
   return jnp.promote_types(wide, jnp.int32)

@@ -1,0 +1,180 @@
+"""Input and result dtypes as ``jax.lax.ragged_dot`` takes them.
+
+lax ranks the two operand dtypes (complex, exponent range, mantissa, bits,
+signed) and returns the higher one, or ``preferred_element_type``; it takes
+fp8, int4, bool and complex operands, mixed freely.  ragdot computes in a
+dtype that holds both operands exactly (fp8 in bf16, int4 in int8), with f32 /
+int32 accumulation, and rounds once to the result dtype.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import ragdot
+
+FP8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, *FP8, jnp.int8, jnp.uint8, jnp.int4,
+          jnp.bool_, jnp.complex64)
+GS = jnp.array([5, 11, 0, 14], jnp.int32)  # 30 of 32 rows: two rows past the groups
+
+
+def _operand(dtype, shape, seed):
+  key = jax.random.key(seed)
+  if dtype == jnp.bool_:
+    return jax.random.bernoulli(key, 0.3, shape)
+  if jnp.issubdtype(dtype, jnp.integer):
+    lo, hi = (0, 16) if jnp.issubdtype(dtype, jnp.unsignedinteger) else (-8, 8)
+    return jax.random.randint(key, shape, lo, hi).astype(dtype)
+  x = 3 * jax.random.normal(key, shape)
+  if dtype == jnp.complex64:
+    x = x + 1j * jax.random.normal(jax.random.fold_in(key, 1), shape)
+  return x.astype(dtype)
+
+
+def _wide(*dtypes):
+  """A dtype whose exact products and sums serve as the reference."""
+  if any(jnp.issubdtype(d, jnp.complexfloating) for d in dtypes):
+    return jnp.complex64
+  if all(d == jnp.bool_ or jnp.issubdtype(d, jnp.integer) for d in dtypes):
+    return jnp.int32
+  return jnp.float32
+
+
+def _reference(x, w, out_dtype):
+  """f32 / int32 / complex64 products of the exact operand values, rounded
+  once to the result dtype (bool: any product of trues)."""
+  wide = _wide(x.dtype, w.dtype, out_dtype)
+  acc = lax.ragged_dot(x.astype(wide), w.astype(wide), GS, precision=lax.Precision.HIGHEST)
+  if out_dtype == jnp.bool_:
+    return acc != 0
+  if jnp.iscomplexobj(acc) and not jnp.issubdtype(out_dtype, jnp.complexfloating):
+    acc = jnp.real(acc)  # lax keeps the real part of a complex sum asked for a real result
+  return acc.astype(out_dtype)
+
+
+def _cases():
+  for a, b in itertools.product(DTYPES, DTYPES):
+    for pref in (None, jnp.float32, jnp.bfloat16):
+      yield a, b, pref
+
+
+@pytest.mark.parametrize("a,b,pref", list(_cases()),
+                         ids=lambda d: getattr(d, "__name__", str(d)))
+def test_result_dtype_and_values_like_lax(a, b, pref):
+  x, w = _operand(a, (32, 16), 0), _operand(b, (4, 16, 8), 1)
+  try:
+    want = lax.ragged_dot(x, w, GS, preferred_element_type=pref)
+  except TypeError:  # e.g. a complex result narrowed to bf16
+    with pytest.raises(TypeError, match="preferred_element_type"):
+      ragdot.ragged_dot(x, w, GS, preferred_element_type=pref)
+    return
+  got = ragdot.ragged_dot(x, w, GS, preferred_element_type=pref)
+  assert got.dtype == want.dtype
+  ref = _reference(x, w, got.dtype)
+  if got.dtype == jnp.bool_ or jnp.issubdtype(got.dtype, jnp.integer):
+    np.testing.assert_array_equal(got, ref)
+    return
+  # Floats: the f32 accumulation's order differs from the reference's, so
+  # allow a few units of the f32 rounding, then one ulp of the result dtype.
+  ref32 = np.asarray(ref.astype(_wide(got.dtype)))
+  eps = float(jnp.finfo(got.dtype).eps)
+  scale = np.abs(np.asarray(_reference(x, w, _wide(got.dtype))))
+  np.testing.assert_allclose(np.asarray(got.astype(_wide(got.dtype))), ref32,
+                             atol=1e-5 * float(scale.max()) + 1e-6,
+                             rtol=eps if got.dtype.itemsize < 2 else 4 * eps)
+  assert not np.asarray(got[30:]).any(), "rows past the groups must be 0"
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype", [(FP8[0], FP8[0]), (FP8[1], FP8[1]),
+                                             (FP8[0], FP8[1]), (jnp.bfloat16, FP8[0])])
+def test_fp8_result_is_the_f32_sum_rounded_once(x_dtype, w_dtype):
+  # The result dtype is fp8 (e5m2 wins over e4m3: larger exponent range). lax on
+  # the CPU rounds through f16 (and casts e4m3 to e5m2 first when mixed);
+  # ragdot rounds the f32 accumulation once.
+  x, w = _operand(x_dtype, (32, 16), 2), _operand(w_dtype, (4, 16, 8), 3)
+  got = ragdot.ragged_dot(x, w, GS)
+  want = lax.ragged_dot(x, w, GS)
+  assert got.dtype == want.dtype
+  exact = lax.ragged_dot(x.astype(jnp.float32), w.astype(jnp.float32), GS,
+                         precision=lax.Precision.HIGHEST)
+  np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
+                                np.asarray(exact.astype(got.dtype).astype(jnp.float32)))
+
+
+def test_narrowing_an_integer_result_is_refused_like_lax():
+  x, w = _operand(jnp.int32, (32, 16), 0), _operand(jnp.int32, (4, 16, 8), 1)
+  with pytest.raises(TypeError):
+    lax.ragged_dot(x, w, GS, preferred_element_type=jnp.int8)
+  with pytest.raises(TypeError, match="preferred_element_type"):
+    ragdot.ragged_dot(x, w, GS, preferred_element_type=jnp.int8)
+
+
+def test_equally_ranked_distinct_dtypes_are_refused_like_lax():
+  # float8_e4m3fn and float8_e4m3b11fnuz: same exponent range, mantissa and
+  # width, so lax has no result dtype for the pair.
+  other = jnp.float8_e4m3b11fnuz
+  x, w = _operand(FP8[0], (32, 16), 0), _operand(other, (4, 16, 8), 1)
+  try:
+    lax.ragged_dot(x, w, GS)
+  except TypeError:
+    with pytest.raises(TypeError, match="lhs and rhs"):
+      ragdot.ragged_dot(x, w, GS)
+  else:
+    assert ragdot.ragged_dot(x, w, GS).dtype == lax.ragged_dot(x, w, GS).dtype
+
+
+@pytest.mark.parametrize("impl", ["triton", "mosaic"])
+def test_fp8_operands_run_the_kernels_in_bf16(impl):
+  # fp8 values are exact in bf16: the kernels on fp8 operands equal the same
+  # kernels on the bf16 copies, forward and weight gradient.
+  m, k, n = 128, 64, 64
+  gs = jnp.array([40, 0, 56, 24], jnp.int32)
+  x = _operand(FP8[0], (m, k), 4)
+  w = _operand(FP8[0], (4, k, n), 5)
+  dy = _operand(FP8[1], (m, n), 6)
+  bf = lambda a: a.astype(jnp.bfloat16)
+  got = ragdot.ragged_dot(x, w, gs, preferred_element_type=jnp.bfloat16, implementation=impl)
+  want = ragdot.ragged_dot(bf(x), bf(w), gs, implementation=impl)
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  got_t = ragdot.trans_ragged_dot(x, dy, gs, preferred_element_type=jnp.float32,
+                                  implementation=impl)
+  want_t = ragdot.trans_ragged_dot(bf(x), bf(dy), gs, preferred_element_type=jnp.float32,
+                                   implementation=impl)
+  np.testing.assert_array_equal(got_t, want_t)
+
+
+@pytest.mark.parametrize("w_dtype", [jnp.int4, FP8[0]])
+def test_gradients_through_narrow_weights_like_lax(w_dtype):
+  # Quantized experts (int4 or fp8 weights, bf16 activations): the gradient
+  # of the activations, and its dtype, as lax gives them.
+  x = _operand(jnp.bfloat16, (32, 16), 7)
+  w = _operand(w_dtype, (4, 16, 8), 8)
+
+  def loss(f, x):
+    return jnp.sum(f(x, w, GS).astype(jnp.float32) ** 2)
+
+  got = jax.grad(lambda x: loss(ragdot.ragged_dot, x))(x)
+  want = jax.grad(lambda x: loss(lax.ragged_dot, x))(x)
+  assert got.dtype == want.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                             rtol=2e-2, atol=1e-2 * float(jnp.abs(want).max()))
+
+
+def test_complex_operands_with_gradients_like_lax():
+  x = _operand(jnp.complex64, (32, 16), 9)
+  w = _operand(jnp.complex64, (4, 16, 8), 10)
+
+  def loss(f, x, w):
+    return jnp.sum(jnp.abs(f(x, w, GS)) ** 2)
+
+  got = jax.grad(lambda x, w: loss(ragdot.ragged_dot, x, w), (0, 1))(x, w)
+  want = jax.grad(lambda x, w: loss(lax.ragged_dot, x, w), (0, 1))(x, w)
+  for g, h in zip(got, want):
+    np.testing.assert_allclose(g, h, rtol=1e-4, atol=1e-3)
