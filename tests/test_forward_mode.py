@@ -257,3 +257,34 @@ def test_vmap_over_a_batch_split_over_explicit_axes():
     grads = jax.jit(jax.grad(loss, (0, 1)))(xs_split, w)
   np.testing.assert_allclose(grads[0], want_grads[0], rtol=1e-6)
   np.testing.assert_allclose(grads[1], want_grads[1], rtol=1e-5)
+
+
+def test_vmap_with_spmd_axis_name_maps_each_devices_elements():
+  """vmap(spmd_axis_name=...) over an automatic mesh axis: each device loops
+  over its own elements (a loop over the whole batch had XLA gather the batch
+  onto every device); the result stays split, equal to the per-element calls,
+  gradients and vmap of a gradient too."""
+  mesh = jax.make_mesh((4,), ("s",), axis_types=(jax.sharding.AxisType.Auto,))
+  xs, ws = oracle.random_inputs(jax.random.key(9), [(8, 24, 8), (8, 2, 8, 16)], jnp.float32)
+  gs = jnp.array([9, 11], jnp.int32)
+  f = lambda x, w: ragdot.ragged_dot(x, w, gs, precision=HIGHEST, implementation="xla")
+  batched = jax.vmap(f, spmd_axis_name="s")
+  loss = lambda xs, ws: jnp.sum(batched(xs, ws) ** 2)
+  want = jnp.stack([f(x, w) for x, w in zip(xs, ws)])
+  want_grads = [jnp.stack(g) for g in zip(*[
+      jax.grad(lambda x, w: jnp.sum(f(x, w) ** 2), (0, 1))(x, w) for x, w in zip(xs, ws)])]
+  split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("s"))
+  with jax.set_mesh(mesh):
+    args = [jax.device_put(a, split) for a in (xs, ws)]
+    run = jax.jit(batched)
+    out = run(*args)
+    hlo = run.lower(*args).compile().as_text()
+    grads = jax.jit(jax.grad(loss, (0, 1)))(*args)
+    per_element = jax.jit(jax.vmap(jax.grad(lambda x, w: jnp.sum(f(x, w) ** 2), (0, 1)),
+                                   spmd_axis_name="s"))(*args)
+  assert out.sharding.spec[0] == "s"
+  assert "all-gather" not in hlo
+  np.testing.assert_array_equal(out, want)
+  for got in (grads, per_element):
+    for g, h in zip(got, want_grads):
+      np.testing.assert_allclose(g, h, rtol=1e-5, atol=1e-5)

@@ -120,10 +120,14 @@ def _transpose(op, ct, lhs, rhs, group_sizes, *rest, **params):
   return cts
 
 
-def _batch(op, args, dims, **params):
+def _batch(op, axis_data, args, dims, **params):
   """The op mapped over the batch axis, one unbatched call per element (a
   batched kernel call would not be differentiable where a JVP trace sits
-  below the batch trace, as in ``jax.grad`` of a function that vmaps)."""
+  below the batch trace, as in ``jax.grad`` of a function that vmaps).
+
+  A batch split over mesh axes (explicit axes of the operands' types, or
+  vmap's ``spmd_axis_name`` over the context mesh's automatic axes) is mapped
+  per device: each device loops over its own elements."""
   params = tp.params_of(params)
   mapped = [i for i, d in enumerate(dims) if d is not None]
   xs = [jnp.moveaxis(args[i], dims[i], 0) for i in mapped]
@@ -138,13 +142,18 @@ def _batch(op, args, dims, **params):
     return lax.map(one, xs)
 
   split = _batch_split(xs)
-  if split is None:
-    return loop(xs, rest), 0
-  # The batch is split over explicit mesh axes, which lax.map cannot scan:
-  # each device maps over its own elements, under shard_map over those axes.
-  mesh, axes = split
-  xs = [_reshard(x, mesh, axes, batch=True) for x in xs]
-  rest = [_reshard(a, mesh, axes, batch=False) for a in rest]
+  if split is not None:
+    # Split over explicit mesh axes, which lax.map cannot scan.
+    mesh, axes = split
+    xs = [_reshard(x, mesh, axes, batch=True) for x in xs]
+    rest = [_reshard(a, mesh, axes, batch=False) for a in rest]
+  else:
+    split = _spmd_split(axis_data, xs[0].shape[0])
+    if split is None:
+      return loop(xs, rest), 0
+    # vmap(spmd_axis_name=...): a loop over the whole batch would have XLA
+    # gather it onto every device.
+    mesh, axes = split
   in_specs = ([P(axes)] * len(xs), [P()] * len(rest))
   local = jax.shard_map(loop, mesh=mesh, in_specs=in_specs, out_specs=P(axes),
                         axis_names=set(axes))
@@ -163,6 +172,24 @@ def _batch_split(xs: list[Any]) -> tuple[Any, tuple[str, ...]] | None:
   return None
 
 
+def _spmd_split(axis_data: Any, size: int) -> tuple[Any, tuple[str, ...]] | None:
+  """The context mesh and vmap's ``spmd_axis_name`` axes, when they are
+  automatic axes of that mesh and divide the batch; else None."""
+  names = axis_data.spmd_name
+  if not names:
+    return None
+  axes = tuple(names) if isinstance(names, (tuple, list)) else (names,)
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not set(axes) <= set(mesh.axis_names):
+    return None
+  types = dict(zip(mesh.axis_names, mesh.axis_types))
+  if any(types[a] != jax.sharding.AxisType.Auto for a in axes):
+    return None
+  if size % math.prod(mesh.shape[a] for a in axes):
+    return None
+  return mesh, axes
+
+
 def _reshard(x: Any, mesh: Any, axes: tuple[str, ...], batch: bool) -> Any:
   """``x`` split over ``axes`` along its leading dimension if it is a batch,
   and over none of them along every other dimension."""
@@ -178,7 +205,7 @@ def _reshard(x: Any, mesh: Any, axes: tuple[str, ...], batch: bool) -> Any:
 def _define(name: str, op: Callable[..., jax.Array], op_name: str) -> Any:
   return tp.define(name, functools.partial(_make_fn, op_name),
                    jvp=functools.partial(_jvp, op), transpose=functools.partial(_transpose, op),
-                   batch=functools.partial(_batch, op))
+                   batch=functools.partial(_batch, op), batch_takes_axis=True)
 
 
 gmm_p = _define("ragdot_gmm", gmm, "gmm")

@@ -24,9 +24,11 @@ _FNS: dict[Any, MakeFn] = {}
 
 
 def define(name: str, make_fn: MakeFn, *, jvp: Callable, transpose: Callable,
-           batch: Callable) -> jex_core.Primitive:
+           batch: Callable, batch_takes_axis: bool = False) -> jex_core.Primitive:
   """A primitive computing ``make_fn(params)(*args)``, with the given JVP,
-  transpose and batching rules (as ``ad.primitive_jvps`` etc. take them)."""
+  transpose and batching rules (as ``ad.primitive_jvps`` etc. take them; with
+  ``batch_takes_axis`` the batching rule takes vmap's axis data first, as
+  ``batching.fancy_primitive_batchers`` rules do)."""
   prim = jex_core.Primitive(name)
   _FNS[prim] = make_fn
   prim.def_impl(lambda *args, jaxpr, **params: make_fn(params)(*args))
@@ -34,7 +36,14 @@ def define(name: str, make_fn: MakeFn, *, jvp: Callable, transpose: Callable,
   mlir.register_lowering(prim, _lowering)
   ad.primitive_jvps[prim] = jvp
   ad.primitive_transposes[prim] = transpose
-  batching.primitive_batchers[prim] = batch
+  if batch_takes_axis:
+    def rule(axis_data, args, dims, **params):
+      if all(d is None for d in dims):  # nothing batched: the plain primitive
+        return prim.bind(*args, **params), None
+      return batch(axis_data, args, dims, **params)
+    batching.fancy_primitive_batchers[prim] = rule
+  else:
+    batching.primitive_batchers[prim] = batch
   return prim
 
 
