@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 from jax import lax
 
+import oracle
 import ragdot
+from ragdot.backends import get_backend
 
 FP8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, *FP8, jnp.int8, jnp.uint8, jnp.int4,
@@ -178,3 +180,98 @@ def test_complex_operands_with_gradients_like_lax():
   want = jax.grad(lambda x, w: loss(lax.ragged_dot, x, w), (0, 1))(x, w)
   for g, h in zip(got, want):
     np.testing.assert_allclose(g, h, rtol=1e-4, atol=1e-3)
+
+
+# --- native fp8: the Mosaic forward with rhs laid out [g, n, k] ---------------
+
+NK = lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), [0], [0])
+# Mosaic forms (interpret mode): a pipeline per tile, the ring, and the ring
+# with rows on wgmma's N axis and a folded tail (as the H200 table's dX entries).
+FP8_CONFIGS = {
+    "pipeline": dict(block_m=128, block_n=128, block_k=64, num_stages=2, num_compute_wgs=2,
+                     num_sms=3),
+    "ring": dict(block_m=128, block_n=128, block_k=64, num_stages=2, num_compute_wgs=2,
+                 ring=True, num_sms=3),
+    "swap": dict(block_m=128, block_n=128, block_k=64, num_stages=2, num_compute_wgs=2,
+                 ring=True, swap=True, tail_rows=32, producer_zeros=False, num_sms=3),
+}
+
+
+@pytest.mark.parametrize("form", sorted(FP8_CONFIGS))
+@pytest.mark.parametrize("dtype,offset", [(FP8[0], None), (FP8[1], 1)])
+def test_mosaic_takes_fp8_with_rhs_nk(form, dtype, offset):
+  """e4m3 / e5m2 operands straight into wgmma (k steps of 128 one-byte
+  columns): against the f32 sum, the rows outside a shard exactly 0."""
+  from ragdot.backends import mosaic_fwd as mf
+  sizes, m, k, n = [300, 10, 0, 150], 512, 256, 128
+  local = 4 if offset is None else 2
+  x = _operand(dtype, (m, k), 11)
+  w = _operand(dtype, (local, n, k), 12)
+  gs = jnp.asarray(sizes, jnp.int32)
+  go = None if offset is None else jnp.int32(offset)
+  cfg = mf.MosaicFwdConfig(**FP8_CONFIGS[form])
+  out = mf.gmm(x, w, gs, go, transpose_rhs=True, out_dtype=jnp.float32, interpret=True,
+               config=cfg)
+  want = oracle.ref_ragged_dot(x.astype(jnp.float32), w.astype(jnp.float32), sizes, go, True)
+  np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-4)
+  oracle.assert_zero_rows(out, sizes, offset, local)
+
+
+def test_mosaic_refuses_fp8_with_rhs_kn():
+  from ragdot.backends import mosaic_fwd as mf
+  x, w = _operand(FP8[0], (128, 128), 0), _operand(FP8[0], (2, 128, 128), 1)
+  with pytest.raises(NotImplementedError, match="n, k"):
+    mf.gmm(x, w, jnp.array([64, 64], jnp.int32), None, transpose_rhs=False,
+           out_dtype=jnp.float32, interpret=True)
+
+
+def test_explicit_mosaic_runs_fp8_natively_only_with_rhs_nk(monkeypatch):
+  """implementation="mosaic": the [g, n, k] forward gets the fp8 operands, the
+  [g, k, n] forward and the weight gradient bf16 copies; gradients through the
+  native call as lax gives them."""
+  backend = get_backend("mosaic")  # the module whose gmm the api calls
+  seen = []
+  real = backend.gmm
+  monkeypatch.setattr(backend, "gmm", lambda lhs, rhs, *a, **kw: seen.append(
+      (lhs.dtype, kw["transpose_rhs"])) or real(lhs, rhs, *a, **kw))
+  api_compiled = ragdot.api._compiled
+  api_compiled.cache_clear()
+  gs = jnp.array([40, 0, 56, 32], jnp.int32)
+  x, w = _operand(FP8[0], (128, 64), 13), _operand(FP8[0], (4, 128, 64), 14)
+  f = lambda x, w: ragdot.ragged_dot_general(x, w, gs, NK, preferred_element_type=jnp.float32,
+                                             implementation="mosaic")
+  out = f(x, w)
+  want = oracle.ref_ragged_dot(x.astype(jnp.float32), w.astype(jnp.float32), [40, 0, 56, 32],
+                               None, True)
+  np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-4)
+  assert seen == [(jnp.dtype(FP8[0]), True)]
+  c = jax.random.normal(jax.random.key(15), (128, 128)) / 16  # gradients well inside e4m3
+  loss = lambda f, x, w: jnp.sum(f(x, w).astype(jnp.float32) * c)
+  got = jax.grad(lambda x, w: loss(f, x, w), (0, 1))(x, w)
+  lax_f = lambda x, w: lax.ragged_dot_general(x, w, gs, NK, preferred_element_type=jnp.float32)
+  ref = jax.grad(lambda x, w: loss(lax_f, x, w), (0, 1))(x, w)
+  exact = jax.grad(lambda x, w: loss(lax_f, x, w), (0, 1))(
+      x.astype(jnp.float32), w.astype(jnp.float32))
+  for g, h, e in zip(got, ref, exact):
+    assert g.dtype == h.dtype == FP8[0]
+    # the f32 gradient (cotangent rounded to bf16) rounded once to e4m3
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(e, np.float32),
+                               rtol=0.07, atol=0.01 * float(jnp.abs(e).max()))
+  assert (jnp.dtype(jnp.bfloat16), False) in seen  # dX: rhs [g, n, k] used as [g, k, n]
+
+
+@pytest.mark.parametrize("shape", [(32768, 1536, 2048, 128), (32768, 768, 2048, 128),
+                                   (8192, 2048, 7168, 256), (4096, 7168, 2048, 256)])
+def test_fp8_lowers_for_sm90_with_the_h200_dx_entries(shape):
+  """The H200 table's Mosaic configs of the [g, n, k] forward (ring, swap,
+  folded tails, clusters) lower for sm90 with e4m3 operands (the real
+  lowering checks wgmma's 8-bit layout rules, which interpret mode does not)."""
+  import sm90_lowering
+  from ragdot import tables
+  from ragdot.backends import mosaic_fwd as mf
+  m, k, n, g = shape
+  hit = tables.lookup("NVIDIA H200", "gmm_t", "bfloat16", m, k, n, g)
+  assert hit.backend == "mosaic"
+  cfg = mf.MosaicFwdConfig(**hit.config)
+  sm90_lowering.assert_gmm_lowers(cfg, m=m, k=k, n=n, g=g, transpose_rhs=True,
+                                  dtype=FP8[0])

@@ -168,9 +168,9 @@ def test_forward_mode_through_kernels_real_size(offset):
 
 @pytest.mark.parametrize("offset", [None, 2])
 def test_fp8_operands_through_kernels_real_size(offset):
-  """fp8 operands (exact in bf16) run the dispatched bf16 kernels: forward, the
-  fp8 result rounded once from f32, and the gradients, bitwise equal to the
-  same calls on the bf16 copies; the forward against the f32 oracle."""
+  """fp8 operands (exact in bf16) run the dispatched bf16 kernels on converted
+  copies: the fp8 forward and both gradients are the kernels' f32 results
+  rounded once, bitwise; the forward against the f32 oracle."""
   m, k, n, g = 2048, 512, 256, 8
   local = g if offset is None else 4
   sizes = _sizes(m, g, "routed")
@@ -181,23 +181,50 @@ def test_fp8_operands_through_kernels_real_size(offset):
   f = lambda x, w, out: ragdot.ragged_dot(x, w, gs, group_offset=go,
                                           preferred_element_type=out)
   bf = lambda a: a.astype(jnp.bfloat16)
+  fp8 = lambda a: np.asarray(a.astype(jnp.float8_e4m3fn).astype(jnp.float32))
   _poison(16 * m * n)
   got = jax.jit(lambda x, w: f(x, w, None))(x, w)
   assert got.dtype == jnp.float8_e4m3fn
   f32 = jax.jit(lambda x, w: f(x, w, jnp.float32))(bf(x), bf(w))
-  np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
-                                np.asarray(f32.astype(jnp.float8_e4m3fn).astype(jnp.float32)))
+  np.testing.assert_array_equal(fp8(got), fp8(f32))
   oracle.assert_close(f32, oracle.ref_ragged_dot(x.astype(jnp.float32), w.astype(jnp.float32),
                                                  sizes, offset), jnp.bfloat16, factor=2)
   oracle.assert_zero_rows(got.astype(jnp.float32), sizes, offset, local)
+  c = c / 64  # gradients well inside e4m3's range
   loss = lambda x, w: jnp.sum(f(x, w, jnp.bfloat16).astype(jnp.float32) * c)
   gx, gw = jax.jit(jax.grad(loss, (0, 1)))(x, w)
-  hx, hw = jax.jit(jax.grad(loss, (0, 1)))(bf(x), bf(w))
   assert gx.dtype == gw.dtype == jnp.float8_e4m3fn
-  np.testing.assert_array_equal(np.asarray(gx.astype(jnp.float32)),
-                                np.asarray(hx.astype(jnp.float8_e4m3fn).astype(jnp.float32)))
-  np.testing.assert_array_equal(np.asarray(gw.astype(jnp.float32)),
-                                np.asarray(hw.astype(jnp.float8_e4m3fn).astype(jnp.float32)))
+  ct = bf(c)  # the cotangent, rounded to the operands' compute dtype
+  nk = lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), [0], [0])
+  hx = jax.jit(lambda ct, w: ragdot.ragged_dot_general(
+      ct, w, gs, nk, preferred_element_type=jnp.float32, group_offset=go))(ct, bf(w))
+  hw = jax.jit(lambda x, ct: ragdot.trans_ragged_dot(
+      x, ct, gs, group_offset=go, num_groups=None if offset is None else local,
+      preferred_element_type=jnp.float32))(bf(x), ct)
+  np.testing.assert_array_equal(fp8(gx), fp8(hx))
+  np.testing.assert_array_equal(fp8(gw), fp8(hw))
+
+
+@pytest.mark.parametrize("offset", [None, 2])
+def test_native_fp8_forward_rhs_nk_real_size(offset):
+  """implementation="mosaic" with rhs laid out [g, n, k]: e4m3 operands straight
+  into wgmma (the only native fp8 path), with the dispatched config's k step
+  doubled: against the f32 oracle, on NaN-poisoned memory, every row written."""
+  m, k, n, g = 4096, 2048, 1536, 16
+  local = g if offset is None else 4
+  sizes = _sizes(m, g, "routed")
+  x, w = oracle.random_inputs(jax.random.key(12), [(m, k), (local, n, k)], jnp.float32)
+  x, w = x.astype(jnp.float8_e4m3fn), (w / 4).astype(jnp.float8_e4m3fn)
+  gs, go = jnp.asarray(sizes), None if offset is None else jnp.int32(offset)
+  nk = lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), [0], [0])
+  _poison(16 * m * n)
+  out = jax.jit(lambda x, w: ragdot.ragged_dot_general(
+      x, w, gs, nk, preferred_element_type=jnp.bfloat16, group_offset=go,
+      implementation="mosaic"))(x, w)
+  want = oracle.ref_ragged_dot(x.astype(jnp.float32), w.astype(jnp.float32), sizes, offset,
+                               True)
+  oracle.assert_close(out, want, jnp.bfloat16, factor=2)
+  oracle.assert_zero_rows(out, sizes, offset, local)
 
 
 def _training_call(m, seed):

@@ -228,6 +228,9 @@ def choose(op: Op, implementation: str | None, *, dtype: Any = None,
     device: override the current device (``ragdot info --device-kind``, tests).
   """
   precision_ok = _default_precision(precision)
+  if (dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+      and jnp.finfo(dtype).bits == 8):
+    dtype = jnp.bfloat16  # the call widens fp8 to bf16 for the kernels chosen for it
   return _choose(op, implementation, _name(dtype), precision_ok,
                  _name(out_dtype) or _name(dtype), m, k, n, g, num_groups,
                  bool(transpose_rhs), bool(has_offset), device or current_device())

@@ -98,11 +98,16 @@ def _transpose(op, ct, lhs, rhs, group_sizes, *rest, **params):
     return cts
   lhs_linear, rhs_linear = ad.is_undefined_primal(lhs), ad.is_undefined_primal(rhs)
   # The cotangent is rounded to the operands' (common) dtype, as if the op had
-  # produced that dtype: the backward ops then run on the same kernels.
-  ct = ct.astype((lhs.aval if lhs_linear else lhs).dtype)
+  # produced that dtype: the backward ops then run on the same kernels. fp8
+  # operands: bf16 (which holds them exactly), results rounded once from f32.
+  dtype = (lhs.aval if lhs_linear else lhs).dtype
+  wide = jnp.dtype(jnp.bfloat16) if _is_fp8(dtype) else dtype
+  ct = ct.astype(wide)
+  if wide != dtype:
+    lhs, rhs = (a if ad.is_undefined_primal(a) else a.astype(wide) for a in (lhs, rhs))
   common = dict(precision=params["precision"], implementation=params["implementation"])
-  lhs_dtype = lhs.aval.dtype if lhs_linear else None
-  rhs_dtype = rhs.aval.dtype if rhs_linear else None
+  lhs_dtype = _written(lhs.aval.dtype) if lhs_linear else None
+  rhs_dtype = _written(rhs.aval.dtype) if rhs_linear else None
   if op is gmm:
     transpose_rhs = params["transpose_rhs"]
     if lhs_linear:  # rows outside the shard get 0
@@ -117,7 +122,20 @@ def _transpose(op, ct, lhs, rhs, group_sizes, *rest, **params):
       cts[0] = gmm(rhs, ct, group_sizes, go, transpose_rhs=True, out_dtype=lhs_dtype, **common)
     if rhs_linear:
       cts[1] = gmm(lhs, ct, group_sizes, go, transpose_rhs=False, out_dtype=rhs_dtype, **common)
+  for i, a in enumerate((lhs, rhs)):
+    if cts[i] is not None:
+      cts[i] = cts[i].astype(a.aval.dtype)
   return cts
+
+
+def _is_fp8(dtype: Any) -> bool:
+  return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits == 8
+
+
+def _written(dtype: Any) -> Any:
+  """The dtype a backward op writes for a cotangent of ``dtype``: f32 for
+  fp8 (rounded once after), else ``dtype``."""
+  return jnp.dtype(jnp.float32) if _is_fp8(dtype) else dtype
 
 
 def _batch(op, axis_data, args, dims, **params):

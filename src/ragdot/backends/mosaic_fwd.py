@@ -82,6 +82,17 @@ from ragdot.backends.mosaic_fwd_config import (  # noqa: F401  (re-exported)
 
 _IN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _OUT_DTYPES = _IN_DTYPES + (jnp.dtype(jnp.float32),)
+# Native fp8 (rhs [g, n, k] only): a table config's block_k is in 16-bit
+# elements, so 1-byte operands take twice the columns for the same bytes.
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def _for_one_byte(config: MosaicFwdConfig, k: int) -> MosaicFwdConfig:
+  """``config`` with the bytes of its k step kept for 1-byte operands."""
+  block_k = 2 * config.block_k
+  if block_k > 128 or k % block_k:
+    return config
+  return dataclasses.replace(config, block_k=block_k)
 _INTERPRET_SMS = 4
 
 
@@ -91,7 +102,11 @@ def _check_supported(lhs, rhs, out_dtype, transpose_rhs) -> None:
     raise NotImplementedError(
         f"mosaic gmm needs equal lhs/rhs dtypes, got {lhs.dtype} and {rhs.dtype}"
     )
-  if jnp.dtype(lhs.dtype) not in _IN_DTYPES:
+  if jnp.dtype(lhs.dtype) in FP8_DTYPES:
+    if not transpose_rhs:  # 8-bit wgmma reads both operands K-major only
+      raise NotImplementedError(
+          f"mosaic gmm takes {lhs.dtype} with rhs laid out [g, n, k] only")
+  elif jnp.dtype(lhs.dtype) not in _IN_DTYPES:
     raise NotImplementedError(
         f"mosaic gmm supports bf16/f16 inputs only, got {lhs.dtype}"
     )
@@ -589,6 +604,8 @@ def gmm(
     # (swap: swap_rows + tail_rows).
     config = default_config(m, k, n, g_local, lhs.dtype, transpose_rhs, out_dtype)
     config = resolve_producer_zeros(config, has_offset, lhs.dtype, out_dtype)
+  if lhs.dtype.itemsize == 1:
+    config = _for_one_byte(config, k)
   if config.smem_bytes(lhs.dtype, out_dtype) > config.smem_budget():
     raise NotImplementedError(
         f"config {config} needs {config.smem_bytes(lhs.dtype, out_dtype)} bytes of SMEM"
