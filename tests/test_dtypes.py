@@ -275,3 +275,26 @@ def test_fp8_lowers_for_sm90_with_the_h200_dx_entries(shape):
   cfg = mf.MosaicFwdConfig(**hit.config)
   sm90_lowering.assert_gmm_lowers(cfg, m=m, k=k, n=n, g=g, transpose_rhs=True,
                                   dtype=FP8[0])
+
+
+@pytest.mark.parametrize("m,k,n,g", [(32768, 1536, 2048, 128), (512, 1536, 2048, 128)])
+def test_automatic_choice_takes_fp8_natively_on_sm90_with_rhs_nk(m, k, n, g):
+  """On an H200 the automatic choice for e4m3 operands with rhs [g, n, k] is
+  the native Mosaic kernel, also where the bf16 table picks Triton (512 rows);
+  the [g, k, n] layout and an sm80 part keep the bf16 choice."""
+  from ragdot import dispatch
+  h200 = dispatch.Device("gpu", "NVIDIA H200", "9.0")
+  a100 = dispatch.Device("gpu", "NVIDIA A100-SXM4-80GB", "8.0")
+  common = dict(m=m, k=k, n=n, g=g, num_groups=g, out_dtype=jnp.bfloat16)
+  native = dispatch.choose("gmm", None, dtype=FP8[0], transpose_rhs=True, device=h200, **common)
+  bf16 = dispatch.choose("gmm", None, dtype=jnp.bfloat16, transpose_rhs=True, device=h200,
+                         **common)
+  assert native.implementation == "mosaic" and native.automatic
+  if bf16.implementation == "mosaic":
+    assert native == bf16  # the table's own config
+  else:
+    assert "native 8-bit wgmma" in native.reason
+  for dev, tr in ((h200, False), (a100, True)):
+    got = dispatch.choose("gmm", None, dtype=FP8[0], transpose_rhs=tr, device=dev, **common)
+    assert got == dispatch.choose("gmm", None, dtype=jnp.bfloat16, transpose_rhs=tr,
+                                  device=dev, **common)

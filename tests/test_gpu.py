@@ -205,12 +205,15 @@ def test_fp8_operands_through_kernels_real_size(offset):
   np.testing.assert_array_equal(fp8(gw), fp8(hw))
 
 
-@pytest.mark.parametrize("offset", [None, 2])
-def test_native_fp8_forward_rhs_nk_real_size(offset):
-  """implementation="mosaic" with rhs laid out [g, n, k]: e4m3 operands straight
-  into wgmma (the only native fp8 path), with the dispatched config's k step
+@pytest.mark.parametrize("m,k,n,g,offset,impl", [
+    (4096, 2048, 1536, 16, None, "mosaic"), (4096, 2048, 1536, 16, 2, "mosaic"),
+    (4096, 2048, 1536, 16, 2, None),
+    (512, 1536, 2048, 128, None, None),  # the bf16 table picks Triton here
+])
+def test_native_fp8_forward_rhs_nk_real_size(m, k, n, g, offset, impl):
+  """rhs laid out [g, n, k]: e4m3 operands straight into wgmma (the only native
+  fp8 path; explicit, and the automatic choice), with the config's k step
   doubled: against the f32 oracle, on NaN-poisoned memory, every row written."""
-  m, k, n, g = 4096, 2048, 1536, 16
   local = g if offset is None else 4
   sizes = _sizes(m, g, "routed")
   x, w = oracle.random_inputs(jax.random.key(12), [(m, k), (local, n, k)], jnp.float32)
@@ -220,7 +223,7 @@ def test_native_fp8_forward_rhs_nk_real_size(offset):
   _poison(16 * m * n)
   out = jax.jit(lambda x, w: ragdot.ragged_dot_general(
       x, w, gs, nk, preferred_element_type=jnp.bfloat16, group_offset=go,
-      implementation="mosaic"))(x, w)
+      implementation=impl))(x, w)
   want = oracle.ref_ragged_dot(x.astype(jnp.float32), w.astype(jnp.float32), sizes, offset,
                                True)
   oracle.assert_close(out, want, jnp.bfloat16, factor=2)

@@ -68,7 +68,7 @@ def _run(op: dispatch.Op, implementation: str | None, **kwargs) -> jax.Array:
     key = (op, impl, interpret, config, static, types)
     if eager and not last and key in _REFUSED:
       continue  # refused before: an eager call would trace the kernel again to find out
-    native = not choice.automatic and _takes_fp8(op, impl, kwargs, arrays["lhs"].dtype)
+    native = _takes_fp8(op, impl, kwargs, arrays["lhs"].dtype)
     try:
       return call(op, impl, interpret, config, static)(**_widened(arrays, native))
     except NotImplementedError:
@@ -82,8 +82,7 @@ def _run(op: dispatch.Op, implementation: str | None, **kwargs) -> jax.Array:
 def _takes_fp8(op: dispatch.Op, impl: str, static: dict[str, Any], dtype: Any) -> bool:
   """Whether ``impl`` computes ``op`` on operands of ``dtype`` (e4m3 / e5m2)
   natively: the Mosaic forward with rhs laid out [g, n, k] (8-bit wgmma reads
-  both operands K-major). Not yet run on a GPU, so only an explicit
-  ``implementation`` gets it."""
+  both operands K-major)."""
   if impl != "mosaic" or op != "gmm" or not static.get("transpose_rhs"):
     return False
   from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
@@ -93,7 +92,7 @@ def _takes_fp8(op: dispatch.Op, impl: str, static: dict[str, Any], dtype: Any) -
 def _widened(arrays: dict[str, Any], native: bool) -> dict[str, Any]:
   """fp8 operands as bf16 copies (exact) unless the backend takes them."""
   lhs, rhs = arrays["lhs"], arrays["rhs"]
-  if native or jnp.dtype(lhs.dtype).itemsize != 1 or not jnp.issubdtype(lhs.dtype, jnp.floating):
+  if native or not validate.is_fp8(lhs.dtype):
     return arrays
   return {**arrays, "lhs": lhs.astype(jnp.bfloat16), "rhs": rhs.astype(jnp.bfloat16)}
 

@@ -28,6 +28,7 @@ from jax.interpreters import ad
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ragdot import sharded
+from ragdot import validate
 from ragdot import traced_primitive as tp
 from ragdot.manual_axes import match_varying
 
@@ -101,7 +102,7 @@ def _transpose(op, ct, lhs, rhs, group_sizes, *rest, **params):
   # produced that dtype: the backward ops then run on the same kernels. fp8
   # operands: bf16 (which holds them exactly), results rounded once from f32.
   dtype = (lhs.aval if lhs_linear else lhs).dtype
-  wide = jnp.dtype(jnp.bfloat16) if _is_fp8(dtype) else dtype
+  wide = jnp.dtype(jnp.bfloat16) if validate.is_fp8(dtype) else dtype
   ct = ct.astype(wide)
   if wide != dtype:
     lhs, rhs = (a if ad.is_undefined_primal(a) else a.astype(wide) for a in (lhs, rhs))
@@ -128,14 +129,10 @@ def _transpose(op, ct, lhs, rhs, group_sizes, *rest, **params):
   return cts
 
 
-def _is_fp8(dtype: Any) -> bool:
-  return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits == 8
-
-
 def _written(dtype: Any) -> Any:
   """The dtype a backward op writes for a cotangent of ``dtype``: f32 for
   fp8 (rounded once after), else ``dtype``."""
-  return jnp.dtype(jnp.float32) if _is_fp8(dtype) else dtype
+  return jnp.dtype(jnp.float32) if validate.is_fp8(dtype) else dtype
 
 
 def _batch(op, axis_data, args, dims, **params):

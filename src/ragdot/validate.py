@@ -80,8 +80,7 @@ def result_dtype(lhs: Any, rhs: Any) -> np.dtype:
 
 def _widened(dtype: np.dtype) -> np.dtype:
   """A dtype the backends compute in that holds every value of ``dtype``:
-  floats narrower than 8 bits as bf16, sub-byte integers as int8 (8-bit
-  floats of one dtype reach the dispatcher as they are; see ``common_dtype``)."""
+  floats narrower than 16 bits as bf16, sub-byte integers as int8."""
   if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 16:
     return np.dtype(jnp.bfloat16)
   if jnp.issubdtype(dtype, jnp.integer) and jnp.iinfo(dtype).bits < 8:
@@ -89,16 +88,19 @@ def _widened(dtype: np.dtype) -> np.dtype:
   return dtype
 
 
-def _is_fp8(dtype: np.dtype) -> bool:
-  return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits == 8
+def is_fp8(dtype: Any) -> bool:
+  """An 8-bit float (e4m3, e5m2, ...): exact in bf16, where the backends that
+  do not take it compute it."""
+  return bool(jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits == 8)
 
 
 def common_dtype(lhs: Any, rhs: Any) -> np.dtype:
-  """The dtype both operands are cast to before a backend runs: the operands'
-  dtype, else one that holds both exactly (bf16 and f16 meet in f32, fp8 is
-  computed in bf16, int4 in int8; an integer meets a float in that float)."""
+  """The dtype both operands are cast to before the ops: the operands' dtype,
+  else one that holds both exactly (bf16 and f16 meet in f32, mixed fp8 in
+  bf16, int4 in int8; an integer meets a float in that float). One fp8 dtype
+  stays as it is: each backend call widens it to bf16 unless its kernel takes it."""
   a, b = _input_dtype(lhs), _input_dtype(rhs)
-  if a == b and (_widened(a) == a or _is_fp8(a)):
+  if a == b and (_widened(a) == a or is_fp8(a)):
     return a  # fp8: the backend call widens it to bf16 unless its kernel takes it
   return np.dtype(jnp.promote_types(_widened(a), _widened(b)))
 

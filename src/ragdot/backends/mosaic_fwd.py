@@ -93,6 +93,8 @@ def _for_one_byte(config: MosaicFwdConfig, k: int) -> MosaicFwdConfig:
   if block_k > 128 or k % block_k:
     return config
   return dataclasses.replace(config, block_k=block_k)
+
+
 _INTERPRET_SMS = 4
 
 
