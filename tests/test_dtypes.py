@@ -298,3 +298,17 @@ def test_automatic_choice_takes_fp8_natively_on_sm90_with_rhs_nk(m, k, n, g):
     got = dispatch.choose("gmm", None, dtype=FP8[0], transpose_rhs=tr, device=dev, **common)
     assert got == dispatch.choose("gmm", None, dtype=jnp.bfloat16, transpose_rhs=tr,
                                   device=dev, **common)
+
+
+def test_fp8_k_step_stays_below_k_for_the_two_warpgroup_pipeline():
+  """The pipeline of two consumer warpgroups needs two k steps or more (its
+  last slot is never released): k = 128 keeps block_k 64 for fp8, k = 256
+  doubles it."""
+  from ragdot.backends import mosaic_fwd as mf
+  cfg = mf.MosaicFwdConfig(block_m=128, block_n=128, block_k=64, num_stages=2,
+                           num_compute_wgs=2)
+  assert mf._for_one_byte(cfg, 128).block_k == 64
+  assert mf._for_one_byte(cfg, 256).block_k == 128
+  ring = mf.MosaicFwdConfig(block_m=128, block_n=128, block_k=64, num_stages=2,
+                            num_compute_wgs=2, ring=True)
+  assert mf._for_one_byte(ring, 128).block_k == 128  # the ring releases every slot

@@ -288,3 +288,25 @@ def test_vmap_with_spmd_axis_name_maps_each_devices_elements():
   for got in (grads, per_element):
     for g, h in zip(got, want_grads):
       np.testing.assert_allclose(g, h, rtol=1e-5, atol=1e-5)
+
+
+def test_nested_vmaps_with_spmd_axis_names():
+  """An spmd vmap inside another (on another mesh axis), also under grad: the
+  inner one loops over its batch (JAX cannot batch its shard_map over an
+  automatic axis), the outer one splits; results as per-element calls."""
+  mesh = jax.make_mesh((2, 4), ("a", "s"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  xs, w = oracle.random_inputs(jax.random.key(10), [(2, 4, 24, 8), (2, 8, 16)], jnp.float32)
+  gs = jnp.array([9, 11], jnp.int32)
+  f = lambda x: ragdot.ragged_dot(x, w, gs, precision=HIGHEST, implementation="xla")
+  want = jnp.stack([jnp.stack([f(x) for x in row]) for row in xs])
+  inner = lambda x: jnp.sum(jax.vmap(f, spmd_axis_name="s")(x) ** 2)
+  want_grad = jnp.stack([jax.grad(lambda x: jnp.sum(jnp.stack([f(e) for e in x]) ** 2))(row)
+                         for row in xs])
+  with jax.set_mesh(mesh):
+    for outer, inner_axis, a in (("a", "s", xs), ("s", "a", jnp.swapaxes(xs, 0, 1))):
+      out = jax.jit(jax.vmap(jax.vmap(f, spmd_axis_name=inner_axis),
+                             spmd_axis_name=outer))(a)
+      np.testing.assert_allclose(out if outer == "a" else jnp.swapaxes(out, 0, 1), want,
+                                 rtol=1e-5, atol=1e-5)
+    got_grad = jax.jit(jax.vmap(jax.grad(inner), spmd_axis_name="a"))(xs)
+  np.testing.assert_allclose(got_grad, want_grad, rtol=1e-4, atol=1e-4)

@@ -187,11 +187,25 @@ def _batch_split(xs: list[Any]) -> tuple[Any, tuple[str, ...]] | None:
   return None
 
 
+def _under_spmd_vmap() -> bool:
+  """Whether an enclosing vmap also splits over mesh axes: its batching of
+  this rule's shard_map would need those axes manual too (JAX raises), so
+  the inner vmap then loops over its whole batch."""
+  from jax._src import core  # pylint: disable=g-import-not-at-top  (the trace stack)
+  from jax._src.interpreters import batching as jax_batching  # pylint: disable=g-import-not-at-top
+  trace = getattr(getattr(core, "trace_ctx", None), "trace", None)  # the rule's parent
+  while trace is not None:
+    if isinstance(trace, jax_batching.BatchTrace) and trace.axis_data.spmd_name:
+      return True
+    trace = getattr(trace, "parent_trace", None)
+  return False
+
+
 def _spmd_split(axis_data: Any, size: int) -> tuple[Any, tuple[str, ...]] | None:
   """The context mesh and vmap's ``spmd_axis_name`` axes, when they are
   automatic axes of that mesh and divide the batch; else None."""
   names = axis_data.spmd_name
-  if not names:
+  if not names or _under_spmd_vmap():
     return None
   axes = tuple(names) if isinstance(names, (tuple, list)) else (names,)
   mesh = jax.sharding.get_abstract_mesh()

@@ -88,9 +88,12 @@ FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
 def _for_one_byte(config: MosaicFwdConfig, k: int) -> MosaicFwdConfig:
-  """``config`` with the bytes of its k step kept for 1-byte operands."""
+  """``config`` with the bytes of its k step kept for 1-byte operands (not
+  where the two-warpgroup pipeline would be left one k step: see ``gmm``)."""
   block_k = 2 * config.block_k
   if block_k > 128 or k % block_k:
+    return config
+  if config.num_compute_wgs == 2 and not config.ring and k <= block_k:
     return config
   return dataclasses.replace(config, block_k=block_k)
 
