@@ -70,7 +70,7 @@ def _run(op: dispatch.Op, implementation: str | None, **kwargs) -> jax.Array:
       continue  # refused before: an eager call would trace the kernel again to find out
     native = _takes_fp8(op, impl, kwargs, arrays["lhs"].dtype)
     try:
-      return call(op, impl, interpret, config, static)(**_widened(arrays, native))
+      return call(op, impl, interpret, config, static)(**_fp8_as_bf16(arrays, native))
     except NotImplementedError:
       if last:
         raise
@@ -83,13 +83,13 @@ def _takes_fp8(op: dispatch.Op, impl: str, static: dict[str, Any], dtype: Any) -
   """Whether ``impl`` computes ``op`` on operands of ``dtype`` (e4m3 / e5m2)
   natively: the Mosaic forward with rhs laid out [g, n, k] (8-bit wgmma reads
   both operands K-major)."""
-  if impl != "mosaic" or op != "gmm" or not static.get("transpose_rhs"):
+  if impl != "mosaic" or op != "gmm" or not validate.is_fp8(dtype):
     return False
   from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
-  return jnp.dtype(dtype) in mosaic_fwd.FP8_DTYPES
+  return mosaic_fwd.takes_fp8(dtype, bool(static.get("transpose_rhs")))
 
 
-def _widened(arrays: dict[str, Any], native: bool) -> dict[str, Any]:
+def _fp8_as_bf16(arrays: dict[str, Any], native: bool) -> dict[str, Any]:
   """fp8 operands as bf16 copies (exact) unless the backend takes them."""
   lhs, rhs = arrays["lhs"], arrays["rhs"]
   if native or not validate.is_fp8(lhs.dtype):
@@ -249,15 +249,16 @@ def _runtime_checks(group_sizes: jax.Array, group_offset: jax.Array | None,
     )
 
 
-def _finish(out: jax.Array, group_sizes: jax.Array, group_offset: jax.Array | None,
-            num_groups: int, checks: bool, out_sharding: Any) -> jax.Array:
-  """A public op's result: its runtime checks (when asked for) and the
+def _finish(out: jax.Array, problem: validate.Problem, group_sizes: jax.Array,
+            group_offset: jax.Array | None, checks: bool, out_sharding: Any) -> jax.Array:
+  """A public op's result: in the problem's result dtype (the backends wrote
+  ``problem.backend_out_dtype``), its runtime checks (when asked for) and the
   resharding to ``out_sharding``.  The checks come after the op: checkify
   failed to carry an error state into the per-shard shard_map of operands split
   over explicit mesh axes (jax 0.11.2)."""
   if checks:
-    _runtime_checks(group_sizes, group_offset, num_groups)
-  return sharded.constrain(out, out_sharding)
+    _runtime_checks(group_sizes, group_offset, problem.num_groups)
+  return sharded.constrain(out.astype(problem.out_dtype), out_sharding)
 
 
 def checked(fn):
@@ -316,8 +317,7 @@ def ragged_dot(
   lhs, rhs, gs, go = _prepare(lhs, rhs, gs, go)
   out = _gmm_sharded(lhs, rhs, gs, go, False, _hashable_precision(precision),
                      problem.backend_out_dtype, impl)
-  return _finish(out.astype(problem.out_dtype), gs, go, problem.num_groups, checks,
-                 out_sharding)
+  return _finish(out, problem, gs, go, checks, out_sharding)
 
 
 def trans_ragged_dot(
@@ -356,8 +356,7 @@ def trans_ragged_dot(
   lhs, rhs, gs, go = _prepare(lhs, rhs, gs, go)
   out = _tgmm_sharded(lhs, rhs, gs, go, problem.num_local,
                       _hashable_precision(precision), problem.backend_out_dtype, impl)
-  return _finish(out.astype(problem.out_dtype), gs, go, problem.num_groups, checks,
-                 out_sharding)
+  return _finish(out, problem, gs, go, checks, out_sharding)
 
 
 def _ints(xs: Sequence[int]) -> tuple[int, ...]:
@@ -430,8 +429,7 @@ def ragged_dot_general(
     lhs, rhs, gs, go = _prepare(lhs, rhs, gs, go)
     out = _gmm_sharded(lhs, rhs, gs, go, True, _hashable_precision(precision),
                        problem.backend_out_dtype, impl)
-    return _finish(out.astype(problem.out_dtype), gs, go, problem.num_groups, checks,
-                 out_sharding)
+    return _finish(out, problem, gs, go, checks, out_sharding)
   if mode == "ragged_contracting":
     (lc, rc), _ = dn.dot_dimension_numbers
     lhs_rows_first = lhs if int(lc[0]) == 0 else jnp.swapaxes(lhs, 0, 1)

@@ -245,9 +245,8 @@ def _fp8_choice(choice: Choice, op: Op, dtype: Any, precision_ok: bool, m, k, n,
   the Mosaic forward with rhs [g, n, k] on sm90 takes e4m3 / e5m2 natively:
   0.56-0.70x the bf16 call's time where the conversion costs 2.6-3.7x (v51a)."""
   from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
-  native = (op == "gmm" and transpose_rhs and precision_ok and device.platform == "gpu"
-            and (device.compute_capability or "").startswith("9")
-            and jnp.dtype(dtype) in mosaic_fwd.FP8_DTYPES
+  native = (op == "gmm" and mosaic_fwd.takes_fp8(dtype, transpose_rhs) and precision_ok
+            and device.platform == "gpu" and (device.compute_capability or "").startswith("9")
             and None not in (m, k, n) and not _misaligned("gmm_t", m, k, n))
   if not native or choice.implementation == "mosaic":
     return choice

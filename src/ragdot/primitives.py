@@ -102,13 +102,13 @@ def _transpose(op, ct, lhs, rhs, group_sizes, *rest, **params):
   # produced that dtype: the backward ops then run on the same kernels. fp8
   # operands: bf16 (which holds them exactly), results rounded once from f32.
   dtype = (lhs.aval if lhs_linear else lhs).dtype
-  wide = jnp.dtype(jnp.bfloat16) if validate.is_fp8(dtype) else dtype
+  wide = validate.widened(dtype)
   ct = ct.astype(wide)
   if wide != dtype:
     lhs, rhs = (a if ad.is_undefined_primal(a) else a.astype(wide) for a in (lhs, rhs))
   common = dict(precision=params["precision"], implementation=params["implementation"])
-  lhs_dtype = _written(lhs.aval.dtype) if lhs_linear else None
-  rhs_dtype = _written(rhs.aval.dtype) if rhs_linear else None
+  lhs_dtype = validate.backend_out_dtype(lhs.aval.dtype) if lhs_linear else None
+  rhs_dtype = validate.backend_out_dtype(rhs.aval.dtype) if rhs_linear else None
   if op is gmm:
     transpose_rhs = params["transpose_rhs"]
     if lhs_linear:  # rows outside the shard get 0
@@ -127,12 +127,6 @@ def _transpose(op, ct, lhs, rhs, group_sizes, *rest, **params):
     if cts[i] is not None:
       cts[i] = cts[i].astype(a.aval.dtype)
   return cts
-
-
-def _written(dtype: Any) -> Any:
-  """The dtype a backward op writes for a cotangent of ``dtype``: f32 for
-  fp8 (rounded once after), else ``dtype``."""
-  return jnp.dtype(jnp.float32) if validate.is_fp8(dtype) else dtype
 
 
 def _batch(op, axis_data, args, dims, **params):

@@ -33,11 +33,16 @@ class Problem:
 
   @property
   def backend_out_dtype(self) -> jnp.dtype:
-    """The dtype the backends write: ``out_dtype``, but f32 for a float
-    narrower than 16 bits (fp8), which the caller then rounds to once."""
-    if jnp.issubdtype(self.out_dtype, jnp.floating) and jnp.finfo(self.out_dtype).bits < 16:
-      return jnp.dtype(jnp.float32)
-    return self.out_dtype
+    return backend_out_dtype(self.out_dtype)
+
+
+def backend_out_dtype(out_dtype: Any) -> jnp.dtype:
+  """The dtype the backends write for a result of ``out_dtype``: itself, but
+  f32 for a float narrower than 16 bits (fp8), which the caller then rounds to
+  once."""
+  if jnp.issubdtype(out_dtype, jnp.floating) and jnp.finfo(out_dtype).bits < 16:
+    return jnp.dtype(jnp.float32)
+  return jnp.dtype(out_dtype)
 
 
 
@@ -78,14 +83,14 @@ def result_dtype(lhs: Any, rhs: Any) -> np.dtype:
   return a
 
 
-def _widened(dtype: np.dtype) -> np.dtype:
+def widened(dtype: Any) -> np.dtype:
   """A dtype the backends compute in that holds every value of ``dtype``:
   floats narrower than 16 bits as bf16, sub-byte integers as int8."""
   if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 16:
     return np.dtype(jnp.bfloat16)
   if jnp.issubdtype(dtype, jnp.integer) and jnp.iinfo(dtype).bits < 8:
     return np.dtype(jnp.int8)
-  return dtype
+  return np.dtype(dtype)
 
 
 def is_fp8(dtype: Any) -> bool:
@@ -100,9 +105,9 @@ def common_dtype(lhs: Any, rhs: Any) -> np.dtype:
   bf16, int4 in int8; an integer meets a float in that float). One fp8 dtype
   stays as it is: each backend call widens it to bf16 unless its kernel takes it."""
   a, b = _input_dtype(lhs), _input_dtype(rhs)
-  if a == b and (_widened(a) == a or is_fp8(a)):
+  if a == b and (widened(a) == a or is_fp8(a)):
     return a  # fp8: the backend call widens it to bf16 unless its kernel takes it
-  return np.dtype(jnp.promote_types(_widened(a), _widened(b)))
+  return np.dtype(jnp.promote_types(widened(a), widened(b)))
 
 
 def check_implementation(implementation: Any) -> str | None:
@@ -290,7 +295,7 @@ def check_trans_ragged_dot(
 
 def accumulation_dtype(dtype: jnp.dtype, out_dtype: jnp.dtype) -> jnp.dtype:
   """f32 (or wider) for floats, int32 (or wider) for integers."""
-  wide = jnp.promote_types(_widened(np.dtype(dtype)), _widened(np.dtype(out_dtype)))
+  wide = jnp.promote_types(widened(np.dtype(dtype)), widened(np.dtype(out_dtype)))
   if jnp.issubdtype(wide, jnp.floating):
     return jnp.promote_types(wide, jnp.float32)
   return jnp.promote_types(wide, jnp.int32)

@@ -87,6 +87,13 @@ _OUT_DTYPES = _IN_DTYPES + (jnp.dtype(jnp.float32),)
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
+def takes_fp8(dtype: Any, transpose_rhs: bool) -> bool:
+  """Whether the kernel takes operands of ``dtype`` natively as an fp8 dtype:
+  e4m3 / e5m2 with rhs laid out [g, n, k] (8-bit wgmma reads both operands
+  K-major only)."""
+  return transpose_rhs and jnp.dtype(dtype) in FP8_DTYPES
+
+
 def _for_one_byte(config: MosaicFwdConfig, k: int) -> MosaicFwdConfig:
   """``config`` with the bytes of its k step kept for 1-byte operands (not
   where the two-warpgroup pipeline would be left one k step: see ``gmm``)."""
@@ -108,7 +115,7 @@ def _check_supported(lhs, rhs, out_dtype, transpose_rhs) -> None:
         f"mosaic gmm needs equal lhs/rhs dtypes, got {lhs.dtype} and {rhs.dtype}"
     )
   if jnp.dtype(lhs.dtype) in FP8_DTYPES:
-    if not transpose_rhs:  # 8-bit wgmma reads both operands K-major only
+    if not takes_fp8(lhs.dtype, transpose_rhs):
       raise NotImplementedError(
           f"mosaic gmm takes {lhs.dtype} with rhs laid out [g, n, k] only")
   elif jnp.dtype(lhs.dtype) not in _IN_DTYPES:
