@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import oracle
 from ragdot import cli
 from ragdot.watchdog import Watchdog
 
@@ -230,6 +231,51 @@ def test_tune_tries_todays_choice_right_after_the_defaults():
   assert tune.incumbent_choice(dx, jnp.bfloat16, h200) == ("mosaic", choose(2048, 768))
   # No GPU kernel today (the xla backend): nothing to add.
   assert tune.incumbent_choice(task, jnp.bfloat16, dispatch.Device("cpu", "cpu")) is None
+
+
+def test_tune_fp8_times_the_native_forward_on_mosaic_configs(tmp_path, capsys):
+  """``--dtype float8_e4m3fn``: the forward on rhs [g, n, k] (table op gmm_t,
+  the forward's own k and n), Mosaic candidates only (k steps of 128 and 64
+  one-byte columns), bf16 output; dx / dw refused (the backward runs on bf16
+  copies)."""
+  from ragdot import bench, dispatch, tune  # pylint: disable=g-import-not-at-top
+  s = bench.Shape("qwen3-30b gate_up decode", 512, 2048, 1536, 128)
+  (task,) = tune.tasks_for([s], ["fwd"], jnp.float8_e4m3fn)
+  assert (task.transpose_rhs, task.table_op, task.k, task.n) == (True, "gmm_t", 2048, 1536)
+  assert tune.tasks_for([s], ["fwd"], jnp.bfloat16)[0].table_op == "gmm"
+  h200 = dispatch.Device("gpu", "NVIDIA H200", "9.0")
+  # (the bf16 table picks Triton here: fp8 runs the Mosaic default, candidate 0)
+  assert tune.incumbent_choice(task, jnp.float8_e4m3fn, h200) is None
+  train = tune.tasks_for([bench.Shape("t", 32768, 2048, 1536, 128)], ["fwd"],
+                         jnp.float8_e4m3fn)[0]
+  today = tune.incumbent_choice(train, jnp.float8_e4m3fn, h200)
+  assert today[0] == "mosaic" and today[1].block_k == 128
+  cands = tune.candidates(task, jnp.float8_e4m3fn, ("triton", object()))
+  assert {b for b, _ in cands} == {"mosaic"}
+  assert {c.block_k for _, c in cands} == {64, 128}
+  lhs, rhs, _ = tune._inputs(task, jnp.float8_e4m3fn)
+  assert lhs.dtype == rhs.dtype == jnp.float8_e4m3fn and rhs.shape == (128, 1536, 2048)
+  assert tune.out_dtype_of(jnp.float8_e4m3fn) == jnp.bfloat16
+  with pytest.raises(ValueError, match="ops"):
+    tune.tasks_for([s], ["fwd", "dx"], jnp.float8_e5m2)
+  args = ["tune", "--dry-run", "--dtype", "float8_e5m2", "--shape", "512,2048,1536,128",
+          "--table", str(tmp_path / "t.json"), "--device-kind", "NVIDIA H200"]
+  assert cli.main(args + ["--ops", "fwd"]) == 0
+  out = capsys.readouterr().out
+  assert "gmm_t/float8_e4m3fn/m512,k2048,n1536,g128" in out  # e5m2 shares e4m3's entries
+  assert "triton" not in out
+  assert cli.main(args + ["--ops", "dw"]) == 2
+  assert "fp8 operands are tuned for" in capsys.readouterr().err
+
+
+def test_tune_fp8_reference_is_the_exact_bf16_sum():
+  from ragdot import tune  # pylint: disable=g-import-not-at-top
+  task = tune.Task("fwd", "tiny", 64, 64, 32, 4, 2, rhs_nk=True)
+  lhs, rhs, sizes = tune._inputs(task, jnp.float8_e4m3fn)
+  want = oracle.ref_ragged_dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32),
+                               np.asarray(sizes).tolist(), None, True)
+  np.testing.assert_allclose(tune._reference(task, lhs, rhs, sizes), want, rtol=1e-6,
+                             atol=1e-5)
 
 
 def test_tune_refuses_without_gpu(capsys):

@@ -182,17 +182,20 @@ def test_complex_operands_with_gradients_like_lax():
     np.testing.assert_allclose(g, h, rtol=1e-4, atol=1e-3)
 
 
-# --- native fp8: the Mosaic forward with rhs laid out [g, n, k] ---------------
+# --- native fp8: the Mosaic forward (rhs [g, n, k]; [g, k, n] copied to it) ---
 
 NK = lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), [0], [0])
-# Mosaic forms (interpret mode): a pipeline per tile, the ring, and the ring
-# with rows on wgmma's N axis and a folded tail (as the H200 table's dX entries).
+# Mosaic forms (interpret mode): a pipeline per tile (k steps of 128 and of 64
+# one-byte columns), the ring, and the ring with rows on wgmma's N axis and a
+# folded tail (as the H200 table's dX entries).
 FP8_CONFIGS = {
-    "pipeline": dict(block_m=128, block_n=128, block_k=64, num_stages=2, num_compute_wgs=2,
+    "pipeline": dict(block_m=128, block_n=128, block_k=128, num_stages=2, num_compute_wgs=2,
                      num_sms=3),
-    "ring": dict(block_m=128, block_n=128, block_k=64, num_stages=2, num_compute_wgs=2,
+    "pipeline_k64": dict(block_m=128, block_n=128, block_k=64, num_stages=4,
+                         num_compute_wgs=2, num_sms=3),
+    "ring": dict(block_m=128, block_n=128, block_k=128, num_stages=2, num_compute_wgs=2,
                  ring=True, num_sms=3),
-    "swap": dict(block_m=128, block_n=128, block_k=64, num_stages=2, num_compute_wgs=2,
+    "swap": dict(block_m=128, block_n=128, block_k=128, num_stages=2, num_compute_wgs=2,
                  ring=True, swap=True, tail_rows=32, producer_zeros=False, num_sms=3),
 }
 
@@ -200,8 +203,8 @@ FP8_CONFIGS = {
 @pytest.mark.parametrize("form", sorted(FP8_CONFIGS))
 @pytest.mark.parametrize("dtype,offset", [(FP8[0], None), (FP8[1], 1)])
 def test_mosaic_takes_fp8_with_rhs_nk(form, dtype, offset):
-  """e4m3 / e5m2 operands straight into wgmma (k steps of 128 one-byte
-  columns): against the f32 sum, the rows outside a shard exactly 0."""
+  """e4m3 / e5m2 operands straight into wgmma: against the f32 sum, the rows
+  outside a shard exactly 0."""
   from ragdot.backends import mosaic_fwd as mf
   sizes, m, k, n = [300, 10, 0, 150], 512, 256, 128
   local = 4 if offset is None else 2
@@ -217,18 +220,29 @@ def test_mosaic_takes_fp8_with_rhs_nk(form, dtype, offset):
   oracle.assert_zero_rows(out, sizes, offset, local)
 
 
-def test_mosaic_refuses_fp8_with_rhs_kn():
+def test_mosaic_takes_fp8_with_rhs_kn_through_an_nk_copy():
+  """rhs [g, k, n] in fp8: the kernel copies it to [g, n, k] (one byte an
+  element) and runs the native path: bitwise the [g, n, k] call on the
+  transposed weights, with the shard's other rows 0."""
   from ragdot.backends import mosaic_fwd as mf
-  x, w = _operand(FP8[0], (128, 128), 0), _operand(FP8[0], (2, 128, 128), 1)
-  with pytest.raises(NotImplementedError, match="n, k"):
-    mf.gmm(x, w, jnp.array([64, 64], jnp.int32), None, transpose_rhs=False,
-           out_dtype=jnp.float32, interpret=True)
+  sizes, m, k, n = [100, 0, 156], 256, 256, 128
+  x, w = _operand(FP8[0], (m, k), 0), _operand(FP8[0], (2, k, n), 1)
+  gs, go = jnp.asarray(sizes, jnp.int32), jnp.int32(1)
+  cfg = mf.MosaicFwdConfig(**FP8_CONFIGS["pipeline"])
+  call = lambda w, tr: mf.gmm(x, w, gs, go, transpose_rhs=tr, out_dtype=jnp.bfloat16,
+                              interpret=True, config=cfg)
+  out = call(w, False)
+  np.testing.assert_array_equal(out, call(jnp.swapaxes(w, 1, 2), True))
+  want = oracle.ref_ragged_dot(x.astype(jnp.float32), w.astype(jnp.float32), sizes, go)
+  oracle.assert_close(out, want, jnp.bfloat16)
+  oracle.assert_zero_rows(out, sizes, 1, 2)
 
 
-def test_explicit_mosaic_runs_fp8_natively_only_with_rhs_nk(monkeypatch):
-  """implementation="mosaic": the [g, n, k] forward gets the fp8 operands, the
-  [g, k, n] forward and the weight gradient bf16 copies; gradients through the
-  native call as lax gives them."""
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_explicit_mosaic_runs_the_fp8_forward_natively(monkeypatch, layout):
+  """implementation="mosaic": the forward gets the fp8 operands in either
+  layout, the weight gradient bf16 copies; gradients through the native call
+  as lax gives them."""
   backend = get_backend("mosaic")  # the module whose gmm the api calls
   seen = []
   real = backend.gmm
@@ -237,18 +251,21 @@ def test_explicit_mosaic_runs_fp8_natively_only_with_rhs_nk(monkeypatch):
   api_compiled = ragdot.api._compiled
   api_compiled.cache_clear()
   gs = jnp.array([40, 0, 56, 32], jnp.int32)
-  x, w = _operand(FP8[0], (128, 64), 13), _operand(FP8[0], (4, 128, 64), 14)
-  f = lambda x, w: ragdot.ragged_dot_general(x, w, gs, NK, preferred_element_type=jnp.float32,
+  nk = layout == "nk"
+  x = _operand(FP8[0], (128, 64), 13)
+  w = _operand(FP8[0], (4, 128, 64) if nk else (4, 64, 128), 14)
+  dims = NK if nk else lax.RaggedDotDimensionNumbers((([1], [1]), ([], [])), [0], [0])
+  f = lambda x, w: ragdot.ragged_dot_general(x, w, gs, dims, preferred_element_type=jnp.float32,
                                              implementation="mosaic")
   out = f(x, w)
   want = oracle.ref_ragged_dot(x.astype(jnp.float32), w.astype(jnp.float32), [40, 0, 56, 32],
-                               None, True)
+                               None, nk)
   np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-4)
-  assert seen == [(jnp.dtype(FP8[0]), True)]
+  assert seen == [(jnp.dtype(FP8[0]), nk)]
   c = jax.random.normal(jax.random.key(15), (128, 128)) / 16  # gradients well inside e4m3
   loss = lambda f, x, w: jnp.sum(f(x, w).astype(jnp.float32) * c)
   got = jax.grad(lambda x, w: loss(f, x, w), (0, 1))(x, w)
-  lax_f = lambda x, w: lax.ragged_dot_general(x, w, gs, NK, preferred_element_type=jnp.float32)
+  lax_f = lambda x, w: lax.ragged_dot_general(x, w, gs, dims, preferred_element_type=jnp.float32)
   ref = jax.grad(lambda x, w: loss(lax_f, x, w), (0, 1))(x, w)
   exact = jax.grad(lambda x, w: loss(lax_f, x, w), (0, 1))(
       x.astype(jnp.float32), w.astype(jnp.float32))
@@ -257,47 +274,113 @@ def test_explicit_mosaic_runs_fp8_natively_only_with_rhs_nk(monkeypatch):
     # the f32 gradient (cotangent rounded to bf16) rounded once to e4m3
     np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(e, np.float32),
                                rtol=0.07, atol=0.01 * float(jnp.abs(e).max()))
-  assert (jnp.dtype(jnp.bfloat16), False) in seen  # dX: rhs [g, n, k] used as [g, k, n]
+  assert (jnp.dtype(jnp.bfloat16), not nk) in seen  # dX on bf16 copies
+
+
+H200 = ("gpu", "NVIDIA H200", "9.0")
 
 
 @pytest.mark.parametrize("shape", [(32768, 1536, 2048, 128), (32768, 768, 2048, 128),
-                                   (8192, 2048, 7168, 256), (4096, 7168, 2048, 256)])
-def test_fp8_lowers_for_sm90_with_the_h200_dx_entries(shape):
-  """The H200 table's Mosaic configs of the [g, n, k] forward (ring, swap,
-  folded tails, clusters) lower for sm90 with e4m3 operands (the real
-  lowering checks wgmma's 8-bit layout rules, which interpret mode does not)."""
+                                   (8192, 2048, 7168, 256), (4096, 7168, 2048, 256),
+                                   (512, 2048, 1536, 128)])
+@pytest.mark.parametrize("transpose_rhs", [True, False])
+def test_fp8_lowers_for_sm90_with_the_h200_choice(shape, transpose_rhs):
+  """The configs the dispatcher picks for e4m3 operands (the H200 table's bf16
+  [g, n, k] entries with k steps of 128 one-byte columns: ring, swap, folded
+  tails, clusters; the kernel's default where the table says Triton) lower for
+  sm90 in both layouts (the real lowering checks wgmma's 8-bit layout rules,
+  which interpret mode does not)."""
   import sm90_lowering
-  from ragdot import tables
-  from ragdot.backends import mosaic_fwd as mf
+  from ragdot import dispatch
   m, k, n, g = shape
-  hit = tables.lookup("NVIDIA H200", "gmm_t", "bfloat16", m, k, n, g)
-  assert hit.backend == "mosaic"
-  cfg = mf.MosaicFwdConfig(**hit.config)
-  sm90_lowering.assert_gmm_lowers(cfg, m=m, k=k, n=n, g=g, transpose_rhs=True,
+  c = dispatch.choose("gmm", None, dtype=FP8[0], out_dtype=jnp.bfloat16, m=m, k=k, n=n, g=g,
+                      num_groups=g, transpose_rhs=transpose_rhs,
+                      device=dispatch.Device(*H200))
+  assert c.implementation == "mosaic"
+  if c.config is not None:
+    assert c.config.block_k == 128
+  sm90_lowering.assert_gmm_lowers(c.config, m=m, k=k, n=n, g=g, transpose_rhs=transpose_rhs,
                                   dtype=FP8[0])
 
 
+def test_fp8_sweep_lowers_for_sm90():
+  """Every candidate ``ragdot tune --dtype float8_e4m3fn`` times on a decode
+  call (64-column k steps on more stages among them) lowers for sm90."""
+  import sm90_lowering
+  from ragdot.backends import mosaic_fwd as mf
+  m, k, n, g = 512, 768, 2048, 128
+  cfgs = mf.gpu_sweep_configs(m, k, n, g, True, FP8[0], jnp.bfloat16)
+  assert {c.block_k for c in cfgs} == {64, 128} and any(c.swap for c in cfgs)
+  for c in cfgs:
+    sm90_lowering.assert_gmm_lowers(c, m=m, k=k, n=n, g=g, transpose_rhs=True, dtype=FP8[0])
+
+
 @pytest.mark.parametrize("m,k,n,g", [(32768, 1536, 2048, 128), (512, 1536, 2048, 128)])
-def test_automatic_choice_takes_fp8_natively_on_sm90_with_rhs_nk(m, k, n, g):
-  """On an H200 the automatic choice for e4m3 operands with rhs [g, n, k] is
-  the native Mosaic kernel, also where the bf16 table picks Triton (512 rows);
-  the [g, k, n] layout and an sm80 part keep the bf16 choice."""
+def test_automatic_choice_takes_fp8_natively_on_sm90(m, k, n, g):
+  """On an H200 the automatic choice for e4m3 operands is the native Mosaic
+  kernel in both layouts (the bf16 [g, n, k] entry's config with k steps of
+  128 one-byte columns), also where the bf16 table picks Triton (512 rows);
+  an sm80 part keeps the bf16 choice (on bf16 copies)."""
   from ragdot import dispatch
-  h200 = dispatch.Device("gpu", "NVIDIA H200", "9.0")
+  h200 = dispatch.Device(*H200)
   a100 = dispatch.Device("gpu", "NVIDIA A100-SXM4-80GB", "8.0")
   common = dict(m=m, k=k, n=n, g=g, num_groups=g, out_dtype=jnp.bfloat16)
-  native = dispatch.choose("gmm", None, dtype=FP8[0], transpose_rhs=True, device=h200, **common)
   bf16 = dispatch.choose("gmm", None, dtype=jnp.bfloat16, transpose_rhs=True, device=h200,
                          **common)
-  assert native.implementation == "mosaic" and native.automatic
-  if bf16.implementation == "mosaic":
-    assert native == bf16  # the table's own config
-  else:
-    assert "native 8-bit wgmma" in native.reason
-  for dev, tr in ((h200, False), (a100, True)):
-    got = dispatch.choose("gmm", None, dtype=FP8[0], transpose_rhs=tr, device=dev, **common)
+  for tr in (True, False):
+    native = dispatch.choose("gmm", None, dtype=FP8[0], transpose_rhs=tr, device=h200,
+                             **common)
+    assert native.implementation == "mosaic" and native.automatic
+    if bf16.implementation == "mosaic":
+      assert native.config == mf_for_one_byte(bf16.config, k)
+      assert "k step 128 for 1-byte operands" in native.reason
+    else:
+      assert native.config is None and "native 8-bit wgmma" in native.reason
+  for tr in (True, False):
+    got = dispatch.choose("gmm", None, dtype=FP8[0], transpose_rhs=tr, device=a100, **common)
     assert got == dispatch.choose("gmm", None, dtype=jnp.bfloat16, transpose_rhs=tr,
-                                  device=dev, **common)
+                                  device=a100, **common)
+
+
+def mf_for_one_byte(config, k):
+  from ragdot.backends import mosaic_fwd as mf
+  return mf.for_one_byte(config, k)
+
+
+@pytest.fixture
+def h200_table():
+  """The shipped H200 table, restored (and the dispatcher's caches cleared)
+  after the test edits its entries."""
+  from ragdot import dispatch, tables
+  dispatch.clear_cache()  # (this reloads the tables: edit the one loaded after it)
+  table, _ = tables.table_for("NVIDIA H200", "9.0")
+  saved = dict(table.entries)
+  yield table
+  table.entries.clear()
+  table.entries.update(saved)
+  dispatch.clear_cache()
+
+
+def test_fp8_entries_of_the_table_are_taken_literally(h200_table):
+  """A tuned fp8 entry (``ragdot tune --dtype float8_e4m3fn``) is used as it
+  stands, for e5m2 too (an alias); without one the bf16 entry's k step doubles."""
+  from ragdot import dispatch
+  m, k, n, g = 512, 2048, 1536, 128
+  fields = dict(block_m=128, block_n=128, block_k=64, num_stages=8, num_compute_wgs=2,
+                epilogue_split=2)
+  h200_table.put("gmm_t", "float8_e4m3fn", m, k, n, g,
+                 {"backend": "mosaic", "config": fields, "measured": True})
+  for dtype in FP8:
+    for tr in (True, False):
+      c = dispatch.choose("gmm", None, dtype=dtype, out_dtype=jnp.bfloat16, m=m, k=k, n=n,
+                          g=g, num_groups=g, transpose_rhs=tr,
+                          device=dispatch.Device(*H200))
+      assert c.implementation == "mosaic" and c.measured
+      assert (c.config.block_k, c.config.num_stages) == (64, 8)
+  other = dispatch.choose("gmm", None, dtype=FP8[0], out_dtype=jnp.bfloat16, m=32768,
+                          k=1536, n=2048, g=128, num_groups=128, transpose_rhs=True,
+                          device=dispatch.Device(*H200))  # far from it: bf16, doubled
+  assert other.config.block_k == 128 and "1-byte" in other.reason
 
 
 def test_fp8_k_step_stays_below_k_for_the_two_warpgroup_pipeline():
@@ -307,8 +390,10 @@ def test_fp8_k_step_stays_below_k_for_the_two_warpgroup_pipeline():
   from ragdot.backends import mosaic_fwd as mf
   cfg = mf.MosaicFwdConfig(block_m=128, block_n=128, block_k=64, num_stages=2,
                            num_compute_wgs=2)
-  assert mf._for_one_byte(cfg, 128).block_k == 64
-  assert mf._for_one_byte(cfg, 256).block_k == 128
+  assert mf.for_one_byte(cfg, 128).block_k == 64
+  assert mf.for_one_byte(cfg, 256).block_k == 128
   ring = mf.MosaicFwdConfig(block_m=128, block_n=128, block_k=64, num_stages=2,
                             num_compute_wgs=2, ring=True)
-  assert mf._for_one_byte(ring, 128).block_k == 128  # the ring releases every slot
+  assert mf.for_one_byte(ring, 128).block_k == 128  # the ring releases every slot
+  assert mf.default_config(4096, 128, 256, 8, FP8[0], True).block_k == 64
+  assert mf.default_config(4096, 256, 256, 8, FP8[0], True).block_k == 128

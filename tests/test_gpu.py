@@ -168,9 +168,10 @@ def test_forward_mode_through_kernels_real_size(offset):
 
 @pytest.mark.parametrize("offset", [None, 2])
 def test_fp8_operands_through_kernels_real_size(offset):
-  """fp8 operands (exact in bf16) run the dispatched bf16 kernels on converted
-  copies: the fp8 forward and both gradients are the kernels' f32 results
-  rounded once, bitwise; the forward against the f32 oracle."""
+  """fp8 operands, rhs [g, k, n]: the forward runs the native kernel (on an
+  fp8 [g, n, k] copy), the gradients the dispatched bf16 kernels on converted
+  copies (exact); each fp8 result is the kernel's f32 result rounded once,
+  bitwise; the forward against the f32 oracle."""
   m, k, n, g = 2048, 512, 256, 8
   local = g if offset is None else 4
   sizes = _sizes(m, g, "routed")
@@ -185,7 +186,7 @@ def test_fp8_operands_through_kernels_real_size(offset):
   _poison(16 * m * n)
   got = jax.jit(lambda x, w: f(x, w, None))(x, w)
   assert got.dtype == jnp.float8_e4m3fn
-  f32 = jax.jit(lambda x, w: f(x, w, jnp.float32))(bf(x), bf(w))
+  f32 = jax.jit(lambda x, w: f(x, w, jnp.float32))(x, w)
   np.testing.assert_array_equal(fp8(got), fp8(f32))
   oracle.assert_close(f32, oracle.ref_ragged_dot(x.astype(jnp.float32), w.astype(jnp.float32),
                                                  sizes, offset), jnp.bfloat16, factor=2)
@@ -205,27 +206,30 @@ def test_fp8_operands_through_kernels_real_size(offset):
   np.testing.assert_array_equal(fp8(gw), fp8(hw))
 
 
-@pytest.mark.parametrize("m,k,n,g,offset,impl", [
-    (4096, 2048, 1536, 16, None, "mosaic"), (4096, 2048, 1536, 16, 2, "mosaic"),
-    (4096, 2048, 1536, 16, 2, None),
-    (512, 1536, 2048, 128, None, None),  # the bf16 table picks Triton here
+@pytest.mark.parametrize("m,k,n,g,offset,impl,nk", [
+    (4096, 2048, 1536, 16, None, "mosaic", True), (4096, 2048, 1536, 16, 2, "mosaic", True),
+    (4096, 2048, 1536, 16, 2, None, True),
+    (512, 1536, 2048, 128, None, None, True),  # the bf16 table picks Triton here
+    (4096, 2048, 1536, 16, 2, None, False), (512, 1536, 2048, 128, None, "mosaic", False),
 ])
-def test_native_fp8_forward_rhs_nk_real_size(m, k, n, g, offset, impl):
-  """rhs laid out [g, n, k]: e4m3 operands straight into wgmma (the only native
-  fp8 path; explicit, and the automatic choice), with the config's k step
-  doubled: against the f32 oracle, on NaN-poisoned memory, every row written."""
+def test_native_fp8_forward_real_size(m, k, n, g, offset, impl, nk):
+  """e4m3 operands straight into wgmma (explicit, and the automatic choice),
+  rhs laid out [g, n, k] or [g, k, n] (copied to [g, n, k] in fp8), k steps of
+  128 one-byte columns: against the f32 oracle, on NaN-poisoned memory, every
+  row written."""
   local = g if offset is None else 4
   sizes = _sizes(m, g, "routed")
-  x, w = oracle.random_inputs(jax.random.key(12), [(m, k), (local, n, k)], jnp.float32)
+  x, w = oracle.random_inputs(jax.random.key(12), [(m, k), (local, n, k) if nk else
+                                                    (local, k, n)], jnp.float32)
   x, w = x.astype(jnp.float8_e4m3fn), (w / 4).astype(jnp.float8_e4m3fn)
   gs, go = jnp.asarray(sizes), None if offset is None else jnp.int32(offset)
-  nk = lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), [0], [0])
+  dims = lax.RaggedDotDimensionNumbers((([1], [2 if nk else 1]), ([], [])), [0], [0])
   _poison(16 * m * n)
   out = jax.jit(lambda x, w: ragdot.ragged_dot_general(
-      x, w, gs, nk, preferred_element_type=jnp.bfloat16, group_offset=go,
+      x, w, gs, dims, preferred_element_type=jnp.bfloat16, group_offset=go,
       implementation=impl))(x, w)
   want = oracle.ref_ragged_dot(x.astype(jnp.float32), w.astype(jnp.float32), sizes, offset,
-                               True)
+                               nk)
   oracle.assert_close(out, want, jnp.bfloat16, factor=2)
   oracle.assert_zero_rows(out, sizes, offset, local)
 

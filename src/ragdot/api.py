@@ -68,7 +68,7 @@ def _run(op: dispatch.Op, implementation: str | None, **kwargs) -> jax.Array:
     key = (op, impl, interpret, config, static, types)
     if eager and not last and key in _REFUSED:
       continue  # refused before: an eager call would trace the kernel again to find out
-    native = _takes_fp8(op, impl, kwargs, arrays["lhs"].dtype)
+    native = _takes_fp8(op, impl, arrays["lhs"].dtype)
     try:
       return call(op, impl, interpret, config, static)(**_fp8_as_bf16(arrays, native))
     except NotImplementedError:
@@ -79,14 +79,14 @@ def _run(op: dispatch.Op, implementation: str | None, **kwargs) -> jax.Array:
   raise AssertionError("unreachable")
 
 
-def _takes_fp8(op: dispatch.Op, impl: str, static: dict[str, Any], dtype: Any) -> bool:
+def _takes_fp8(op: dispatch.Op, impl: str, dtype: Any) -> bool:
   """Whether ``impl`` computes ``op`` on operands of ``dtype`` (e4m3 / e5m2)
-  natively: the Mosaic forward with rhs laid out [g, n, k] (8-bit wgmma reads
-  both operands K-major)."""
+  natively: the Mosaic forward (8-bit wgmma; rhs [g, k, n] is first copied to
+  [g, n, k] in fp8)."""
   if impl != "mosaic" or op != "gmm" or not validate.is_fp8(dtype):
     return False
   from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
-  return mosaic_fwd.takes_fp8(dtype, bool(static.get("transpose_rhs")))
+  return mosaic_fwd.takes_fp8(dtype)
 
 
 def _fp8_as_bf16(arrays: dict[str, Any], native: bool) -> dict[str, Any]:

@@ -230,29 +230,30 @@ def choose(op: Op, implementation: str | None, *, dtype: Any = None,
   """
   precision_ok = _default_precision(precision)
   device = device or current_device()
-  fp8 = dtype is not None and validate.is_fp8(dtype)
-  choice = _choose(op, implementation, "bfloat16" if fp8 else _name(dtype), precision_ok,
-                   _name(out_dtype) or ("bfloat16" if fp8 else _name(dtype)), m, k, n, g,
-                   num_groups, bool(transpose_rhs), bool(has_offset), device)
-  if fp8 and choice.automatic:
-    return _fp8_choice(choice, op, dtype, precision_ok, m, k, n, bool(transpose_rhs), device)
-  return choice
+  if _fp8_native(op, implementation, dtype, precision_ok, m, k, n, device):
+    # 8-bit wgmma: the Mosaic forward on rhs [g, n, k] (a [g, k, n] rhs is copied
+    # to that layout in fp8), with an fp8 entry of the table, else the bf16 one's
+    # config with its k step doubled.
+    return _choose(op, implementation, _name(dtype), precision_ok,
+                   _name(out_dtype) or "bfloat16", m, k, n, g, num_groups, True,
+                   bool(has_offset), device)
+  fp8 = dtype is not None and validate.is_fp8(dtype)  # else: bf16 copies
+  return _choose(op, implementation, "bfloat16" if fp8 else _name(dtype), precision_ok,
+                 _name(out_dtype) or ("bfloat16" if fp8 else _name(dtype)), m, k, n, g,
+                 num_groups, bool(transpose_rhs), bool(has_offset), device)
 
 
-def _fp8_choice(choice: Choice, op: Op, dtype: Any, precision_ok: bool, m, k, n,
-                transpose_rhs: bool, device: Device) -> Choice:
-  """fp8 operands: the bf16 choice (the call widens them to bf16 copies), but
-  the Mosaic forward with rhs [g, n, k] on sm90 takes e4m3 / e5m2 natively:
-  0.56-0.70x the bf16 call's time where the conversion costs 2.6-3.7x (v51a)."""
+def _fp8_native(op: Op, implementation: str | None, dtype: Any, precision_ok: bool, m, k, n,
+                device: Device) -> bool:
+  """Whether an fp8 call runs the native Mosaic forward: e4m3 / e5m2 on sm90,
+  automatic or Mosaic chosen, shapes Mosaic takes.  It ran in 0.56-0.70x the
+  bf16 call's time where bf16 copies cost 2.6-3.7x (v51a)."""
+  if dtype is None or not validate.is_fp8(dtype) or op != "gmm" or not precision_ok:
+    return False
   from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
-  native = (op == "gmm" and mosaic_fwd.takes_fp8(dtype, transpose_rhs) and precision_ok
-            and device.platform == "gpu" and (device.compute_capability or "").startswith("9")
-            and None not in (m, k, n) and not _misaligned("gmm_t", m, k, n))
-  if not native or choice.implementation == "mosaic":
-    return choice
-  return Choice("mosaic", automatic=True,
-                reason=f"fp8 operands with rhs [g, n, k]: native 8-bit wgmma (the table's bf16"
-                       f" choice, {choice.implementation}, would run on bf16 copies)")
+  return (mosaic_fwd.takes_fp8(dtype) and implementation in (None, "mosaic")
+          and device.platform == "gpu" and (device.compute_capability or "").startswith("9")
+          and None not in (m, k, n) and not _misaligned("gmm_t", m, k, n))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -282,14 +283,18 @@ def _automatic(top, dtype, precision_ok, out_dtype, m, k, n, g, num_groups,
 
   if device.platform != "gpu":
     return xla(f"platform {device.platform}: the GPU kernels do not run here")
-  if dtype is None or jnp.dtype(dtype) not in _KERNEL_DTYPES:
+  fp8 = dtype is not None and top == "gmm_t" and validate.is_fp8(dtype)  # (see choose)
+  if dtype is None or not (fp8 or jnp.dtype(dtype) in _KERNEL_DTYPES):
     return xla(f"dtype {dtype}: the kernels take bf16/f16 only")
   if not precision_ok:
     return xla("non-default precision requested")
   table, why = tables.table_for(device.kind, device.compute_capability)
   g_eff = None
+  from_16 = False  # fp8 on a bf16 entry
   if None in (m, k, n, g):
-    default = table.data.get("defaults", {}).get(table.canonical_dtype(dtype), {}).get(top)
+    from_16 = fp8
+    default = table.data.get("defaults", {}).get(
+        table.canonical_dtype("bfloat16" if fp8 else dtype), {}).get(top)
     if default is None:
       return xla(f"{why}: no default for {top}/{dtype}")
     hit = tables.Hit(default["backend"], default.get("config"), False, table.name, None,
@@ -299,16 +304,29 @@ def _automatic(top, dtype, precision_ok, out_dtype, m, k, n, g, num_groups,
     # full call (all rows, all G groups), not a shape with fewer rows *and* groups.
     g_eff = num_groups if has_offset and num_groups else g
     hit = table.lookup(top, dtype, m, k, n, g_eff)
+    if hit is None and fp8:  # no fp8 entries: the bf16 ones, k steps doubled below
+      from_16, hit = True, table.lookup(top, "bfloat16", m, k, n, g_eff)
     if hit is None:
       return xla(f"{why}: no entries for {top}/{dtype}")
     hit = dataclasses.replace(hit, reason=f"{hit.reason}; {why}")
+  if fp8 and hit.backend != "mosaic":
+    return Choice("mosaic", automatic=True,
+                  reason=f"fp8: native 8-bit wgmma with the kernel's default config (the"
+                         f" table's choice, {hit.backend}, would run on bf16 copies);"
+                         f" {hit.reason}")
   if hit.backend == "mosaic" and m is not None:
     bad = _misaligned(top, m, k, n)
     if bad:
       return Choice("triton", automatic=True,
                     reason=f"{bad}; table said mosaic; the Triton kernels take any shape")
-  config, note = _built_config(hit.backend, top, hit.config_items, dtype,
-                               out_dtype or dtype)
+  config, note = _built_config(hit.backend, top, hit.config_items,
+                               "bfloat16" if from_16 else dtype, out_dtype or dtype)
+  if from_16 and config is not None and k is not None:
+    from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
+    wide = mosaic_fwd.for_one_byte(config, k)
+    if wide != config:
+      note += f"; bf16 entry, k step {wide.block_k} for 1-byte operands"
+      config = wide
   if hit.backend == "mosaic" and top in ("gmm", "gmm_t") and config is not None:
     from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
     if has_offset:

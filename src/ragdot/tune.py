@@ -6,6 +6,11 @@ For each shape (a forward projection ``m, k, n, g``) and op:
 * ``dx``:  ``gmm_t`` dy[m, n] @ w[g, k, n]^T (the call has k and n swapped);
 * ``dw``:  ``tgmm``  x[m, k]^T dy[m, n] per group,
 
+and for fp8 operands (``--dtype float8_e4m3fn``; e5m2 shares its entries) the
+``fwd`` op only, as the native Mosaic kernel runs it: ``gmm_t`` x[m, k] @
+w[g, n, k]^T (a [g, k, n] rhs is copied to that layout first); candidates are
+the Mosaic sweep for 1-byte operands,
+
 the candidates are the kernels' ``gpu_sweep_configs`` plus the xla backend.
 They are compiled in parallel threads, checked against the xla backend in f32
 (relative max error), and timed with ``ragdot.timing.device_time_ms`` (median
@@ -45,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from ragdot import tables
+from ragdot import validate
 from ragdot.dispatch import backend_call
 from ragdot.watchdog import Watchdog
 
@@ -63,19 +69,40 @@ class Task:
   n: int
   g: int
   top_k: int = 8
+  rhs_nk: bool = False  # fwd with rhs [g, n, k] (fp8 operands)
+
+  @property
+  def transpose_rhs(self) -> bool:
+    """The backend call reads rhs [g, n, k]."""
+    return self.op == "dx" or self.rhs_nk
 
   @property
   def table_op(self) -> str:
-    return backend_call(self.op, self.k, self.n).table_op  # k, n do not matter here
+    return "tgmm" if self.op == "dw" else ("gmm_t" if self.transpose_rhs else "gmm")
 
 
-def tasks_for(shapes, ops) -> list[Task]:
-  """One task per (shape, op), with the k and n the backend call sees."""
+FP8_OPS = ("fwd",)
+
+
+def out_dtype_of(dtype):
+  """The tuned calls' output dtype: the operands', bf16 for fp8 ones (as fp8
+  inference calls ask with ``preferred_element_type``)."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  return jnp.dtype(jnp.bfloat16) if validate.is_fp8(dtype) else jnp.dtype(dtype)
+
+
+def tasks_for(shapes, ops, dtype=None) -> list[Task]:
+  """One task per (shape, op), with the k and n the backend call sees (fp8:
+  the forward on rhs [g, n, k], the layout 8-bit wgmma reads)."""
+  fp8 = dtype is not None and validate.is_fp8(dtype)
+  if fp8 and set(ops) - set(FP8_OPS):
+    raise ValueError(f"ops: fp8 operands are tuned for {FP8_OPS} only (the backward runs on"
+                     f" bf16 copies), got {list(ops)}")
   out = []
   for s in shapes:
     for op in ops:
       call = backend_call(op, s.k, s.n)
-      out.append(Task(op, s.name, s.m, call.k, call.n, s.g, min(s.top_k, s.g)))
+      out.append(Task(op, s.name, s.m, call.k, call.n, s.g, min(s.top_k, s.g), fp8))
   return out
 
 
@@ -96,11 +123,15 @@ def candidates(task: Task, dtype, incumbent: tuple[str, Any] | None = None
     cfgs = [mosaic_dw.default_config(task.m, task.k, task.n, task.g, dtype, dtype)]
     cfgs += mosaic_dw.gpu_sweep_configs(task.m, task.k, task.n, task.g, dtype, dtype)
   else:
-    tr = task.op == "dx"
-    cfgs = [mosaic_fwd.default_config(task.m, task.k, task.n, task.g, dtype, tr, dtype)]
-    cfgs += mosaic_fwd.gpu_sweep_configs(task.m, task.k, task.n, task.g, tr, dtype, dtype)
-  tcfgs = [("triton", c) for c in
-           triton.gpu_sweep_configs(task.table_op, task.m, task.k, task.n, task.g, dtype)[:4]]
+    tr = task.transpose_rhs
+    out = out_dtype_of(dtype)
+    cfgs = [mosaic_fwd.default_config(task.m, task.k, task.n, task.g, dtype, tr, out)]
+    cfgs += mosaic_fwd.gpu_sweep_configs(task.m, task.k, task.n, task.g, tr, dtype, out)
+  fp8 = validate.is_fp8(dtype)  # (the other backends run it on bf16 copies)
+  if fp8 and incumbent is not None and incumbent[0] != "mosaic":
+    incumbent = None
+  tcfgs = [] if fp8 else [("triton", c) for c in triton.gpu_sweep_configs(
+      task.table_op, task.m, task.k, task.n, task.g, dtype)[:4]]
   # Both defaults first, so a shape cut short by its time budget still compares
   # them; then the few Triton configs (each compiles in well under a second, a
   # Mosaic one in 2-5 s): a 25 s budget spent on the Mosaic sweep never reached
@@ -114,7 +145,7 @@ def candidates(task: Task, dtype, incumbent: tuple[str, Any] | None = None
   for c in cfgs[1:]:
     if c is not None and ("mosaic", c) not in out:
       out.append(("mosaic", c))
-  if task.m * task.k * task.n <= 2**33:  # the xla fallback loops tiles: only small shapes
+  if task.m * task.k * task.n <= 2**33 and not fp8:  # the xla fallback loops tiles
     out.append(("xla", xla.default_config(task.m, task.g)))
   return out
 
@@ -126,8 +157,8 @@ def incumbent_choice(task: Task, dtype, device) -> tuple[str, Any] | None:
 
   # task.k / task.n are the backend call's already (dX: the forward's n and k).
   c = dispatch.choose("tgmm" if task.op == "dw" else "gmm", None, dtype=dtype,
-                      out_dtype=dtype, m=task.m, k=task.k, n=task.n, g=task.g,
-                      num_groups=task.g, transpose_rhs=task.op == "dx", device=device)
+                      out_dtype=out_dtype_of(dtype), m=task.m, k=task.k, n=task.n, g=task.g,
+                      num_groups=task.g, transpose_rhs=task.transpose_rhs, device=device)
   if c.implementation not in ("mosaic", "triton") or c.config is None:
     return None
   return c.implementation, c.config
@@ -163,11 +194,14 @@ def _inputs(task: Task, dtype, seed: int = 0):
 
   sizes = _group_sizes(task, seed=seed)
   keys = jax.random.split(jax.random.key(seed), 2)
-  lhs = jax.random.normal(keys[0], (task.m, task.k), dtype)
+  if validate.is_fp8(dtype):  # (no fp8 sampler)
+    lhs = jax.random.normal(keys[0], (task.m, task.k)).astype(dtype)
+  else:
+    lhs = jax.random.normal(keys[0], (task.m, task.k), dtype)
   if task.op == "dw":
     rhs = jax.random.normal(keys[1], (task.m, task.n), dtype)
   else:
-    shape = (task.g, task.n, task.k) if task.op == "dx" else (task.g, task.k, task.n)
+    shape = (task.g, task.n, task.k) if task.transpose_rhs else (task.g, task.k, task.n)
     rhs = (jax.random.normal(keys[1], shape, jnp.float32) / 32).astype(dtype)
   return lhs, rhs, sizes
 
@@ -181,8 +215,16 @@ def _fn(task: Task, backend: str, config: Any, out_dtype):
   if task.op == "dw":
     f = functools.partial(mod.tgmm, num_groups=task.g, **common)
   else:
-    f = functools.partial(mod.gmm, transpose_rhs=task.op == "dx", **common)
+    f = functools.partial(mod.gmm, transpose_rhs=task.transpose_rhs, **common)
   return jax.jit(lambda a, b, gs: f(a, b, gs, None))
+
+
+def _reference(task: Task, lhs, rhs, sizes):
+  """The xla backend's f32 result (fp8 operands: on their exact bf16 copies)."""
+  if validate.is_fp8(lhs.dtype):
+    lhs, rhs = lhs.astype(validate.widened(lhs.dtype)), rhs.astype(validate.widened(rhs.dtype))
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  return _fn(task, "xla", None, jnp.float32)(lhs, rhs, sizes)
 
 
 def _rel_err(out, ref) -> float:
@@ -277,13 +319,13 @@ def tune_task(task: Task, dtype, deadline: float, *, iterations: int, repeats: i
     return statistics.median(t for t, _ in times), times[0][1]
 
   lhs, rhs, gs = _inputs(task, dtype)
-  ref = _fn(task, "xla", None, jnp.float32)(lhs, rhs, gs)
+  ref = _reference(task, lhs, rhs, gs)
   cands = candidates(task, dtype, incumbent)
   bar = progress.add_task(f"{task.op:3s} {task.name}", total=len(cands)) if progress else None
 
   def compile_one(c):
     backend, config = c
-    return _fn(task, backend, config, dtype).lower(lhs, rhs, gs).compile()
+    return _fn(task, backend, config, out_dtype_of(dtype)).lower(lhs, rhs, gs).compile()
 
   results, complete, compiled_of = [], True, {}
   with concurrent.futures.ThreadPoolExecutor(max_workers=max(jobs, 1)) as pool:
@@ -324,7 +366,7 @@ def tune_task(task: Task, dtype, deadline: float, *, iterations: int, repeats: i
     complete = False  # the skewed check did not run: redo this entry next time
   elif skew_slack >= 0:
     skewed_gs = _group_sizes(task, skewed=True)
-    skewed_ref = _fn(task, "xla", None, jnp.float32)(lhs, rhs, skewed_gs)
+    skewed_ref = _reference(task, lhs, rhs, skewed_gs)
     for row in near:
       label = dict(op=task.op, shape=task.name, routing="skewed", **row)
       try:
@@ -492,7 +534,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--shape", action="append", default=[], type=bench.parse_shape,
                       help="m,k,n,g[,top_k] of a forward projection (repeatable)")
   parser.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS))
-  parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+  parser.add_argument("--dtype", default="bfloat16",
+                      choices=["bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"],
+                      help="operand dtype (fp8: --ops fwd, the native [g, n, k] forward)")
   parser.add_argument("--table", default=None,
                       help="table file to merge into (default: this device's shipped table)")
   parser.add_argument("--force", action="store_true", help="re-measure entries already measured")
@@ -561,8 +605,12 @@ def run(args: argparse.Namespace) -> int:
   if not shapes:
     print("ragdot tune: give --preset or --shape", file=sys.stderr)
     return 2
-  tasks = tasks_for(shapes, args.ops)
   dtype = jnp.dtype(args.dtype)
+  try:
+    tasks = tasks_for(shapes, args.ops, dtype)
+  except ValueError as e:
+    print(f"ragdot tune: {e}", file=sys.stderr)
+    return 2
 
   from ragdot import dispatch  # pylint: disable=g-import-not-at-top
   # Whose choice is "today's" (incumbent_choice): this GPU, or --device-kind's.

@@ -71,6 +71,7 @@ from ragdot.backends.mosaic_fwd_config import (  # noqa: F401  (re-exported)
     default_config,
     fit_config,
     fit_rows_per_group,
+    for_one_byte,
     gpu_sweep_configs,
     one_tile_groups,
     resolve_producer_zeros,
@@ -82,27 +83,15 @@ from ragdot.backends.mosaic_fwd_config import (  # noqa: F401  (re-exported)
 
 _IN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _OUT_DTYPES = _IN_DTYPES + (jnp.dtype(jnp.float32),)
-# Native fp8 (rhs [g, n, k] only): a table config's block_k is in 16-bit
-# elements, so 1-byte operands take twice the columns for the same bytes.
+# Native fp8: 8-bit wgmma reads both operands K-major, as rhs laid out [g, n, k]
+# is; rhs [g, k, n] is first copied to that layout (an XLA transpose, 1 byte an
+# element: less traffic than the bf16 copies the other backends take).
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
-def takes_fp8(dtype: Any, transpose_rhs: bool) -> bool:
-  """Whether the kernel takes operands of ``dtype`` natively as an fp8 dtype:
-  e4m3 / e5m2 with rhs laid out [g, n, k] (8-bit wgmma reads both operands
-  K-major only)."""
-  return transpose_rhs and jnp.dtype(dtype) in FP8_DTYPES
-
-
-def _for_one_byte(config: MosaicFwdConfig, k: int) -> MosaicFwdConfig:
-  """``config`` with the bytes of its k step kept for 1-byte operands (not
-  where the two-warpgroup pipeline would be left one k step: see ``gmm``)."""
-  block_k = 2 * config.block_k
-  if block_k > 128 or k % block_k:
-    return config
-  if config.num_compute_wgs == 2 and not config.ring and k <= block_k:
-    return config
-  return dataclasses.replace(config, block_k=block_k)
+def takes_fp8(dtype: Any) -> bool:
+  """Whether the kernel takes operands of ``dtype`` natively: e4m3 / e5m2."""
+  return jnp.dtype(dtype) in FP8_DTYPES
 
 
 _INTERPRET_SMS = 4
@@ -114,11 +103,7 @@ def _check_supported(lhs, rhs, out_dtype, transpose_rhs) -> None:
     raise NotImplementedError(
         f"mosaic gmm needs equal lhs/rhs dtypes, got {lhs.dtype} and {rhs.dtype}"
     )
-  if jnp.dtype(lhs.dtype) in FP8_DTYPES:
-    if not takes_fp8(lhs.dtype, transpose_rhs):
-      raise NotImplementedError(
-          f"mosaic gmm takes {lhs.dtype} with rhs laid out [g, n, k] only")
-  elif jnp.dtype(lhs.dtype) not in _IN_DTYPES:
+  if not takes_fp8(lhs.dtype) and jnp.dtype(lhs.dtype) not in _IN_DTYPES:
     raise NotImplementedError(
         f"mosaic gmm supports bf16/f16 inputs only, got {lhs.dtype}"
     )
@@ -572,7 +557,8 @@ def gmm(
   """Grouped matmul ``out[m, n]``; see the module docstring for semantics.
 
   Args:
-    lhs: [m, k] bf16/f16.
+    lhs: [m, k] bf16/f16, or e4m3 / e5m2 (then a [g_local, k, n] rhs is first
+      copied to [g_local, n, k]: see ``FP8_DTYPES``).
     rhs: [g_local, k, n], or [g_local, n, k] when ``transpose_rhs``; lhs dtype.
     group_sizes: int32[G] (G = g_local when ``group_offset`` is None).
     group_offset: None or int32 scalar; local group j is global group o + j.
@@ -587,6 +573,8 @@ def gmm(
   """
   del precision
   _check_supported(lhs, rhs, out_dtype, transpose_rhs)
+  if takes_fp8(lhs.dtype) and not transpose_rhs:
+    rhs, transpose_rhs = jnp.swapaxes(rhs, 1, 2), True
   m, k = lhs.shape
   g_local = rhs.shape[0]
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -616,8 +604,6 @@ def gmm(
     # (swap: swap_rows + tail_rows).
     config = default_config(m, k, n, g_local, lhs.dtype, transpose_rhs, out_dtype)
     config = resolve_producer_zeros(config, has_offset, lhs.dtype, out_dtype)
-  if lhs.dtype.itemsize == 1:
-    config = _for_one_byte(config, k)
   if config.smem_bytes(lhs.dtype, out_dtype) > config.smem_budget():
     raise NotImplementedError(
         f"config {config} needs {config.smem_bytes(lhs.dtype, out_dtype)} bytes of SMEM"

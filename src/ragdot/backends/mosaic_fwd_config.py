@@ -525,6 +525,18 @@ def fit_config(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> MosaicFwdCon
     cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
 
 
+def for_one_byte(config: MosaicFwdConfig, k: int) -> MosaicFwdConfig:
+  """A 16-bit config for 1-byte (fp8) operands: the k step doubled, so each
+  stage moves the same bytes (not past 128 columns, the widest swizzle, nor
+  where the two-warpgroup pipeline would be left one k step: see ``gmm``)."""
+  block_k = 2 * config.block_k
+  if block_k > 128 or k % block_k:
+    return config
+  if config.num_compute_wgs == 2 and not config.ring and k <= block_k:
+    return config
+  return dataclasses.replace(config, block_k=block_k)
+
+
 def default_config(
     m: int, k: int, n: int, g_local: int, dtype: Any, transpose_rhs: bool,
     out_dtype: Any = None,
@@ -537,7 +549,8 @@ def default_config(
   One warpgroup (64 x 256) when k fits one k step (the 2-warpgroup pipeline
   needs two) or m < 128.  block_n is the candidate in
   (256, 192, 128, 64) that wastes the fewest padded columns; if SMEM does not
-  fit (f32 output) the epilogue is split further, then stages drop.
+  fit (f32 output) the epilogue is split further, then stages drop.  1-byte
+  (fp8) operands take k steps of 128 columns (``for_one_byte``).
   """
   del g_local, transpose_rhs
   out_dtype = dtype if out_dtype is None else out_dtype
@@ -548,6 +561,8 @@ def default_config(
   cfg = MosaicFwdConfig(block_m=_WG_ROWS * wgs, block_n=block_n, block_k=block_k,
                         num_stages=4, grid_tile_width=4, num_compute_wgs=wgs,
                         epilogue_split=split if wgs == 2 else 1)
+  if jnp.dtype(dtype).itemsize == 1:
+    cfg = for_one_byte(cfg, k)
   return fit_config(cfg, dtype, out_dtype) or cfg
 
 
@@ -585,8 +600,11 @@ def gpu_sweep_configs(
   plus for dX the fitted swap forms' copies on 5 and 6 stages: <= 27).
 
   An f32 output gets a larger epilogue split where that makes a candidate fit.
+  1-byte (fp8) operands: each k step holds a 16-bit one's bytes (twice the
+  columns), plus the default at 64 columns on more stages (<= 2 more).
   """
   out_dtype = dtype if out_dtype is None else out_dtype
+  one_byte = jnp.dtype(dtype).itemsize == 1
   base = default_config(m, k, n, g, dtype, transpose_rhs, out_dtype)
   out = [base]
   extra = 0  # candidates past the cap of 23
@@ -676,15 +694,27 @@ def gpu_sweep_configs(
   for bm, bn, bk, stages, width, split, ctas in _SWEEP:
     if bn > max(base.block_n, 64):
       continue
+    if bk is not None and one_byte:
+      bk *= 2  # (the bytes of a 16-bit step)
     c = MosaicFwdConfig(bm, bn, bk or base.block_k, stages, 0, width,
                         num_compute_wgs=bm // _WG_ROWS, epilogue_split=split,
                         ctas_per_sm=ctas)
     c = _fit_split(c, dtype, out_dtype)
     if c is not None and c not in out:
       out.append(c)
+  out = out[:23 + extra]
   # (23: the swap candidate with delay_release=0, v38, did not push one out; the dX
   # fitted forms' deeper rings come on top)
-  return out[:23 + extra]
+  if one_byte:
+    # fp8 (untuned before v52): the default with its 16-bit k step of 64 columns
+    # (half the bytes a stage) on twice the stages: more loads in flight where the
+    # calls stream weights (decode read them at 0.81x the bf16 kernel's rate, v51a).
+    half = dataclasses.replace(base, block_k=base.block_k // 2,
+                               num_stages=2 * base.num_stages)
+    for c in (half, dataclasses.replace(half, num_stages=base.num_stages + 2)):
+      if base.block_k == 128 and c not in out and _fits(c, dtype, out_dtype):
+        out.append(c)
+  return out
 
 
 def _deeper(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any,

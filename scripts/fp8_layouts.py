@@ -1,0 +1,87 @@
+"""fp8 forward calls in both weight layouts against the bf16 call (GPU machine).
+
+  python3 scripts/fp8_layouts.py OUT_DIR [--shapes qwen3-30b] [--rounds 3]
+
+For each forward shape of the named preset (training and decode token counts),
+times interleaved (CUPTI, ``timing.interleaved_median_ms``) on fresh random
+inputs, bf16 output, the automatic choice each:
+  bf16 [g,k,n]        the bf16 call;
+  fp8 [g,k,n]         native: an fp8 [g, n, k] copy of the weights, then wgmma;
+  fp8 [g,k,n] bf16    the fp8 operands converted to bf16 first (the path before v52);
+  fp8 [g,n,k]         native, weights already K-major;
+  transpose           the fp8 [g, n, k] copy alone;
+checks each fp8 result against the f32 sum of the same fp8 values, and writes
+OUT_DIR/fp8_layouts.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import ragdot
+from ragdot import bench, timing
+
+NK = lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), [0], [0])
+FP8 = jnp.float8_e4m3fn
+
+
+def cases(s: bench.Shape, key) -> tuple[dict, dict]:
+  """The timed cases (name: (fn, args)) of shape ``s`` and the fp8 results to check."""
+  gs = jnp.asarray(bench.routed_group_sizes(s))
+  kx, kw = jax.random.split(key)
+  x = jax.random.normal(kx, (s.m, s.k), jnp.float32)
+  w = jax.random.normal(kw, (s.g, s.k, s.n), jnp.float32) / 32
+  x8, w8 = x.astype(FP8), w.astype(FP8)
+  w8_nk = jnp.swapaxes(w8, 1, 2)
+  bf = jnp.bfloat16
+  kn = jax.jit(lambda x, w: ragdot.ragged_dot(x, w, gs, preferred_element_type=bf))
+  nk = jax.jit(lambda x, w: ragdot.ragged_dot_general(x, w, gs, NK,
+                                                      preferred_element_type=bf))
+  widened = jax.jit(lambda x, w: ragdot.ragged_dot(x.astype(bf), w.astype(bf), gs))
+  transpose = jax.jit(lambda w: jnp.swapaxes(w, 1, 2))
+  timed = {
+      "bf16 [g,k,n]": (kn, (x.astype(bf), w.astype(bf))),
+      "fp8 [g,k,n]": (kn, (x8, w8)),
+      "fp8 [g,k,n] bf16": (widened, (x8, w8)),
+      "fp8 [g,n,k]": (nk, (x8, w8_nk)),
+      "transpose": (transpose, (w8,)),
+  }
+  exact = ragdot.ragged_dot(x8.astype(jnp.float32), w8.astype(jnp.float32), gs,
+                            implementation="xla")
+  checks = {"fp8 [g,k,n]": (kn(x8, w8), exact), "fp8 [g,n,k]": (nk(x8, w8_nk), exact)}
+  return timed, checks
+
+
+def main() -> None:
+  p = argparse.ArgumentParser()
+  p.add_argument("out_dir")
+  p.add_argument("--shapes", default="qwen3-30b", choices=sorted(bench.PRESETS))
+  p.add_argument("--rounds", type=int, default=3)
+  p.add_argument("--only", nargs="*", default=None, help="shape names to keep")
+  args = p.parse_args()
+  os.makedirs(args.out_dir, exist_ok=True)
+  rows = []
+  for i, s in enumerate(bench.PRESETS[args.shapes]):
+    if args.only and s.name not in args.only:
+      continue
+    timed, checks = cases(s, jax.random.key(100 + i))
+    errs = {name: float(jnp.max(jnp.abs(got.astype(jnp.float32) - want))
+                        / jnp.max(jnp.abs(want))) for name, (got, want) in checks.items()}
+    ms = timing.interleaved_median_ms(timed, rounds=args.rounds)
+    base = ms["bf16 [g,k,n]"]
+    row = dict(shape=s.name, m=s.m, k=s.k, n=s.n, g=s.g, ms=ms, rel_err=errs)
+    rows.append(row)
+    cells = "  ".join(f"{name} {t:.4f} ({t / base:.2f})" for name, t in ms.items())
+    print(f"{s.name}: {cells}  max rel err {max(errs.values()):.1e}", flush=True)
+  with open(os.path.join(args.out_dir, "fp8_layouts.json"), "w") as f:
+    json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
