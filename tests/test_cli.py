@@ -266,6 +266,13 @@ def test_tune_fp8_times_the_native_forward_on_mosaic_configs(tmp_path, capsys):
   assert "triton" not in out
   assert cli.main(args + ["--ops", "dw"]) == 2
   assert "fp8 operands are tuned for" in capsys.readouterr().err
+  assert cli.main(args) == 0  # --ops defaults to fwd for fp8
+  assert "gmm_t/float8_e4m3fn/" in capsys.readouterr().out
+  table = tmp_path / "imported.json"
+  assert cli.main(["tune", "--dtype", "float8_e4m3fn", "--table", str(table),
+                   "--device-kind", "NVIDIA H200", "--import-sweep",
+                   str(Path(__file__).parents[1] / "docs/data/sweep_h200_v1.jsonl")]) == 2
+  assert "bf16 measurements" in capsys.readouterr().err and not table.exists()
 
 
 def test_tune_fp8_reference_is_the_exact_bf16_sum():

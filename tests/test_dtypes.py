@@ -383,6 +383,31 @@ def test_fp8_entries_of_the_table_are_taken_literally(h200_table):
   assert other.config.block_k == 128 and "1-byte" in other.reason
 
 
+def test_a_borrowed_fp8_entry_keeps_whole_k_steps(h200_table):
+  """An fp8 entry with k steps of 128 borrowed by a call whose k is an odd
+  multiple of 64 (8-bit TMA tiles need whole steps) runs 64-column steps, and
+  lowers for sm90; the kernel refuses a config whose k step does not divide k
+  (NotImplementedError: the automatic choice falls back)."""
+  import sm90_lowering
+  from ragdot import dispatch
+  from ragdot.backends import mosaic_fwd as mf
+  fields = dict(block_m=128, block_n=256, block_k=128, num_stages=4, num_compute_wgs=2,
+                epilogue_split=2)
+  h200_table.put("gmm_t", "float8_e4m3fn", 4096, 2048, 2048, 16,
+                 {"backend": "mosaic", "config": fields, "measured": True})
+  m, k, n, g = 4096, 2880, 2048, 16
+  c = dispatch.choose("gmm", None, dtype=FP8[0], out_dtype=jnp.bfloat16, m=m, k=k, n=n, g=g,
+                      num_groups=g, transpose_rhs=True, device=dispatch.Device(*H200))
+  assert c.config.block_k == 64 and "k step 64" in c.reason
+  sm90_lowering.assert_gmm_lowers(c.config, m=m, k=k, n=n, g=g, transpose_rhs=True,
+                                  dtype=FP8[0])
+  x, w = _operand(FP8[0], (256, 192), 0), _operand(FP8[0], (2, 128, 192), 1)
+  with pytest.raises(NotImplementedError, match="block_k=128 must divide k=192"):
+    mf.gmm(x, w, jnp.array([128, 128], jnp.int32), None, transpose_rhs=True,
+           out_dtype=jnp.bfloat16, interpret=True,
+           config=mf.MosaicFwdConfig(**dict(fields, block_n=128)))
+
+
 def test_fp8_k_step_stays_below_k_for_the_two_warpgroup_pipeline():
   """The pipeline of two consumer warpgroups needs two k steps or more (its
   last slot is never released): k = 128 keeps block_k 64 for fp8, k = 256

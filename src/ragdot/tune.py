@@ -533,7 +533,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--preset", nargs="+", default=[], choices=sorted(bench.PRESETS))
   parser.add_argument("--shape", action="append", default=[], type=bench.parse_shape,
                       help="m,k,n,g[,top_k] of a forward projection (repeatable)")
-  parser.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS))
+  parser.add_argument("--ops", nargs="+", default=None, choices=list(OPS),
+                      help=f"default: {' '.join(OPS)} ({' '.join(FP8_OPS)} for fp8)")
   parser.add_argument("--dtype", default="bfloat16",
                       choices=["bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"],
                       help="operand dtype (fp8: --ops fwd, the native [g, n, k] forward)")
@@ -586,6 +587,11 @@ def run(args: argparse.Namespace) -> int:
   path = Path(args.table) if args.table else default_table_path(kind)
   table = open_table(path, kind)
 
+  dtype = jnp.dtype(args.dtype)
+  if validate.is_fp8(dtype) and (args.import_sweep or args.import_bench):
+    print("ragdot tune: --import-sweep / --import-bench hold bf16 measurements; fp8"
+          " entries come from timing fp8 calls", file=sys.stderr)
+    return 2
   if args.import_sweep:
     count = import_sweep(args.import_sweep, table, dtype=args.dtype)
     table.save(path)
@@ -605,9 +611,9 @@ def run(args: argparse.Namespace) -> int:
   if not shapes:
     print("ragdot tune: give --preset or --shape", file=sys.stderr)
     return 2
-  dtype = jnp.dtype(args.dtype)
+  ops = args.ops or (FP8_OPS if validate.is_fp8(dtype) else OPS)
   try:
-    tasks = tasks_for(shapes, args.ops, dtype)
+    tasks = tasks_for(shapes, ops, dtype)
   except ValueError as e:
     print(f"ragdot tune: {e}", file=sys.stderr)
     return 2

@@ -604,6 +604,8 @@ def gmm(
     # (swap: swap_rows + tail_rows).
     config = default_config(m, k, n, g_local, lhs.dtype, transpose_rhs, out_dtype)
     config = resolve_producer_zeros(config, has_offset, lhs.dtype, out_dtype)
+  if k % config.block_k:  # (TMA tiles of whole k steps; 8-bit ones of 128 columns)
+    raise NotImplementedError(f"config block_k={config.block_k} must divide k={k}")
   if config.smem_bytes(lhs.dtype, out_dtype) > config.smem_budget():
     raise NotImplementedError(
         f"config {config} needs {config.smem_bytes(lhs.dtype, out_dtype)} bytes of SMEM"
