@@ -316,12 +316,15 @@ def test_fp8_sweep_lowers_for_sm90():
 
 
 @pytest.mark.parametrize("m,k,n,g", [(32768, 1536, 2048, 128), (512, 1536, 2048, 128)])
-def test_automatic_choice_takes_fp8_natively_on_sm90(m, k, n, g):
+def test_automatic_choice_takes_fp8_natively_on_sm90(h200_table, m, k, n, g):
   """On an H200 the automatic choice for e4m3 operands is the native Mosaic
-  kernel in both layouts (the bf16 [g, n, k] entry's config with k steps of
-  128 one-byte columns), also where the bf16 table picks Triton (512 rows);
-  an sm80 part keeps the bf16 choice (on bf16 copies)."""
+  kernel in both layouts, without fp8 entries the bf16 [g, n, k] entry's config
+  with k steps of 128 one-byte columns, also where the bf16 table picks Triton
+  (512 rows: the kernel's default); an sm80 part keeps the bf16 choice (on bf16
+  copies)."""
   from ragdot import dispatch
+  for key in [key for key in h200_table.entries if "float8" in key]:
+    del h200_table.entries[key]
   h200 = dispatch.Device(*H200)
   a100 = dispatch.Device("gpu", "NVIDIA A100-SXM4-80GB", "8.0")
   common = dict(m=m, k=k, n=n, g=g, num_groups=g, out_dtype=jnp.bfloat16)
@@ -340,6 +343,19 @@ def test_automatic_choice_takes_fp8_natively_on_sm90(m, k, n, g):
     got = dispatch.choose("gmm", None, dtype=FP8[0], transpose_rhs=tr, device=a100, **common)
     assert got == dispatch.choose("gmm", None, dtype=jnp.bfloat16, transpose_rhs=tr,
                                   device=a100, **common)
+
+
+def test_the_shipped_fp8_entries_serve_the_qwen3_30b_calls():
+  """The H200 table's fp8 entries (``ragdot tune --dtype float8_e4m3fn``, v52a)
+  are what the Qwen3-30B forward calls run, in both layouts."""
+  from ragdot import dispatch
+  for m, k, n in [(512, 2048, 1536), (32768, 768, 2048)]:
+    for tr in (True, False):
+      c = dispatch.choose("gmm", None, dtype=FP8[0], out_dtype=jnp.bfloat16, m=m, k=k, n=n,
+                          g=128, num_groups=128, transpose_rhs=tr,
+                          device=dispatch.Device(*H200))
+      assert c.implementation == "mosaic" and c.measured and c.config.block_k == 128
+      assert "float8_e4m3fn" in c.reason or "measured entry" in c.reason
 
 
 def mf_for_one_byte(config, k):
@@ -365,6 +381,8 @@ def test_fp8_entries_of_the_table_are_taken_literally(h200_table):
   """A tuned fp8 entry (``ragdot tune --dtype float8_e4m3fn``) is used as it
   stands, for e5m2 too (an alias); without one the bf16 entry's k step doubles."""
   from ragdot import dispatch
+  for key in [key for key in h200_table.entries if "float8" in key]:
+    del h200_table.entries[key]  # (the shipped ones)
   m, k, n, g = 512, 2048, 1536, 128
   fields = dict(block_m=128, block_n=128, block_k=64, num_stages=8, num_compute_wgs=2,
                 epilogue_split=2)
