@@ -14,6 +14,10 @@
 #          (*_ARGS are split on spaces: a -k expression must have none, e.g. -k schedule)
 #          TESTS_PART=i/k: only every k-th collected test from the i-th (1-based), so a
 #          suite longer than one device call (10 min) runs in k calls
+#          TESTS_LIST=FILE: the test ids in FILE (one a line) instead; with TESTS_PART, its
+#          i-th of every k lines (docs/data/gpu_cases_v52_remaining.txt: the cases
+#          not run since v48); TESTS_WORKERS / TESTS_MEM_FRACTION: xdist processes and
+#          each one's share of GPU memory (an H100's 80 GB: 4 x 0.22)
 #   tune   ragdot tune into $OUT/nvidia_h200.json (copy of the shipped table) TUNE_ARGS
 #          (USE_TUNED=1: the stages after it use that table)
 #   bench  ragdot bench table + JSON + PNG                                 BENCH_ARGS
@@ -59,13 +63,18 @@ for stage in $STAGES; do
         export XLA_PYTHON_CLIENT_MEM_FRACTION=${TESTS_MEM_FRACTION:-0.18}
       fi
       targets=tests/test_gpu.py
-      if [ -n "${TESTS_PART:-}" ]; then
+      if [ -n "${TESTS_LIST:-}" ]; then
+        awk -v part="${TESTS_PART:-1/1}" 'BEGIN { split(part, p, "/") }
+          NF && (NR - p[1]) % p[2] == 0' "$TESTS_LIST" > "$OUT/tests_part.txt"
+        echo "TESTS_LIST $TESTS_LIST ${TESTS_PART:-}: $(wc -l < "$OUT/tests_part.txt") tests"
+        targets=$(cat "$OUT/tests_part.txt")
+      elif [ -n "${TESTS_PART:-}" ]; then
         python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider tests/test_gpu.py ${TESTS_ARGS:-} \
           | grep '::' | awk -v i="${TESTS_PART%/*}" -v k="${TESTS_PART#*/}" '(NR - i) % k == 0' > "$OUT/tests_part.txt"
         echo "TESTS_PART $TESTS_PART: $(wc -l < "$OUT/tests_part.txt") tests"
         targets=$(cat "$OUT/tests_part.txt")
       fi
-      run tests "${TESTS_TIMEOUT:-540}" python3 -m pytest -m gpu -v --maxfail=6 -p no:cacheprovider $par $targets ${TESTS_ARGS:-}
+      run tests "${TESTS_TIMEOUT:-540}" python3 -m pytest -m gpu -v --tb=short --maxfail=6 -p no:cacheprovider $par $targets ${TESTS_ARGS:-}
       unset XLA_PYTHON_CLIENT_MEM_FRACTION ;;
     tune)
       cp src/ragdot/tables/nvidia_h200.json "$OUT/nvidia_h200.json"
