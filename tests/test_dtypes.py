@@ -404,8 +404,9 @@ def test_fp8_entries_of_the_table_are_taken_literally(h200_table):
 def test_a_borrowed_fp8_entry_keeps_whole_k_steps(h200_table):
   """An fp8 entry with k steps of 128 borrowed by a call whose k is an odd
   multiple of 64 (8-bit TMA tiles need whole steps) runs 64-column steps, and
-  lowers for sm90; the kernel refuses a config whose k step does not divide k
-  (NotImplementedError: the automatic choice falls back)."""
+  lowers for sm90; the kernel refuses a 128-column fp8 k step where k is not a
+  multiple of 128 (NotImplementedError: the automatic choice falls back; a
+  16-bit partial k step is zero-filled)."""
   import sm90_lowering
   from ragdot import dispatch
   from ragdot.backends import mosaic_fwd as mf
@@ -420,7 +421,7 @@ def test_a_borrowed_fp8_entry_keeps_whole_k_steps(h200_table):
   sm90_lowering.assert_gmm_lowers(c.config, m=m, k=k, n=n, g=g, transpose_rhs=True,
                                   dtype=FP8[0])
   x, w = _operand(FP8[0], (256, 192), 0), _operand(FP8[0], (2, 128, 192), 1)
-  with pytest.raises(NotImplementedError, match="block_k=128 must divide k=192"):
+  with pytest.raises(NotImplementedError, match="k=192 must be a multiple of the 128-column"):
     mf.gmm(x, w, jnp.array([128, 128], jnp.int32), None, transpose_rhs=True,
            out_dtype=jnp.bfloat16, interpret=True,
            config=mf.MosaicFwdConfig(**dict(fields, block_n=128)))

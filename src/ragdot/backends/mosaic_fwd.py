@@ -604,8 +604,13 @@ def gmm(
     # (swap: swap_rows + tail_rows).
     config = default_config(m, k, n, g_local, lhs.dtype, transpose_rhs, out_dtype)
     config = resolve_producer_zeros(config, has_offset, lhs.dtype, out_dtype)
-  if k % config.block_k:  # (TMA tiles of whole k steps; 8-bit ones of 128 columns)
-    raise NotImplementedError(f"config block_k={config.block_k} must divide k={k}")
+  # TMA tiles k by the k step's swizzle (up to 128 bytes): 64 columns of a 16-bit
+  # dtype (a partial last k step is zero-filled), up to 128 of an 8-bit one.
+  tile = min(128, config.block_k * lhs.dtype.itemsize) // lhs.dtype.itemsize
+  if k % tile:
+    raise NotImplementedError(
+        f"k={k} must be a multiple of the {tile}-column TMA tiles of block_k={config.block_k}"
+        f" for {lhs.dtype}")
   if config.smem_bytes(lhs.dtype, out_dtype) > config.smem_budget():
     raise NotImplementedError(
         f"config {config} needs {config.smem_bytes(lhs.dtype, out_dtype)} bytes of SMEM"
