@@ -323,8 +323,8 @@ def test_automatic_choice_takes_fp8_natively_on_sm90(h200_table, m, k, n, g):
   (512 rows: the kernel's default); an sm80 part keeps the bf16 choice (on bf16
   copies)."""
   from ragdot import dispatch
-  for key in [key for key in h200_table.entries if "float8" in key]:
-    del h200_table.entries[key]
+  from ragdot.backends import mosaic_fwd as mf
+  _drop_fp8_entries(h200_table)
   h200 = dispatch.Device(*H200)
   a100 = dispatch.Device("gpu", "NVIDIA A100-SXM4-80GB", "8.0")
   common = dict(m=m, k=k, n=n, g=g, num_groups=g, out_dtype=jnp.bfloat16)
@@ -335,7 +335,7 @@ def test_automatic_choice_takes_fp8_natively_on_sm90(h200_table, m, k, n, g):
                              **common)
     assert native.implementation == "mosaic" and native.automatic
     if bf16.implementation == "mosaic":
-      assert native.config == mf_for_one_byte(bf16.config, k)
+      assert native.config == mf.for_one_byte(bf16.config, k)
       assert "k step 128 for 1-byte operands" in native.reason
     else:
       assert native.config is None and "native 8-bit wgmma" in native.reason
@@ -358,11 +358,6 @@ def test_the_shipped_fp8_entries_serve_the_qwen3_30b_calls():
       assert "float8_e4m3fn" in c.reason or "measured entry" in c.reason
 
 
-def mf_for_one_byte(config, k):
-  from ragdot.backends import mosaic_fwd as mf
-  return mf.for_one_byte(config, k)
-
-
 @pytest.fixture
 def h200_table():
   """The shipped H200 table, restored (and the dispatcher's caches cleared)
@@ -377,12 +372,16 @@ def h200_table():
   dispatch.clear_cache()
 
 
+def _drop_fp8_entries(table):
+  for key in [key for key in table.entries if "float8" in key]:
+    del table.entries[key]
+
+
 def test_fp8_entries_of_the_table_are_taken_literally(h200_table):
   """A tuned fp8 entry (``ragdot tune --dtype float8_e4m3fn``) is used as it
   stands, for e5m2 too (an alias); without one the bf16 entry's k step doubles."""
   from ragdot import dispatch
-  for key in [key for key in h200_table.entries if "float8" in key]:
-    del h200_table.entries[key]  # (the shipped ones)
+  _drop_fp8_entries(h200_table)  # (the shipped ones)
   m, k, n, g = 512, 2048, 1536, 128
   fields = dict(block_m=128, block_n=128, block_k=64, num_stages=8, num_compute_wgs=2,
                 epilogue_split=2)

@@ -321,17 +321,18 @@ def _automatic(top, dtype, precision_ok, out_dtype, m, k, n, g, num_groups,
                     reason=f"{bad}; table said mosaic; the Triton kernels take any shape")
   config, note = _built_config(hit.backend, top, hit.config_items,
                                "bfloat16" if from_16 else dtype, out_dtype or dtype)
-  if from_16 and config is not None and k is not None:
+  if fp8 and config is not None and k is not None:
     from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
-    wide = mosaic_fwd.for_one_byte(config, k)
-    if wide != config:
-      note += f"; bf16 entry, k step {wide.block_k} for 1-byte operands"
-      config = wide
-  elif fp8 and config is not None and k is not None and k % config.block_k:
-    # An fp8 entry borrowed by a call whose k it does not divide (8-bit TMA tiles
-    # need whole k steps): 64 columns, which every k Mosaic takes divides.
-    config = dataclasses.replace(config, block_k=64)
-    note += f"; k step 64 (k = {k})"
+    if from_16:
+      wide = mosaic_fwd.for_one_byte(config, k)
+      if wide != config:
+        note += f"; bf16 entry, k step {wide.block_k} for 1-byte operands"
+        config = wide
+    elif k % mosaic_fwd.k_tile(config, dtype):
+      # An fp8 entry borrowed by a call whose k its TMA tiles do not cut (the
+      # kernel refuses it): 64 columns, which every k Mosaic takes divides.
+      config = dataclasses.replace(config, block_k=64)
+      note += f"; k step 64 (k = {k})"
   if hit.backend == "mosaic" and top in ("gmm", "gmm_t") and config is not None:
     from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
     if has_offset:

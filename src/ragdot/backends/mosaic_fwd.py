@@ -72,6 +72,7 @@ from ragdot.backends.mosaic_fwd_config import (  # noqa: F401  (re-exported)
     fit_config,
     fit_rows_per_group,
     for_one_byte,
+    k_tile,
     gpu_sweep_configs,
     one_tile_groups,
     resolve_producer_zeros,
@@ -604,9 +605,7 @@ def gmm(
     # (swap: swap_rows + tail_rows).
     config = default_config(m, k, n, g_local, lhs.dtype, transpose_rhs, out_dtype)
     config = resolve_producer_zeros(config, has_offset, lhs.dtype, out_dtype)
-  # TMA tiles k by the k step's swizzle (up to 128 bytes): 64 columns of a 16-bit
-  # dtype (a partial last k step is zero-filled), up to 128 of an 8-bit one.
-  tile = min(128, config.block_k * lhs.dtype.itemsize) // lhs.dtype.itemsize
+  tile = k_tile(config, lhs.dtype)
   if k % tile:
     raise NotImplementedError(
         f"k={k} must be a multiple of the {tile}-column TMA tiles of block_k={config.block_k}"

@@ -525,6 +525,14 @@ def fit_config(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> MosaicFwdCon
     cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
 
 
+def k_tile(config: MosaicFwdConfig, dtype: Any) -> int:
+  """Columns of the TMA tiles k is cut in: the k step's swizzle (up to 128
+  bytes), so 64 of a 16-bit dtype (a partial last k step is zero-filled), up to
+  128 of an 8-bit one; k must be a multiple of it."""
+  itemsize = jnp.dtype(dtype).itemsize
+  return min(128, config.block_k * itemsize) // itemsize
+
+
 def for_one_byte(config: MosaicFwdConfig, k: int) -> MosaicFwdConfig:
   """A 16-bit config for 1-byte (fp8) operands: the k step doubled, so each
   stage moves the same bytes (not past 128 columns, the widest swizzle, nor
