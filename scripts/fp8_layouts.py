@@ -1,4 +1,5 @@
-"""fp8 forward calls in both weight layouts against the bf16 call (GPU machine).
+"""fp8 forward calls (both operands fp8, or fp8 weights beside bf16 rows) in both
+weight layouts against the bf16 call (GPU machine).
 
   python3 scripts/fp8_layouts.py OUT_DIR [--shapes qwen3-30b] [--rounds 3]
 
@@ -10,7 +11,12 @@ inputs, bf16 output, the automatic choice each:
   fp8 [g,k,n] bf16    the fp8 operands converted to bf16 first (the path before v52);
   fp8 [g,n,k]         native, weights already K-major;
   transpose           the fp8 [g, n, k] copy alone;
-checks each fp8 result against the f32 sum of the same fp8 values, and writes
+  w8a16 [g,n,k]       bf16 rows, fp8 weights (W8A16): the swap kernel widening
+                      the weights in registers;
+  w8a16 [g,k,n]       the same through an fp8 [g, n, k] copy of the weights;
+  w8a16 bf16          bf16 rows, the weights converted to bf16 first (the path
+                      before v53);
+checks each fp8 result against the f32 sum of the same values, and writes
 OUT_DIR/fp8_layouts.json.
 """
 
@@ -45,16 +51,22 @@ def cases(s: bench.Shape, key) -> tuple[dict, dict]:
                                                       preferred_element_type=bf))
   widened = jax.jit(lambda x, w: ragdot.ragged_dot(x.astype(bf), w.astype(bf), gs))
   transpose = jax.jit(lambda w: jnp.swapaxes(w, 1, 2))
+  xb = x.astype(bf)
   timed = {
-      "bf16 [g,k,n]": (kn, (x.astype(bf), w.astype(bf))),
+      "bf16 [g,k,n]": (kn, (xb, w.astype(bf))),
       "fp8 [g,k,n]": (kn, (x8, w8)),
       "fp8 [g,k,n] bf16": (widened, (x8, w8)),
       "fp8 [g,n,k]": (nk, (x8, w8_nk)),
       "transpose": (transpose, (w8,)),
+      "w8a16 [g,n,k]": (nk, (xb, w8_nk)),
+      "w8a16 [g,k,n]": (kn, (xb, w8)),
+      "w8a16 bf16": (widened, (xb, w8)),
   }
-  exact = ragdot.ragged_dot(x8.astype(jnp.float32), w8.astype(jnp.float32), gs,
-                            implementation="xla")
-  checks = {"fp8 [g,k,n]": (kn(x8, w8), exact), "fp8 [g,n,k]": (nk(x8, w8_nk), exact)}
+  f32 = lambda a: a.astype(jnp.float32)
+  exact = ragdot.ragged_dot(f32(x8), f32(w8), gs, implementation="xla")
+  exact16 = ragdot.ragged_dot(f32(xb), f32(w8), gs, implementation="xla")
+  checks = {"fp8 [g,k,n]": (kn(x8, w8), exact), "fp8 [g,n,k]": (nk(x8, w8_nk), exact),
+            "w8a16 [g,n,k]": (nk(xb, w8_nk), exact16), "w8a16 [g,k,n]": (kn(xb, w8), exact16)}
   return timed, checks
 
 

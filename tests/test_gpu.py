@@ -18,6 +18,7 @@ import pytest
 
 import oracle
 import ragdot
+from ragdot import dispatch
 from ragdot.backends import mosaic_fwd as mf
 from ragdot.bench import PRESETS, Shape, dispatch_choice, routed_group_sizes
 
@@ -232,6 +233,47 @@ def test_native_fp8_forward_real_size(m, k, n, g, offset, impl, nk):
                                nk)
   oracle.assert_close(out, want, jnp.bfloat16, factor=2)
   oracle.assert_zero_rows(out, sizes, offset, local)
+
+
+@pytest.mark.parametrize("m,k,n,g,offset,layout,nk", [
+    (32768, 2048, 1536, 128, None, "routed", True),   # the bf16 swap entry's tiles
+    (32768, 768, 2048, 128, 16, "routed", False),     # a shard through an fp8 [g, n, k] copy
+    (512, 2048, 1536, 128, None, "routed", True),     # decode: 64-row tiles, 128-column steps
+    (512, 768, 2048, 128, 64, "routed", True),        # a decode shard
+    (2048, 2880, 5760, 32, None, "skewed", True),     # k % 128 != 0: 64-column steps
+    (4096, 768, 2048, 128, None, "skewed", False),
+])
+def test_w8a16_forward_real_size(m, k, n, g, offset, layout, nk):
+  """bf16 rows with e4m3 weights through the automatic choice (the swap kernel
+  widening the weights in registers), rhs laid out [g, n, k] or [g, k, n]:
+  bitwise the same kernel's result on bf16 copies of the weights laid out
+  [g, n, k] (its config), the f32 oracle, NaN-poisoned memory, every row
+  written, exact zeros outside a shard, bitwise repeatable."""
+  local = g if offset is None else g // 8
+  sizes = _sizes(m, g, layout)
+  x, w = oracle.random_inputs(jax.random.key(m + k), [(m, k), (local, n, k) if nk else
+                                                       (local, k, n)], jnp.float32)
+  x, w = x.astype(jnp.bfloat16), (w / 4).astype(jnp.float8_e4m3fn)
+  gs, go = jnp.asarray(sizes), None if offset is None else jnp.int32(offset)
+  choice = dispatch.choose("gmm", None, dtype=jnp.bfloat16, rhs_dtype=jnp.float8_e4m3fn,
+                           out_dtype=jnp.bfloat16, m=m, k=k, n=n, g=local, num_groups=g,
+                           transpose_rhs=nk, has_offset=offset is not None)
+  assert choice.implementation == "mosaic", choice.reason
+  dims = lax.RaggedDotDimensionNumbers((([1], [2 if nk else 1]), ([], [])), [0], [0])
+  run = jax.jit(lambda x, w: ragdot.ragged_dot_general(x, w, gs, dims, group_offset=go))
+  _poison(8 * m * n)
+  out = run(x, w)
+  assert out.dtype == jnp.bfloat16
+  w_nk = w if nk else jnp.swapaxes(w, 1, 2)
+  cfg = mf.weight_only_config(choice.config, m, g, k)
+  same = jax.jit(lambda x, w: mf.gmm(x, w, gs, go, transpose_rhs=True, out_dtype=jnp.bfloat16,
+                                     config=cfg))(x, w_nk.astype(jnp.bfloat16))
+  np.testing.assert_array_equal(np.asarray(out).view(np.uint16), np.asarray(same).view(np.uint16))
+  want = oracle.ref_ragged_dot(x, w.astype(jnp.float32), sizes, offset, nk)
+  oracle.assert_close(out, want, jnp.bfloat16)
+  oracle.assert_zero_rows(out, sizes, offset, local)
+  np.testing.assert_array_equal(np.asarray(out).view(np.uint16),
+                                np.asarray(run(x, w)).view(np.uint16))
 
 
 def _training_call(m, seed):

@@ -68,9 +68,9 @@ def _run(op: dispatch.Op, implementation: str | None, **kwargs) -> jax.Array:
     key = (op, impl, interpret, config, static, types)
     if eager and not last and key in _REFUSED:
       continue  # refused before: an eager call would trace the kernel again to find out
-    native = _takes_fp8(op, impl, arrays["lhs"].dtype)
+    native = _takes_operands(op, impl, arrays["lhs"].dtype, arrays["rhs"].dtype)
     try:
-      return call(op, impl, interpret, config, static)(**_fp8_as_bf16(arrays, native))
+      return call(op, impl, interpret, config, static)(**_as_backend_takes(arrays, native))
     except NotImplementedError:
       if last:
         raise
@@ -79,22 +79,32 @@ def _run(op: dispatch.Op, implementation: str | None, **kwargs) -> jax.Array:
   raise AssertionError("unreachable")
 
 
-def _takes_fp8(op: dispatch.Op, impl: str, dtype: Any) -> bool:
-  """Whether ``impl`` computes ``op`` on operands of ``dtype`` (e4m3 / e5m2)
-  natively: the Mosaic forward (8-bit wgmma; rhs [g, k, n] is first copied to
-  [g, n, k] in fp8)."""
-  if impl != "mosaic" or op != "gmm" or not validate.is_fp8(dtype):
+def _takes_operands(op: dispatch.Op, impl: str, lhs_dtype: Any, rhs_dtype: Any) -> bool:
+  """Whether ``impl`` computes ``op`` on 8-bit float operands as they are: the
+  Mosaic forward, both e4m3 / e5m2 (8-bit wgmma) or bf16/f16 rows with e4m3 /
+  e5m2 weights (W8A16: the weights widened in registers); a [g, k, n] rhs is
+  first copied to [g, n, k] in fp8."""
+  if impl != "mosaic" or op != "gmm":
+    return False
+  if not (validate.is_fp8(lhs_dtype) or validate.is_fp8(rhs_dtype)):
     return False
   from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
-  return mosaic_fwd.takes_fp8(dtype)
+  if lhs_dtype == rhs_dtype:
+    return mosaic_fwd.takes_fp8(lhs_dtype)
+  return mosaic_fwd.takes_weight_only(lhs_dtype, rhs_dtype)
 
 
-def _fp8_as_bf16(arrays: dict[str, Any], native: bool) -> dict[str, Any]:
-  """fp8 operands as bf16 copies (exact) unless the backend takes them."""
+def _as_backend_takes(arrays: dict[str, Any], native: bool) -> dict[str, Any]:
+  """fp8 operands widened (exactly) unless the backend takes them: fp8 weights
+  to the rows' 16-bit dtype, two fp8 operands to bf16."""
   lhs, rhs = arrays["lhs"], arrays["rhs"]
-  if native or not validate.is_fp8(lhs.dtype):
+  if native:
     return arrays
-  return {**arrays, "lhs": lhs.astype(jnp.bfloat16), "rhs": rhs.astype(jnp.bfloat16)}
+  if lhs.dtype != rhs.dtype:  # (16-bit rows, fp8 weights: ``_prepare``)
+    return {**arrays, "rhs": rhs.astype(lhs.dtype)}
+  if validate.is_fp8(lhs.dtype):
+    return {**arrays, "lhs": lhs.astype(jnp.bfloat16), "rhs": rhs.astype(jnp.bfloat16)}
+  return arrays
 
 
 # Eager calls whose kernel refused them (NotImplementedError while tracing), by
@@ -122,13 +132,18 @@ def _promote(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
   return a.astype(dtype), b.astype(dtype)
 
 
-def _prepare(lhs, rhs, group_sizes, group_offset):
-  """Promoted operands, all varying over the same shard_map axes.
+def _prepare(lhs, rhs, group_sizes, group_offset, weights: bool = False):
+  """Promoted operands, all varying over the same shard_map axes.  ``weights``:
+  rhs holds expert weights, kept as they are when fp8 beside bf16/f16 rows
+  (``validate.weight_only``; each backend call widens them unless its kernel
+  takes them).
 
   Marking replicated operands varying *outside* the ops lets JAX's own
   transpose of that marking psum their cotangents across the shards.
   """
-  lhs, rhs = _promote(jnp.asarray(lhs), jnp.asarray(rhs))
+  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  if not (weights and validate.weight_only(lhs, rhs)):
+    lhs, rhs = _promote(lhs, rhs)
   return match_varying(lhs, rhs, group_sizes, group_offset)
 
 
@@ -314,7 +329,7 @@ def ragged_dot(
   impl = validate.check_implementation(implementation)
   problem, gs, go = validate.check_ragged_dot(
       lhs, rhs, group_sizes, group_offset, preferred_element_type)
-  lhs, rhs, gs, go = _prepare(lhs, rhs, gs, go)
+  lhs, rhs, gs, go = _prepare(lhs, rhs, gs, go, weights=True)
   out = _gmm_sharded(lhs, rhs, gs, go, False, _hashable_precision(precision),
                      problem.backend_out_dtype, impl)
   return _finish(out, problem, gs, go, checks, out_sharding)
@@ -426,7 +441,7 @@ def ragged_dot_general(
     problem, gs, go = validate.check_ragged_dot(
         lhs, rhs, group_sizes, group_offset, preferred_element_type,
         transpose_rhs=True)
-    lhs, rhs, gs, go = _prepare(lhs, rhs, gs, go)
+    lhs, rhs, gs, go = _prepare(lhs, rhs, gs, go, weights=True)
     out = _gmm_sharded(lhs, rhs, gs, go, True, _hashable_precision(precision),
                        problem.backend_out_dtype, impl)
     return _finish(out, problem, gs, go, checks, out_sharding)

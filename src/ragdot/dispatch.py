@@ -206,14 +206,16 @@ def facts(op: Op, *, lhs, rhs, group_sizes, group_offset=None, transpose_rhs=Fal
     n = rhs.shape[1]
   return dict(dtype=lhs.dtype, precision=precision, out_dtype=out_dtype, m=m, k=k,
               n=n, g=g, num_groups=group_sizes.shape[0],
-              transpose_rhs=bool(transpose_rhs), has_offset=group_offset is not None)
+              transpose_rhs=bool(transpose_rhs), has_offset=group_offset is not None,
+              rhs_dtype=rhs.dtype)
 
 
 def choose(op: Op, implementation: str | None, *, dtype: Any = None,
            precision: Any = None, out_dtype: Any = None, m: int | None = None,
            k: int | None = None, n: int | None = None, g: int | None = None,
            num_groups: int | None = None, transpose_rhs: bool = False,
-           has_offset: bool = False, device: Device | None = None) -> Choice:
+           has_offset: bool = False, device: Device | None = None,
+           rhs_dtype: Any = None) -> Choice:
   """The backend (and config) for ``op``; ``implementation`` was validated.
 
   Args:
@@ -227,9 +229,14 @@ def choose(op: Op, implementation: str | None, *, dtype: Any = None,
     has_offset: a group_offset is given: the shard's groups have the full
       call's rows per group, so the lookup uses the full call (m, G).
     device: override the current device (``ragdot info --device-kind``, tests).
+    rhs_dtype: rhs's dtype when it differs from ``dtype`` (fp8 weights beside
+      bf16/f16 rows, see ``validate.weight_only``; None: the same).
   """
   precision_ok = _default_precision(precision)
   device = device or current_device()
+  if rhs_dtype is not None and jnp.dtype(rhs_dtype) != jnp.dtype(dtype):
+    return _weight_only(op, implementation, dtype, rhs_dtype, precision_ok, out_dtype, m, k, n,
+                        g, num_groups, transpose_rhs, has_offset, device)
   if _fp8_native(op, implementation, dtype, precision_ok, m, k, n, device):
     # 8-bit wgmma: the Mosaic forward on rhs [g, n, k] (a [g, k, n] rhs is copied
     # to that layout in fp8), with an fp8 entry of the table, else the bf16 one's
@@ -252,8 +259,41 @@ def _fp8_native(op: Op, implementation: str | None, dtype: Any, precision_ok: bo
     return False
   from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
   return (mosaic_fwd.takes_fp8(dtype) and implementation in (None, "mosaic")
-          and device.platform == "gpu" and (device.compute_capability or "").startswith("9")
+          and _hopper_takes(device, m, k, n))
+
+
+def _hopper_takes(device: Device, m, k, n) -> bool:
+  """An sm90 device and a shape the Mosaic forward on rhs [g, n, k] takes."""
+  return (device.platform == "gpu" and (device.compute_capability or "").startswith("9")
           and None not in (m, k, n) and not _misaligned("gmm_t", m, k, n))
+
+
+def _weight_only(op, implementation, dtype, rhs_dtype, precision_ok, out_dtype, m, k, n, g,
+                 num_groups, transpose_rhs, has_offset, device: Device) -> Choice:
+  """fp8 weights beside 16-bit rows: on sm90, where it takes the call, the
+  Mosaic swap kernel widening them in registers (W8A16), with the 16-bit
+  entry's config when that is Mosaic (``mosaic_fwd.weight_only_config`` makes
+  it a swap one) except at decode size (fewer than 48 rows per group: the
+  kernel's own 64-row tiles), else its own config; elsewhere the 16-bit
+  choice, run on a widened copy of the weights."""
+  out = _name(out_dtype) or _name(dtype)
+  choice = _choose(op, implementation, _name(dtype), precision_ok, out, m, k, n, g, num_groups,
+                   bool(transpose_rhs), bool(has_offset), device)
+  from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
+  native = (op == "gmm" and precision_ok and implementation in (None, "mosaic")
+            and mosaic_fwd.takes_weight_only(dtype, rhs_dtype)
+            and jnp.dtype(out).itemsize == 2 and _hopper_takes(device, m, k, n) and m >= 64)
+  if not native:
+    return choice
+  groups = num_groups if has_offset and num_groups else g
+  decode = bool(groups) and m / groups < 48
+  if choice.implementation == "mosaic" and not decode:
+    return choice
+  why = ("decode size: its 64-row tiles" if decode else
+         f"its own config (the {_name(dtype)} choice, {choice.implementation}, would run on a"
+         " widened copy)")
+  return Choice("mosaic", automatic=implementation is None,
+                reason=f"{_name(rhs_dtype)} weights: the W8A16 swap kernel, {why}; {choice.reason}")
 
 
 @functools.lru_cache(maxsize=4096)

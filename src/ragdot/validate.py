@@ -99,6 +99,14 @@ def is_fp8(dtype: Any) -> bool:
   return bool(jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits == 8)
 
 
+def weight_only(lhs: Any, rhs: Any) -> bool:
+  """bf16 / f16 rows with fp8 weights (W8A16): ``ragged_dot`` keeps the pair,
+  each backend call widens the weights to the rows' dtype (exact) unless its
+  kernel takes them; the result dtype is the rows' (as lax ranks them)."""
+  a, b = _input_dtype(lhs), _input_dtype(rhs)
+  return a in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)) and is_fp8(b)
+
+
 def common_dtype(lhs: Any, rhs: Any) -> np.dtype:
   """The dtype both operands are cast to before the ops: the operands' dtype,
   else one that holds both exactly (bf16 and f16 meet in f32, mixed fp8 in

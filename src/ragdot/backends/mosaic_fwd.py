@@ -80,6 +80,7 @@ from ragdot.backends.mosaic_fwd_config import (  # noqa: F401  (re-exported)
     shard_keeps_swap,
     swap_rows_for_mean,
     tail_fold_groups,
+    weight_only_config,
 )
 
 _IN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -95,15 +96,27 @@ def takes_fp8(dtype: Any) -> bool:
   return jnp.dtype(dtype) in FP8_DTYPES
 
 
+def takes_weight_only(lhs_dtype: Any, rhs_dtype: Any) -> bool:
+  """Whether the kernel takes bf16 / f16 rows with e4m3 / e5m2 weights as they
+  are (W8A16: the swap kernel widens each weight slice in registers; rhs
+  [g, k, n] is first copied to [g, n, k] in fp8)."""
+  return jnp.dtype(lhs_dtype) in _IN_DTYPES and jnp.dtype(rhs_dtype) in FP8_DTYPES
+
+
 _INTERPRET_SMS = 4
 
 
 
 def _check_supported(lhs, rhs, out_dtype, transpose_rhs) -> None:
   if lhs.dtype != rhs.dtype:
-    raise NotImplementedError(
-        f"mosaic gmm needs equal lhs/rhs dtypes, got {lhs.dtype} and {rhs.dtype}"
-    )
+    if not takes_weight_only(lhs.dtype, rhs.dtype):
+      raise NotImplementedError(
+          f"mosaic gmm needs equal lhs/rhs dtypes or bf16/f16 rows with fp8 weights,"
+          f" got {lhs.dtype} and {rhs.dtype}")
+    if jnp.dtype(out_dtype).itemsize != 2:
+      raise NotImplementedError(
+          f"mosaic gmm with fp8 weights and {lhs.dtype} rows writes bf16/f16 only"
+          f" (its swap kernel's transposed stores), got {out_dtype}")
   if not takes_fp8(lhs.dtype) and jnp.dtype(lhs.dtype) not in _IN_DTYPES:
     raise NotImplementedError(
         f"mosaic gmm supports bf16/f16 inputs only, got {lhs.dtype}"
@@ -560,7 +573,9 @@ def gmm(
   Args:
     lhs: [m, k] bf16/f16, or e4m3 / e5m2 (then a [g_local, k, n] rhs is first
       copied to [g_local, n, k]: see ``FP8_DTYPES``).
-    rhs: [g_local, k, n], or [g_local, n, k] when ``transpose_rhs``; lhs dtype.
+    rhs: [g_local, k, n], or [g_local, n, k] when ``transpose_rhs``; lhs dtype,
+      or e4m3 / e5m2 with bf16/f16 lhs (``takes_weight_only``: the swap kernel,
+      ``weight_only_config``, a bf16/f16 output; [g_local, k, n] copied as above).
     group_sizes: int32[G] (G = g_local when ``group_offset`` is None).
     group_offset: None or int32 scalar; local group j is global group o + j.
     transpose_rhs: use each rhs[j] transposed (dX), without an HBM transpose.
@@ -574,7 +589,8 @@ def gmm(
   """
   del precision
   _check_supported(lhs, rhs, out_dtype, transpose_rhs)
-  if takes_fp8(lhs.dtype) and not transpose_rhs:
+  weight_only = lhs.dtype != rhs.dtype
+  if takes_fp8(rhs.dtype) and not transpose_rhs:
     rhs, transpose_rhs = jnp.swapaxes(rhs, 1, 2), True
   m, k = lhs.shape
   g_local = rhs.shape[0]
@@ -585,6 +601,10 @@ def gmm(
   if g_local == 0 or k == 0 or group_sizes.shape[0] == 0:
     return jnp.zeros((m, n), out_dtype)
   has_offset = group_offset is not None
+  if weight_only:
+    config = weight_only_config(config, m, group_sizes.shape[0], k)
+    if config is None:
+      raise NotImplementedError(f"mosaic gmm with fp8 weights needs m >= 64, got m={m}")
   if config is not None and config.swap and out_dtype.itemsize != 2:
     # swap's transposed stores take 16 bits: its row-major ring, fitted to SMEM
     # for this output (None: the default below).
@@ -605,7 +625,7 @@ def gmm(
     # (swap: swap_rows + tail_rows).
     config = default_config(m, k, n, g_local, lhs.dtype, transpose_rhs, out_dtype)
     config = resolve_producer_zeros(config, has_offset, lhs.dtype, out_dtype)
-  tile = k_tile(config, lhs.dtype)
+  tile = max(k_tile(config, lhs.dtype), k_tile(config, rhs.dtype))
   if k % tile:
     raise NotImplementedError(
         f"k={k} must be a multiple of the {tile}-column TMA tiles of block_k={config.block_k}"

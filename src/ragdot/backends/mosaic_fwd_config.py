@@ -525,6 +525,50 @@ def fit_config(cfg: MosaicFwdConfig, dtype: Any, out_dtype: Any) -> MosaicFwdCon
     cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
 
 
+# A W8A16 call's swap tiles when its config is no swap one: 128 x 64 steps in 4
+# stages, 64-row short tiles.
+_WEIGHT_ONLY = MosaicFwdConfig(block_m=128, block_n=128, block_k=64, num_stages=4,
+                               num_compute_wgs=2, ring=True, swap=True, producer_zeros=False,
+                               short_tile_rows=64)
+
+
+def weight_only_config(cfg: MosaicFwdConfig | None, m: int, groups: int,
+                       k: int | None = None) -> MosaicFwdConfig | None:
+  """The swap config a weight-only 8-bit call runs (16-bit rows, fp8 weights
+  widened in the consumers' registers as wgmma's A operand): ``cfg``'s tiles
+  if it is a swap config, else ``_WEIGHT_ONLY``'s, fitted to the call's rows
+  per group (``fit_rows_per_group``, ``groups`` > 0) and to its ``m`` rows;
+  without what reads the weights otherwise: a tail on wgmma's M axis (folded
+  as more N instead), the row-major ring of shard calls (``shard_ring_above``,
+  ``producer_zeros``); each k step waits for its own wgmmas (``delay_release``
+  0: the next step's widened weights overwrite the registers they read).
+  Without a swap config, groups of fewer than 48 rows on average (decode)
+  take 64-row tiles with k steps of 128 columns in 4 stages where ``k`` takes
+  them (H100, docs/performance.md v53b: 0.90-0.91x the time of 64-column steps
+  in 8 stages, 0.575-0.61x the bf16 call).  None below 64 rows (the smallest
+  swap tile)."""
+  base = cfg if cfg is not None and cfg.swap else _WEIGHT_ONLY
+  base = dataclasses.replace(base, tail_on_m=False, shard_ring_above=None, pair_schedule=False,
+                             producer_zeros=False, zero_front=0, delay_release=0)
+  if (cfg is None or not cfg.swap) and groups > 0 and m / groups < _FEW_ROWS[0]:
+    wide = k is not None and k % 128 == 0
+    base = dataclasses.replace(base, swap_rows=64, tail_rows=0, tail_split=False,
+                               short_tile_rows=0, share_rows=False,
+                               block_k=128 if wide else 64, num_stages=4 if wide else 8)
+  if k is not None and k % 128 and base.block_k == 128:  # 128 one-byte columns must tile k
+    base = dataclasses.replace(base, block_k=64)
+  base = fit_rows_per_group(base, m, groups)
+  if m < base.swap_rows + base.tail_rows:  # tiles no taller than the call
+    if m < 64:
+      return None
+    tail = base.tail_rows if m - base.tail_rows >= 64 else 0
+    rows = min(base.swap_rows, (m - tail) // 16 * 16)
+    base = dataclasses.replace(
+        base, swap_rows=rows, tail_rows=tail, tail_split=base.tail_split and tail > 0,
+        short_tile_rows=base.short_tile_rows if base.short_tile_rows < rows else 0)
+  return base
+
+
 def k_tile(config: MosaicFwdConfig, dtype: Any) -> int:
   """Columns of the TMA tiles k is cut in: the k step's swizzle (up to 128
   bytes), so 64 of a 16-bit dtype (a partial last k step is zero-filled), up to

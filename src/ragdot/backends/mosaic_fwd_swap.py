@@ -99,7 +99,7 @@ def _per_layout(layouts, fn) -> None:
 
 def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int, n: int,
           cfg: mf.MosaicFwdConfig, transpose_rhs: bool, num_ctas: int,
-          gate: ring.RowGate | None = None):
+          gate: ring.RowGate | None = None, stage_widened: bool = False):
   bn, bk, stages, tr = cfg.block_n, cfg.block_k, cfg.num_stages, cfg.tail_rows
   rows_t = cfg.swap_rows  # R, rows per tile
   swizzled, share = cfg.swizzle_staging, cfg.share_rows
@@ -111,14 +111,22 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
   # share: cta counts clusters; each CTA takes its rank's n tile of an item.
   rank = lax.axis_index("cluster") if share else 0
   dtype, out_dtype = lhs_gmem.dtype, out_gmem.dtype
+  # Weight-only 8-bit (W8A16): 8-bit weights, 16-bit rows.  Each consumer loads
+  # its weight slice into registers, widens it there and feeds wgmma A from
+  # registers (wgmma takes only 16-bit pairs from SMEM).
+  w_dtype = rhs_gmem.dtype
+  widen = w_dtype != dtype
+  if widen and (not transpose_rhs or cfg.tail_on_m):
+    raise NotImplementedError("8-bit weights with 16-bit rows need rhs [g, n, k] and no "
+                              "tail_on_m (the weights are wgmma's A operand only)")
 
   scratch = dict(
       # A stage's rows: R, or R + tail_rows for a tile with a folded tail.
       x_smem=plgpu.SMEM((stages, rows_t + tr, bk), dtype, transforms=sm90.swizzled(bk, dtype)),
       # (forward: wgmma takes the (bk, 64) weight slice as an MN-major A only with a
       # swizzle of at most bk elements; 128 bytes at bk = 64, 64 at bk = 32)
-      w_smem=plgpu.SMEM((stages, *b_shape), dtype,
-                        transforms=sm90.swizzled(min(b_shape[1], bk), dtype)),
+      w_smem=plgpu.SMEM((stages, *b_shape), w_dtype,
+                        transforms=sm90.swizzled(min(b_shape[1], bk), w_dtype)),
       produced=plgpu.Barrier(num_arrivals=3 if tr else 2, num_barriers=stages),
       # share: the partner's multicast writes this CTA's slots too, so a slot
       # is refilled once the consumers of both CTAs released it.
@@ -130,9 +138,11 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
       o_smem=plgpu.SMEM((2, _CHUNK, _COLS), out_dtype,
                         transforms=(plgpu.SwizzleTransform(128),) if swizzled else ()),
   )
+  if widen and stage_widened:  # one widened weight slice per consumer
+    scratch["a_smem"] = plgpu.SMEM((2, _COLS, bk), dtype, transforms=sm90.swizzled(bk, dtype))
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-  def _scope(x_smem, w_smem, produced, consumed, o_smem):
+  def _scope(x_smem, w_smem, produced, consumed, o_smem, a_smem=None):
     wg = lax.axis_index("wg")
 
     def tile_of(w):
@@ -201,6 +211,8 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
               wb = w_smem.at[slot]
               # A: this consumer's 64 columns of the weight block, (64, bk).
               a = wb.at[mine] if transpose_rhs else wb.at[:, mine].transpose((1, 0))
+              if widen:
+                a = sm90.widened_operand(a, dtype, None if a_smem is None else a_smem.at[wg])
               for acc_ref, (r, count) in zip(accs, parts):
                 plgpu.wgmma(acc_ref, a, x_smem.at[slot].at[pl.ds(r, count)].transpose((1, 0)))
               if tail_on_m:
@@ -287,6 +299,9 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: ja
   supported dtypes and alignments, non-empty operands, m >= swap_rows + tail_rows,
   a config that fits SMEM, a 16-bit output).  ``gated``: ``ring.launch``'s
   ``gate``, ``into`` and ``schedule``."""
-  return ring.launch(_body, lhs, rhs, group_sizes, group_offset, rows=config.swap_rows,
+  # (the interpreter takes wgmma operands from SMEM only: there the widened
+  # weights go through a buffer, on the GPU they stay in registers)
+  body = functools.partial(_body, stage_widened=bool(interpret))
+  return ring.launch(body, lhs, rhs, group_sizes, group_offset, rows=config.swap_rows,
                      transpose_rhs=transpose_rhs, out_dtype=out_dtype, config=config,
                      interpret=interpret, **gated)

@@ -1,0 +1,208 @@
+"""fp8 expert weights beside bf16 / f16 rows (W8A16): ``ragged_dot`` keeps the
+pair, the Mosaic swap kernel widens each weight slice in its consumers'
+registers (wgmma's A operand; in interpret mode through an SMEM buffer, since
+the interpreter takes wgmma operands from SMEM only), every other backend runs
+on a widened copy of the weights.  Interpret mode on CPU, lowering for sm90,
+the dispatcher's choice."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import oracle
+import ragdot
+from ragdot import dispatch
+from ragdot.backends import get_backend
+from ragdot.backends import mosaic_fwd as mf
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+H200 = dispatch.Device("gpu", "NVIDIA H200", "9.0")
+A100 = dispatch.Device("gpu", "NVIDIA A100-SXM4-80GB", "8.0")
+SWAP = mf.MosaicFwdConfig(block_m=128, block_n=128, block_k=64, num_stages=2, num_compute_wgs=2,
+                          ring=True, swap=True, num_sms=3, producer_zeros=False)
+
+
+def _inputs(m, k, n, local, transpose_rhs, x_dtype, w_dtype, seed):
+  rshape = (local, n, k) if transpose_rhs else (local, k, n)
+  x, w = oracle.random_inputs(jax.random.key(seed), [(m, k), rshape], jnp.float32)
+  return x.astype(x_dtype), w.astype(w_dtype)
+
+
+@pytest.mark.parametrize("sizes,m,k,n,offset,local,transpose_rhs,x_dtype,w_dtype,tail", [
+    # [g, n, k] weights: a folded tail (300 = 256 + 44 at 64 rows), a short group
+    # (10), an empty group, rows past the groups
+    ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, True, jnp.bfloat16, E4M3,
+     dict(tail_rows=64)),
+    # [g, k, n] weights (an fp8 [g, n, k] copy first), f16 rows, e5m2, split tail
+    ([150, 20, 270, 30], 768, 64, 256, None, 4, False, jnp.float16, E5M2,
+     dict(tail_rows=16, tail_split=True)),
+    # a shard (rows outside it exactly 0), the tail asked on wgmma's M axis (folded
+    # as more N instead: the weights are wgmma's A operand only), short tiles
+    ([150, 20, 270, 30], 768, 128, 128, 1, 2, False, jnp.bfloat16, E4M3,
+     dict(tail_rows=16, tail_on_m=True, short_tile_rows=64)),
+])
+def test_kernel_equals_the_call_on_widened_weights(sizes, m, k, n, offset, local, transpose_rhs,
+                                                   x_dtype, w_dtype, tail):
+  """Bitwise the swap kernel's result on a [g, n, k] 16-bit copy of the weights
+  (the same tiles, so the same f32 sums), and within the dtype's tolerance of
+  the f32 reference; rows outside the shard exactly 0."""
+  x, w = _inputs(m, k, n, local, transpose_rhs, x_dtype, w_dtype, m + k)
+  gs, go = jnp.asarray(sizes, jnp.int32), None if offset is None else jnp.int32(offset)
+  cfg = dataclasses.replace(SWAP, **tail)
+  got = mf.gmm(x, w, gs, go, transpose_rhs=transpose_rhs, out_dtype=x_dtype, interpret=True,
+               config=cfg)
+  assert got.dtype == x_dtype
+  w_nk = w if transpose_rhs else jnp.swapaxes(w, 1, 2)
+  run = mf.weight_only_config(cfg, m, len(sizes))
+  assert run.swap and not run.tail_on_m
+  want = mf.gmm(x, w_nk.astype(x_dtype), gs, go, transpose_rhs=True, out_dtype=x_dtype,
+                interpret=True, config=run)
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  oracle.assert_close(got, oracle.ref_ragged_dot(x, w, sizes, go, transpose_rhs), x_dtype)
+  oracle.assert_zero_rows(got, sizes, offset, local)
+
+
+def test_kernel_refuses_what_its_swap_form_cannot_write():
+  x, w = _inputs(128, 64, 64, 2, True, jnp.bfloat16, E4M3, 1)
+  gs = jnp.array([60, 40], jnp.int32)
+  with pytest.raises(NotImplementedError, match="bf16/f16 only"):
+    mf.gmm(x, w, gs, None, transpose_rhs=True, out_dtype=jnp.float32, interpret=True)
+  with pytest.raises(NotImplementedError, match="m >= 64"):
+    mf.gmm(x[:56], w, jnp.array([30, 20], jnp.int32), None, transpose_rhs=True,
+           out_dtype=jnp.bfloat16, interpret=True)
+  with pytest.raises(NotImplementedError, match="fp8 weights"):
+    mf.gmm(x.astype(jnp.float32), w, gs, None, transpose_rhs=True, out_dtype=jnp.float32,
+           interpret=True)
+
+
+def test_weight_only_config():
+  # A swap config keeps its tiles, loses what reads the weights as wgmma's B
+  # operand or runs the row-major ring.
+  cfg = dataclasses.replace(SWAP, tail_rows=32, tail_on_m=True, swap_rows=256,
+                            shard_ring_above=1.25, pair_schedule=True)
+  got = mf.weight_only_config(cfg, 32768, 128)
+  assert got == dataclasses.replace(cfg, tail_on_m=False, shard_ring_above=None,
+                                    pair_schedule=False, delay_release=0)
+  # No swap config (the row-major pipeline, none): the swap defaults, fitted to
+  # ~128 rows per group as the dispatcher fits swap entries.
+  plain = mf.MosaicFwdConfig(block_m=128, block_n=256, num_compute_wgs=2)
+  for c in (plain, None):
+    got = mf.weight_only_config(c, 16384, 128)
+    assert got.swap and got.swap_rows == mf.swap_rows_for_mean(128) and not got.tail_rows
+  # Decode (4 rows per group on average): 64-row tiles, k steps of 128 columns in
+  # 4 stages where k takes them, else 64 in 8.
+  dec = mf.weight_only_config(None, 512, 128, 2048)
+  assert mf.weight_only_config(cfg, 512, 128).swap_rows == 256  # a swap config's own tiles
+  assert (dec.swap_rows, dec.tail_rows, dec.block_k, dec.num_stages) == (64, 0, 128, 4)
+  narrow = mf.weight_only_config(None, 512, 128, 2880)
+  assert (narrow.block_k, narrow.num_stages) == (64, 8)
+  for c in (dec, narrow):
+    assert c.smem_bytes(jnp.bfloat16, jnp.bfloat16) <= c.smem_budget()
+  wide = dataclasses.replace(cfg, block_k=128)  # an entry's 128 columns where k needs 64
+  assert mf.weight_only_config(wide, 32768, 128, 2880).block_k == 64
+  # Every k step waits for its own wgmmas (the next one's widened weights reuse
+  # their registers).
+  assert all(c.delay_release == 0 for c in (got, dec))
+  # Tiles no taller than the call: 200 rows take 192 (+ no tail), 64 the smallest.
+  small = mf.weight_only_config(dataclasses.replace(SWAP, tail_rows=16), 200, 1)
+  assert small.swap_rows + small.tail_rows <= 200 and small.swap_rows % 16 == 0
+  assert mf.weight_only_config(None, 64, 1).swap_rows == 64
+  assert mf.weight_only_config(None, 63, 1) is None
+
+
+@pytest.mark.parametrize("shape", [(32768, 2048, 1536, 128), (32768, 768, 2048, 128),
+                                   (512, 2048, 1536, 128), (512, 768, 2048, 128),
+                                   (96, 768, 2048, 128)])
+@pytest.mark.parametrize("transpose_rhs", [True, False])
+def test_lowers_for_sm90_with_the_h200_choice(shape, transpose_rhs):
+  """The dispatcher's W8A16 choice on an H200 (the table's Mosaic swap entries,
+  or the kernel's own config) lowers for sm90 with the weights in registers."""
+  import sm90_lowering
+  m, k, n, g = shape
+  c = dispatch.choose("gmm", None, dtype=jnp.bfloat16, rhs_dtype=E4M3, out_dtype=jnp.bfloat16,
+                      m=m, k=k, n=n, g=g, num_groups=g, transpose_rhs=transpose_rhs,
+                      device=H200)
+  assert c.implementation == "mosaic", c.reason
+  sm90_lowering.assert_gmm_lowers(c.config, m=m, k=k, n=n, g=g, transpose_rhs=transpose_rhs,
+                                  rhs_dtype=E4M3)
+
+
+def test_lowers_for_sm90_on_a_shard_with_f16_rows():
+  import sm90_lowering
+  sm90_lowering.assert_gmm_lowers(None, m=4096, k=768, n=2048, g=128, local=16,
+                                  with_offset=True, transpose_rhs=False, dtype=jnp.float16,
+                                  out_dtype=jnp.float16, rhs_dtype=E5M2)
+
+
+def test_dispatcher_takes_the_w8a16_kernel_on_sm90_only():
+  common = dict(dtype=jnp.bfloat16, rhs_dtype=E4M3, k=768, n=2048, g=128, num_groups=128)
+  choose = lambda impl=None, device=H200, **kw: dispatch.choose(
+      "gmm", impl, **{**common, "m": 512, "out_dtype": jnp.bfloat16, **kw}, device=device)
+  auto = choose()
+  assert auto.implementation == "mosaic" and auto.config is None  # decode: the kernel's tiles
+  train = choose(m=32768)
+  assert train.implementation == "mosaic" and train.config.swap  # the bf16 swap entry
+  bf16 = lambda **kw: dispatch.choose("gmm", None, **{**common, "m": 512, "rhs_dtype": None,
+                                                      "out_dtype": jnp.bfloat16, **kw})
+  # Elsewhere the 16-bit call's choice (it runs on a widened copy of the weights):
+  # an sm80 part, fewer than 64 rows, an f32 result, an explicit Triton.
+  assert choose(device=A100) == bf16(device=A100)
+  assert choose(m=32) == bf16(m=32, device=H200)
+  assert choose(out_dtype=jnp.float32) == bf16(out_dtype=jnp.float32, device=H200)
+  assert choose("triton").implementation == "triton"
+  # Unknown shapes (no m): the 16-bit default.
+  assert choose(m=None) == bf16(m=None, device=H200)
+
+
+@pytest.mark.parametrize("impl", ["mosaic", "triton", "xla"])
+def test_ragged_dot_keeps_fp8_weights_for_the_kernel_that_takes_them(monkeypatch, impl):
+  """Mosaic gets the fp8 weights as they are, the other backends a bf16 copy;
+  the results and gradients are lax's (dtypes included)."""
+  backend = get_backend(impl)
+  seen = []
+  real = backend.gmm
+  monkeypatch.setattr(backend, "gmm", lambda lhs, rhs, *a, **kw: seen.append(
+      (lhs.dtype, rhs.dtype)) or real(lhs, rhs, *a, **kw))
+  ragdot.api._compiled.cache_clear()
+  sizes = [40, 0, 56, 24]
+  gs = jnp.asarray(sizes, jnp.int32)
+  x, w = _inputs(128, 64, 128, 4, False, jnp.bfloat16, E4M3, 7)
+  f = lambda x, w: ragdot.ragged_dot(x, w, gs, implementation=impl)
+  out = f(x, w)
+  assert out.dtype == lax.ragged_dot(x, w, gs).dtype == jnp.bfloat16
+  oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes), jnp.bfloat16)
+  oracle.assert_zero_rows(out, sizes, None, 4)
+  bf, f8 = jnp.dtype(jnp.bfloat16), jnp.dtype(E4M3)
+  assert seen == [(bf, f8 if impl == "mosaic" else bf)]
+  c = jax.random.normal(jax.random.key(8), (128, 128)) / 16
+  loss = lambda f, x, w: jnp.sum(f(x, w).astype(jnp.float32) * c)
+  got = jax.grad(lambda x, w: loss(f, x, w), (0, 1))(x, w)
+  lax_f = lambda x, w: lax.ragged_dot(x, w, gs)
+  want = jax.grad(lambda x, w: loss(lax_f, x, w), (0, 1))(x, w)
+  for a, b in zip(got, want):
+    assert a.dtype == b.dtype
+    # (the fp8 weight gradient: one e4m3 unit apart where lax rounds through bf16)
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               rtol=0.13, atol=0.02 * float(jnp.abs(b.astype(jnp.float32)).max()))
+  # dX reads the fp8 weights in the [g, n, k] mode: Mosaic gets them as they are.
+  assert seen[1:] == [(bf, f8 if impl == "mosaic" else bf)] * (len(seen) - 1)
+
+
+def test_trans_ragged_dot_and_fp8_rows_still_promote():
+  """Only ragged_dot's rhs (expert weights) stays fp8: trans_ragged_dot's
+  operands meet in one dtype, and fp8 rows with bf16 weights are widened."""
+  gs = jnp.array([40, 0, 56, 32], jnp.int32)
+  x, dy = oracle.random_inputs(jax.random.key(9), [(128, 64), (128, 64)], jnp.bfloat16)
+  x8 = x.astype(E4M3)
+  out = ragdot.trans_ragged_dot(x8, dy, gs, implementation="xla")
+  want = lax.ragged_dot_general(
+      x8, dy, gs, lax.RaggedDotDimensionNumbers((([0], [0]), ([], [])), [0], []))
+  assert out.dtype == want.dtype
+  w = jax.random.normal(jax.random.key(3), (4, 64, 64)).astype(jnp.bfloat16)
+  assert ragdot.ragged_dot(x8, w, gs).dtype == lax.ragged_dot(x8, w, gs).dtype
