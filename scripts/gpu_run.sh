@@ -74,6 +74,8 @@ for stage in $STAGES; do
         echo "TESTS_PART $TESTS_PART: $(wc -l < "$OUT/tests_part.txt") tests"
         targets=$(cat "$OUT/tests_part.txt")
       fi
+      # (each failure's traceback as it happens: a timeout kills pytest before its summary)
+      export RAGDOT_FAILURES="$OUT/tests_failures.txt"
       run tests "${TESTS_TIMEOUT:-540}" python3 -m pytest -m gpu -v --tb=short --maxfail=6 -p no:cacheprovider $par $targets ${TESTS_ARGS:-}
       unset XLA_PYTHON_CLIENT_MEM_FRACTION ;;
     tune)

@@ -17,3 +17,13 @@ hypothesis.settings.register_profile(
     suppress_health_check=[hypothesis.HealthCheck.too_slow],
 )
 hypothesis.settings.load_profile("ragdot")
+
+
+def pytest_runtest_logreport(report):
+  """With RAGDOT_FAILURES=FILE, each failing test's report is appended to FILE as
+  it fails (a device call's timeout kills pytest before its summary; xdist
+  workers run this hook too)."""
+  path = os.environ.get("RAGDOT_FAILURES")
+  if path and report.failed:
+    with open(path, "a") as f:
+      f.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")
