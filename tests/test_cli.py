@@ -38,6 +38,17 @@ def test_info_explains_h200_choices(capsys):
   assert "mosaic" in out and "measured entry" in out and "nvidia_h200.json" in out
 
 
+def test_info_explains_w8a16_choices(capsys):
+  # fp8 weights beside bf16 rows: the W8A16 swap kernel for fwd and dx on an
+  # sm90 part (dw reads no weights); f32 rows refused.
+  argv = ["info", "--device-kind", "NVIDIA H200", "--compute-capability", "9.0", "--preset",
+          "qwen3-30b", "--weights-dtype", "float8_e4m3fn"]
+  assert cli.main(argv) == 0
+  out = capsys.readouterr().out
+  assert "float8_e4m3fn weights" in out and out.count("W8A16") == 8
+  assert cli.main(argv + ["--dtype", "float32"]) == 2
+
+
 def test_bench_tiny_shape(tmp_path, capsys):
   path = tmp_path / "rows.json"
   assert cli.main(["bench", "--shape", "256,64,64,4", "--ops", "fwd", "--iterations", "1",

@@ -97,3 +97,33 @@ def test_nnx_block_matches_functional_bf16_ep8():
   assert _rel(y, y_ref) <= 3e-2
   errs = jax.tree.map(_rel, g, g_ref)
   assert max(jax.tree.leaves(errs)) <= 3e-2, errs
+
+
+def test_fp8_experts_beside_bf16_rows_stay_fp8(monkeypatch):
+  """Frozen fp8 base experts with bf16 LoRA adapters (EP=4): ragged_dot gets
+  the fp8 weights (W8A16; on the CPU's XLA backend widened, exactly), so the
+  block equals the one on bf16 copies of them, outputs and LoRA gradients."""
+  cfg = MoEConfig(**{**CFG.__dict__, "freeze_base": True})
+  params, x, ids, cot = _data(cfg)
+  params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+  fp8 = {**params, **{n: params[n].astype(jnp.float8_e4m3fn) for n in cfg.projections}}
+  wide = {**params, **{n: fp8[n].astype(jnp.bfloat16) for n in cfg.projections}}
+  mesh = _mesh(4)
+  seen = []
+  real = F.ragdot.ragged_dot
+
+  def spy(x, w, *a, **kw):
+    seen.append(w.dtype)
+    return real(x, w, *a, **kw)
+
+  def vg(p):
+    loss = lambda lora, x: jnp.sum(F.moe_mlp({**p, "lora": lora}, x, cfg, adapter_ids=ids,
+                                             mesh=mesh).astype(jnp.float32) * cot)
+    return jax.jit(jax.value_and_grad(loss))(p["lora"], x.astype(jnp.bfloat16))
+
+  monkeypatch.setattr(F.ragdot, "ragged_dot", spy)
+  (l8, g8), (l16, g16) = vg(fp8), vg(wide)
+  assert jnp.dtype(jnp.float8_e4m3fn) in seen
+  assert float(l8) == float(l16)
+  for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g16)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

@@ -39,12 +39,14 @@ def _inputs(m, k, n, local, transpose_rhs, x_dtype, w_dtype, seed):
     # (10), an empty group, rows past the groups
     ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, True, jnp.bfloat16, E4M3,
      dict(tail_rows=64)),
-    # [g, k, n] weights (an fp8 [g, n, k] copy first), f16 rows, e5m2, split tail
-    ([150, 20, 270, 30], 768, 64, 256, None, 4, False, jnp.float16, E5M2,
+    # [g, k, n] weights (an fp8 [g, n, k] copy first), f16 rows, e5m2, a split tail
+    # (270 = 256 + 14 from row 320); 256 rows a group on average, so the tiles stay
+    # as given (fewer would be fitted to one-tile groups)
+    ([300, 20, 270, 400], 1024, 64, 256, None, 4, False, jnp.float16, E5M2,
      dict(tail_rows=16, tail_split=True)),
     # a shard (rows outside it exactly 0), the tail asked on wgmma's M axis (folded
     # as more N instead: the weights are wgmma's A operand only), short tiles
-    ([150, 20, 270, 30], 768, 128, 128, 1, 2, False, jnp.bfloat16, E4M3,
+    ([300, 20, 270, 400], 1024, 128, 128, 1, 2, False, jnp.bfloat16, E4M3,
      dict(tail_rows=16, tail_on_m=True, short_tile_rows=64)),
 ])
 def test_kernel_equals_the_call_on_widened_weights(sizes, m, k, n, offset, local, transpose_rhs,
@@ -59,8 +61,9 @@ def test_kernel_equals_the_call_on_widened_weights(sizes, m, k, n, offset, local
                config=cfg)
   assert got.dtype == x_dtype
   w_nk = w if transpose_rhs else jnp.swapaxes(w, 1, 2)
-  run = mf.weight_only_config(cfg, m, len(sizes))
-  assert run.swap and not run.tail_on_m
+  run = mf.weight_only_config(cfg, m, len(sizes), k)
+  assert run.swap and not run.tail_on_m and run.tail_rows == cfg.tail_rows
+  assert run.tail_split == cfg.tail_split and run.swap_rows == 256
   want = mf.gmm(x, w_nk.astype(x_dtype), gs, go, transpose_rhs=True, out_dtype=x_dtype,
                 interpret=True, config=run)
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
@@ -71,7 +74,7 @@ def test_kernel_equals_the_call_on_widened_weights(sizes, m, k, n, offset, local
 def test_kernel_refuses_what_its_swap_form_cannot_write():
   x, w = _inputs(128, 64, 64, 2, True, jnp.bfloat16, E4M3, 1)
   gs = jnp.array([60, 40], jnp.int32)
-  with pytest.raises(NotImplementedError, match="bf16/f16 only"):
+  with pytest.raises(NotImplementedError, match="bf16/f16 output"):
     mf.gmm(x, w, gs, None, transpose_rhs=True, out_dtype=jnp.float32, interpret=True)
   with pytest.raises(NotImplementedError, match="m >= 64"):
     mf.gmm(x[:56], w, jnp.array([30, 20], jnp.int32), None, transpose_rhs=True,
@@ -141,23 +144,29 @@ def test_lowers_for_sm90_on_a_shard_with_f16_rows():
 
 
 def test_dispatcher_takes_the_w8a16_kernel_on_sm90_only():
-  common = dict(dtype=jnp.bfloat16, rhs_dtype=E4M3, k=768, n=2048, g=128, num_groups=128)
+  common = dict(dtype=jnp.bfloat16, k=768, n=2048, g=128, num_groups=128)
   choose = lambda impl=None, device=H200, **kw: dispatch.choose(
-      "gmm", impl, **{**common, "m": 512, "out_dtype": jnp.bfloat16, **kw}, device=device)
-  auto = choose()
-  assert auto.implementation == "mosaic" and auto.config is None  # decode: the kernel's tiles
-  train = choose(m=32768)
-  assert train.implementation == "mosaic" and train.config.swap  # the bf16 swap entry
-  bf16 = lambda **kw: dispatch.choose("gmm", None, **{**common, "m": 512, "rhs_dtype": None,
-                                                      "out_dtype": jnp.bfloat16, **kw})
+      "gmm", impl, **{**common, "rhs_dtype": E4M3, "m": 512, "out_dtype": jnp.bfloat16, **kw},
+      device=device)
+  bf16 = lambda device=H200, **kw: dispatch.choose(
+      "gmm", None, **{**common, "m": 512, "out_dtype": jnp.bfloat16, **kw}, device=device)
+  # The config the kernel runs (its own rule gives it back unchanged): decode's
+  # 64-row tiles, the bf16 swap entry's at training size.
+  auto, train, entry = choose(), choose(m=32768), bf16(m=32768)
+  assert auto.implementation == train.implementation == entry.implementation == "mosaic"
+  assert auto.config == mf.weight_only_config(None, 512, 128, 768)
+  assert auto.config.swap_rows == 64 and entry.config.swap
+  assert train.config == mf.weight_only_config(entry.config, 32768, 128, 768)
+  for c, m in ((auto, 512), (train, 32768)):
+    assert mf.weight_only_config(c.config, m, 128, 768) == c.config
   # Elsewhere the 16-bit call's choice (it runs on a widened copy of the weights):
   # an sm80 part, fewer than 64 rows, an f32 result, an explicit Triton.
   assert choose(device=A100) == bf16(device=A100)
-  assert choose(m=32) == bf16(m=32, device=H200)
-  assert choose(out_dtype=jnp.float32) == bf16(out_dtype=jnp.float32, device=H200)
+  assert choose(m=32) == bf16(m=32)
+  assert choose(out_dtype=jnp.float32) == bf16(out_dtype=jnp.float32)
   assert choose("triton").implementation == "triton"
   # Unknown shapes (no m): the 16-bit default.
-  assert choose(m=None) == bf16(m=None, device=H200)
+  assert choose(m=None) == bf16(m=None)
 
 
 @pytest.mark.parametrize("impl", ["mosaic", "triton", "xla"])
@@ -192,6 +201,48 @@ def test_ragged_dot_keeps_fp8_weights_for_the_kernel_that_takes_them(monkeypatch
                                rtol=0.13, atol=0.02 * float(jnp.abs(b.astype(jnp.float32)).max()))
   # dX reads the fp8 weights in the [g, n, k] mode: Mosaic gets them as they are.
   assert seen[1:] == [(bf, f8 if impl == "mosaic" else bf)] * (len(seen) - 1)
+
+
+@pytest.mark.parametrize("m,out_dtype", [(48, None), (128, jnp.float32)])
+def test_explicit_mosaic_widens_what_the_w8a16_kernel_refuses(monkeypatch, m, out_dtype):
+  """Fewer than 64 rows or an f32 result: implementation="mosaic" runs on the
+  weights widened to bf16, as before W8A16."""
+  backend = get_backend("mosaic")
+  seen = []
+  real = backend.gmm
+  monkeypatch.setattr(backend, "gmm", lambda lhs, rhs, *a, **kw: seen.append(
+      (lhs.dtype, rhs.dtype)) or real(lhs, rhs, *a, **kw))
+  ragdot.api._compiled.cache_clear()
+  sizes = [m // 2, 0, m // 4, m // 4]
+  gs = jnp.asarray(sizes, jnp.int32)
+  x, w = _inputs(m, 64, 64, 4, False, jnp.bfloat16, E4M3, m)
+  f = lambda x: ragdot.ragged_dot(x, w, gs, preferred_element_type=out_dtype,
+                                  implementation="mosaic")
+  out = f(x)
+  assert out.dtype == (out_dtype or jnp.bfloat16)
+  oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes), jnp.bfloat16)
+  jax.grad(lambda x: jnp.sum(f(x).astype(jnp.float32)))(x)
+  bf = jnp.dtype(jnp.bfloat16)
+  # (the forward traced more than once; dX last: a bf16 result, so with 128 rows
+  # the W8A16 kernel takes it)
+  assert set(seen[:-1]) == {(bf, bf)}
+  assert seen[-1] == (bf, bf if m < 64 else jnp.dtype(E4M3))
+
+
+def test_only_weights_the_rows_dtype_holds_stay_fp8():
+  """e8m0 (exponents to 2^127) beside f16 rows is promoted as before (f16
+  cannot hold it); beside bf16 rows, and e4m3 / e5m2 beside either, it stays."""
+  from ragdot import validate
+  f16, bf16 = jnp.zeros((2, 2), jnp.float16), jnp.zeros((2, 2), jnp.bfloat16)
+  e8m0 = jnp.zeros((1, 2, 2), jnp.float8_e8m0fnu)
+  assert not validate.weight_only(f16, e8m0) and validate.weight_only(bf16, e8m0)
+  for w in (E4M3, E5M2):
+    w8 = jnp.zeros((1, 2, 2), w)
+    assert validate.weight_only(f16, w8) and validate.weight_only(bf16, w8)
+  x = jnp.full((4, 2), 2.0 ** -10, jnp.float16)
+  w = jnp.full((1, 2, 2), 2.0 ** 20, jnp.float8_e8m0fnu)
+  got = ragdot.ragged_dot(x, w, jnp.array([4], jnp.int32), preferred_element_type=jnp.float32)
+  np.testing.assert_array_equal(np.asarray(got), np.full((4, 2), 2.0 ** 11, np.float32))
 
 
 def test_trans_ragged_dot_and_fp8_rows_still_promote():

@@ -68,7 +68,7 @@ def _run(op: dispatch.Op, implementation: str | None, **kwargs) -> jax.Array:
     key = (op, impl, interpret, config, static, types)
     if eager and not last and key in _REFUSED:
       continue  # refused before: an eager call would trace the kernel again to find out
-    native = _takes_operands(op, impl, arrays["lhs"].dtype, arrays["rhs"].dtype)
+    native = _takes_operands(op, impl, arrays["lhs"], arrays["rhs"], kwargs.get("out_dtype"))
     try:
       return call(op, impl, interpret, config, static)(**_as_backend_takes(arrays, native))
     except NotImplementedError:
@@ -79,19 +79,21 @@ def _run(op: dispatch.Op, implementation: str | None, **kwargs) -> jax.Array:
   raise AssertionError("unreachable")
 
 
-def _takes_operands(op: dispatch.Op, impl: str, lhs_dtype: Any, rhs_dtype: Any) -> bool:
+def _takes_operands(op: dispatch.Op, impl: str, lhs: jax.Array, rhs: jax.Array,
+                    out_dtype: Any) -> bool:
   """Whether ``impl`` computes ``op`` on 8-bit float operands as they are: the
   Mosaic forward, both e4m3 / e5m2 (8-bit wgmma) or bf16/f16 rows with e4m3 /
-  e5m2 weights (W8A16: the weights widened in registers); a [g, k, n] rhs is
-  first copied to [g, n, k] in fp8."""
+  e5m2 weights where it takes the call (W8A16: the weights widened in
+  registers); a [g, k, n] rhs is first copied to [g, n, k] in fp8."""
   if impl != "mosaic" or op != "gmm":
     return False
-  if not (validate.is_fp8(lhs_dtype) or validate.is_fp8(rhs_dtype)):
+  if not (validate.is_fp8(lhs.dtype) or validate.is_fp8(rhs.dtype)):
     return False
   from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
-  if lhs_dtype == rhs_dtype:
-    return mosaic_fwd.takes_fp8(lhs_dtype)
-  return mosaic_fwd.takes_weight_only(lhs_dtype, rhs_dtype)
+  if lhs.dtype == rhs.dtype:
+    return mosaic_fwd.takes_fp8(lhs.dtype)
+  return mosaic_fwd.weight_only_refusal(lhs.dtype, rhs.dtype, out_dtype or lhs.dtype,
+                                        lhs.shape[0]) is None
 
 
 def _as_backend_takes(arrays: dict[str, Any], native: bool) -> dict[str, Any]:

@@ -298,10 +298,11 @@ def _candidates(op: str, shape: Shape, impl: str | None,
 
 
 def dispatch_choice(op: str, shape: Shape, impl: str | None = None,
-                    dtype: Any = jnp.bfloat16, device=None):
+                    dtype: Any = jnp.bfloat16, device=None, weights_dtype: Any = None):
   """The dispatcher's Choice for the backend call of ``op`` (fwd, dx, dw) on
   ``shape``; an EP shape (``ep > 1``) is its shard 0 (group_offset, g / ep
-  local groups)."""
+  local groups).  ``weights_dtype``: the expert weights' dtype when it is not
+  ``dtype`` (fp8 beside 16-bit rows; fwd and dx read them, dw does not)."""
   from ragdot import dispatch  # pylint: disable=g-import-not-at-top
 
   call = dispatch.backend_call(op, shape.k, shape.n)
@@ -309,7 +310,7 @@ def dispatch_choice(op: str, shape: Shape, impl: str | None = None,
   return dispatch.choose(call.op, impl, dtype=dtype, out_dtype=dtype, m=shape.m, k=call.k,
                          n=call.n, g=local, num_groups=shape.g,
                          transpose_rhs=call.transpose_rhs, has_offset=shape.ep > 1,
-                         device=device)
+                         device=device, rhs_dtype=weights_dtype if op != "dw" else None)
 
 
 def auto_choice(op: str, shape: Shape, dtype: Any = jnp.bfloat16, device=None) -> str:

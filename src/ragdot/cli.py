@@ -31,6 +31,9 @@ def _info_parser(sub) -> None:
                       " (e.g. 'NVIDIA H200')")
   p.add_argument("--compute-capability", default=None, help="with --device-kind")
   p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+  p.add_argument("--weights-dtype", default=None,
+                 choices=["float8_e4m3fn", "float8_e5m2"],
+                 help="fp8 expert weights beside --dtype rows (W8A16; bf16/f16 rows)")
 
 
 def _versions() -> dict[str, str]:
@@ -81,10 +84,14 @@ def run_info(args: argparse.Namespace) -> int:
     presets = [] if args.shape else [*bench.MODELS, "ep-models", "ep-local"]
   shapes = [s for p in presets for s in bench.PRESETS[p]] + list(args.shape)
   dtype = jnp.dtype(args.dtype)
+  weights = None if args.weights_dtype is None else jnp.dtype(args.weights_dtype)
+  if weights is not None and dtype == jnp.float32:
+    print("--weights-dtype takes bf16 or f16 rows (--dtype)", file=sys.stderr)
+    return 2
   rows = []
   for s in shapes:
     for op in ("fwd", "dx", "dw"):
-      c = bench.dispatch_choice(op, s, None, dtype, device)
+      c = bench.dispatch_choice(op, s, None, dtype, device, weights)
       cfg = "default config" if c.config is None else bench._short_config(c.config)  # pylint: disable=protected-access
       rows.append((s.name, f"{s.m},{s.k},{s.n},{s.g}", op, c.implementation, cfg, c.reason))
   try:
@@ -94,7 +101,8 @@ def run_info(args: argparse.Namespace) -> int:
     for r in rows:
       print("  ".join(r))
     return 0
-  t = Table(title=f"what runs ({dtype.name})")
+  t = Table(title=f"what runs ({dtype.name}" + (f" rows, {weights.name} weights)" if weights
+                                                else ")"))
   for col in ("shape", "m,k,n,g", "op", "backend", "config", "why"):
     t.add_column(col, overflow="fold")
   for r in rows:

@@ -271,28 +271,32 @@ def _hopper_takes(device: Device, m, k, n) -> bool:
 def _weight_only(op, implementation, dtype, rhs_dtype, precision_ok, out_dtype, m, k, n, g,
                  num_groups, transpose_rhs, has_offset, device: Device) -> Choice:
   """fp8 weights beside 16-bit rows: on sm90, where it takes the call, the
-  Mosaic swap kernel widening them in registers (W8A16), with the 16-bit
-  entry's config when that is Mosaic (``mosaic_fwd.weight_only_config`` makes
-  it a swap one) except at decode size (fewer than 48 rows per group: the
-  kernel's own 64-row tiles), else its own config; elsewhere the 16-bit
-  choice, run on a widened copy of the weights."""
+  Mosaic swap kernel widening them in registers (W8A16), with the config
+  ``mosaic_fwd.weight_only_config`` makes of the 16-bit entry's when that is
+  Mosaic, except at decode size (fewer than 48 rows per group: its 64-row
+  tiles), else of none; elsewhere the 16-bit choice, run on a widened copy of
+  the weights."""
   out = _name(out_dtype) or _name(dtype)
   choice = _choose(op, implementation, _name(dtype), precision_ok, out, m, k, n, g, num_groups,
                    bool(transpose_rhs), bool(has_offset), device)
   from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
   native = (op == "gmm" and precision_ok and implementation in (None, "mosaic")
-            and mosaic_fwd.takes_weight_only(dtype, rhs_dtype)
-            and jnp.dtype(out).itemsize == 2 and _hopper_takes(device, m, k, n) and m >= 64)
+            and _hopper_takes(device, m, k, n)
+            and mosaic_fwd.weight_only_refusal(dtype, rhs_dtype, out, m) is None)
   if not native:
     return choice
   groups = num_groups if has_offset and num_groups else g
   decode = bool(groups) and m / groups < 48
-  if choice.implementation == "mosaic" and not decode:
-    return choice
-  why = ("decode size: its 64-row tiles" if decode else
-         f"its own config (the {_name(dtype)} choice, {choice.implementation}, would run on a"
+  if has_offset:  # the full call's entry (a shard's is mapped to the row-major ring)
+    choice = _choose(op, implementation, _name(dtype), precision_ok, out, m, k, n, groups,
+                     groups, bool(transpose_rhs), False, device)
+  entry = choice.implementation == "mosaic" and not decode
+  # (the config the kernel runs: ``weight_only_config`` of it is itself)
+  config = mosaic_fwd.weight_only_config(choice.config if entry else None, m, groups or 0, k)
+  why = ("the 16-bit entry's tiles" if entry else "decode size: 64-row tiles" if decode else
+         f"its own tiles (the {_name(dtype)} choice, {choice.implementation}, would run on a"
          " widened copy)")
-  return Choice("mosaic", automatic=implementation is None,
+  return Choice("mosaic", config=config, automatic=implementation is None,
                 reason=f"{_name(rhs_dtype)} weights: the W8A16 swap kernel, {why}; {choice.reason}")
 
 

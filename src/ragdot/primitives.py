@@ -45,7 +45,8 @@ def register(op: str, impl: Callable[..., jax.Array]) -> None:
 def gmm(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: bool, precision: Any,
         out_dtype: Any, implementation: str | None) -> jax.Array:
   """``out[m, n]``: the rows of group ``o + j`` times ``rhs[j]`` (``rhs[j]^T``
-  when ``transpose_rhs``); other rows 0.  lhs and rhs of one dtype."""
+  when ``transpose_rhs``); other rows 0.  lhs and rhs of one dtype, or bf16 /
+  f16 rows with fp8 weights (``validate.weight_only``)."""
   return _bind(gmm_p, lhs, rhs, group_sizes, group_offset, transpose_rhs=transpose_rhs,
                precision=precision, out_dtype=out_dtype, implementation=implementation)
 

@@ -99,12 +99,21 @@ def is_fp8(dtype: Any) -> bool:
   return bool(jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits == 8)
 
 
+def _holds(wide: np.dtype, narrow: np.dtype) -> bool:
+  """Whether the float dtype ``wide`` holds every finite value of ``narrow``."""
+  w, n = jnp.finfo(wide), jnp.finfo(narrow)
+  return (w.nmant >= n.nmant and w.maxexp >= n.maxexp
+          and float(w.smallest_subnormal) <= float(n.smallest_subnormal))
+
+
 def weight_only(lhs: Any, rhs: Any) -> bool:
-  """bf16 / f16 rows with fp8 weights (W8A16): ``ragged_dot`` keeps the pair,
-  each backend call widens the weights to the rows' dtype (exact) unless its
-  kernel takes them; the result dtype is the rows' (as lax ranks them)."""
+  """bf16 / f16 rows with fp8 weights the rows' dtype holds exactly (W8A16;
+  not e8m0 beside f16): ``ragged_dot`` keeps the pair, each backend call
+  widens the weights to the rows' dtype unless its kernel takes them; the
+  result dtype is the rows' (as lax ranks them)."""
   a, b = _input_dtype(lhs), _input_dtype(rhs)
-  return a in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)) and is_fp8(b)
+  return (a in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)) and is_fp8(b)
+          and _holds(a, b))
 
 
 def common_dtype(lhs: Any, rhs: Any) -> np.dtype:

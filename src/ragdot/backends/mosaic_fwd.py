@@ -99,8 +99,24 @@ def takes_fp8(dtype: Any) -> bool:
 def takes_weight_only(lhs_dtype: Any, rhs_dtype: Any) -> bool:
   """Whether the kernel takes bf16 / f16 rows with e4m3 / e5m2 weights as they
   are (W8A16: the swap kernel widens each weight slice in registers; rhs
-  [g, k, n] is first copied to [g, n, k] in fp8)."""
+  [g, k, n] is first copied to [g, n, k] in fp8), for some calls: see
+  ``weight_only_refusal``."""
   return jnp.dtype(lhs_dtype) in _IN_DTYPES and jnp.dtype(rhs_dtype) in FP8_DTYPES
+
+
+def weight_only_refusal(lhs_dtype: Any, rhs_dtype: Any, out_dtype: Any, m: int) -> str | None:
+  """Why the kernel refuses a call of m rows of ``lhs_dtype`` with weights of
+  ``rhs_dtype`` (a distinct dtype) writing ``out_dtype`` (None: it takes it,
+  shapes aside, see ``unsupported_shape``)."""
+  if not takes_weight_only(lhs_dtype, rhs_dtype):
+    return (f"equal lhs/rhs dtypes or bf16/f16 rows with fp8 weights, got {jnp.dtype(lhs_dtype)}"
+            f" and {jnp.dtype(rhs_dtype)}")
+  if jnp.dtype(out_dtype).itemsize != 2:
+    return (f"a bf16/f16 output with fp8 weights (its swap kernel's transposed stores),"
+            f" got {jnp.dtype(out_dtype)}")
+  if m < 64:
+    return f"m >= 64 with fp8 weights (its smallest swap tile), got m={m}"
+  return None
 
 
 _INTERPRET_SMS = 4
@@ -109,14 +125,9 @@ _INTERPRET_SMS = 4
 
 def _check_supported(lhs, rhs, out_dtype, transpose_rhs) -> None:
   if lhs.dtype != rhs.dtype:
-    if not takes_weight_only(lhs.dtype, rhs.dtype):
-      raise NotImplementedError(
-          f"mosaic gmm needs equal lhs/rhs dtypes or bf16/f16 rows with fp8 weights,"
-          f" got {lhs.dtype} and {rhs.dtype}")
-    if jnp.dtype(out_dtype).itemsize != 2:
-      raise NotImplementedError(
-          f"mosaic gmm with fp8 weights and {lhs.dtype} rows writes bf16/f16 only"
-          f" (its swap kernel's transposed stores), got {out_dtype}")
+    reason = weight_only_refusal(lhs.dtype, rhs.dtype, out_dtype, lhs.shape[0])
+    if reason:
+      raise NotImplementedError(f"mosaic gmm needs {reason}")
   if not takes_fp8(lhs.dtype) and jnp.dtype(lhs.dtype) not in _IN_DTYPES:
     raise NotImplementedError(
         f"mosaic gmm supports bf16/f16 inputs only, got {lhs.dtype}"
@@ -601,10 +612,8 @@ def gmm(
   if g_local == 0 or k == 0 or group_sizes.shape[0] == 0:
     return jnp.zeros((m, n), out_dtype)
   has_offset = group_offset is not None
-  if weight_only:
+  if weight_only:  # (m >= 64: checked above)
     config = weight_only_config(config, m, group_sizes.shape[0], k)
-    if config is None:
-      raise NotImplementedError(f"mosaic gmm with fp8 weights needs m >= 64, got m={m}")
   if config is not None and config.swap and out_dtype.itemsize != 2:
     # swap's transposed stores take 16 bits: its row-major ring, fitted to SMEM
     # for this output (None: the default below).

@@ -26,6 +26,7 @@ import numpy as np
 
 import ragdot
 from ragdot import sharded
+from ragdot import validate
 from ragdot.moe import routing as rt
 from ragdot.moe.config import MoEConfig
 
@@ -122,7 +123,9 @@ def expert_ffn(xs: jax.Array, group_sizes: jax.Array, experts: dict, cfg: MoECon
   dtype = xs.dtype
 
   def proj(name: str, x: jax.Array) -> jax.Array:
-    w = experts[name].astype(dtype)
+    w = experts[name]
+    if ragged_dot_fn is not None or not validate.weight_only(x, w):
+      w = w.astype(dtype)  # (fp8 experts beside 16-bit rows stay fp8: W8A16)
     if cfg.freeze_base:
       w = jax.lax.stop_gradient(w)
     y = dot(x, w, expert_sizes, expert_offset)
