@@ -276,20 +276,19 @@ def _weight_only(op, implementation, dtype, rhs_dtype, precision_ok, out_dtype, 
   Mosaic, except at decode size (fewer than 48 rows per group: its 64-row
   tiles), else of none; elsewhere the 16-bit choice, run on a widened copy of
   the weights."""
-  out = _name(out_dtype) or _name(dtype)
-  choice = _choose(op, implementation, _name(dtype), precision_ok, out, m, k, n, g, num_groups,
-                   bool(transpose_rhs), bool(has_offset), device)
   from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
+  out = _name(out_dtype) or _name(dtype)
   native = (op == "gmm" and precision_ok and implementation in (None, "mosaic")
             and _hopper_takes(device, m, k, n)
             and mosaic_fwd.weight_only_refusal(dtype, rhs_dtype, out, m) is None)
   if not native:
-    return choice
+    return _choose(op, implementation, _name(dtype), precision_ok, out, m, k, n, g, num_groups,
+                   bool(transpose_rhs), bool(has_offset), device)
+  # A shard takes the full call's entry (a shard's own is mapped to the row-major ring).
   groups = num_groups if has_offset and num_groups else g
-  decode = bool(groups) and m / groups < 48
-  if has_offset:  # the full call's entry (a shard's is mapped to the row-major ring)
-    choice = _choose(op, implementation, _name(dtype), precision_ok, out, m, k, n, groups,
-                     groups, bool(transpose_rhs), False, device)
+  choice = _choose(op, implementation, _name(dtype), precision_ok, out, m, k, n, groups,
+                   groups if has_offset else num_groups, bool(transpose_rhs), False, device)
+  decode = mosaic_fwd.weight_only_decode(m, groups or 0)
   entry = choice.implementation == "mosaic" and not decode
   # (the config the kernel runs: ``weight_only_config`` of it is itself)
   config = mosaic_fwd.weight_only_config(choice.config if entry else None, m, groups or 0, k)

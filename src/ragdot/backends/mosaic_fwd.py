@@ -81,6 +81,7 @@ from ragdot.backends.mosaic_fwd_config import (  # noqa: F401  (re-exported)
     swap_rows_for_mean,
     tail_fold_groups,
     weight_only_config,
+    weight_only_decode,
 )
 
 _IN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

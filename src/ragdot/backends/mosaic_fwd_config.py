@@ -532,6 +532,13 @@ _WEIGHT_ONLY = MosaicFwdConfig(block_m=128, block_n=128, block_k=64, num_stages=
                                short_tile_rows=64)
 
 
+def weight_only_decode(m: int, groups: int) -> bool:
+  """Whether a weight-only 8-bit call of ``m`` rows over ``groups`` groups is
+  decode-sized: fewer than 48 rows per group on average, where
+  ``weight_only_config`` of no config takes 64-row tiles."""
+  return groups > 0 and m / groups < _FEW_ROWS[0]
+
+
 def weight_only_config(cfg: MosaicFwdConfig | None, m: int, groups: int,
                        k: int | None = None) -> MosaicFwdConfig | None:
   """The swap config a weight-only 8-bit call runs (16-bit rows, fp8 weights
@@ -550,7 +557,7 @@ def weight_only_config(cfg: MosaicFwdConfig | None, m: int, groups: int,
   base = cfg if cfg is not None and cfg.swap else _WEIGHT_ONLY
   base = dataclasses.replace(base, tail_on_m=False, shard_ring_above=None, pair_schedule=False,
                              producer_zeros=False, zero_front=0, delay_release=0)
-  if (cfg is None or not cfg.swap) and groups > 0 and m / groups < _FEW_ROWS[0]:
+  if (cfg is None or not cfg.swap) and weight_only_decode(m, groups):
     wide = k is not None and k % 128 == 0
     base = dataclasses.replace(base, swap_rows=64, tail_rows=0, tail_split=False,
                                short_tile_rows=0, share_rows=False,
