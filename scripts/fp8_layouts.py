@@ -13,7 +13,10 @@ inputs, bf16 output, the automatic choice each:
   transpose           the fp8 [g, n, k] copy alone;
   w8a16 [g,n,k]       bf16 rows, fp8 weights (W8A16): the swap kernel widening
                       the weights in registers;
-  w8a16 [g,k,n]       the same through an fp8 [g, n, k] copy of the weights;
+  w8a16 [g,k,n]       the same with the weights read as stored, widened
+                      through two SMEM buffers a consumer;
+  w8a16 [g,n,k] smemS the automatic config with ``widen_staging`` S (1, 2);
+  w8a16 [g,k,n] smem1 the same, one buffer;
   w8a16 bf16          bf16 rows, the weights converted to bf16 first (the path
                       before v53);
 checks each fp8 result against the f32 sum of the same values, and writes
@@ -23,6 +26,7 @@ OUT_DIR/fp8_layouts.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -31,7 +35,8 @@ import jax.numpy as jnp
 from jax import lax
 
 import ragdot
-from ragdot import bench, timing
+from ragdot import bench, dispatch, timing
+from ragdot.backends import mosaic_fwd
 
 NK = lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), [0], [0])
 FP8 = jnp.float8_e4m3fn
@@ -52,6 +57,15 @@ def cases(s: bench.Shape, key) -> tuple[dict, dict]:
   widened = jax.jit(lambda x, w: ragdot.ragged_dot(x.astype(bf), w.astype(bf), gs))
   transpose = jax.jit(lambda w: jnp.swapaxes(w, 1, 2))
   xb = x.astype(bf)
+
+  def staged(nk_layout: bool, staging: int):
+    choice = dispatch.choose("gmm", None, dtype=bf, rhs_dtype=FP8, out_dtype=bf, m=s.m, k=s.k,
+                             n=s.n, g=s.g, num_groups=s.g, transpose_rhs=nk_layout)
+    cfg = dataclasses.replace(choice.config, widen_staging=staging)
+    cfg = mosaic_fwd.weight_only_config(cfg, s.m, s.g, s.k, nk_layout)
+    return jax.jit(lambda x, w: mosaic_fwd.gmm(x, w, gs, None, transpose_rhs=nk_layout,
+                                               out_dtype=bf, config=cfg))
+
   timed = {
       "bf16 [g,k,n]": (kn, (xb, w.astype(bf))),
       "fp8 [g,k,n]": (kn, (x8, w8)),
@@ -61,12 +75,18 @@ def cases(s: bench.Shape, key) -> tuple[dict, dict]:
       "w8a16 [g,n,k]": (nk, (xb, w8_nk)),
       "w8a16 [g,k,n]": (kn, (xb, w8)),
       "w8a16 bf16": (widened, (xb, w8)),
+      "w8a16 [g,n,k] smem1": (staged(True, 1), (xb, w8_nk)),
+      "w8a16 [g,n,k] smem2": (staged(True, 2), (xb, w8_nk)),
+      "w8a16 [g,k,n] smem1": (staged(False, 1), (xb, w8)),
   }
   f32 = lambda a: a.astype(jnp.float32)
   exact = ragdot.ragged_dot(f32(x8), f32(w8), gs, implementation="xla")
   exact16 = ragdot.ragged_dot(f32(xb), f32(w8), gs, implementation="xla")
   checks = {"fp8 [g,k,n]": (kn(x8, w8), exact), "fp8 [g,n,k]": (nk(x8, w8_nk), exact),
             "w8a16 [g,n,k]": (nk(xb, w8_nk), exact16), "w8a16 [g,k,n]": (kn(xb, w8), exact16)}
+  for name in ("w8a16 [g,n,k] smem1", "w8a16 [g,n,k] smem2", "w8a16 [g,k,n] smem1"):
+    fn, args = timed[name]
+    checks[name] = (fn(*args), exact16)
   return timed, checks
 
 
@@ -91,8 +111,8 @@ def main() -> None:
     rows.append(row)
     cells = "  ".join(f"{name} {t:.4f} ({t / base:.2f})" for name, t in ms.items())
     print(f"{s.name}: {cells}  max rel err {max(errs.values()):.1e}", flush=True)
-  with open(os.path.join(args.out_dir, "fp8_layouts.json"), "w") as f:
-    json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
+    with open(os.path.join(args.out_dir, "fp8_layouts.json"), "w") as f:  # after each shape
+      json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -237,7 +237,7 @@ def test_native_fp8_forward_real_size(m, k, n, g, offset, impl, nk):
 
 @pytest.mark.parametrize("m,k,n,g,offset,layout,nk", [
     (32768, 2048, 1536, 128, None, "routed", True),   # the bf16 swap entry's tiles
-    (32768, 768, 2048, 128, 16, "routed", False),     # a shard through an fp8 [g, n, k] copy
+    (32768, 768, 2048, 128, 16, "routed", False),     # a shard, [g, k, n] staged through SMEM
     (512, 2048, 1536, 128, None, "routed", True),     # decode: 64-row tiles, 128-column steps
     (512, 768, 2048, 128, 64, "routed", True),        # a decode shard
     (2048, 2880, 5760, 32, None, "skewed", True),     # k % 128 != 0: 64-column steps
@@ -245,10 +245,10 @@ def test_native_fp8_forward_real_size(m, k, n, g, offset, impl, nk):
 ])
 def test_w8a16_forward_real_size(m, k, n, g, offset, layout, nk):
   """bf16 rows with e4m3 weights through the automatic choice (the swap kernel
-  widening the weights in registers), rhs laid out [g, n, k] or [g, k, n]:
-  bitwise the same kernel's result on bf16 copies of the weights laid out
-  [g, n, k] (its config), the f32 oracle, NaN-poisoned memory, every row
-  written, exact zeros outside a shard, bitwise repeatable."""
+  widening the weights in registers, or through SMEM for [g, k, n]), rhs laid
+  out [g, n, k] or [g, k, n]: bitwise the same kernel's result on bf16 copies
+  of the weights in the same layout (its config), the f32 oracle, NaN-poisoned
+  memory, every row written, exact zeros outside a shard, bitwise repeatable."""
   local = g if offset is None else g // 8
   sizes = _sizes(m, g, layout)
   x, w = oracle.random_inputs(jax.random.key(m + k), [(m, k), (local, n, k) if nk else
@@ -264,16 +264,42 @@ def test_w8a16_forward_real_size(m, k, n, g, offset, layout, nk):
   _poison(8 * m * n)
   out = run(x, w)
   assert out.dtype == jnp.bfloat16
-  w_nk = w if nk else jnp.swapaxes(w, 1, 2)
-  cfg = mf.weight_only_config(choice.config, m, g, k)
-  same = jax.jit(lambda x, w: mf.gmm(x, w, gs, go, transpose_rhs=True, out_dtype=jnp.bfloat16,
-                                     config=cfg))(x, w_nk.astype(jnp.bfloat16))
+  cfg = mf.weight_only_config(choice.config, m, g, k, nk)
+  assert cfg == choice.config and cfg.widen_staging == (0 if nk else 2)
+  same = jax.jit(lambda x, w: mf.gmm(x, w, gs, go, transpose_rhs=nk, out_dtype=jnp.bfloat16,
+                                     config=cfg))(x, w.astype(jnp.bfloat16))
   np.testing.assert_array_equal(np.asarray(out).view(np.uint16), np.asarray(same).view(np.uint16))
   want = oracle.ref_ragged_dot(x, w.astype(jnp.float32), sizes, offset, nk)
   oracle.assert_close(out, want, jnp.bfloat16)
   oracle.assert_zero_rows(out, sizes, offset, local)
   np.testing.assert_array_equal(np.asarray(out).view(np.uint16),
                                 np.asarray(run(x, w)).view(np.uint16))
+
+
+@pytest.mark.parametrize("m,k,n,g", [(32768, 2048, 1536, 128), (512, 768, 2048, 128)])
+@pytest.mark.parametrize("nk,staging", [(True, 1), (True, 2), (False, 1)])
+def test_w8a16_staging_variants(m, k, n, g, nk, staging):
+  """The W8A16 kernel with its weight slices widened through one or two SMEM
+  buffers a consumer (two: one step's wgmmas in flight while the next slice is
+  widened into the other buffer) at training and decode size: bitwise its
+  result on bf16 weights with the same config, every row written."""
+  sizes = _sizes(m, g, "routed")
+  x, w = oracle.random_inputs(jax.random.key(m + staging), [(m, k), (g, n, k) if nk else
+                                                            (g, k, n)], jnp.float32)
+  x, w = x.astype(jnp.bfloat16), (w / 4).astype(jnp.float8_e4m3fn)
+  gs = jnp.asarray(sizes)
+  cfg = mf.weight_only_config(None, m, g, k, nk)
+  cfg = mf.weight_only_config(dataclasses.replace(cfg, widen_staging=staging), m, g, k, nk)
+  assert cfg.widen_staging == staging
+  run = jax.jit(lambda x, w: mf.gmm(x, w, gs, None, transpose_rhs=nk, out_dtype=jnp.bfloat16,
+                                    config=cfg))
+  _poison(8 * m * n)
+  out = run(x, w)
+  same = run(x, w.astype(jnp.bfloat16))
+  np.testing.assert_array_equal(np.asarray(out).view(np.uint16), np.asarray(same).view(np.uint16))
+  oracle.assert_close(out, oracle.ref_ragged_dot(x, w.astype(jnp.float32), sizes, None, nk),
+                      jnp.bfloat16)
+  oracle.assert_zero_rows(out, sizes, None, g)
 
 
 def _training_call(m, seed):

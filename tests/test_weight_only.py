@@ -1,8 +1,9 @@
 """fp8 expert weights beside bf16 / f16 rows (W8A16): ``ragged_dot`` keeps the
 pair, the Mosaic swap kernel widens each weight slice in its consumers'
-registers (wgmma's A operand; in interpret mode through an SMEM buffer, since
-the interpreter takes wgmma operands from SMEM only), every other backend runs
-on a widened copy of the weights.  Interpret mode on CPU, lowering for sm90,
+registers (wgmma's A operand, rhs [g, n, k]) or into SMEM buffers (either
+layout, read as stored; interpret mode always: the interpreter takes wgmma
+operands from SMEM only), every other backend runs on a widened copy of the
+weights.  Interpret mode on CPU, lowering for sm90,
 the dispatcher's choice."""
 
 from __future__ import annotations
@@ -36,35 +37,36 @@ def _inputs(m, k, n, local, transpose_rhs, x_dtype, w_dtype, seed):
 
 @pytest.mark.parametrize("sizes,m,k,n,offset,local,transpose_rhs,x_dtype,w_dtype,tail", [
     # [g, n, k] weights: a folded tail (300 = 256 + 44 at 64 rows), a short group
-    # (10), an empty group, rows past the groups
+    # (10), an empty group, rows past the groups; two alternating SMEM buffers
     ([300, 10, 520, 0, 280], 1280, 128, 192, None, 5, True, jnp.bfloat16, E4M3,
-     dict(tail_rows=64)),
-    # [g, k, n] weights (an fp8 [g, n, k] copy first), f16 rows, e5m2, a split tail
-    # (270 = 256 + 14 from row 320); 256 rows a group on average, so the tiles stay
-    # as given (fewer would be fitted to one-tile groups)
+     dict(tail_rows=64, widen_staging=2)),
+    # [g, k, n] weights read as stored (one SMEM buffer), f16 rows, e5m2, a split
+    # tail (270 = 256 + 14 from row 320); 256 rows a group on average, so the
+    # tiles stay as given (fewer would be fitted to one-tile groups)
     ([300, 20, 270, 400], 1024, 64, 256, None, 4, False, jnp.float16, E5M2,
-     dict(tail_rows=16, tail_split=True)),
+     dict(tail_rows=16, tail_split=True, widen_staging=1)),
     # a shard (rows outside it exactly 0), the tail asked on wgmma's M axis (folded
-    # as more N instead: the weights are wgmma's A operand only), short tiles
+    # as more N instead: the weights are wgmma's A operand only), short tiles;
+    # [g, k, n] with no staging asked: two buffers
     ([300, 20, 270, 400], 1024, 128, 128, 1, 2, False, jnp.bfloat16, E4M3,
      dict(tail_rows=16, tail_on_m=True, short_tile_rows=64)),
 ])
 def test_kernel_equals_the_call_on_widened_weights(sizes, m, k, n, offset, local, transpose_rhs,
                                                    x_dtype, w_dtype, tail):
-  """Bitwise the swap kernel's result on a [g, n, k] 16-bit copy of the weights
-  (the same tiles, so the same f32 sums), and within the dtype's tolerance of
-  the f32 reference; rows outside the shard exactly 0."""
+  """Bitwise the swap kernel's result on a 16-bit copy of the weights in the
+  same layout (the same tiles, so the same f32 sums), and within the dtype's
+  tolerance of the f32 reference; rows outside the shard exactly 0."""
   x, w = _inputs(m, k, n, local, transpose_rhs, x_dtype, w_dtype, m + k)
   gs, go = jnp.asarray(sizes, jnp.int32), None if offset is None else jnp.int32(offset)
   cfg = dataclasses.replace(SWAP, **tail)
   got = mf.gmm(x, w, gs, go, transpose_rhs=transpose_rhs, out_dtype=x_dtype, interpret=True,
                config=cfg)
   assert got.dtype == x_dtype
-  w_nk = w if transpose_rhs else jnp.swapaxes(w, 1, 2)
-  run = mf.weight_only_config(cfg, m, len(sizes), k)
+  run = mf.weight_only_config(cfg, m, len(sizes), k, transpose_rhs)
   assert run.swap and not run.tail_on_m and run.tail_rows == cfg.tail_rows
   assert run.tail_split == cfg.tail_split and run.swap_rows == 256
-  want = mf.gmm(x, w_nk.astype(x_dtype), gs, go, transpose_rhs=True, out_dtype=x_dtype,
+  assert run.widen_staging == tail.get("widen_staging", 2)
+  want = mf.gmm(x, w.astype(x_dtype), gs, go, transpose_rhs=transpose_rhs, out_dtype=x_dtype,
                 interpret=True, config=run)
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
   oracle.assert_close(got, oracle.ref_ragged_dot(x, w, sizes, go, transpose_rhs), x_dtype)
@@ -92,6 +94,22 @@ def test_weight_only_config():
   got = mf.weight_only_config(cfg, 32768, 128)
   assert got == dataclasses.replace(cfg, tail_on_m=False, shard_ring_above=None,
                                     pair_schedule=False, delay_release=0)
+  # [g, k, n] weights: two SMEM buffers a consumer (wgmma reads an MN-major A
+  # from SMEM only), one step's wgmmas in flight, the stages cut to fit SMEM
+  # (256 + 64 rows in 4 stages and the buffers need 240 KiB).
+  tall = dataclasses.replace(cfg, tail_rows=64, tail_on_m=False, num_stages=4)
+  kn = mf.weight_only_config(tall, 32768, 128, transpose_rhs=False)
+  assert (kn.widen_staging, kn.delay_release, kn.num_stages) == (2, 1, 3)
+  assert kn.smem_bytes(jnp.bfloat16, jnp.bfloat16, E4M3) <= kn.smem_budget()
+  assert dataclasses.replace(kn, num_stages=4).smem_bytes(
+      jnp.bfloat16, jnp.bfloat16, E4M3) > kn.smem_budget()
+  # An explicit staging stays (one buffer: each step waits, delay_release 0),
+  # registers only for [g, n, k].
+  one = dataclasses.replace(cfg, widen_staging=1)
+  for tr in (True, False):
+    assert mf.weight_only_config(one, 32768, 128, transpose_rhs=tr).delay_release == 0
+    assert mf.weight_only_config(one, 32768, 128, transpose_rhs=tr).widen_staging == 1
+  assert mf.weight_only_config(cfg, 32768, 128, transpose_rhs=False).widen_staging == 2
   # No swap config (the row-major pipeline, none): the swap defaults, fitted to
   # ~128 rows per group as the dispatcher fits swap entries.
   plain = mf.MosaicFwdConfig(block_m=128, block_n=256, num_compute_wgs=2)
@@ -105,8 +123,8 @@ def test_weight_only_config():
   assert (dec.swap_rows, dec.tail_rows, dec.block_k, dec.num_stages) == (64, 0, 128, 4)
   narrow = mf.weight_only_config(None, 512, 128, 2880)
   assert (narrow.block_k, narrow.num_stages) == (64, 8)
-  for c in (dec, narrow):
-    assert c.smem_bytes(jnp.bfloat16, jnp.bfloat16) <= c.smem_budget()
+  for c in (dec, narrow, mf.weight_only_config(None, 512, 128, 2048, transpose_rhs=False)):
+    assert c.smem_bytes(jnp.bfloat16, jnp.bfloat16, E4M3) <= c.smem_budget()
   wide = dataclasses.replace(cfg, block_k=128)  # an entry's 128 columns where k needs 64
   assert mf.weight_only_config(wide, 32768, 128, 2880).block_k == 64
   # Every k step waits for its own wgmmas (the next one's widened weights reuse
@@ -125,14 +143,29 @@ def test_weight_only_config():
 @pytest.mark.parametrize("transpose_rhs", [True, False])
 def test_lowers_for_sm90_with_the_h200_choice(shape, transpose_rhs):
   """The dispatcher's W8A16 choice on an H200 (the table's Mosaic swap entries,
-  or the kernel's own config) lowers for sm90 with the weights in registers."""
+  or the kernel's own config) lowers for sm90: [g, n, k] weights widened in
+  registers, [g, k, n] ones through SMEM, read as stored."""
   import sm90_lowering
   m, k, n, g = shape
   c = dispatch.choose("gmm", None, dtype=jnp.bfloat16, rhs_dtype=E4M3, out_dtype=jnp.bfloat16,
                       m=m, k=k, n=n, g=g, num_groups=g, transpose_rhs=transpose_rhs,
                       device=H200)
   assert c.implementation == "mosaic", c.reason
+  assert c.config.widen_staging == (0 if transpose_rhs else 2)
   sm90_lowering.assert_gmm_lowers(c.config, m=m, k=k, n=n, g=g, transpose_rhs=transpose_rhs,
+                                  rhs_dtype=E4M3)
+
+
+@pytest.mark.parametrize("staging", [1, 2])
+@pytest.mark.parametrize("m", [32768, 512])
+def test_lowers_for_sm90_with_gnk_weights_staged(staging, m):
+  """[g, n, k] weights widened through one or two SMEM buffers a consumer (the
+  alternative to registers the benchmark compares) lower for sm90."""
+  import sm90_lowering
+  cfg = mf.weight_only_config(None, m, 128, 2048)
+  cfg = mf.weight_only_config(dataclasses.replace(cfg, widen_staging=staging), m, 128, 2048)
+  assert cfg.widen_staging == staging and cfg.delay_release == int(staging == 2)
+  sm90_lowering.assert_gmm_lowers(cfg, m=m, k=2048, n=1536, g=128, transpose_rhs=True,
                                   rhs_dtype=E4M3)
 
 
@@ -154,9 +187,9 @@ def test_dispatcher_takes_the_w8a16_kernel_on_sm90_only():
   # 64-row tiles, the bf16 swap entry's at training size.
   auto, train, entry = choose(), choose(m=32768), bf16(m=32768)
   assert auto.implementation == train.implementation == entry.implementation == "mosaic"
-  assert auto.config == mf.weight_only_config(None, 512, 128, 768)
+  assert auto.config == mf.weight_only_config(None, 512, 128, 768, transpose_rhs=False)
   assert auto.config.swap_rows == 64 and entry.config.swap
-  assert train.config == mf.weight_only_config(entry.config, 32768, 128, 768)
+  assert train.config == mf.weight_only_config(entry.config, 32768, 128, 768, transpose_rhs=False)
   for c, m in ((auto, 512), (train, 32768)):
     assert mf.weight_only_config(c.config, m, 128, 768) == c.config
   # Elsewhere the 16-bit call's choice (it runs on a widened copy of the weights):

@@ -271,7 +271,7 @@ def _hopper_takes(device: Device, m, k, n) -> bool:
 def _weight_only(op, implementation, dtype, rhs_dtype, precision_ok, out_dtype, m, k, n, g,
                  num_groups, transpose_rhs, has_offset, device: Device) -> Choice:
   """fp8 weights beside 16-bit rows: on sm90, where it takes the call, the
-  Mosaic swap kernel widening them in registers (W8A16), with the config
+  Mosaic swap kernel widening them as it reads them (W8A16), with the config
   ``mosaic_fwd.weight_only_config`` makes of the 16-bit entry's when that is
   Mosaic, except at decode size (fewer than 48 rows per group: its 64-row
   tiles), else of none; elsewhere the 16-bit choice, run on a widened copy of
@@ -291,7 +291,8 @@ def _weight_only(op, implementation, dtype, rhs_dtype, precision_ok, out_dtype, 
   decode = mosaic_fwd.weight_only_decode(m, groups or 0)
   entry = choice.implementation == "mosaic" and not decode
   # (the config the kernel runs: ``weight_only_config`` of it is itself)
-  config = mosaic_fwd.weight_only_config(choice.config if entry else None, m, groups or 0, k)
+  config = mosaic_fwd.weight_only_config(choice.config if entry else None, m, groups or 0, k,
+                                         bool(transpose_rhs))
   why = ("the 16-bit entry's tiles" if entry else "decode size: 64-row tiles" if decode else
          f"its own tiles (the {_name(dtype)} choice, {choice.implementation}, would run on a"
          " widened copy)")

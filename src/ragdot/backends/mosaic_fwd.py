@@ -99,8 +99,8 @@ def takes_fp8(dtype: Any) -> bool:
 
 def takes_weight_only(lhs_dtype: Any, rhs_dtype: Any) -> bool:
   """Whether the kernel takes bf16 / f16 rows with e4m3 / e5m2 weights as they
-  are (W8A16: the swap kernel widens each weight slice in registers; rhs
-  [g, k, n] is first copied to [g, n, k] in fp8), for some calls: see
+  are (W8A16: the swap kernel widens each weight slice, in registers or
+  through SMEM, ``MosaicFwdConfig.widen_staging``), for some calls: see
   ``weight_only_refusal``."""
   return jnp.dtype(lhs_dtype) in _IN_DTYPES and jnp.dtype(rhs_dtype) in FP8_DTYPES
 
@@ -587,7 +587,7 @@ def gmm(
       copied to [g_local, n, k]: see ``FP8_DTYPES``).
     rhs: [g_local, k, n], or [g_local, n, k] when ``transpose_rhs``; lhs dtype,
       or e4m3 / e5m2 with bf16/f16 lhs (``takes_weight_only``: the swap kernel,
-      ``weight_only_config``, a bf16/f16 output; [g_local, k, n] copied as above).
+      ``weight_only_config``, a bf16/f16 output; either layout read as stored).
     group_sizes: int32[G] (G = g_local when ``group_offset`` is None).
     group_offset: None or int32 scalar; local group j is global group o + j.
     transpose_rhs: use each rhs[j] transposed (dX), without an HBM transpose.
@@ -602,7 +602,7 @@ def gmm(
   del precision
   _check_supported(lhs, rhs, out_dtype, transpose_rhs)
   weight_only = lhs.dtype != rhs.dtype
-  if takes_fp8(rhs.dtype) and not transpose_rhs:
+  if takes_fp8(lhs.dtype) and not transpose_rhs:  # (W8A16 reads [g, k, n] as stored)
     rhs, transpose_rhs = jnp.swapaxes(rhs, 1, 2), True
   m, k = lhs.shape
   g_local = rhs.shape[0]
@@ -614,7 +614,7 @@ def gmm(
     return jnp.zeros((m, n), out_dtype)
   has_offset = group_offset is not None
   if weight_only:  # (m >= 64: checked above)
-    config = weight_only_config(config, m, group_sizes.shape[0], k)
+    config = weight_only_config(config, m, group_sizes.shape[0], k, transpose_rhs)
   if config is not None and config.swap and out_dtype.itemsize != 2:
     # swap's transposed stores take 16 bits: its row-major ring, fitted to SMEM
     # for this output (None: the default below).
@@ -640,10 +640,9 @@ def gmm(
     raise NotImplementedError(
         f"k={k} must be a multiple of the {tile}-column TMA tiles of block_k={config.block_k}"
         f" for {lhs.dtype}")
-  if config.smem_bytes(lhs.dtype, out_dtype) > config.smem_budget():
-    raise NotImplementedError(
-        f"config {config} needs {config.smem_bytes(lhs.dtype, out_dtype)} bytes of SMEM"
-    )
+  smem = config.smem_bytes(lhs.dtype, out_dtype, rhs.dtype)
+  if smem > config.smem_budget():
+    raise NotImplementedError(f"config {config} needs {smem} bytes of SMEM")
 
   if (has_offset and config.shard_ring_above is not None and config.swap
       and config.producer_zeros is False):

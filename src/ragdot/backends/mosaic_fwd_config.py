@@ -186,6 +186,14 @@ class MosaicFwdConfig:
     docs/performance.md v45a).  Swap shards measured faster than the ring on
     routed sizes (the ring 1.04-1.17x their time) and slower from 1.46x the
     fair share on (0.80-0.96x; v44f-h, v45a-b).
+  widen_staging: swap with 8-bit weights beside 16-bit rows (W8A16) only: 0
+    widens each consumer's (64, block_k) weight slice in registers and feeds
+    them to wgmma as its A operand (rhs [g, n, k] only; each step waits for its
+    own wgmmas, which read those registers); 1 or 2 writes the widened slice
+    into that many SMEM buffers per consumer (alternating by k step: with 2
+    and ``delay_release`` 1 one step's wgmmas stay in flight while the next
+    slice is widened) and feeds wgmma from there, which also takes the
+    weights as stored in [g, k, n] (MN-major A).  Ignored with 16-bit weights.
   pair_schedule: with ``shard_ring_above``, both kernels' tile schedules from
     one schedule-kernel launch instead of one each: one kernel of 2.8-3.1 us
     for two of 2.2-2.6 and 1.9-2.1 us, 0.980-0.993x the shard call's time
@@ -223,6 +231,7 @@ class MosaicFwdConfig:
   share_rows: bool = False
   shard_ring_above: float | None = None
   pair_schedule: bool = False
+  widen_staging: int = 0
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -289,6 +298,8 @@ class MosaicFwdConfig:
       raise ValueError(f"share_rows needs swap=True and an even num_sms, got {self}")
     if self.shard_ring_above is not None and (not self.swap or not self.shard_ring_above > 0):
       raise ValueError(f"shard_ring_above needs swap=True and a value > 0, got {self}")
+    if self.widen_staging not in (0, 1, 2) or (self.widen_staging and not self.swap):
+      raise ValueError(f"widen_staging must be 0, 1 or 2 (1 and 2 need swap=True), got {self}")
     if self.pair_schedule and self.shard_ring_above is None:
       raise ValueError(f"pair_schedule needs shard_ring_above, got {self}")
     if self.tail_rows and (not self.ring or self.block_n % 128):
@@ -313,16 +324,21 @@ class MosaicFwdConfig:
     """Columns of one epilogue chunk (the staging buffer's width)."""
     return self.block_n // self.epilogue_split
 
-  def smem_bytes(self, in_dtype: Any, out_dtype: Any) -> int:
-    """Static SMEM footprint (pipeline buffers + output staging chunk).
+  def smem_bytes(self, in_dtype: Any, out_dtype: Any, rhs_dtype: Any = None) -> int:
+    """Static SMEM footprint (pipeline buffers + output staging chunk), with
+    weights of ``rhs_dtype`` (default ``in_dtype``; a narrower one: W8A16,
+    with its ``widen_staging`` buffers).
 
     Barriers and alignment add a few dozen bytes on top (48 measured at
     lowering for the 2-warpgroup kernel): ``smem_budget`` keeps 1 KiB for them.
     """
     isz, osz = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
+    wsz = isz if rhs_dtype is None else jnp.dtype(rhs_dtype).itemsize
     if self.swap:  # swap_rows + tail rows and 128 columns per stage; 64 x 64 staging per consumer
-      per_stage = (self.swap_rows + self.tail_rows + self.block_n) * self.block_k * isz
+      per_stage = ((self.swap_rows + self.tail_rows) * isz + self.block_n * wsz) * self.block_k
       staging = self.num_compute_wgs * _WG_ROWS * _WG_ROWS * osz
+      if wsz < isz:  # the widened weight slices, (64, block_k) each
+        staging += self.widen_staging * self.num_compute_wgs * _WG_ROWS * self.block_k * isz
       return self.num_stages * per_stage + staging
     per_stage = (self.block_m + self.block_n) * self.block_k * isz
     # One (64, epilogue_n) staging buffer per compute warpgroup.
@@ -540,29 +556,38 @@ def weight_only_decode(m: int, groups: int) -> bool:
 
 
 def weight_only_config(cfg: MosaicFwdConfig | None, m: int, groups: int,
-                       k: int | None = None) -> MosaicFwdConfig | None:
+                       k: int | None = None, transpose_rhs: bool = True
+                       ) -> MosaicFwdConfig | None:
   """The swap config a weight-only 8-bit call runs (16-bit rows, fp8 weights
-  widened in the consumers' registers as wgmma's A operand): ``cfg``'s tiles
-  if it is a swap config, else ``_WEIGHT_ONLY``'s, fitted to the call's rows
-  per group (``fit_rows_per_group``, ``groups`` > 0) and to its ``m`` rows;
-  without what reads the weights otherwise: a tail on wgmma's M axis (folded
-  as more N instead), the row-major ring of shard calls (``shard_ring_above``,
-  ``producer_zeros``); each k step waits for its own wgmmas (``delay_release``
-  0: the next step's widened weights overwrite the registers they read).
-  Without a swap config, groups of fewer than 48 rows on average (decode)
-  take 64-row tiles with k steps of 128 columns in 4 stages where ``k`` takes
-  them (H100, docs/performance.md v53b: 0.90-0.91x the time of 64-column steps
-  in 8 stages, 0.575-0.61x the bf16 call).  None below 64 rows (the smallest
-  swap tile)."""
+  widened by the consumers as wgmma's A operand): ``cfg``'s tiles if it is a
+  swap config, else ``_WEIGHT_ONLY``'s, fitted to the call's rows per group
+  (``fit_rows_per_group``, ``groups`` > 0) and to its ``m`` rows; without what
+  reads the weights otherwise: a tail on wgmma's M axis (folded as more N
+  instead), the row-major ring of shard calls (``shard_ring_above``,
+  ``producer_zeros``).  Where the widened slices go (``widen_staging``):
+  ``cfg``'s choice, else registers for rhs [g, n, k] and two SMEM buffers per
+  consumer for [g, k, n] (read as stored: wgmma takes an MN-major A from SMEM
+  only); registers or one buffer: each k step waits for its own wgmmas
+  (``delay_release`` 0: the next step's widened weights overwrite what they
+  read), two buffers: one step's stay in flight (``delay_release`` 1).  The
+  stages are cut until the buffers fit SMEM.  Without a swap config, groups
+  of fewer than 48 rows on average (decode) take 64-row tiles with k steps of
+  128 columns in 4 stages where ``k`` takes them (H100, docs/performance.md
+  v53b: 0.90-0.91x the time of 64-column steps in 8 stages, 0.575-0.61x the
+  bf16 call).  None below 64 rows (the smallest swap tile)."""
   base = cfg if cfg is not None and cfg.swap else _WEIGHT_ONLY
+  staging = base.widen_staging if base.widen_staging or transpose_rhs else 2
   base = dataclasses.replace(base, tail_on_m=False, shard_ring_above=None, pair_schedule=False,
-                             producer_zeros=False, zero_front=0, delay_release=0)
+                             producer_zeros=False, zero_front=0, widen_staging=staging,
+                             delay_release=int(staging == 2))
   if (cfg is None or not cfg.swap) and weight_only_decode(m, groups):
     wide = k is not None and k % 128 == 0
     base = dataclasses.replace(base, swap_rows=64, tail_rows=0, tail_split=False,
                                short_tile_rows=0, share_rows=False,
                                block_k=128 if wide else 64, num_stages=4 if wide else 8)
   if k is not None and k % 128 and base.block_k == 128:  # 128 one-byte columns must tile k
+    base = dataclasses.replace(base, block_k=64)
+  if base.block_k == 32:  # (a staged (32, 64) slice: too narrow for its 128-byte swizzle)
     base = dataclasses.replace(base, block_k=64)
   base = fit_rows_per_group(base, m, groups)
   if m < base.swap_rows + base.tail_rows:  # tiles no taller than the call
@@ -573,6 +598,9 @@ def weight_only_config(cfg: MosaicFwdConfig | None, m: int, groups: int,
     base = dataclasses.replace(
         base, swap_rows=rows, tail_rows=tail, tail_split=base.tail_split and tail > 0,
         short_tile_rows=base.short_tile_rows if base.short_tile_rows < rows else 0)
+  while (base.num_stages > 2 and base.smem_bytes(jnp.bfloat16, jnp.bfloat16, jnp.float8_e4m3fn)
+         > base.smem_budget()):
+    base = dataclasses.replace(base, num_stages=base.num_stages - 1)
   return base
 
 

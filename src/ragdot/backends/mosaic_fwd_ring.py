@@ -235,8 +235,8 @@ def drain(consumed, total_steps, stages: int) -> None:
 
 def consume_item(produced, consumed, step0, k_steps, stages: int, mma, in_flight: int,
                  delay_release: int = 1) -> None:
-  """A consumer's k steps of one item: ``mma(slot)`` issues a step's wgmmas
-  (``in_flight`` of them).  ``delay_release`` 1: the previous step's slot is
+  """A consumer's k steps of one item: ``mma(slot, kk)`` issues step kk's
+  wgmmas (``in_flight`` of them).  ``delay_release`` 1: the previous step's slot is
   released once they are done (one step's wgmmas stay in flight across the
   next barrier wait), the item's last slot after its last wgmma; 0: each step
   waits for its own wgmmas and releases its slot at once (cuBLAS's consumer,
@@ -247,7 +247,7 @@ def consume_item(produced, consumed, step0, k_steps, stages: int, mma, in_flight
     step = step0 + kk
     slot = lax.rem(step, stages)
     plgpu.barrier_wait(produced.at[slot])
-    mma(slot)
+    mma(slot, kk)
     if delay_release:
       plgpu.wgmma_wait(in_flight)  # the previous step's are done
       pl.when(kk > 0)(lambda: plgpu.barrier_arrive(
@@ -363,7 +363,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
           # Two copies of the tile, chosen per tile outside the k loop: no
           # accumulator crosses a branch while its wgmmas are in flight.
           def acc_scope(acc_ref, *tail_ref):
-            def mma(slot):
+            def mma(slot, _):
               b = b_smem.at[slot]
               plgpu.wgmma(acc_ref, a_smem.at[slot].at[pl.ds(wg * _HALF, _HALF)],
                           b.transpose((1, 0)) if transpose_rhs else b)

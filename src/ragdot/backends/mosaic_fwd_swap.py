@@ -112,21 +112,25 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
   rank = lax.axis_index("cluster") if share else 0
   dtype, out_dtype = lhs_gmem.dtype, out_gmem.dtype
   # Weight-only 8-bit (W8A16): 8-bit weights, 16-bit rows.  Each consumer loads
-  # its weight slice into registers, widens it there and feeds wgmma A from
-  # registers (wgmma takes only 16-bit pairs from SMEM).
+  # its weight slice, widens it in registers and feeds wgmma A from there or,
+  # written to one of its `staged` SMEM buffers, from SMEM (wgmma takes only
+  # 16-bit pairs from SMEM, and registers only as a K-major A).
   w_dtype = rhs_gmem.dtype
   widen = w_dtype != dtype
-  if widen and (not transpose_rhs or cfg.tail_on_m):
-    raise NotImplementedError("8-bit weights with 16-bit rows need rhs [g, n, k] and no "
-                              "tail_on_m (the weights are wgmma's A operand only)")
+  staged = (cfg.widen_staging or int(stage_widened)) if widen else 0
+  if widen and (cfg.tail_on_m or not (transpose_rhs or staged)):
+    raise NotImplementedError("8-bit weights with 16-bit rows need no tail_on_m (the weights "
+                              "are wgmma's A operand only), and widen_staging for rhs [g, k, n]")
+  # [g, k, n] 8-bit weights: 64-byte swizzle tiles, so each consumer's 64 columns
+  # are whole tiles.
+  w_minor = 64 if widen and not transpose_rhs else min(b_shape[1], bk)
 
   scratch = dict(
       # A stage's rows: R, or R + tail_rows for a tile with a folded tail.
       x_smem=plgpu.SMEM((stages, rows_t + tr, bk), dtype, transforms=sm90.swizzled(bk, dtype)),
       # (forward: wgmma takes the (bk, 64) weight slice as an MN-major A only with a
       # swizzle of at most bk elements; 128 bytes at bk = 64, 64 at bk = 32)
-      w_smem=plgpu.SMEM((stages, *b_shape), w_dtype,
-                        transforms=sm90.swizzled(min(b_shape[1], bk), w_dtype)),
+      w_smem=plgpu.SMEM((stages, *b_shape), w_dtype, transforms=sm90.swizzled(w_minor, w_dtype)),
       produced=plgpu.Barrier(num_arrivals=3 if tr else 2, num_barriers=stages),
       # share: the partner's multicast writes this CTA's slots too, so a slot
       # is refilled once the consumers of both CTAs released it.
@@ -138,8 +142,10 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
       o_smem=plgpu.SMEM((2, _CHUNK, _COLS), out_dtype,
                         transforms=(plgpu.SwizzleTransform(128),) if swizzled else ()),
   )
-  if widen and stage_widened:  # one widened weight slice per consumer
-    scratch["a_smem"] = plgpu.SMEM((2, _COLS, bk), dtype, transforms=sm90.swizzled(bk, dtype))
+  if staged:  # `staged` widened weight slices per consumer, as laid out in w_smem
+    a_shape = (_COLS, bk) if transpose_rhs else (bk, _COLS)
+    scratch["a_smem"] = plgpu.SMEM((2, staged, *a_shape), dtype,
+                                   transforms=sm90.swizzled(a_shape[1], dtype))
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
   def _scope(x_smem, w_smem, produced, consumed, o_smem, a_smem=None):
@@ -207,12 +213,19 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
             shapes.append((_COLS, bn))
 
           def acc_scope(*accs):
-            def mma(slot):
+            def mma(slot, kk):
               wb = w_smem.at[slot]
               # A: this consumer's 64 columns of the weight block, (64, bk).
               a = wb.at[mine] if transpose_rhs else wb.at[:, mine].transpose((1, 0))
-              if widen:
-                a = sm90.widened_operand(a, dtype, None if a_smem is None else a_smem.at[wg])
+              if widen and not staged:
+                a = sm90.widened_operand(wb.at[mine], dtype)
+              elif widen:
+                # Two buffers alternate by step: the wgmmas of step kk - 2 are
+                # done (consume_item keeps at most the last step's in flight).
+                buf = a_smem.at[wg, lax.rem(kk, staged) if staged > 1 else 0]
+                src = wb.at[mine] if transpose_rhs else wb.at[:, mine]
+                sm90.widened_operand(src, dtype, staging=buf, wait=staged == 1)
+                a = buf if transpose_rhs else buf.transpose((1, 0))
               for acc_ref, (r, count) in zip(accs, parts):
                 plgpu.wgmma(acc_ref, a, x_smem.at[slot].at[pl.ds(r, count)].transpose((1, 0)))
               if tail_on_m:

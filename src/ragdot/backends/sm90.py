@@ -37,15 +37,17 @@ def swizzled(minor: int, dtype) -> tuple:
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def widened_operand(ref, dtype, staging=None):
-  """An 8-bit (e4m3 / e5m2) K-major (64, k) SMEM tile as wgmma's operand A in
-  the 16-bit ``dtype``: loaded two to a 16-bit lane, relaid for wgmma and
-  converted in registers (exact: every fp8 value is an f16 and a bf16).
-  Returned as registers, or written to ``staging`` (a (64, k) SMEM buffer)
-  and returned as that buffer.  Either way it first waits for every wgmma in
-  flight: one may still read the registers (or buffer) this overwrites (on
-  the H100 a wgmma left in flight across k steps gave wrong sums, 53a)."""
-  plgpu.wgmma_wait(0)
+def widened_operand(ref, dtype, staging=None, wait: bool = True):
+  """An 8-bit (e4m3 / e5m2) SMEM tile ((64, k) K-major, or (k, 64) into a
+  staging buffer) in the 16-bit ``dtype``: loaded two to a 16-bit lane,
+  relaid for wgmma and converted in registers (exact: every fp8 value is an
+  f16 and a bf16).  Returned as registers (wgmma's A operand), or written to
+  ``staging`` (an SMEM buffer of the tile's shape) and returned as that
+  buffer.  ``wait``: first wait for every wgmma in flight, which may still
+  read the registers (or buffer) this overwrites (on the H100 a wgmma left in
+  flight across k steps gave wrong sums, 53a); registers always wait."""
+  if wait or staging is None:
+    plgpu.wgmma_wait(0)
   a = plgpu.load(ref, layout=plgpu.Layout.WGMMA_UPCAST_2X)
   a = plgpu.layout_cast(a, plgpu.Layout.WGMMA).astype(jnp.float16)
   if jnp.dtype(dtype) != jnp.float16:
