@@ -9,6 +9,8 @@ int32 accumulation, and rounds once to the result dtype.
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 
 import jax
@@ -297,7 +299,9 @@ def test_fp8_lowers_for_sm90_with_the_h200_choice(shape, transpose_rhs):
                       num_groups=g, transpose_rhs=transpose_rhs,
                       device=dispatch.Device(*H200))
   assert c.implementation == "mosaic"
-  if c.config is not None:
+  if not transpose_rhs:  # the rows widened to bf16, the W8A16 form on [g, k, n]
+    assert c.config.widen_rows and c.config.widen_staging == 2
+  elif c.config is not None:
     assert c.config.block_k == 128
   sm90_lowering.assert_gmm_lowers(c.config, m=m, k=k, n=n, g=g, transpose_rhs=transpose_rhs,
                                   dtype=FP8[0])
@@ -330,7 +334,11 @@ def test_automatic_choice_takes_fp8_natively_on_sm90(h200_table, m, k, n, g):
   common = dict(m=m, k=k, n=n, g=g, num_groups=g, out_dtype=jnp.bfloat16)
   bf16 = dispatch.choose("gmm", None, dtype=jnp.bfloat16, transpose_rhs=True, device=h200,
                          **common)
-  for tr in (True, False):
+  widened = dispatch.choose("gmm", None, dtype=jnp.bfloat16, rhs_dtype=FP8[0],
+                            transpose_rhs=False, device=h200, **common)
+  kn = dispatch.choose("gmm", None, dtype=FP8[0], transpose_rhs=False, device=h200, **common)
+  assert kn.config == dataclasses.replace(widened.config, widen_rows=True)
+  for tr in (True,):
     native = dispatch.choose("gmm", None, dtype=FP8[0], transpose_rhs=tr, device=h200,
                              **common)
     assert native.implementation == "mosaic" and native.automatic
@@ -350,12 +358,19 @@ def test_the_shipped_fp8_entries_serve_the_qwen3_30b_calls():
   are what the Qwen3-30B forward calls run, in both layouts."""
   from ragdot import dispatch
   for m, k, n in [(512, 2048, 1536), (32768, 768, 2048)]:
+    choose = lambda out, tr: dispatch.choose(
+        "gmm", None, dtype=FP8[0], out_dtype=out, m=m, k=k, n=n, g=128, num_groups=128,
+        transpose_rhs=tr, device=dispatch.Device(*H200))
+    c = choose(jnp.bfloat16, True)
+    assert c.implementation == "mosaic" and c.measured and c.config.block_k == 128
+    assert "float8_e4m3fn" in c.reason or "measured entry" in c.reason
+    # [g, k, n] weights: the W8A16 form on widened rows for a 16-bit result,
+    # else (an fp8 one) the same entry on an fp8 [g, n, k] copy.
+    assert choose(jnp.bfloat16, False).config.widen_rows
     for tr in (True, False):
-      c = dispatch.choose("gmm", None, dtype=FP8[0], out_dtype=jnp.bfloat16, m=m, k=k, n=n,
-                          g=128, num_groups=128, transpose_rhs=tr,
-                          device=dispatch.Device(*H200))
-      assert c.implementation == "mosaic" and c.measured and c.config.block_k == 128
-      assert "float8_e4m3fn" in c.reason or "measured entry" in c.reason
+      kept = choose(FP8[0], tr)
+      assert kept.implementation == "mosaic" and kept.config.block_k == 128
+      assert not kept.config.widen_rows
 
 
 @pytest.fixture
@@ -387,13 +402,11 @@ def test_fp8_entries_of_the_table_are_taken_literally(h200_table):
                 epilogue_split=2)
   h200_table.put("gmm_t", "float8_e4m3fn", m, k, n, g,
                  {"backend": "mosaic", "config": fields, "measured": True})
-  for dtype in FP8:
-    for tr in (True, False):
-      c = dispatch.choose("gmm", None, dtype=dtype, out_dtype=jnp.bfloat16, m=m, k=k, n=n,
-                          g=g, num_groups=g, transpose_rhs=tr,
-                          device=dispatch.Device(*H200))
-      assert c.implementation == "mosaic" and c.measured
-      assert (c.config.block_k, c.config.num_stages) == (64, 8)
+  for dtype in FP8:  # (rhs [g, n, k]: a [g, k, n] one takes the W8A16 form on widened rows)
+    c = dispatch.choose("gmm", None, dtype=dtype, out_dtype=jnp.bfloat16, m=m, k=k, n=n,
+                        g=g, num_groups=g, transpose_rhs=True, device=dispatch.Device(*H200))
+    assert c.implementation == "mosaic" and c.measured
+    assert (c.config.block_k, c.config.num_stages) == (64, 8)
   other = dispatch.choose("gmm", None, dtype=FP8[0], out_dtype=jnp.bfloat16, m=32768,
                           k=1536, n=2048, g=128, num_groups=128, transpose_rhs=True,
                           device=dispatch.Device(*H200))  # far from it: bf16, doubled

@@ -215,10 +215,15 @@ def test_fp8_operands_through_kernels_real_size(offset):
 ])
 def test_native_fp8_forward_real_size(m, k, n, g, offset, impl, nk):
   """e4m3 operands straight into wgmma (explicit, and the automatic choice),
-  rhs laid out [g, n, k] or [g, k, n] (copied to [g, n, k] in fp8), k steps of
-  128 one-byte columns: against the f32 oracle, on NaN-poisoned memory, every
-  row written."""
+  rhs laid out [g, n, k] (k steps of 128 one-byte columns) or [g, k, n] (the
+  rows widened to bf16, the W8A16 form reading the weights as stored): against
+  the f32 oracle, on NaN-poisoned memory, every row written."""
   local = g if offset is None else 4
+  choice = dispatch.choose("gmm", impl, dtype=jnp.float8_e4m3fn, out_dtype=jnp.bfloat16, m=m,
+                           k=k, n=n, g=local, num_groups=g, transpose_rhs=nk,
+                           has_offset=offset is not None)
+  assert choice.implementation == "mosaic"
+  assert (choice.config is not None and choice.config.widen_rows) == (not nk)
   sizes = _sizes(m, g, "routed")
   x, w = oracle.random_inputs(jax.random.key(12), [(m, k), (local, n, k) if nk else
                                                     (local, k, n)], jnp.float32)

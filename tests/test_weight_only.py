@@ -290,3 +290,44 @@ def test_trans_ragged_dot_and_fp8_rows_still_promote():
   assert out.dtype == want.dtype
   w = jax.random.normal(jax.random.key(3), (4, 64, 64)).astype(jnp.bfloat16)
   assert ragdot.ragged_dot(x8, w, gs).dtype == lax.ragged_dot(x8, w, gs).dtype
+
+
+@pytest.mark.parametrize("w_dtype,offset", [(E4M3, None), (E5M2, 1)])
+def test_fp8_rows_with_kn_weights_run_widened(w_dtype, offset):
+  """fp8 rows beside fp8 [g, k, n] weights with a ``widen_rows`` config: the
+  rows widened to bf16 and the W8A16 form reading the weights as stored,
+  bitwise the call on bf16 rows; an f32 result (which the swap form cannot
+  write) takes the fp8 [g, n, k] copy instead, bitwise that call."""
+  sizes, m, k, n = [300, 20, 270, 400], 1024, 128, 128
+  local = 4 if offset is None else 2
+  x, w = _inputs(m, k, n, local, False, w_dtype, w_dtype, 5)
+  gs, go = jnp.asarray(sizes, jnp.int32), None if offset is None else jnp.int32(offset)
+  cfg = dataclasses.replace(SWAP, widen_rows=True, tail_rows=16)
+  call = lambda x, w, out=jnp.bfloat16, tr=False, cfg=cfg: mf.gmm(
+      x, w, gs, go, transpose_rhs=tr, out_dtype=out, interpret=True, config=cfg)
+  got = call(x, w)
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                np.asarray(call(x.astype(jnp.bfloat16), w), np.float32))
+  oracle.assert_close(got, oracle.ref_ragged_dot(x, w, sizes, go), jnp.bfloat16)
+  oracle.assert_zero_rows(got, sizes, offset, local)
+  wide = call(x, w, jnp.float32)
+  plain = dataclasses.replace(cfg, widen_rows=False)
+  np.testing.assert_array_equal(wide, call(x, jnp.swapaxes(w, 1, 2), jnp.float32, True, plain))
+
+
+def test_dispatcher_widens_fp8_rows_for_kn_weights_on_sm90_only():
+  """fp8 x fp8 with [g, k, n] weights and a 16-bit result on sm90: the W8A16
+  choice of bf16 rows with ``widen_rows``; [g, n, k] weights, an fp8 result,
+  fewer than 64 rows or an sm80 part keep the fp8 choice."""
+  common = dict(dtype=E4M3, k=768, n=2048, g=128, num_groups=128)
+  choose = lambda m=512, out=jnp.bfloat16, tr=False, device=H200: dispatch.choose(
+      "gmm", None, **common, m=m, out_dtype=out, transpose_rhs=tr, device=device)
+  for m in (512, 32768):
+    got = choose(m)
+    w8a16 = dispatch.choose("gmm", None, **{**common, "dtype": jnp.bfloat16}, rhs_dtype=E4M3,
+                            m=m, out_dtype=jnp.bfloat16, device=H200)
+    assert got.implementation == "mosaic" and "rows widened to bf16" in got.reason
+    assert got.config == dataclasses.replace(w8a16.config, widen_rows=True)
+  for kept in (choose(tr=True), choose(out=E4M3), choose(m=32), choose(device=A100)):
+    assert kept.config is None or not kept.config.widen_rows

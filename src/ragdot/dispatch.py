@@ -238,6 +238,11 @@ def choose(op: Op, implementation: str | None, *, dtype: Any = None,
     return _weight_only(op, implementation, dtype, rhs_dtype, precision_ok, out_dtype, m, k, n,
                         g, num_groups, transpose_rhs, has_offset, device)
   if _fp8_native(op, implementation, dtype, precision_ok, m, k, n, device):
+    if not transpose_rhs:
+      widened = _fp8_rows_widened(implementation, dtype, precision_ok, out_dtype, m, k, n, g,
+                                  num_groups, has_offset, device)
+      if widened is not None:
+        return widened
     # 8-bit wgmma: the Mosaic forward on rhs [g, n, k] (a [g, k, n] rhs is copied
     # to that layout in fp8), with an fp8 entry of the table, else the bf16 one's
     # config with its k step doubled.
@@ -248,6 +253,25 @@ def choose(op: Op, implementation: str | None, *, dtype: Any = None,
   return _choose(op, implementation, "bfloat16" if fp8 else _name(dtype), precision_ok,
                  _name(out_dtype) or ("bfloat16" if fp8 else _name(dtype)), m, k, n, g,
                  num_groups, bool(transpose_rhs), bool(has_offset), device)
+
+
+def _fp8_rows_widened(implementation, dtype, precision_ok, out_dtype, m, k, n, g, num_groups,
+                      has_offset, device: Device) -> Choice | None:
+  """fp8 rows and fp8 weights laid out [g, k, n] (8-bit wgmma takes K-major
+  operands only): the W8A16 choice for bf16 rows with ``widen_rows`` (the rows
+  widened to bf16, the weights read as stored), where that kernel takes the
+  call (a 16-bit output, m >= 64); None: the fp8 form on a [g, n, k] copy of
+  the weights."""
+  from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
+  out = _name(out_dtype) or "bfloat16"
+  if mosaic_fwd.weight_only_refusal(jnp.bfloat16, dtype, out, m) is not None:
+    return None
+  choice = _weight_only("gmm", implementation, jnp.bfloat16, dtype, precision_ok, out, m, k, n,
+                        g, num_groups, False, has_offset, device)
+  return dataclasses.replace(
+      choice, config=dataclasses.replace(choice.config, widen_rows=True),
+      reason=f"{_name(dtype)} rows widened to bf16 (weights [g, k, n] read as stored); "
+             + choice.reason)
 
 
 def _fp8_native(op: Op, implementation: str | None, dtype: Any, precision_ok: bool, m, k, n,

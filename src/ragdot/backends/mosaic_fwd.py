@@ -584,7 +584,8 @@ def gmm(
 
   Args:
     lhs: [m, k] bf16/f16, or e4m3 / e5m2 (then a [g_local, k, n] rhs is first
-      copied to [g_local, n, k]: see ``FP8_DTYPES``).
+      copied to [g_local, n, k]: see ``FP8_DTYPES``; or, with a ``widen_rows``
+      config, the rows are widened to bf16 instead).
     rhs: [g_local, k, n], or [g_local, n, k] when ``transpose_rhs``; lhs dtype,
       or e4m3 / e5m2 with bf16/f16 lhs (``takes_weight_only``: the swap kernel,
       ``weight_only_config``, a bf16/f16 output; either layout read as stored).
@@ -601,6 +602,9 @@ def gmm(
   """
   del precision
   _check_supported(lhs, rhs, out_dtype, transpose_rhs)
+  if (takes_fp8(lhs.dtype) and not transpose_rhs and config is not None and config.widen_rows
+      and weight_only_refusal(jnp.bfloat16, rhs.dtype, out_dtype, lhs.shape[0]) is None):
+    lhs = lhs.astype(jnp.bfloat16)  # (exact) the W8A16 form, reading the weights as stored
   weight_only = lhs.dtype != rhs.dtype
   if takes_fp8(lhs.dtype) and not transpose_rhs:  # (W8A16 reads [g, k, n] as stored)
     rhs, transpose_rhs = jnp.swapaxes(rhs, 1, 2), True

@@ -194,6 +194,12 @@ class MosaicFwdConfig:
     and ``delay_release`` 1 one step's wgmmas stay in flight while the next
     slice is widened) and feeds wgmma from there, which also takes the
     weights as stored in [g, k, n] (MN-major A).  Ignored with 16-bit weights.
+  widen_rows: swap only, 8-bit rows beside 8-bit weights laid out [g, k, n]
+    (wgmma takes 8-bit operands K-major only): the rows are widened to bf16
+    first (one XLA convert of m x k) and the W8A16 form runs (``widen_staging``),
+    reading the weights as stored, instead of an fp8 [g, n, k] copy of all the
+    weights and 8-bit wgmma.  Needs a 16-bit output and m >= 64 (else the copy).
+    Ignored otherwise.
   pair_schedule: with ``shard_ring_above``, both kernels' tile schedules from
     one schedule-kernel launch instead of one each: one kernel of 2.8-3.1 us
     for two of 2.2-2.6 and 1.9-2.1 us, 0.980-0.993x the shard call's time
@@ -232,6 +238,7 @@ class MosaicFwdConfig:
   shard_ring_above: float | None = None
   pair_schedule: bool = False
   widen_staging: int = 0
+  widen_rows: bool = False
 
   def __post_init__(self):
     if self.num_compute_wgs not in (1, 2):
@@ -300,6 +307,8 @@ class MosaicFwdConfig:
       raise ValueError(f"shard_ring_above needs swap=True and a value > 0, got {self}")
     if self.widen_staging not in (0, 1, 2) or (self.widen_staging and not self.swap):
       raise ValueError(f"widen_staging must be 0, 1 or 2 (1 and 2 need swap=True), got {self}")
+    if self.widen_rows and not self.swap:
+      raise ValueError(f"widen_rows needs swap=True, got {self}")
     if self.pair_schedule and self.shard_ring_above is None:
       raise ValueError(f"pair_schedule needs shard_ring_above, got {self}")
     if self.tail_rows and (not self.ring or self.block_n % 128):
@@ -503,7 +512,7 @@ def row_major_ring(cfg: MosaicFwdConfig) -> MosaicFwdConfig:
   return dataclasses.replace(cfg, swap=False, block_n=256, tail_rows=0, tail_split=False,
                              tail_on_m=False, swap_rows=SWAP_ROWS, swizzle_staging=False,
                              short_tile_rows=0, share_rows=False, shard_ring_above=None,
-                             pair_schedule=False,
+                             pair_schedule=False, widen_staging=0, widen_rows=False,
                              num_stages=min(cfg.num_stages, 4))
 
 
