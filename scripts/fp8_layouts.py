@@ -2,6 +2,7 @@
 weight layouts against the bf16 call (GPU machine).
 
   python3 scripts/fp8_layouts.py OUT_DIR [--shapes qwen3-30b] [--rounds 3]
+      [--only NAME ...] [--shape m,k,n,g[,top_k] ...]
 
 For each forward shape of the named preset (training and decode token counts),
 times interleaved (CUPTI, ``timing.interleaved_median_ms``) on fresh random
@@ -14,12 +15,17 @@ inputs, bf16 output, the automatic choice each:
   fp8 [g,k,n] bf16    the fp8 operands converted to bf16 first (the path before v52);
   fp8 [g,n,k]         native, weights already K-major;
   transpose           the fp8 [g, n, k] copy alone;
-  w8a16 [g,n,k]       bf16 rows, fp8 weights (W8A16): the swap kernel widening
-                      the weights in registers;
+  w8a16 [g,n,k]       bf16 rows, fp8 weights (W8A16), the automatic choice: the
+                      swap kernel widening the weights in registers (the
+                      Triton kernel below where it refuses: fewer than 64 rows);
   w8a16 [g,k,n]       the same with the weights read as stored, widened
                       through two SMEM buffers a consumer;
   w8a16 [g,n,k] smemS the automatic config with ``widen_staging`` S (1, 2);
   w8a16 [g,k,n] smem1 the same, one buffer;
+  w8a16 ... r64       at decode, the 64-row tiles the kernel took before v54f;
+  w8a16 ... triton    the Triton kernel (the bf16 call's Triton config) widening
+                      each weight block after its load, either layout;
+  bf16 [g,k,n] triton the bf16 call on that Triton config;
   w8a16 bf16          bf16 rows, the weights converted to bf16 first (the path
                       before v53);
 checks each fp8 result against the f32 sum of the same values, and writes
@@ -38,7 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import ragdot
-from ragdot import bench, dispatch, timing
+from ragdot import backends, bench, dispatch, timing
 from ragdot.backends import mosaic_fwd
 
 NK = lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), [0], [0])
@@ -61,13 +67,24 @@ def cases(s: bench.Shape, key) -> tuple[dict, dict]:
   transpose = jax.jit(lambda w: jnp.swapaxes(w, 1, 2))
   xb = x.astype(bf)
 
-  def staged(nk_layout: bool, staging: int):
-    choice = dispatch.choose("gmm", None, dtype=bf, rhs_dtype=FP8, out_dtype=bf, m=s.m, k=s.k,
-                             n=s.n, g=s.g, num_groups=s.g, transpose_rhs=nk_layout)
-    cfg = dataclasses.replace(choice.config, widen_staging=staging)
+  def w8a16_config(nk_layout: bool):
+    return dispatch.choose("gmm", None, dtype=bf, rhs_dtype=FP8, out_dtype=bf, m=s.m, k=s.k,
+                           n=s.n, g=s.g, num_groups=s.g, transpose_rhs=nk_layout).config
+
+  def staged(nk_layout: bool, staging: int = 0, **fields):
+    cfg = dataclasses.replace(w8a16_config(nk_layout), **fields)
+    if staging:
+      cfg = dataclasses.replace(cfg, widen_staging=staging)
     cfg = mosaic_fwd.weight_only_config(cfg, s.m, s.g, s.k, nk_layout)
     return jax.jit(lambda x, w: mosaic_fwd.gmm(x, w, gs, None, transpose_rhs=nk_layout,
                                                out_dtype=bf, config=cfg))
+
+  def triton(nk_layout: bool):
+    choice = dispatch.choose("gmm", "triton", dtype=bf, out_dtype=bf, m=s.m, k=s.k, n=s.n,
+                             g=s.g, num_groups=s.g, transpose_rhs=nk_layout)
+    return jax.jit(lambda x, w: backends.get_backend("triton").gmm(
+        x, w, gs, None, transpose_rhs=nk_layout, out_dtype=bf, precision=None,
+        config=choice.config))
 
   def fp8_copy():
     choice = dispatch.choose("gmm", None, dtype=FP8, out_dtype=bf, m=s.m, k=s.k, n=s.n, g=s.g,
@@ -75,6 +92,7 @@ def cases(s: bench.Shape, key) -> tuple[dict, dict]:
     return jax.jit(lambda x, w: mosaic_fwd.gmm(x, w, gs, None, transpose_rhs=False,
                                                out_dtype=bf, config=choice.config))
 
+  mosaic = isinstance(w8a16_config(True), mosaic_fwd.MosaicFwdConfig)
   timed = {
       "bf16 [g,k,n]": (kn, (xb, w.astype(bf))),
       "fp8 [g,k,n]": (kn, (x8, w8)),
@@ -85,19 +103,32 @@ def cases(s: bench.Shape, key) -> tuple[dict, dict]:
       "w8a16 [g,n,k]": (nk, (xb, w8_nk)),
       "w8a16 [g,k,n]": (kn, (xb, w8)),
       "w8a16 bf16": (widened, (xb, w8)),
-      "w8a16 [g,n,k] smem1": (staged(True, 1), (xb, w8_nk)),
-      "w8a16 [g,n,k] smem2": (staged(True, 2), (xb, w8_nk)),
-      "w8a16 [g,k,n] smem1": (staged(False, 1), (xb, w8)),
+      "w8a16 [g,n,k] triton": (triton(True), (xb, w8_nk)),
+      "w8a16 [g,k,n] triton": (triton(False), (xb, w8)),
+      "bf16 [g,k,n] triton": (triton(False), (xb, w.astype(bf))),
   }
+  if mosaic:  # the Mosaic W8A16 kernel's other forms
+    timed.update({
+        "w8a16 [g,n,k] smem1": (staged(True, 1), (xb, w8_nk)),
+        "w8a16 [g,n,k] smem2": (staged(True, 2), (xb, w8_nk)),
+        "w8a16 [g,k,n] smem1": (staged(False, 1), (xb, w8)),
+    })
+    if w8a16_config(True).swap_rows < 64:  # decode: the tiles before v54f
+      timed["w8a16 [g,n,k] r64"] = (staged(True, swap_rows=64), (xb, w8_nk))
+      timed["w8a16 [g,k,n] r64"] = (staged(False, swap_rows=64), (xb, w8))
   f32 = lambda a: a.astype(jnp.float32)
   exact = ragdot.ragged_dot(f32(x8), f32(w8), gs, implementation="xla")
   exact16 = ragdot.ragged_dot(f32(xb), f32(w8), gs, implementation="xla")
   checks = {"fp8 [g,k,n]": (kn(x8, w8), exact), "fp8 [g,n,k]": (nk(x8, w8_nk), exact),
             "w8a16 [g,n,k]": (nk(xb, w8_nk), exact16), "w8a16 [g,k,n]": (kn(xb, w8), exact16)}
-  for name, want in (("fp8 [g,k,n] copy", exact), ("w8a16 [g,n,k] smem1", exact16),
-                     ("w8a16 [g,n,k] smem2", exact16), ("w8a16 [g,k,n] smem1", exact16)):
-    fn, args = timed[name]
-    checks[name] = (fn(*args), want)
+  for name in list(timed):
+    if name.startswith("w8a16 [g,") or name == "fp8 [g,k,n] copy":
+      fn, args = timed[name]
+      try:
+        checks.setdefault(name, (fn(*args), exact16 if name.startswith("w8a16") else exact))
+      except Exception as e:  # pylint: disable=broad-except  (a form that fails: reported, not timed)
+        print(f"{s.name}: {name} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        del timed[name]
   return timed, checks
 
 
@@ -107,10 +138,12 @@ def main() -> None:
   p.add_argument("--shapes", default="qwen3-30b", choices=sorted(bench.PRESETS))
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--only", nargs="*", default=None, help="shape names to keep")
+  p.add_argument("--shape", action="append", default=[], type=bench.parse_shape,
+                 help="m,k,n,g[,top_k] (repeatable): these shapes after the preset's")
   args = p.parse_args()
   os.makedirs(args.out_dir, exist_ok=True)
   rows = []
-  for i, s in enumerate(bench.PRESETS[args.shapes]):
+  for i, s in enumerate(list(bench.PRESETS[args.shapes]) + args.shape):
     if args.only and s.name not in args.only:
       continue
     timed, checks = cases(s, jax.random.key(100 + i))

@@ -246,6 +246,8 @@ def test_native_fp8_forward_real_size(m, k, n, g, offset, impl, nk):
     (512, 2048, 1536, 128, None, "routed", True),     # decode: 64-row tiles, 128-column steps
     (512, 768, 2048, 128, 64, "routed", True),        # a decode shard
     (2048, 2880, 5760, 32, None, "skewed", True),     # k % 128 != 0: 64-column steps
+    (8, 2048, 1536, 128, None, "routed", True),       # one token, top-8: padded to 16 rows
+    (8, 768, 2048, 128, None, "routed", False),
     (4096, 768, 2048, 128, None, "skewed", False),
 ])
 def test_w8a16_forward_real_size(m, k, n, g, offset, layout, nk):
@@ -271,8 +273,10 @@ def test_w8a16_forward_real_size(m, k, n, g, offset, layout, nk):
   assert out.dtype == jnp.bfloat16
   cfg = mf.weight_only_config(choice.config, m, g, k, nk)
   assert cfg == choice.config and cfg.widen_staging == (0 if nk else 2)
+  pad = max(0, mf.MIN_SWAP_ROWS - m)  # (the kernel pads fewer rows to its smallest tile)
   same = jax.jit(lambda x, w: mf.gmm(x, w, gs, go, transpose_rhs=nk, out_dtype=jnp.bfloat16,
-                                     config=cfg))(x, w.astype(jnp.bfloat16))
+                                     config=cfg))(jnp.pad(x, ((0, pad), (0, 0))),
+                                                  w.astype(jnp.bfloat16))[:m]
   np.testing.assert_array_equal(np.asarray(out).view(np.uint16), np.asarray(same).view(np.uint16))
   want = oracle.ref_ragged_dot(x, w.astype(jnp.float32), sizes, offset, nk)
   oracle.assert_close(out, want, jnp.bfloat16)
@@ -304,6 +308,50 @@ def test_w8a16_staging_variants(m, k, n, g, nk, staging):
   np.testing.assert_array_equal(np.asarray(out).view(np.uint16), np.asarray(same).view(np.uint16))
   oracle.assert_close(out, oracle.ref_ragged_dot(x, w.astype(jnp.float32), sizes, None, nk),
                       jnp.bfloat16)
+  oracle.assert_zero_rows(out, sizes, None, g)
+
+
+@pytest.mark.parametrize("m,k,n,g,nk,out_dtype", [
+    (12, 2048, 1536, 128, True, jnp.bfloat16),   # rows the TMA row tiles refuse
+    (44, 768, 2048, 128, False, jnp.bfloat16),
+    (512, 2048, 1536, 128, True, jnp.float32),   # an f32 result (the swap form writes 16 bits)
+])
+def test_w8a16_triton_real_size(m, k, n, g, nk, out_dtype):
+  """Where the Mosaic W8A16 kernel refuses (rows not in whole 8-row tiles, an
+  f32 result) the automatic choice is the Triton kernel widening each fp8
+  weight block after its load: the f32 oracle, NaN-poisoned memory, every row
+  written, bitwise repeatable, and its result on bf16 weights with the same
+  config within the f32 sums' order (f32) or one unit of the last place
+  (bf16): Triton compiles the two calls' sums in different orders (f32
+  results differed by up to 1.5e-5 on values ~25, one bf16 element by one
+  unit, 54g-h)."""
+  from ragdot.backends import triton as tb
+  sizes = _sizes(m, g, "routed")
+  x, w = oracle.random_inputs(jax.random.key(m + k + nk), [(m, k), (g, n, k) if nk else
+                                                            (g, k, n)], jnp.float32)
+  x, w = x.astype(jnp.bfloat16), (w / 4).astype(jnp.float8_e4m3fn)
+  gs = jnp.asarray(sizes)
+  choice = dispatch.choose("gmm", None, dtype=jnp.bfloat16, rhs_dtype=jnp.float8_e4m3fn,
+                           out_dtype=out_dtype, m=m, k=k, n=n, g=g, num_groups=g,
+                           transpose_rhs=nk)
+  assert choice.implementation == "triton" and "Triton W8A16" in choice.reason
+  dims = lax.RaggedDotDimensionNumbers((([1], [2 if nk else 1]), ([], [])), [0], [0])
+  _poison(8 * max(m, 64) * n)
+  out = jax.jit(lambda x, w: ragdot.ragged_dot_general(
+      x, w, gs, dims, preferred_element_type=out_dtype))(x, w)
+  assert out.dtype == out_dtype
+  same = jax.jit(lambda x, w: tb.gmm(x, w, gs, None, transpose_rhs=nk, out_dtype=out_dtype,
+                                     precision=None, config=choice.config))
+  same = np.asarray(same(x, w.astype(jnp.bfloat16)), np.float32)
+  # (f32: the sums' order; bf16: one unit in the last place)
+  tol = 1e-5 if out_dtype == jnp.float32 else 2.0 ** -7
+  np.testing.assert_allclose(np.asarray(out, np.float32), same, rtol=tol,
+                             atol=tol * np.abs(same).max())
+  again = jax.jit(lambda x, w: ragdot.ragged_dot_general(
+      x, w, gs, dims, preferred_element_type=out_dtype))(x, w)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(again, np.float32))
+  oracle.assert_close(out, oracle.ref_ragged_dot(x, w.astype(jnp.float32), sizes, None, nk),
+                      out_dtype)
   oracle.assert_zero_rows(out, sizes, None, g)
 
 

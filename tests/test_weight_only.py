@@ -78,12 +78,22 @@ def test_kernel_refuses_what_its_swap_form_cannot_write():
   gs = jnp.array([60, 40], jnp.int32)
   with pytest.raises(NotImplementedError, match="bf16/f16 output"):
     mf.gmm(x, w, gs, None, transpose_rhs=True, out_dtype=jnp.float32, interpret=True)
-  with pytest.raises(NotImplementedError, match="m >= 64"):
-    mf.gmm(x[:56], w, jnp.array([30, 20], jnp.int32), None, transpose_rhs=True,
-           out_dtype=jnp.bfloat16, interpret=True)
   with pytest.raises(NotImplementedError, match="fp8 weights"):
     mf.gmm(x.astype(jnp.float32), w, gs, None, transpose_rhs=True, out_dtype=jnp.float32,
            interpret=True)
+
+
+@pytest.mark.parametrize("transpose_rhs", [True, False])
+def test_kernel_pads_calls_of_fewer_than_16_rows(transpose_rhs):
+  """One token over top-8 experts (8 rows): the call padded to the smallest
+  swap tile (16 rows), its own 8 rows returned, against the f32 reference."""
+  sizes = [1, 0, 1, 1, 0, 1, 1, 1, 1, 1]
+  x, w = _inputs(8, 128, 128, 10, transpose_rhs, jnp.bfloat16, E4M3, 3)
+  gs = jnp.asarray(sizes, jnp.int32)
+  got = mf.gmm(x, w, gs, None, transpose_rhs=transpose_rhs, out_dtype=jnp.bfloat16,
+               interpret=True, config=dataclasses.replace(SWAP, num_sms=2))
+  assert got.shape == (8, 128)
+  oracle.assert_close(got, oracle.ref_ragged_dot(x, w, sizes, None, transpose_rhs), jnp.bfloat16)
 
 
 def test_weight_only_config():
@@ -116,11 +126,15 @@ def test_weight_only_config():
   for c in (plain, None):
     got = mf.weight_only_config(c, 16384, 128)
     assert got.swap and got.swap_rows == mf.swap_rows_for_mean(128) and not got.tail_rows
-  # Decode (4 rows per group on average): 64-row tiles, k steps of 128 columns in
+  # Decode (4 rows per group on average): 16-row tiles, k steps of 128 columns in
   # 4 stages where k takes them, else 64 in 8.
   dec = mf.weight_only_config(None, 512, 128, 2048)
   assert mf.weight_only_config(cfg, 512, 128).swap_rows == 256  # a swap config's own tiles
-  assert (dec.swap_rows, dec.tail_rows, dec.block_k, dec.num_stages) == (64, 0, 128, 4)
+  assert (dec.swap_rows, dec.tail_rows, dec.block_k, dec.num_stages) == (16, 0, 128, 4)
+  # Tile rows from twice the mean group plus 8, in 16s from 16 to 64: few rows
+  # loaded beside the weights, most groups one tile.
+  assert [mf.decode_rows(r) for r in (1, 4, 5, 12, 20, 32, 47)] == [16, 16, 32, 32, 48, 64, 64]
+  assert mf.weight_only_config(None, 256, 8, 4096).swap_rows == 64  # Mixtral decode
   narrow = mf.weight_only_config(None, 512, 128, 2880)
   assert (narrow.block_k, narrow.num_stages) == (64, 8)
   for c in (dec, narrow, mf.weight_only_config(None, 512, 128, 2048, transpose_rhs=False)):
@@ -130,11 +144,13 @@ def test_weight_only_config():
   # Every k step waits for its own wgmmas (the next one's widened weights reuse
   # their registers).
   assert all(c.delay_release == 0 for c in (got, dec))
-  # Tiles no taller than the call: 200 rows take 192 (+ no tail), 64 the smallest.
+  # Tiles no taller than the call: 200 rows take 192 (+ no tail), 16 the
+  # smallest (fewer rows count as 16: the kernel pads the call).
   small = mf.weight_only_config(dataclasses.replace(SWAP, tail_rows=16), 200, 1)
   assert small.swap_rows + small.tail_rows <= 200 and small.swap_rows % 16 == 0
   assert mf.weight_only_config(None, 64, 1).swap_rows == 64
-  assert mf.weight_only_config(None, 63, 1) is None
+  assert mf.weight_only_config(None, 63, 1).swap_rows == 48
+  assert mf.weight_only_config(None, 8, 1).swap_rows == 16
 
 
 @pytest.mark.parametrize("shape", [(32768, 2048, 1536, 128), (32768, 768, 2048, 128),
@@ -188,24 +204,37 @@ def test_dispatcher_takes_the_w8a16_kernel_on_sm90_only():
   auto, train, entry = choose(), choose(m=32768), bf16(m=32768)
   assert auto.implementation == train.implementation == entry.implementation == "mosaic"
   assert auto.config == mf.weight_only_config(None, 512, 128, 768, transpose_rhs=False)
-  assert auto.config.swap_rows == 64 and entry.config.swap
+  assert auto.config.swap_rows == 16 and entry.config.swap
   assert train.config == mf.weight_only_config(entry.config, 32768, 128, 768, transpose_rhs=False)
   for c, m in ((auto, 512), (train, 32768)):
     assert mf.weight_only_config(c.config, m, 128, 768) == c.config
-  # Elsewhere the 16-bit call's choice (it runs on a widened copy of the weights):
-  # an sm80 part, fewer than 64 rows, an f32 result, an explicit Triton.
+  # 8 to 63 rows in whole TMA row tiles: the kernel too (one token over top-8
+  # experts: 8 rows, padded to 16 by the kernel).
+  for m in (8, 32):
+    few = choose(m=m)
+    assert few.implementation == "mosaic" and few.config.swap_rows == 16, few.reason
+  # Elsewhere, on sm89+, the Triton kernel on the weights as they are (rows the
+  # TMA tiles refuse, an f32 result); on an sm80 part the 16-bit call's choice,
+  # on a widened copy.
   assert choose(device=A100) == bf16(device=A100)
-  assert choose(m=32) == bf16(m=32)
-  assert choose(out_dtype=jnp.float32) == bf16(out_dtype=jnp.float32)
-  assert choose("triton").implementation == "triton"
-  # Unknown shapes (no m): the 16-bit default.
-  assert choose(m=None) == bf16(m=None)
+  for kw in (dict(m=12), dict(out_dtype=jnp.float32)):
+    got = choose(**kw)
+    assert got.implementation == "triton" and "Triton W8A16" in got.reason and got.automatic
+  assert dispatch.triton_takes_weight_only(jnp.bfloat16, E4M3, H200)
+  assert not dispatch.triton_takes_weight_only(jnp.bfloat16, E4M3, A100)
+  assert not dispatch.triton_takes_weight_only(jnp.float32, E4M3, H200)
+  assert "Triton W8A16" in choose("triton").reason
+  explicit = choose("mosaic", m=12)  # an explicit Mosaic: on a widened copy
+  assert explicit.implementation == "mosaic" and "W8A16" not in explicit.reason
+  # Unknown shapes (no m): Triton on the weights as they are too.
+  assert choose(m=None).implementation == "triton"
 
 
 @pytest.mark.parametrize("impl", ["mosaic", "triton", "xla"])
 def test_ragged_dot_keeps_fp8_weights_for_the_kernel_that_takes_them(monkeypatch, impl):
-  """Mosaic gets the fp8 weights as they are, the other backends a bf16 copy;
-  the results and gradients are lax's (dtypes included)."""
+  """Mosaic and Triton (interpret mode here; sm89+ on a GPU) get the fp8
+  weights as they are, XLA a bf16 copy; the results and gradients are lax's
+  (dtypes included)."""
   backend = get_backend(impl)
   seen = []
   real = backend.gmm
@@ -221,7 +250,7 @@ def test_ragged_dot_keeps_fp8_weights_for_the_kernel_that_takes_them(monkeypatch
   oracle.assert_close(out, oracle.ref_ragged_dot(x, w, sizes), jnp.bfloat16)
   oracle.assert_zero_rows(out, sizes, None, 4)
   bf, f8 = jnp.dtype(jnp.bfloat16), jnp.dtype(E4M3)
-  assert seen == [(bf, f8 if impl == "mosaic" else bf)]
+  assert seen == [(bf, bf if impl == "xla" else f8)]
   c = jax.random.normal(jax.random.key(8), (128, 128)) / 16
   loss = lambda f, x, w: jnp.sum(f(x, w).astype(jnp.float32) * c)
   got = jax.grad(lambda x, w: loss(f, x, w), (0, 1))(x, w)
@@ -232,14 +261,15 @@ def test_ragged_dot_keeps_fp8_weights_for_the_kernel_that_takes_them(monkeypatch
     # (the fp8 weight gradient: one e4m3 unit apart where lax rounds through bf16)
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                rtol=0.13, atol=0.02 * float(jnp.abs(b.astype(jnp.float32)).max()))
-  # dX reads the fp8 weights in the [g, n, k] mode: Mosaic gets them as they are.
-  assert seen[1:] == [(bf, f8 if impl == "mosaic" else bf)] * (len(seen) - 1)
+  # dX reads the fp8 weights in the [g, n, k] mode: Mosaic and Triton get them
+  # as they are.
+  assert seen[1:] == [(bf, bf if impl == "xla" else f8)] * (len(seen) - 1)
 
 
-@pytest.mark.parametrize("m,out_dtype", [(48, None), (128, jnp.float32)])
+@pytest.mark.parametrize("m,out_dtype", [(128, jnp.float32)])
 def test_explicit_mosaic_widens_what_the_w8a16_kernel_refuses(monkeypatch, m, out_dtype):
-  """Fewer than 64 rows or an f32 result: implementation="mosaic" runs on the
-  weights widened to bf16, as before W8A16."""
+  """An f32 result: implementation="mosaic" runs on the weights widened to
+  bf16, as before W8A16."""
   backend = get_backend("mosaic")
   seen = []
   real = backend.gmm
@@ -259,7 +289,7 @@ def test_explicit_mosaic_widens_what_the_w8a16_kernel_refuses(monkeypatch, m, ou
   # (the forward traced more than once; dX last: a bf16 result, so with 128 rows
   # the W8A16 kernel takes it)
   assert set(seen[:-1]) == {(bf, bf)}
-  assert seen[-1] == (bf, bf if m < 64 else jnp.dtype(E4M3))
+  assert seen[-1] == (bf, jnp.dtype(E4M3))
 
 
 def test_only_weights_the_rows_dtype_holds_stay_fp8():
@@ -319,7 +349,7 @@ def test_fp8_rows_with_kn_weights_run_widened(w_dtype, offset):
 def test_dispatcher_widens_fp8_rows_for_kn_weights_on_sm90_only():
   """fp8 x fp8 with [g, k, n] weights and a 16-bit result on sm90: the W8A16
   choice of bf16 rows with ``widen_rows``; [g, n, k] weights, an fp8 result,
-  fewer than 64 rows or an sm80 part keep the fp8 choice."""
+  rows the TMA tiles refuse or an sm80 part keep the fp8 choice."""
   common = dict(dtype=E4M3, k=768, n=2048, g=128, num_groups=128)
   choose = lambda m=512, out=jnp.bfloat16, tr=False, device=H200: dispatch.choose(
       "gmm", None, **common, m=m, out_dtype=out, transpose_rhs=tr, device=device)
@@ -329,5 +359,28 @@ def test_dispatcher_widens_fp8_rows_for_kn_weights_on_sm90_only():
                             m=m, out_dtype=jnp.bfloat16, device=H200)
     assert got.implementation == "mosaic" and "rows widened to bf16" in got.reason
     assert got.config == dataclasses.replace(w8a16.config, widen_rows=True)
-  for kept in (choose(tr=True), choose(out=E4M3), choose(m=32), choose(device=A100)):
+  for kept in (choose(tr=True), choose(out=E4M3), choose(m=12), choose(device=A100)):
     assert kept.config is None or not kept.config.widen_rows
+
+
+@pytest.mark.parametrize("transpose_rhs,w_dtype,offset", [(True, E4M3, None), (False, E5M2, 1)])
+def test_triton_widens_fp8_weights_after_each_load(transpose_rhs, w_dtype, offset):
+  """The Triton kernel with fp8 weights beside bf16 rows: bitwise its result on
+  a bf16 copy of the weights (each block widened exactly after its load), in
+  either layout, rows outside the shard exactly 0; fp8 beside f32 rows refused."""
+  from ragdot.backends import triton as tb
+  sizes, m, k, n = [40, 0, 56, 24], 128, 96, 80  # k, n not multiples of the blocks
+  local = 4 if offset is None else 2
+  x, w = _inputs(m, k, n, local, transpose_rhs, jnp.bfloat16, w_dtype, 21)
+  gs, go = jnp.asarray(sizes, jnp.int32), None if offset is None else jnp.int32(offset)
+  call = lambda x, w: tb.gmm(x, w, gs, go, transpose_rhs=transpose_rhs, out_dtype=jnp.bfloat16,
+                             precision=None, interpret=True)
+  got = call(x, w)
+  np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                np.asarray(call(x, w.astype(jnp.bfloat16)), np.float32))
+  oracle.assert_close(got, oracle.ref_ragged_dot(x, w, sizes, go, transpose_rhs), jnp.bfloat16)
+  oracle.assert_zero_rows(got, sizes, offset, local)
+  assert tb.takes_weight_only(jnp.bfloat16, w_dtype)
+  assert not tb.takes_weight_only(jnp.float32, w_dtype)
+  with pytest.raises(NotImplementedError, match="rhs dtype"):
+    call(x.astype(jnp.float32), w)

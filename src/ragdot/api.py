@@ -83,17 +83,19 @@ def _takes_operands(op: dispatch.Op, impl: str, lhs: jax.Array, rhs: jax.Array,
                     out_dtype: Any) -> bool:
   """Whether ``impl`` computes ``op`` on 8-bit float operands as they are: the
   Mosaic forward, both e4m3 / e5m2 (8-bit wgmma) or bf16/f16 rows with e4m3 /
-  e5m2 weights where it takes the call (W8A16: the weights widened in
-  registers); a [g, k, n] rhs is first copied to [g, n, k] in fp8."""
-  if impl != "mosaic" or op != "gmm":
+  e5m2 weights where it takes the call (W8A16: the weights widened as they
+  are read); the Triton forward the W8A16 pair on sm89+ or in interpret mode
+  (``dispatch.triton_takes_weight_only``)."""
+  if op != "gmm" or not (validate.is_fp8(lhs.dtype) or validate.is_fp8(rhs.dtype)):
     return False
-  if not (validate.is_fp8(lhs.dtype) or validate.is_fp8(rhs.dtype)):
+  if impl == "triton":
+    return dispatch.triton_takes_weight_only(lhs.dtype, rhs.dtype)
+  if impl != "mosaic":
     return False
   from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
   if lhs.dtype == rhs.dtype:
     return mosaic_fwd.takes_fp8(lhs.dtype)
-  return mosaic_fwd.weight_only_refusal(lhs.dtype, rhs.dtype, out_dtype or lhs.dtype,
-                                        lhs.shape[0]) is None
+  return mosaic_fwd.weight_only_refusal(lhs.dtype, rhs.dtype, out_dtype or lhs.dtype) is None
 
 
 def _as_backend_takes(arrays: dict[str, Any], native: bool) -> dict[str, Any]:

@@ -260,11 +260,11 @@ def _fp8_rows_widened(implementation, dtype, precision_ok, out_dtype, m, k, n, g
   """fp8 rows and fp8 weights laid out [g, k, n] (8-bit wgmma takes K-major
   operands only): the W8A16 choice for bf16 rows with ``widen_rows`` (the rows
   widened to bf16, the weights read as stored), where that kernel takes the
-  call (a 16-bit output, m >= 64); None: the fp8 form on a [g, n, k] copy of
+  call (a 16-bit output); None: the fp8 form on a [g, n, k] copy of
   the weights."""
   from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
   out = _name(out_dtype) or "bfloat16"
-  if mosaic_fwd.weight_only_refusal(jnp.bfloat16, dtype, out, m) is not None:
+  if mosaic_fwd.weight_only_refusal(jnp.bfloat16, dtype, out) is not None:
     return None
   choice = _weight_only("gmm", implementation, jnp.bfloat16, dtype, precision_ok, out, m, k, n,
                         g, num_groups, False, has_offset, device)
@@ -292,22 +292,49 @@ def _hopper_takes(device: Device, m, k, n) -> bool:
           and None not in (m, k, n) and not _misaligned("gmm_t", m, k, n))
 
 
+def triton_takes_weight_only(lhs_dtype: Any, rhs_dtype: Any, device: Device | None = None
+                             ) -> bool:
+  """Whether the Triton forward / dX kernel gets e4m3 / e5m2 weights beside
+  bf16 / f16 rows as they are (widened after each load) on ``device``
+  (default: the current one): off the GPU (interpret mode), or from sm89 on
+  (Triton's fp8 conversions); elsewhere it gets a widened copy."""
+  from ragdot.backends import triton  # pylint: disable=g-import-not-at-top
+  if not triton.takes_weight_only(lhs_dtype, rhs_dtype):
+    return False
+  device = device or current_device()
+  if device.platform != "gpu":
+    return True
+  major, _, minor = (device.compute_capability or "0.0").partition(".")
+  return (int(major), int(minor or 0)) >= (8, 9)
+
+
 def _weight_only(op, implementation, dtype, rhs_dtype, precision_ok, out_dtype, m, k, n, g,
                  num_groups, transpose_rhs, has_offset, device: Device) -> Choice:
   """fp8 weights beside 16-bit rows: on sm90, where it takes the call, the
   Mosaic swap kernel widening them as it reads them (W8A16), with the config
   ``mosaic_fwd.weight_only_config`` makes of the 16-bit entry's when that is
   Mosaic, except at decode size (fewer than 48 rows per group: its 64-row
-  tiles), else of none; elsewhere the 16-bit choice, run on a widened copy of
-  the weights."""
+  tiles), else of none; elsewhere (fewer than 64 rows, an f32 result) on
+  sm89+ the Triton kernel on the weights as they are
+  (``triton_takes_weight_only``), else the 16-bit choice on a widened copy."""
   from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
   out = _name(out_dtype) or _name(dtype)
   native = (op == "gmm" and precision_ok and implementation in (None, "mosaic")
             and _hopper_takes(device, m, k, n)
-            and mosaic_fwd.weight_only_refusal(dtype, rhs_dtype, out, m) is None)
+            and mosaic_fwd.weight_only_refusal(dtype, rhs_dtype, out) is None)
   if not native:
-    return _choose(op, implementation, _name(dtype), precision_ok, out, m, k, n, g, num_groups,
-                   bool(transpose_rhs), bool(has_offset), device)
+    args = (_name(dtype), precision_ok, out, m, k, n, g, num_groups, bool(transpose_rhs),
+            bool(has_offset), device)
+    choice = _choose(op, implementation, *args)
+    if (op != "gmm" or implementation not in (None, "triton")
+        or not triton_takes_weight_only(dtype, rhs_dtype, device)):
+      return choice
+    # The Triton kernel on the weights as they are, rather than any kernel on a
+    # widened copy of them (2.3-2.9x the bf16 call, docs/performance.md v54a).
+    if choice.implementation != "triton":
+      choice = dataclasses.replace(_choose(op, "triton", *args), automatic=True)
+    return dataclasses.replace(choice, reason=f"{_name(rhs_dtype)} weights widened after each"
+                               f" load (Triton W8A16); {choice.reason}")
   # A shard takes the full call's entry (a shard's own is mapped to the row-major ring).
   groups = num_groups if has_offset and num_groups else g
   choice = _choose(op, implementation, _name(dtype), precision_ok, out, m, k, n, groups,
@@ -317,7 +344,8 @@ def _weight_only(op, implementation, dtype, rhs_dtype, precision_ok, out_dtype, 
   # (the config the kernel runs: ``weight_only_config`` of it is itself)
   config = mosaic_fwd.weight_only_config(choice.config if entry else None, m, groups or 0, k,
                                          bool(transpose_rhs))
-  why = ("the 16-bit entry's tiles" if entry else "decode size: 64-row tiles" if decode else
+  why = ("the 16-bit entry's tiles" if entry else
+         f"decode size: {config.swap_rows}-row tiles" if decode else
          f"its own tiles (the {_name(dtype)} choice, {choice.implementation}, would run on a"
          " widened copy)")
   return Choice("mosaic", config=config, automatic=implementation is None,

@@ -64,10 +64,12 @@ from ragdot.manual_axes import make_varying, match_varying, out_struct, varying_
 from ragdot import backends
 from ragdot.backends import sm90
 from ragdot.backends.mosaic_fwd_config import (  # noqa: F401  (re-exported)
+    MIN_SWAP_ROWS,
     SWAP_ROWS,
     MosaicFwdConfig,
     _WG_ROWS,
     _chains_tiles,
+    decode_rows,
     default_config,
     fit_config,
     fit_rows_per_group,
@@ -105,18 +107,17 @@ def takes_weight_only(lhs_dtype: Any, rhs_dtype: Any) -> bool:
   return jnp.dtype(lhs_dtype) in _IN_DTYPES and jnp.dtype(rhs_dtype) in FP8_DTYPES
 
 
-def weight_only_refusal(lhs_dtype: Any, rhs_dtype: Any, out_dtype: Any, m: int) -> str | None:
-  """Why the kernel refuses a call of m rows of ``lhs_dtype`` with weights of
+def weight_only_refusal(lhs_dtype: Any, rhs_dtype: Any, out_dtype: Any) -> str | None:
+  """Why the kernel refuses a call of ``lhs_dtype`` rows with weights of
   ``rhs_dtype`` (a distinct dtype) writing ``out_dtype`` (None: it takes it,
-  shapes aside, see ``unsupported_shape``)."""
+  shapes aside, see ``unsupported_shape``; fewer than 16 rows are padded to
+  16, the smallest swap tile)."""
   if not takes_weight_only(lhs_dtype, rhs_dtype):
     return (f"equal lhs/rhs dtypes or bf16/f16 rows with fp8 weights, got {jnp.dtype(lhs_dtype)}"
             f" and {jnp.dtype(rhs_dtype)}")
   if jnp.dtype(out_dtype).itemsize != 2:
     return (f"a bf16/f16 output with fp8 weights (its swap kernel's transposed stores),"
             f" got {jnp.dtype(out_dtype)}")
-  if m < 64:
-    return f"m >= 64 with fp8 weights (its smallest swap tile), got m={m}"
   return None
 
 
@@ -126,7 +127,7 @@ _INTERPRET_SMS = 4
 
 def _check_supported(lhs, rhs, out_dtype, transpose_rhs) -> None:
   if lhs.dtype != rhs.dtype:
-    reason = weight_only_refusal(lhs.dtype, rhs.dtype, out_dtype, lhs.shape[0])
+    reason = weight_only_refusal(lhs.dtype, rhs.dtype, out_dtype)
     if reason:
       raise NotImplementedError(f"mosaic gmm needs {reason}")
   if not takes_fp8(lhs.dtype) and jnp.dtype(lhs.dtype) not in _IN_DTYPES:
@@ -603,7 +604,7 @@ def gmm(
   del precision
   _check_supported(lhs, rhs, out_dtype, transpose_rhs)
   if (takes_fp8(lhs.dtype) and not transpose_rhs and config is not None and config.widen_rows
-      and weight_only_refusal(jnp.bfloat16, rhs.dtype, out_dtype, lhs.shape[0]) is None):
+      and weight_only_refusal(jnp.bfloat16, rhs.dtype, out_dtype) is None):
     lhs = lhs.astype(jnp.bfloat16)  # (exact) the W8A16 form, reading the weights as stored
   weight_only = lhs.dtype != rhs.dtype
   if takes_fp8(lhs.dtype) and not transpose_rhs:  # (W8A16 reads [g, k, n] as stored)
@@ -617,7 +618,11 @@ def gmm(
   if g_local == 0 or k == 0 or group_sizes.shape[0] == 0:
     return jnp.zeros((m, n), out_dtype)
   has_offset = group_offset is not None
-  if weight_only:  # (m >= 64: checked above)
+  if weight_only and m < MIN_SWAP_ROWS:  # rows past the groups: written as zeros
+    padded = jnp.pad(lhs, ((0, MIN_SWAP_ROWS - m), (0, 0)))
+    return gmm(padded, rhs, group_sizes, group_offset, transpose_rhs=transpose_rhs,
+               out_dtype=out_dtype, interpret=interpret, config=config)[:m]
+  if weight_only:
     config = weight_only_config(config, m, group_sizes.shape[0], k, transpose_rhs)
   if config is not None and config.swap and out_dtype.itemsize != 2:
     # swap's transposed stores take 16 bits: its row-major ring, fitted to SMEM

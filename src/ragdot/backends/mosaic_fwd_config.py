@@ -17,6 +17,7 @@ from ragdot.backends import sm90
 _SMEM_RESERVE = 1024  # barriers and alignment (48 bytes measured for 2 warpgroups)
 _WG_ROWS = 64  # wgmma M per warpgroup
 SWAP_ROWS = 256  # wgmma's largest N: the default and largest swap_rows
+MIN_SWAP_ROWS = 16  # the smallest swap_rows
 # Mean rows per group where swap tiles of ~the group's size are measured (v21h,
 # v22a, v40): the sweep offers them and the dispatcher fits entries to them.
 _SMALL_GROUPS = (96, 192)
@@ -198,7 +199,7 @@ class MosaicFwdConfig:
     (wgmma takes 8-bit operands K-major only): the rows are widened to bf16
     first (one XLA convert of m x k) and the W8A16 form runs (``widen_staging``),
     reading the weights as stored, instead of an fp8 [g, n, k] copy of all the
-    weights and 8-bit wgmma.  Needs a 16-bit output and m >= 64 (else the copy).
+    weights and 8-bit wgmma.  Needs a 16-bit output (else the copy).
     Ignored otherwise.
   pair_schedule: with ``shard_ring_above``, both kernels' tile schedules from
     one schedule-kernel launch instead of one each: one kernel of 2.8-3.1 us
@@ -292,8 +293,8 @@ class MosaicFwdConfig:
       raise ValueError(f"tail_on_m needs swap=True, tail_split off and tail_rows 8, 16 or 32, "
                        f"got {self}")
     if self.swap_rows != SWAP_ROWS and (not self.swap or self.swap_rows % 16
-                                        or not 64 <= self.swap_rows <= SWAP_ROWS):
-      raise ValueError(f"swap_rows needs swap=True and a multiple of 16 from 64 to 256, "
+                                        or not MIN_SWAP_ROWS <= self.swap_rows <= SWAP_ROWS):
+      raise ValueError(f"swap_rows needs swap=True and a multiple of 16 from 16 to 256, "
                        f"got {self}")
     if self.swizzle_staging and not self.swap:
       raise ValueError(f"swizzle_staging needs swap=True, got {self}")
@@ -560,13 +561,23 @@ _WEIGHT_ONLY = MosaicFwdConfig(block_m=128, block_n=128, block_k=64, num_stages=
 def weight_only_decode(m: int, groups: int) -> bool:
   """Whether a weight-only 8-bit call of ``m`` rows over ``groups`` groups is
   decode-sized: fewer than 48 rows per group on average, where
-  ``weight_only_config`` of no config takes 64-row tiles."""
+  ``weight_only_config`` of no config takes ``decode_rows`` tiles."""
   return groups > 0 and m / groups < _FEW_ROWS[0]
 
 
+def decode_rows(mean_rows: float) -> int:
+  """Rows of a W8A16 decode tile for groups of ``mean_rows`` on average: a
+  multiple of 16 (wgmma's N) from 16 to 64 covering twice the mean plus 8
+  (a tile starts at an 8-aligned row), so most groups are one tile (each
+  more tile streams the group's weights again) while a tile loads few rows
+  beside its weights.  H100 (docs/performance.md v54e-f): 16 rows for ~4 a
+  group 0.85-1.0x the time of 64 (Qwen3 decode, both layouts), 32 and 16
+  rows for 32 a group 1.5-1.6x / 2.3-2.4x (Mixtral)."""
+  return min(64, max(16, -(-int(2 * mean_rows + 8) // 16) * 16))
+
+
 def weight_only_config(cfg: MosaicFwdConfig | None, m: int, groups: int,
-                       k: int | None = None, transpose_rhs: bool = True
-                       ) -> MosaicFwdConfig | None:
+                       k: int | None = None, transpose_rhs: bool = True) -> MosaicFwdConfig:
   """The swap config a weight-only 8-bit call runs (16-bit rows, fp8 weights
   widened by the consumers as wgmma's A operand): ``cfg``'s tiles if it is a
   swap config, else ``_WEIGHT_ONLY``'s, fitted to the call's rows per group
@@ -580,10 +591,12 @@ def weight_only_config(cfg: MosaicFwdConfig | None, m: int, groups: int,
   (``delay_release`` 0: the next step's widened weights overwrite what they
   read), two buffers: one step's stay in flight (``delay_release`` 1).  The
   stages are cut until the buffers fit SMEM.  Without a swap config, groups
-  of fewer than 48 rows on average (decode) take 64-row tiles with k steps of
-  128 columns in 4 stages where ``k`` takes them (H100, docs/performance.md
-  v53b: 0.90-0.91x the time of 64-column steps in 8 stages, 0.575-0.61x the
-  bf16 call).  None below 64 rows (the smallest swap tile)."""
+  of fewer than 48 rows on average (decode) take tiles of ``decode_rows``
+  with k steps of 128 columns in 4 stages where ``k`` takes them (H100,
+  docs/performance.md v53b: 0.90-0.91x the time of 64-column steps in 8
+  stages).  Fewer than 16 rows (the smallest swap tile) count as 16: the
+  kernel pads such calls."""
+  m = max(m, MIN_SWAP_ROWS)
   base = cfg if cfg is not None and cfg.swap else _WEIGHT_ONLY
   staging = base.widen_staging if base.widen_staging or transpose_rhs else 2
   base = dataclasses.replace(base, tail_on_m=False, shard_ring_above=None, pair_schedule=False,
@@ -591,7 +604,8 @@ def weight_only_config(cfg: MosaicFwdConfig | None, m: int, groups: int,
                              delay_release=int(staging == 2))
   if (cfg is None or not cfg.swap) and weight_only_decode(m, groups):
     wide = k is not None and k % 128 == 0
-    base = dataclasses.replace(base, swap_rows=64, tail_rows=0, tail_split=False,
+    base = dataclasses.replace(base, swap_rows=decode_rows(m / groups), tail_rows=0,
+                               tail_split=False,
                                short_tile_rows=0, share_rows=False,
                                block_k=128 if wide else 64, num_stages=4 if wide else 8)
   if k is not None and k % 128 and base.block_k == 128:  # 128 one-byte columns must tile k
@@ -600,8 +614,6 @@ def weight_only_config(cfg: MosaicFwdConfig | None, m: int, groups: int,
     base = dataclasses.replace(base, block_k=64)
   base = fit_rows_per_group(base, m, groups)
   if m < base.swap_rows + base.tail_rows:  # tiles no taller than the call
-    if m < 64:
-      return None
     tail = base.tail_rows if m - base.tail_rows >= 64 else 0
     rows = min(base.swap_rows, (m - tail) // 16 * 16)
     base = dataclasses.replace(

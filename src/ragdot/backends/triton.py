@@ -268,6 +268,17 @@ def _dot_precision(precision: Any) -> Any:
   return None
 
 
+_FP8_WEIGHTS = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def takes_weight_only(lhs_dtype: Any, rhs_dtype: Any) -> bool:
+  """Whether ``gmm`` takes bf16 / f16 rows with e4m3 / e5m2 weights as they
+  are (W8A16): each weight block is widened to the rows' dtype after its load
+  (exact), in either layout.  Needs sm89 or later for e4m3 (Triton's
+  conversion)."""
+  return (jnp.dtype(lhs_dtype) in _IN_DTYPES[:2] and jnp.dtype(rhs_dtype) in _FP8_WEIGHTS)
+
+
 def _check_dtypes(dtype: Any, out_dtype: Any) -> None:
   if jnp.dtype(dtype) not in _IN_DTYPES:
     raise NotImplementedError(f"triton: input dtype {jnp.dtype(dtype)} (takes bf16/f16/f32)")
@@ -341,6 +352,8 @@ def _gmm_kernel(tiles_ref, info_ref, lhs_ref, rhs_ref, out_ref, *, m, k, n, bm,
           w = _load(rhs_ref.at[grp, pl.ds(k0, bk), pl.ds(n0, bn)],
                     _and(None if k_mask is None else k_mask[:, None],
                          None if col_mask is None else col_mask[None, :]))
+        if w.dtype != x.dtype:  # W8A16: 8-bit weights widened in registers (exact)
+          w = w.astype(x.dtype)
         return acc + plgpu.dot(x, w, trans_b=transpose_rhs, precision=precision)
 
       acc = lax.fori_loop(0, k_steps, step, jnp.zeros((bm, bn), jnp.float32))
@@ -380,11 +393,15 @@ def gmm(
     interpret: bool = False,
     config: TritonConfig | None = None,
 ) -> jax.Array:
-  """lhs[m,k] x rhs[g_local,k,n] (or [g_local,n,k] with transpose_rhs) -> out[m,n]."""
+  """lhs[m,k] x rhs[g_local,k,n] (or [g_local,n,k] with transpose_rhs) -> out[m,n].
+  rhs in lhs's dtype, or e4m3 / e5m2 beside bf16 / f16 lhs (``takes_weight_only``)."""
   m, k = lhs.shape
   num_local = rhs.shape[0]
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   _check_dtypes(lhs.dtype, out_dtype)
+  if rhs.dtype != lhs.dtype and not takes_weight_only(lhs.dtype, rhs.dtype):
+    raise NotImplementedError(f"triton: rhs dtype {rhs.dtype} beside lhs {lhs.dtype} (takes the"
+                              " same dtype, or e4m3 / e5m2 weights beside bf16 / f16 rows)")
   prec = _dot_precision(precision)
   if m == 0 or n == 0 or k == 0 or num_local == 0:
     return jnp.zeros((m, n), out_dtype)
