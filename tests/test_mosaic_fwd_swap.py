@@ -505,7 +505,7 @@ def test_config_checks():
   with pytest.raises(ValueError, match="tail_on_m needs"):
     dataclasses.replace(CFG, tail_rows=32, tail_split=True, tail_on_m=True)
   assert not mf.row_major_ring(dataclasses.replace(CFG, tail_rows=32, tail_on_m=True)).tail_on_m
-  for bad in (48, 136, 272):
+  for bad in (8, 136, 272):
     with pytest.raises(ValueError, match="swap_rows needs"):
       dataclasses.replace(CFG, swap_rows=bad)
   with pytest.raises(ValueError, match="swap_rows needs"):
