@@ -313,9 +313,9 @@ def _weight_only(op, implementation, dtype, rhs_dtype, precision_ok, out_dtype, 
   """fp8 weights beside 16-bit rows: on sm90, where it takes the call, the
   Mosaic swap kernel widening them as it reads them (W8A16), with the config
   ``mosaic_fwd.weight_only_config`` makes of the 16-bit entry's when that is
-  Mosaic, except at decode size (fewer than 48 rows per group: its 64-row
-  tiles), else of none; elsewhere (fewer than 64 rows, an f32 result) on
-  sm89+ the Triton kernel on the weights as they are
+  Mosaic, except at decode size (fewer than 48 rows per group: its
+  ``decode_rows`` tiles), else of none; elsewhere (an f32 result, rows not in
+  whole 8-row tiles) on sm89+ the Triton kernel on the weights as they are
   (``triton_takes_weight_only``), else the 16-bit choice on a widened copy."""
   from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
   out = _name(out_dtype) or _name(dtype)
