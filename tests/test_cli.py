@@ -105,6 +105,16 @@ def test_preset_shapes_keeps_the_presets_order_and_rejects_unknown_names():
     bench.preset_shapes("training", [names[0], "qwen3-30b gate_up skewed"])
 
 
+def test_one_token_preset_routes_each_row_to_its_own_expert():
+  """One token (Mixtral's shape: two) over top-k experts: m = tokens x top_k rows,
+  each routed group one row."""
+  from ragdot import bench  # pylint: disable=g-import-not-at-top
+  for s in bench.PRESETS["one-token"]:
+    sizes = bench.routed_group_sizes(s)
+    assert s.m in (s.top_k, 2 * s.top_k) and int(sizes.sum()) == s.m
+    assert int(sizes.max()) <= s.m // s.top_k
+
+
 def test_training_skewed_preset_is_the_training_shapes_skewed():
   from ragdot import bench  # pylint: disable=g-import-not-at-top
   skewed, training = bench.PRESETS["training-skewed"], bench.PRESETS["training"]

@@ -128,6 +128,8 @@ PRESETS: dict[str, list[Shape]] = {
     # A quarter: ~64 rows per group (Qwen), ~32 (DeepSeek-V3), ~512 (Mixtral).
     "training-1k": _model_shapes(1024, " 1k"),
     "decode": _model_shapes(64, " decode"),
+    # Serving one token (two for Mixtral's shape): top_k rows over as many experts.
+    "one-token": _model_shapes(1, " 1 token"),
     "ep": [Shape("qwen3-30b gate_up ep8 shard", 32768, 2048, 1536, 128, ep=8)],
     # The Qwen3 projections' EP=8 shards, routed and skewed: a shard's kernel is chosen
     # by shape, and routing moves which one is faster (docs/performance.md v44f-h).
