@@ -505,6 +505,8 @@ def test_config_checks():
   with pytest.raises(ValueError, match="tail_on_m needs"):
     dataclasses.replace(CFG, tail_rows=32, tail_split=True, tail_on_m=True)
   assert not mf.row_major_ring(dataclasses.replace(CFG, tail_rows=32, tail_on_m=True)).tail_on_m
+  with pytest.raises(ValueError, match="tail_on_m needs swap_rows"):  # (its last-64-row wgmma)
+    dataclasses.replace(CFG, swap_rows=32, tail_rows=16, tail_on_m=True)
   for bad in (8, 136, 272):
     with pytest.raises(ValueError, match="swap_rows needs"):
       dataclasses.replace(CFG, swap_rows=bad)

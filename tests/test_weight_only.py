@@ -104,6 +104,12 @@ def test_weight_only_config():
   got = mf.weight_only_config(cfg, 32768, 128)
   assert got == dataclasses.replace(cfg, tail_on_m=False, shard_ring_above=None,
                                     pair_schedule=False, delay_release=0)
+  # Where the buffers leave no room even at 2 stages: k steps of 64 columns.
+  deep = dataclasses.replace(cfg, block_k=128, tail_rows=64, tail_on_m=False, num_stages=4)
+  short = mf.weight_only_config(deep, 32768, 128, transpose_rhs=False)
+  assert (short.block_k, short.widen_staging) == (64, 2)
+  assert short.smem_bytes(jnp.bfloat16, jnp.bfloat16, E4M3) <= short.smem_budget()
+  assert mf.weight_only_config(short, 32768, 128, transpose_rhs=False) == short
   # [g, k, n] weights: two SMEM buffers a consumer (wgmma reads an MN-major A
   # from SMEM only), one step's wgmmas in flight, the stages cut to fit SMEM
   # (256 + 64 rows in 4 stages and the buffers need 240 KiB).
@@ -224,8 +230,10 @@ def test_dispatcher_takes_the_w8a16_kernel_on_sm90_only():
   assert not dispatch.triton_takes_weight_only(jnp.bfloat16, E4M3, A100)
   assert not dispatch.triton_takes_weight_only(jnp.float32, E4M3, H200)
   assert "Triton W8A16" in choose("triton").reason
-  explicit = choose("mosaic", m=12)  # an explicit Mosaic: on a widened copy
-  assert explicit.implementation == "mosaic" and "W8A16" not in explicit.reason
+  assert choose("mosaic", m=12).implementation == "mosaic"  # an explicit Mosaic stays
+  # Off the GPU the automatic choice stays XLA's (Triton would run interpreted).
+  cpu = dispatch.Device("cpu", "cpu")
+  assert choose(device=cpu) == bf16(device=cpu) and choose(device=cpu).implementation == "xla"
   # Unknown shapes (no m): Triton on the weights as they are too.
   assert choose(m=None).implementation == "triton"
 
@@ -323,11 +331,16 @@ def test_trans_ragged_dot_and_fp8_rows_still_promote():
 
 
 @pytest.mark.parametrize("w_dtype,offset", [(E4M3, None), (E5M2, 1)])
-def test_fp8_rows_with_kn_weights_run_widened(w_dtype, offset):
+def test_fp8_rows_with_kn_weights_run_widened(monkeypatch, w_dtype, offset):
   """fp8 rows beside fp8 [g, k, n] weights with a ``widen_rows`` config: the
-  rows widened to bf16 and the W8A16 form reading the weights as stored,
+  swap kernel gets bf16 rows and the weights as stored (the W8A16 form),
   bitwise the call on bf16 rows; an f32 result (which the swap form cannot
   write) takes the fp8 [g, n, k] copy instead, bitwise that call."""
+  from ragdot.backends import mosaic_fwd_swap
+  seen = []
+  real = mosaic_fwd_swap.gmm
+  monkeypatch.setattr(mosaic_fwd_swap, "gmm", lambda lhs, rhs, *a, **kw: seen.append(
+      (lhs.dtype, rhs.dtype, kw["transpose_rhs"])) or real(lhs, rhs, *a, **kw))
   sizes, m, k, n = [300, 20, 270, 400], 1024, 128, 128
   local = 4 if offset is None else 2
   x, w = _inputs(m, k, n, local, False, w_dtype, w_dtype, 5)
@@ -337,6 +350,7 @@ def test_fp8_rows_with_kn_weights_run_widened(w_dtype, offset):
       x, w, gs, go, transpose_rhs=tr, out_dtype=out, interpret=True, config=cfg)
   got = call(x, w)
   assert got.dtype == jnp.bfloat16
+  assert seen == [(jnp.dtype(jnp.bfloat16), jnp.dtype(w_dtype), False)]
   np.testing.assert_array_equal(np.asarray(got, np.float32),
                                 np.asarray(call(x.astype(jnp.bfloat16), w), np.float32))
   oracle.assert_close(got, oracle.ref_ragged_dot(x, w, sizes, go), jnp.bfloat16)
@@ -360,7 +374,7 @@ def test_dispatcher_widens_fp8_rows_for_kn_weights_on_sm90_only():
     assert got.implementation == "mosaic" and "rows widened to bf16" in got.reason
     assert got.config == dataclasses.replace(w8a16.config, widen_rows=True)
   for kept in (choose(tr=True), choose(out=E4M3), choose(m=12), choose(device=A100)):
-    assert kept.config is None or not kept.config.widen_rows
+    assert not getattr(kept.config, "widen_rows", False)
 
 
 @pytest.mark.parametrize("transpose_rhs,w_dtype,offset", [(True, E4M3, None), (False, E5M2, 1)])

@@ -326,15 +326,18 @@ def _weight_only(op, implementation, dtype, rhs_dtype, precision_ok, out_dtype, 
     args = (_name(dtype), precision_ok, out, m, k, n, g, num_groups, bool(transpose_rhs),
             bool(has_offset), device)
     choice = _choose(op, implementation, *args)
-    if (op != "gmm" or implementation not in (None, "triton")
+    if (op != "gmm" or implementation not in (None, "triton") or device.platform != "gpu"
         or not triton_takes_weight_only(dtype, rhs_dtype, device)):
       return choice
     # The Triton kernel on the weights as they are, rather than any kernel on a
     # widened copy of them (2.3-2.9x the bf16 call, docs/performance.md v54a).
+    why = choice.reason
     if choice.implementation != "triton":
-      choice = dataclasses.replace(_choose(op, "triton", *args), automatic=True)
+      why = (f"the Mosaic W8A16 kernel refuses the call; instead of the {_name(dtype)} choice"
+             f" ({choice.implementation}) on a widened copy")
+      choice = dataclasses.replace(_choose(op, "triton", *args), automatic=implementation is None)
     return dataclasses.replace(choice, reason=f"{_name(rhs_dtype)} weights widened after each"
-                               f" load (Triton W8A16); {choice.reason}")
+                               f" load (Triton W8A16); {why}")
   # A shard takes the full call's entry (a shard's own is mapped to the row-major ring).
   groups = num_groups if has_offset and num_groups else g
   choice = _choose(op, implementation, _name(dtype), precision_ok, out, m, k, n, groups,

@@ -133,8 +133,8 @@ class MosaicFwdConfig:
     the H200 (docs/performance.md v20d, v20f): 0.95x / 0.97x the row-major ring
     on the Qwen3-30B gate_up / down dX calls, 0.91x the split fold on the down
     forward, a tie with it on the gate_up forwards.
-  swap_rows: swap only: rows per tile (wgmma's N), a multiple of 16 from 64
-    to 256.  Fewer than 256 fit groups of fewer rows with less padding (e.g.
+  swap_rows: swap only: rows per tile (wgmma's N), a multiple of 16 from 16
+    to 256 (with ``tail_on_m``: swap_rows + tail_rows >= 64).  Fewer than 256 fit groups of fewer rows with less padding (e.g.
     144 or 160 for groups of 128 +- 11 rows, DeepSeek-V3's): every group of at
     most swap_rows - 7 rows is one tile that streams its weight block once.
     Measured on the H200 (docs/performance.md v21h, one A/B): DeepSeek-V3
@@ -296,6 +296,9 @@ class MosaicFwdConfig:
                                         or not MIN_SWAP_ROWS <= self.swap_rows <= SWAP_ROWS):
       raise ValueError(f"swap_rows needs swap=True and a multiple of 16 from 16 to 256, "
                        f"got {self}")
+    if self.tail_on_m and self.swap_rows + self.tail_rows < _WG_ROWS:
+      raise ValueError(f"tail_on_m needs swap_rows + tail_rows >= 64 (its wgmma reads the "
+                       f"tile's last 64 rows), got {self}")
     if self.swizzle_staging and not self.swap:
       raise ValueError(f"swizzle_staging needs swap=True, got {self}")
     if self.short_tile_rows and (not self.swap or self.short_tile_rows not in (64, 128)
@@ -590,7 +593,8 @@ def weight_only_config(cfg: MosaicFwdConfig | None, m: int, groups: int,
   only); registers or one buffer: each k step waits for its own wgmmas
   (``delay_release`` 0: the next step's widened weights overwrite what they
   read), two buffers: one step's stay in flight (``delay_release`` 1).  The
-  stages are cut until the buffers fit SMEM.  Without a swap config, groups
+  stages are cut until the buffers fit SMEM (to 2; then k steps of 64 columns,
+  then one buffer).  Without a swap config, groups
   of fewer than 48 rows on average (decode) take tiles of ``decode_rows``
   with k steps of 128 columns in 4 stages where ``k`` takes them (H100,
   docs/performance.md v53b: 0.90-0.91x the time of 64-column steps in 8
@@ -610,8 +614,8 @@ def weight_only_config(cfg: MosaicFwdConfig | None, m: int, groups: int,
                                block_k=128 if wide else 64, num_stages=4 if wide else 8)
   if k is not None and k % 128 and base.block_k == 128:  # 128 one-byte columns must tile k
     base = dataclasses.replace(base, block_k=64)
-  if base.block_k == 32:  # (a staged (32, 64) slice: too narrow for its 128-byte swizzle)
-    base = dataclasses.replace(base, block_k=64)
+  if base.block_k == 32 and not transpose_rhs:  # (a staged (32, 64) slice: too narrow for
+    base = dataclasses.replace(base, block_k=64)  # its 128-byte swizzle)
   base = fit_rows_per_group(base, m, groups)
   if m < base.swap_rows + base.tail_rows:  # tiles no taller than the call
     tail = base.tail_rows if m - base.tail_rows >= 64 else 0
@@ -619,10 +623,16 @@ def weight_only_config(cfg: MosaicFwdConfig | None, m: int, groups: int,
     base = dataclasses.replace(
         base, swap_rows=rows, tail_rows=tail, tail_split=base.tail_split and tail > 0,
         short_tile_rows=base.short_tile_rows if base.short_tile_rows < rows else 0)
-  while (base.num_stages > 2 and base.smem_bytes(jnp.bfloat16, jnp.bfloat16, jnp.float8_e4m3fn)
-         > base.smem_budget()):
-    base = dataclasses.replace(base, num_stages=base.num_stages - 1)
-  return base
+  fits = lambda c: c.smem_bytes(jnp.bfloat16, jnp.bfloat16, jnp.float8_e4m3fn) <= c.smem_budget()
+  cut = base
+  while cut.num_stages > 2 and not fits(cut):
+    cut = dataclasses.replace(cut, num_stages=cut.num_stages - 1)
+  if not fits(cut) and (base.block_k == 128 or base.widen_staging == 2):
+    # k steps of 64 columns, else one buffer a consumer (each step waits)
+    smaller = (dataclasses.replace(base, block_k=64) if base.block_k == 128 else
+               dataclasses.replace(base, widen_staging=1))
+    return weight_only_config(smaller, m, groups, k, transpose_rhs)
+  return cut
 
 
 def k_tile(config: MosaicFwdConfig, dtype: Any) -> int:
