@@ -216,16 +216,16 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
             def mma(slot, kk):
               wb = w_smem.at[slot]
               # A: this consumer's 64 columns of the weight block, (64, bk).
-              a = wb.at[mine] if transpose_rhs else wb.at[:, mine].transpose((1, 0))
+              a = wb.at[mine] if transpose_rhs else wb.at[:, mine]
               if widen and not staged:
-                a = sm90.widened_operand(wb.at[mine], dtype)
+                a = sm90.widened_operand(a, dtype)
               elif widen:
                 # Two buffers alternate by step: the wgmmas of step kk - 2 are
                 # done (consume_item keeps at most the last step's in flight).
-                buf = a_smem.at[wg, lax.rem(kk, staged) if staged > 1 else 0]
-                src = wb.at[mine] if transpose_rhs else wb.at[:, mine]
-                sm90.widened_operand(src, dtype, staging=buf, wait=staged == 1)
-                a = buf if transpose_rhs else buf.transpose((1, 0))
+                buf = a_smem.at[wg, lax.rem(kk, staged)]
+                a = sm90.widened_operand(a, dtype, staging=buf, wait=staged == 1)
+              if not transpose_rhs:  # the (bk, 64) slice, as an MN-major A
+                a = a.transpose((1, 0))
               for acc_ref, (r, count) in zip(accs, parts):
                 plgpu.wgmma(acc_ref, a, x_smem.at[slot].at[pl.ds(r, count)].transpose((1, 0)))
               if tail_on_m:
