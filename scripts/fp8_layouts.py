@@ -2,7 +2,7 @@
 weight layouts against the bf16 call (GPU machine).
 
   python3 scripts/fp8_layouts.py OUT_DIR [--shapes qwen3-30b] [--rounds 3]
-      [--only NAME ...] [--shape m,k,n,g[,top_k] ...]
+      [--only NAME ...] [--shape m,k,n,g[,top_k] ...] [--variant LAYOUT:S,K,B ...]
 
 For each forward shape of the named preset (training and decode token counts),
 times interleaved (CUPTI, ``timing.interleaved_median_ms``) on fresh random
@@ -28,6 +28,9 @@ inputs, bf16 output, the automatic choice each:
   bf16 [g,k,n] triton the bf16 call on that Triton config;
   w8a16 bf16          bf16 rows, the weights converted to bf16 first (the path
                       before v53);
+  w8a16 [g,k,n] sS kK bB  with ``--variant kn:S,K,B`` (or ``nk:``): the automatic
+                      config with S stages, k steps of K columns and ``widen_staging``
+                      B, as ``weight_only_config`` fits it (the name gives the result);
 checks each fp8 result against the f32 sum of the same values, and writes
 OUT_DIR/fp8_layouts.json.
 """
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 
@@ -51,8 +55,9 @@ NK = lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), [0], [0])
 FP8 = jnp.float8_e4m3fn
 
 
-def cases(s: bench.Shape, key) -> tuple[dict, dict]:
-  """The timed cases (name: (fn, args)) of shape ``s`` and the fp8 results to check."""
+def cases(s: bench.Shape, key, variants: tuple[str, ...] = ()) -> tuple[dict, dict]:
+  """The timed cases (name: (fn, args)) of shape ``s`` and the fp8 results to check;
+  ``variants``: "kn:S,K,B" / "nk:S,K,B" configs of the Mosaic W8A16 kernel."""
   gs = jnp.asarray(bench.routed_group_sizes(s))
   kx, kw = jax.random.split(key)
   x = jax.random.normal(kx, (s.m, s.k), jnp.float32)
@@ -113,6 +118,19 @@ def cases(s: bench.Shape, key) -> tuple[dict, dict]:
         "w8a16 [g,n,k] smem2": (staged(True, 2), (xb, w8_nk)),
         "w8a16 [g,k,n] smem1": (staged(False, 1), (xb, w8)),
     })
+    for spec in variants:
+      layout, fields = spec.split(":")
+      stages, block_k, staging = map(int, fields.split(","))
+      nk_layout = layout == "nk"
+      cfg = mosaic_fwd.weight_only_config(dataclasses.replace(
+          w8a16_config(nk_layout), num_stages=stages, block_k=block_k, widen_staging=staging),
+          s.m, s.g, s.k, nk_layout)
+      name = (f"w8a16 [g,{'n,k' if nk_layout else 'k,n'}] s{cfg.num_stages} k{cfg.block_k} "
+              f"b{cfg.widen_staging}")
+      timed[name] = (jax.jit(functools.partial(
+          lambda x, w, cfg, nk_layout: mosaic_fwd.gmm(x, w, gs, None, transpose_rhs=nk_layout,
+                                                      out_dtype=bf, config=cfg),
+          cfg=cfg, nk_layout=nk_layout)), (xb, w8_nk if nk_layout else w8))
     if w8a16_config(True).swap_rows < 64:  # decode: the tiles before v54f
       timed["w8a16 [g,n,k] r64"] = (staged(True, swap_rows=64), (xb, w8_nk))
       timed["w8a16 [g,k,n] r64"] = (staged(False, swap_rows=64), (xb, w8))
@@ -140,13 +158,15 @@ def main() -> None:
   p.add_argument("--only", nargs="*", default=None, help="shape names to keep")
   p.add_argument("--shape", action="append", default=[], type=bench.parse_shape,
                  help="m,k,n,g[,top_k] (repeatable): these shapes after the preset's")
+  p.add_argument("--variant", action="append", default=[],
+                 help="kn:S,K,B or nk:S,K,B (repeatable): W8A16 configs to time too")
   args = p.parse_args()
   os.makedirs(args.out_dir, exist_ok=True)
   rows = []
   for i, s in enumerate(list(bench.PRESETS[args.shapes]) + args.shape):
     if args.only and s.name not in args.only:
       continue
-    timed, checks = cases(s, jax.random.key(100 + i))
+    timed, checks = cases(s, jax.random.key(100 + i), tuple(args.variant))
     errs = {name: float(jnp.max(jnp.abs(got.astype(jnp.float32) - want))
                         / jnp.max(jnp.abs(want))) for name, (got, want) in checks.items()}
     ms = timing.interleaved_median_ms(timed, rounds=args.rounds)
