@@ -28,6 +28,8 @@ inputs, bf16 output, the automatic choice each:
   bf16 [g,k,n] triton the bf16 call on that Triton config;
   w8a16 bf16          bf16 rows, the weights converted to bf16 first (the path
                       before v53);
+  w8a16 ... scaled     the automatic config with 128 x 128 block scales
+                      (``rhs_scale``, laid out for the kernel inside the timed call);
   w8a16 [g,k,n] sS kK bB  with ``--variant kn:S,K,B`` (or ``nk:``): the automatic
                       config with S stages, k steps of K columns and ``widen_staging``
                       B, as ``weight_only_config`` fits it (the name gives the result);
@@ -48,7 +50,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import ragdot
-from ragdot import backends, bench, dispatch, timing
+from ragdot import backends, bench, dispatch, scales, timing
 from ragdot.backends import mosaic_fwd
 
 NK = lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), [0], [0])
@@ -71,6 +73,7 @@ def cases(s: bench.Shape, key, variants: tuple[str, ...] = ()) -> tuple[dict, di
   widened = jax.jit(lambda x, w: ragdot.ragged_dot(x.astype(bf), w.astype(bf), gs))
   transpose = jax.jit(lambda w: jnp.swapaxes(w, 1, 2))
   xb = x.astype(bf)
+  scale = jax.random.uniform(kx, (s.g, s.k // 128, s.n // 128), jnp.float32, 0.5, 2.0)
 
   def w8a16_config(nk_layout: bool):
     return dispatch.choose("gmm", None, dtype=bf, rhs_dtype=FP8, out_dtype=bf, m=s.m, k=s.k,
@@ -118,6 +121,14 @@ def cases(s: bench.Shape, key, variants: tuple[str, ...] = ()) -> tuple[dict, di
         "w8a16 [g,n,k] smem2": (staged(True, 2), (xb, w8_nk)),
         "w8a16 [g,k,n] smem1": (staged(False, 1), (xb, w8)),
     })
+    def scaled(nk_layout: bool):  # 128 x 128 blocks, laid out for the kernel inside the call
+      cfg = w8a16_config(nk_layout)
+      return jax.jit(lambda x, w, sc: mosaic_fwd.gmm(
+          x, w, gs, None, transpose_rhs=nk_layout, out_dtype=bf, config=cfg,
+          rhs_scale=scales.kernel_scales(sc, w.shape, nk_layout)))
+
+    timed["w8a16 [g,n,k] scaled"] = (scaled(True), (xb, w8_nk, jnp.swapaxes(scale, 1, 2)))
+    timed["w8a16 [g,k,n] scaled"] = (scaled(False), (xb, w8, scale))
     for spec in variants:
       layout, fields = spec.split(":")
       stages, block_k, staging = map(int, fields.split(","))
@@ -139,11 +150,15 @@ def cases(s: bench.Shape, key, variants: tuple[str, ...] = ()) -> tuple[dict, di
   exact16 = ragdot.ragged_dot(f32(xb), f32(w8), gs, implementation="xla")
   checks = {"fp8 [g,k,n]": (kn(x8, w8), exact), "fp8 [g,n,k]": (nk(x8, w8_nk), exact),
             "w8a16 [g,n,k]": (nk(xb, w8_nk), exact16), "w8a16 [g,k,n]": (kn(xb, w8), exact16)}
+  deq = scales.dequantize(w8, scale, jnp.float32)  # (the scaled forms' weights, [g, k, n])
+  exact_scaled = ragdot.ragged_dot(f32(xb), deq, gs, implementation="xla")
   for name in list(timed):
     if name.startswith("w8a16 [g,") or name == "fp8 [g,k,n] copy":
       fn, args = timed[name]
+      want = (exact_scaled if name.endswith("scaled") else
+              exact16 if name.startswith("w8a16") else exact)
       try:
-        checks.setdefault(name, (fn(*args), exact16 if name.startswith("w8a16") else exact))
+        checks.setdefault(name, (fn(*args), want))
       except Exception as e:  # pylint: disable=broad-except  (a form that fails: reported, not timed)
         print(f"{s.name}: {name} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         del timed[name]

@@ -311,6 +311,49 @@ def test_w8a16_staging_variants(m, k, n, g, nk, staging):
   oracle.assert_zero_rows(out, sizes, None, g)
 
 
+@pytest.mark.parametrize("m,k,n,g,offset,nk,block", [
+    (32768, 2048, 1536, 128, None, True, (128, 128)),  # 128 x 128 blocks (DeepSeek-V3's)
+    (4096, 768, 2048, 128, 16, False, (128, 128)),     # a shard, [g, k, n] staged
+    (512, 2048, 1536, 128, None, False, (128, 128)),   # decode
+    (8, 768, 2048, 128, None, True, (768, 1)),         # one token, per column
+])
+def test_w8a16_scaled_real_size(m, k, n, g, offset, nk, block):
+  """fp8 weights with block scales (``rhs_scale`` as the kernels read it): bitwise
+  the same kernel's result on the dequantized bf16 weights (its config), the f32
+  oracle on those weights, NaN-poisoned memory, every row written, exact zeros
+  outside a shard, bitwise repeatable."""
+  from ragdot import scales
+  local = g if offset is None else g // 8
+  bk, bn = block
+  sizes = _sizes(m, g, "routed")
+  rshape = (local, n, k) if nk else (local, k, n)
+  sshape = (local, n // bn, k // bk) if nk else (local, k // bk, n // bn)
+  x, w = oracle.random_inputs(jax.random.key(m + k + 1), [(m, k), rshape], jnp.float32)
+  x, w = x.astype(jnp.bfloat16), (w / 4).astype(jnp.float8_e4m3fn)
+  scale = jax.random.uniform(jax.random.key(5), sshape, jnp.float32, 0.5, 2.0) / 64
+  gs, go = jnp.asarray(sizes), None if offset is None else jnp.int32(offset)
+  choice = dispatch.choose("gmm", None, dtype=jnp.bfloat16, rhs_dtype=jnp.float8_e4m3fn,
+                           out_dtype=jnp.bfloat16, m=m, k=k, n=n, g=local, num_groups=g,
+                           transpose_rhs=nk, has_offset=offset is not None)
+  assert choice.implementation == "mosaic", choice.reason
+  run = jax.jit(lambda x, w, s: mf.gmm(x, w, gs, go, transpose_rhs=nk, out_dtype=jnp.bfloat16,
+                                       config=choice.config,
+                                       rhs_scale=scales.kernel_scales(s, w.shape, nk)))
+  _poison(8 * max(m, 64) * n)
+  out = run(x, w, scale)
+  deq = scales.dequantize(w, scale, jnp.bfloat16)
+  cfg = mf.weight_only_config(choice.config, m, g, k, nk, bk)
+  pad = max(0, mf.MIN_SWAP_ROWS - m)
+  same = jax.jit(lambda x, w: mf.gmm(x, w, gs, go, transpose_rhs=nk, out_dtype=jnp.bfloat16,
+                                     config=cfg))(jnp.pad(x, ((0, pad), (0, 0))), deq)[:m]
+  np.testing.assert_array_equal(np.asarray(out).view(np.uint16), np.asarray(same).view(np.uint16))
+  want = oracle.ref_ragged_dot(x, deq.astype(jnp.float32), sizes, offset, nk)
+  oracle.assert_close(out, want, jnp.bfloat16)
+  oracle.assert_zero_rows(out, sizes, offset, local)
+  np.testing.assert_array_equal(np.asarray(out).view(np.uint16),
+                                np.asarray(run(x, w, scale)).view(np.uint16))
+
+
 @pytest.mark.parametrize("m,k,n,g,nk,out_dtype", [
     (12, 2048, 1536, 128, True, jnp.bfloat16),   # rows the TMA row tiles refuse
     (44, 768, 2048, 128, False, jnp.bfloat16),

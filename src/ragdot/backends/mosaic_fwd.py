@@ -144,6 +144,27 @@ def _check_supported(lhs, rhs, out_dtype, transpose_rhs) -> None:
     raise NotImplementedError(f"mosaic gmm needs {reason}")
 
 
+def _scale_rows(lhs, rhs, rhs_scale, transpose_rhs: bool) -> int:
+  """The contracting rows per scale of a W8A16 call's ``rhs_scale``; else
+  NotImplementedError (not W8A16, a scale block not in whole 64-row steps)
+  or ValueError (a shape or dtype that is no such scale)."""
+  if lhs.dtype == rhs.dtype:
+    raise NotImplementedError("mosaic gmm takes rhs_scale with fp8 weights beside 16-bit rows"
+                              f" only, got {lhs.dtype} and {rhs.dtype}")
+  k = lhs.shape[1]
+  g, n = rhs.shape[0], rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  if (rhs_scale.ndim != 3 or rhs_scale.shape[0] != g or rhs_scale.shape[2] != n
+      or not rhs_scale.shape[1] or k % rhs_scale.shape[1]):
+    raise ValueError(f"rhs_scale must be [{g}, k // t, {n}] for k={k}, got {rhs_scale.shape}")
+  if rhs_scale.dtype != jnp.float32:
+    raise ValueError(f"rhs_scale must be float32, got {rhs_scale.dtype}")
+  rows = k // rhs_scale.shape[1]
+  if rows % 64:
+    raise NotImplementedError(f"mosaic gmm takes scale blocks of a multiple of 64 contracting"
+                              f" rows (its k steps), got {rows}")
+  return rows
+
+
 def unsupported_shape(m: int, k: int, n: int) -> str | None:
   """Why this kernel refuses lhs[m, k] -> out[m, n] (static; None: it takes it).
 
@@ -580,6 +601,7 @@ def gmm(
     precision: Any = None,
     interpret: Any = False,
     config: MosaicFwdConfig | None = None,
+    rhs_scale: jax.Array | None = None,
 ) -> jax.Array:
   """Grouped matmul ``out[m, n]``; see the module docstring for semantics.
 
@@ -597,12 +619,20 @@ def gmm(
     precision: ignored (bf16/f16 wgmma with f32 accumulation is exact-product).
     interpret: False, True or ``plgpu.InterpretGPUParams`` (CPU interpret mode).
     config: tiling; ``default_config`` when None.
+    rhs_scale: W8A16 only: f32 ``[g_local, k // t, n]``, the scale of each
+      weight column over each block of ``t`` contracting rows (t a multiple of
+      64): each consumer widens its weight slice, multiplies it by its
+      columns' scales in f32 and rounds it to the rows' dtype, so the result
+      is bitwise this kernel's on those dequantized weights.
 
   Raises:
     NotImplementedError: dtypes or alignments the TMA path cannot take.
   """
   del precision
   _check_supported(lhs, rhs, out_dtype, transpose_rhs)
+  scale_rows = None
+  if rhs_scale is not None:
+    scale_rows = _scale_rows(lhs, rhs, rhs_scale, transpose_rhs)
   if (takes_fp8(lhs.dtype) and not transpose_rhs and config is not None and config.widen_rows
       and weight_only_refusal(jnp.bfloat16, rhs.dtype, out_dtype) is None):
     lhs = lhs.astype(jnp.bfloat16)  # (exact) the W8A16 form, reading the weights as stored
@@ -621,9 +651,10 @@ def gmm(
   if weight_only and m < MIN_SWAP_ROWS:  # rows past the groups: written as zeros
     padded = jnp.pad(lhs, ((0, MIN_SWAP_ROWS - m), (0, 0)))
     return gmm(padded, rhs, group_sizes, group_offset, transpose_rhs=transpose_rhs,
-               out_dtype=out_dtype, interpret=interpret, config=config)[:m]
+               out_dtype=out_dtype, interpret=interpret, config=config,
+               rhs_scale=rhs_scale)[:m]
   if weight_only:
-    config = weight_only_config(config, m, group_sizes.shape[0], k, transpose_rhs)
+    config = weight_only_config(config, m, group_sizes.shape[0], k, transpose_rhs, scale_rows)
   if config is not None and config.swap and out_dtype.itemsize != 2:
     # swap's transposed stores take 16 bits: its row-major ring, fitted to SMEM
     # for this output (None: the default below).
@@ -649,7 +680,7 @@ def gmm(
     raise NotImplementedError(
         f"k={k} must be a multiple of the {tile}-column TMA tiles of block_k={config.block_k}"
         f" for {lhs.dtype}")
-  smem = config.smem_bytes(lhs.dtype, out_dtype, rhs.dtype)
+  smem = config.smem_bytes(lhs.dtype, out_dtype, rhs.dtype, scaled=rhs_scale is not None)
   if smem > config.smem_budget():
     raise NotImplementedError(f"config {config} needs {smem} bytes of SMEM")
 
@@ -664,7 +695,7 @@ def gmm(
       from ragdot.backends import mosaic_fwd_swap  # pylint: disable=g-import-not-at-top  (imports this module)
       return mosaic_fwd_swap.gmm(lhs, rhs, group_sizes, group_offset,
                                  transpose_rhs=transpose_rhs, out_dtype=out_dtype,
-                                 config=config, interpret=interpret)
+                                 config=config, interpret=interpret, rhs_scale=rhs_scale)
     from ragdot.backends import mosaic_fwd_ring  # pylint: disable=g-import-not-at-top  (imports this module)
     return mosaic_fwd_ring.gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs=transpose_rhs,
                                out_dtype=out_dtype, config=config, interpret=interpret)

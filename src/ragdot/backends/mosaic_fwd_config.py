@@ -337,10 +337,12 @@ class MosaicFwdConfig:
     """Columns of one epilogue chunk (the staging buffer's width)."""
     return self.block_n // self.epilogue_split
 
-  def smem_bytes(self, in_dtype: Any, out_dtype: Any, rhs_dtype: Any = None) -> int:
+  def smem_bytes(self, in_dtype: Any, out_dtype: Any, rhs_dtype: Any = None,
+                 scaled: bool = False) -> int:
     """Static SMEM footprint (pipeline buffers + output staging chunk), with
     weights of ``rhs_dtype`` (default ``in_dtype``; a narrower one: W8A16,
-    with its ``widen_staging`` buffers).
+    with its ``widen_staging`` buffers; ``scaled``: and a row of ``block_n``
+    f32 weight scales per stage).
 
     Barriers and alignment add a few dozen bytes on top (48 measured at
     lowering for the 2-warpgroup kernel): ``smem_budget`` keeps 1 KiB for them.
@@ -352,6 +354,8 @@ class MosaicFwdConfig:
       staging = self.num_compute_wgs * _WG_ROWS * _WG_ROWS * osz
       if wsz < isz:  # the widened weight slices, (64, block_k) each
         staging += self.widen_staging * self.num_compute_wgs * _WG_ROWS * self.block_k * isz
+      if scaled:
+        per_stage += self.block_n * 4
       return self.num_stages * per_stage + staging
     per_stage = (self.block_m + self.block_n) * self.block_k * isz
     # One (64, epilogue_n) staging buffer per compute warpgroup.
@@ -580,7 +584,8 @@ def decode_rows(mean_rows: float) -> int:
 
 
 def weight_only_config(cfg: MosaicFwdConfig | None, m: int, groups: int,
-                       k: int | None = None, transpose_rhs: bool = True) -> MosaicFwdConfig:
+                       k: int | None = None, transpose_rhs: bool = True,
+                       scale_rows: int | None = None) -> MosaicFwdConfig:
   """The swap config a weight-only 8-bit call runs (16-bit rows, fp8 weights
   widened by the consumers as wgmma's A operand): ``cfg``'s tiles if it is a
   swap config, else ``_WEIGHT_ONLY``'s, fitted to the call's rows per group
@@ -599,7 +604,13 @@ def weight_only_config(cfg: MosaicFwdConfig | None, m: int, groups: int,
   with k steps of 128 columns in 4 stages where ``k`` takes them (H100,
   docs/performance.md v53b: 0.90-0.91x the time of 64-column steps in 8
   stages).  Fewer than 16 rows (the smallest swap tile) count as 16: the
-  kernel pads such calls."""
+  kernel pads such calls.  ``scale_rows``: the weights carry a scale per
+  ``scale_rows`` contracting rows (``gmm``'s ``rhs_scale``): each k step then
+  lies in one scale block (k steps of 64 columns where 128 do not divide it;
+  ValueError where 64 do not either), and a row of scales takes SMEM per
+  stage."""
+  if scale_rows is not None and scale_rows % 64:
+    raise ValueError(f"scale_rows must be a multiple of 64, got {scale_rows}")
   m = max(m, MIN_SWAP_ROWS)
   base = cfg if cfg is not None and cfg.swap else _WEIGHT_ONLY
   staging = base.widen_staging if base.widen_staging or transpose_rhs else 2
@@ -612,7 +623,8 @@ def weight_only_config(cfg: MosaicFwdConfig | None, m: int, groups: int,
                                tail_split=False,
                                short_tile_rows=0, share_rows=False,
                                block_k=128 if wide else 64, num_stages=4 if wide else 8)
-  if k is not None and k % 128 and base.block_k == 128:  # 128 one-byte columns must tile k
+  if base.block_k == 128 and ((k is not None and k % 128)  # 128 one-byte columns must tile k
+                              or (scale_rows is not None and scale_rows % 128)):
     base = dataclasses.replace(base, block_k=64)
   if base.block_k == 32 and not transpose_rhs:  # (a staged (32, 64) slice: too narrow for
     base = dataclasses.replace(base, block_k=64)  # its 128-byte swizzle)
@@ -623,7 +635,8 @@ def weight_only_config(cfg: MosaicFwdConfig | None, m: int, groups: int,
     base = dataclasses.replace(
         base, swap_rows=rows, tail_rows=tail, tail_split=base.tail_split and tail > 0,
         short_tile_rows=base.short_tile_rows if base.short_tile_rows < rows else 0)
-  fits = lambda c: c.smem_bytes(jnp.bfloat16, jnp.bfloat16, jnp.float8_e4m3fn) <= c.smem_budget()
+  fits = lambda c: c.smem_bytes(jnp.bfloat16, jnp.bfloat16, jnp.float8_e4m3fn,
+                                scaled=scale_rows is not None) <= c.smem_budget()
   cut = base
   while cut.num_stages > 2 and not fits(cut):
     cut = dataclasses.replace(cut, num_stages=cut.num_stages - 1)
@@ -631,7 +644,7 @@ def weight_only_config(cfg: MosaicFwdConfig | None, m: int, groups: int,
     # k steps of 64 columns, else one buffer a consumer (each step waits)
     smaller = (dataclasses.replace(base, block_k=64) if base.block_k == 128 else
                dataclasses.replace(base, widen_staging=1))
-    return weight_only_config(smaller, m, groups, k, transpose_rhs)
+    return weight_only_config(smaller, m, groups, k, transpose_rhs, scale_rows)
   return cut
 
 

@@ -428,14 +428,16 @@ def launch(body, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
            group_offset: jax.Array | None, *, rows: int, transpose_rhs: bool, out_dtype: Any,
            config: mf.MosaicFwdConfig, interpret: Any = False, gate: RowGate | None = None,
            into: jax.Array | None = None,
-           schedule: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+           schedule: tuple[jax.Array, jax.Array] | None = None,
+           rhs_scale: jax.Array | None = None) -> jax.Array:
   """Builds the group-aligned schedule of ``rows``-row tiles (tails folded per
   ``config.tail_rows``) and runs ``body`` (a ring kernel body: producer and two
   consumer warpgroups, one CTA per SM; ``share_rows``: clusters of two, and
   ``num_ctas`` counts clusters) over it.  ``gate``: see ``RowGate``.  ``into``:
   an [m, n] output to write in place (rows the kernel does not write keep their
   values; a gate closed leaves all of them), returned.  ``schedule``: that
-  schedule, built already (``backends.flat_schedules``)."""
+  schedule, built already (``backends.flat_schedules``).  ``rhs_scale``: one
+  more input, handed to ``body`` as its ``scale_gmem`` keyword."""
   m, k = lhs.shape
   g_local = rhs.shape[0]
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -452,15 +454,24 @@ def launch(body, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
     interpret = plgpu.InterpretGPUParams()
   body = functools.partial(body, m=m, k=k, n=n, cfg=config, transpose_rhs=transpose_rhs,
                            num_ctas=num_ctas, gate=gate)
+  inputs = (tiles, scalars, lhs, rhs)
+  if rhs_scale is not None:  # (tiles, scalars, lhs, rhs, scale, [into,] out)
+    inputs += match_varying(rhs_scale, lhs)[:1]
+    body = functools.partial(_scale_last, body)
   mesh = dict(grid=(num_ctas,), grid_names=("sm",), **cluster, num_threads=3, thread_name="wg")
   params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
   if into is not None:
-    tiles, scalars, lhs, rhs, into = match_varying(tiles, scalars, lhs, rhs, into)
-    out = _in_place(body, mesh, params, interpret or None)(tiles, scalars, lhs, rhs, into)
+    *inputs, into = match_varying(*inputs, into)
+    out = _in_place(body, mesh, params, interpret or None)(*inputs, into)
     return make_varying(out, varying_axes(lhs))
   kernel = plgpu.kernel(body, out_type=out_struct((m, n), out_dtype, lhs), **mesh,
                         compiler_params=params, interpret=interpret if interpret else None)
-  return make_varying(kernel(tiles, scalars, lhs, rhs), varying_axes(lhs))
+  return make_varying(kernel(*inputs), varying_axes(lhs))
+
+
+def _scale_last(body, tiles, scalars, lhs, rhs, scale, out):
+  """``body`` with the scale input passed as its ``scale_gmem`` keyword."""
+  return body(tiles, scalars, lhs, rhs, out, scale_gmem=scale)
 
 
 # Off only in scripts/probe_in_place_loops.py, which shows what they prevent.

@@ -99,7 +99,7 @@ def _per_layout(layouts, fn) -> None:
 
 def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int, n: int,
           cfg: mf.MosaicFwdConfig, transpose_rhs: bool, num_ctas: int,
-          gate: ring.RowGate | None = None, stage_widened: bool = False):
+          gate: ring.RowGate | None = None, stage_widened: bool = False, scale_gmem=None):
   bn, bk, stages, tr = cfg.block_n, cfg.block_k, cfg.num_stages, cfg.tail_rows
   rows_t = cfg.swap_rows  # R, rows per tile
   swizzled, share = cfg.swizzle_staging, cfg.share_rows
@@ -121,6 +121,12 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
   if widen and (cfg.tail_on_m or not (transpose_rhs or staged)):
     raise NotImplementedError("8-bit weights with 16-bit rows need no tail_on_m (the weights "
                               "are wgmma's A operand only), and widen_staging for rhs [g, k, n]")
+  # Scaled weights (rhs_scale [g, k // t, n]): each stage also holds its k step's
+  # row of the n tile's scales (one scale block: t is a multiple of bk).
+  scaled = scale_gmem is not None
+  if scaled and not widen:
+    raise NotImplementedError("weight scales need 8-bit weights beside 16-bit rows")
+  scale_rows = k // scale_gmem.shape[1] if scaled else 0
   # [g, k, n] 8-bit weights: 64-byte swizzle tiles, so each consumer's 64 columns
   # are whole tiles.
   w_minor = 64 if widen and not transpose_rhs else min(b_shape[1], bk)
@@ -131,7 +137,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
       # (forward: wgmma takes the (bk, 64) weight slice as an MN-major A only with a
       # swizzle of at most bk elements; 128 bytes at bk = 64, 64 at bk = 32)
       w_smem=plgpu.SMEM((stages, *b_shape), w_dtype, transforms=sm90.swizzled(w_minor, w_dtype)),
-      produced=plgpu.Barrier(num_arrivals=3 if tr else 2, num_barriers=stages),
+      produced=plgpu.Barrier(num_arrivals=2 + bool(tr) + scaled, num_barriers=stages),
       # share: the partner's multicast writes this CTA's slots too, so a slot
       # is refilled once the consumers of both CTAs released it.
       consumed=(plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=2,
@@ -146,9 +152,11 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
     a_shape = (_COLS, bk) if transpose_rhs else (bk, _COLS)
     scratch["a_smem"] = plgpu.SMEM((2, staged, *a_shape), dtype,
                                    transforms=sm90.swizzled(a_shape[1], dtype))
+  if scaled:
+    scratch["s_smem"] = plgpu.SMEM((stages, bn), jnp.float32)
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-  def _scope(x_smem, w_smem, produced, consumed, o_smem, a_smem=None):
+  def _scope(x_smem, w_smem, produced, consumed, o_smem, a_smem=None, s_smem=None):
     wg = lax.axis_index("wg")
 
     def tile_of(w):
@@ -188,6 +196,10 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
           ni_in = jnp.minimum(ni, grid_n - 1) if grid_n % pair else ni
           plgpu.copy_gmem_to_smem(ring.rhs_block(rhs_gmem, grp, ni_in, cols, bn, transpose_rhs),
                                   w_smem.at[slot], produced.at[slot])
+          if scaled:
+            plgpu.copy_gmem_to_smem(
+                scale_gmem.at[grp, lax.div(kk * bk, scale_rows), pl.ds(ni_in * bn, bn)],
+                s_smem.at[slot], produced.at[slot])
           _per_layout(layouts, rows)
 
       works(load)
@@ -217,13 +229,16 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
               wb = w_smem.at[slot]
               # A: this consumer's 64 columns of the weight block, (64, bk).
               a = wb.at[mine] if transpose_rhs else wb.at[:, mine]
+              # (the slice's columns run along its rows for [g, n, k], else along
+              # its columns)
+              scale = (s_smem.at[slot, mine], 0 if transpose_rhs else 1) if scaled else None
               if widen and not staged:
-                a = sm90.widened_operand(a, dtype)
+                a = sm90.widened_operand(a, dtype, scale=scale)
               elif widen:
                 # Two buffers alternate by step: the wgmmas of step kk - 2 are
                 # done (consume_item keeps at most the last step's in flight).
                 buf = a_smem.at[wg, lax.rem(kk, staged)]
-                a = sm90.widened_operand(a, dtype, staging=buf, wait=staged == 1)
+                a = sm90.widened_operand(a, dtype, staging=buf, wait=staged == 1, scale=scale)
               if not transpose_rhs:  # the (bk, 64) slice, as an MN-major A
                 a = a.transpose((1, 0))
               for acc_ref, (r, count) in zip(accs, parts):
@@ -307,14 +322,15 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
 
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: jax.Array | None,
         *, transpose_rhs: bool, out_dtype: Any, config: mf.MosaicFwdConfig,
-        interpret: Any = False, **gated: Any) -> jax.Array:
+        interpret: Any = False, rhs_scale: jax.Array | None = None,
+        **gated: Any) -> jax.Array:
   """``mosaic_fwd.gmm`` for a ``swap=True`` config (checked by ``mosaic_fwd.gmm``:
   supported dtypes and alignments, non-empty operands, m >= swap_rows + tail_rows,
-  a config that fits SMEM, a 16-bit output).  ``gated``: ``ring.launch``'s
-  ``gate``, ``into`` and ``schedule``."""
+  a config that fits SMEM, a 16-bit output; ``rhs_scale`` as there).  ``gated``:
+  ``ring.launch``'s ``gate``, ``into`` and ``schedule``."""
   # (the interpreter takes wgmma operands from SMEM only: there the widened
   # weights go through a buffer, on the GPU they stay in registers)
   body = functools.partial(_body, stage_widened=bool(interpret))
   return ring.launch(body, lhs, rhs, group_sizes, group_offset, rows=config.swap_rows,
                      transpose_rhs=transpose_rhs, out_dtype=out_dtype, config=config,
-                     interpret=interpret, **gated)
+                     interpret=interpret, rhs_scale=rhs_scale, **gated)

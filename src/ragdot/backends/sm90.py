@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 SMEM_PER_SM = 228 * 1024  # shared memory of one SM
@@ -37,7 +38,7 @@ def swizzled(minor: int, dtype) -> tuple:
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def widened_operand(ref, dtype, staging=None, wait: bool = True):
+def widened_operand(ref, dtype, staging=None, wait: bool = True, scale=None):
   """An 8-bit (e4m3 / e5m2) SMEM tile ((64, k) K-major, or (k, 64) into a
   staging buffer) in the 16-bit ``dtype``: loaded two to a 16-bit lane,
   relaid for wgmma and converted in registers (exact: every fp8 value is an
@@ -45,12 +46,18 @@ def widened_operand(ref, dtype, staging=None, wait: bool = True):
   ``staging`` (an SMEM buffer of the tile's shape) and returned as that
   buffer.  ``wait``: first wait for every wgmma in flight, which may still
   read the registers (or buffer) this overwrites (on the H100 a wgmma left in
-  flight across k steps gave wrong sums, 53a); registers always wait."""
+  flight across k steps gave wrong sums, 53a); registers always wait.
+  ``scale``: (an f32 SMEM vector, the tile's axis it runs along): the tile
+  times it in f32, then rounded once to ``dtype``."""
   if wait or staging is None:
     plgpu.wgmma_wait(0)
   a = plgpu.load(ref, layout=plgpu.Layout.WGMMA_UPCAST_2X)
   a = plgpu.layout_cast(a, plgpu.Layout.WGMMA).astype(jnp.float16)
-  if jnp.dtype(dtype) != jnp.float16:
+  if scale is not None:
+    vec, axis = scale
+    s = plgpu.load(vec, layout=plgpu.Layout.WGMMA.reduce(1 - axis))
+    a = (a.astype(jnp.float32) * lax.broadcast_in_dim(s, a.shape, [axis])).astype(dtype)
+  elif jnp.dtype(dtype) != jnp.float16:
     a = a.astype(jnp.float32).astype(dtype)
   if staging is None:
     return a

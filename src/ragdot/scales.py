@@ -1,0 +1,71 @@
+"""Block scales of 8-bit float expert weights (``rhs_scale``).
+
+A quantized checkpoint stores each expert's weights in e4m3 / e5m2 with one
+scale per block of them: per output column (channelwise), per block of
+contracting rows and columns (DeepSeek-V3 and Qwen3 FP8 checkpoints store
+128 x 128 blocks), or one per expert.  ``rhs_scale`` has rhs's rank and
+layout, each dimension a divisor of rhs's: for rhs ``[g, k, n]`` it is
+``[g, k // bk, n // bn]`` (for the ``[g, n, k]`` layout, ``[g, n // bn,
+k // bk]``), and the weights the product uses are
+
+    dequantized = (rhs.astype(f32) * scale repeated over its block).astype(lhs.dtype)
+
+so a scaled call equals the call on those dequantized weights.  The kernels
+take the scales as ``kernel_scales`` lays them out: f32 ``[g, k // bk, n]``,
+one row of per-column scales per block of contracting rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ragdot import validate
+
+
+def check(lhs_dtype: Any, rhs: Any, scale: Any, transpose_rhs: bool) -> tuple[int, int]:
+  """(contracting rows, output columns) of one scale block; TypeError or
+  ValueError, naming ``rhs_scale``, for a scale that is none of rhs's."""
+  if not validate.is_fp8(rhs.dtype):
+    raise TypeError(f"rhs_scale needs 8-bit float weights (e4m3 / e5m2), got rhs {rhs.dtype}")
+  if jnp.dtype(lhs_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
+                                  jnp.dtype(jnp.float32)):
+    raise TypeError(f"rhs_scale needs bf16, f16 or f32 rows (the weights are dequantized to"
+                    f" their dtype), got lhs {jnp.dtype(lhs_dtype)}")
+  if not jnp.issubdtype(scale.dtype, jnp.floating) or validate.is_fp8(scale.dtype):
+    raise TypeError(f"rhs_scale must be f32, bf16 or f16, got {scale.dtype}")
+  if jnp.ndim(scale) != 3:
+    raise ValueError(f"rhs_scale must have rhs's rank 3, got shape {jnp.shape(scale)}")
+  g, a, b = rhs.shape
+  sg, sa, sb = scale.shape
+  if sg != g or not sa or not sb or a % sa or b % sb:
+    raise ValueError(f"rhs_scale's shape {scale.shape} must be [{g}, a, b] with a dividing"
+                     f" {a} and b dividing {b} (one scale per block of rhs {rhs.shape})")
+  k_block, n_block = (b // sb, a // sa) if transpose_rhs else (a // sa, b // sb)
+  return k_block, n_block
+
+
+def _full(scale: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """The f32 scales repeated over their blocks, to ``shape`` (rhs's)."""
+  s = scale.astype(jnp.float32)
+  for axis in (1, 2):
+    s = jnp.repeat(s, shape[axis] // scale.shape[axis], axis=axis)
+  return s
+
+
+def dequantize(rhs: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+  """The weights a scaled call uses: rhs times its block's scale in f32,
+  rounded once to ``dtype`` (rhs and scale in the same layout)."""
+  return (rhs.astype(jnp.float32) * _full(scale, rhs.shape)).astype(dtype)
+
+
+def kernel_scales(scale: jax.Array, rhs_shape: tuple[int, ...],
+                  transpose_rhs: bool) -> jax.Array:
+  """f32 ``[g, k // bk, n]``: ``scale`` (rhs's layout) with its contracting
+  blocks first and each output column its own scale (what the kernels
+  read, one row per k step)."""
+  s = jnp.swapaxes(scale, 1, 2) if transpose_rhs else scale
+  n = rhs_shape[1] if transpose_rhs else rhs_shape[2]
+  return jnp.repeat(s.astype(jnp.float32), n // s.shape[2], axis=2)
