@@ -23,6 +23,7 @@ from jax.experimental import checkify
 from ragdot import auto_sharding
 from ragdot import dispatch
 from ragdot import primitives
+from ragdot import scales
 from ragdot import sharded
 from ragdot import traced_primitive
 from ragdot.manual_axes import match_varying
@@ -205,6 +206,83 @@ primitives.register("gmm", _gmm_impl)
 primitives.register("tgmm", _tgmm_impl)
 
 
+# --- fp8 weights with block scales: out[m, n] ------------------------------------
+
+
+def _scaled_gmm_impl(lhs, rhs, scale, group_sizes, group_offset, *, transpose_rhs, precision,
+                     out_dtype, implementation):
+  """The Mosaic W8A16 kernel scaling each widened weight slice where the
+  dispatcher picks it and it takes the scales' blocks; else (another backend,
+  a refusal, operands split over mesh axes the partitioned op would split) the
+  op on weights dequantized by XLA."""
+  def dequantized():
+    deq = scales.dequantize(rhs, scale, lhs.dtype)
+    return _gmm_sharded(lhs, deq, group_sizes, group_offset, transpose_rhs, precision,
+                        out_dtype, implementation)
+
+  if not _fused_scales(lhs, rhs, group_sizes, group_offset, transpose_rhs):
+    return dequantized()
+  choice = dispatch.choose("gmm", implementation, **dispatch.facts(
+      "gmm", lhs=lhs, rhs=rhs, group_sizes=group_sizes, group_offset=group_offset,
+      transpose_rhs=transpose_rhs, out_dtype=out_dtype, precision=precision))
+  if choice.implementation != "mosaic" or not _takes_operands(
+      "gmm", "mosaic", lhs, rhs, out_dtype):
+    return dequantized()
+  static = (transpose_rhs, out_dtype, choice.interpret, choice.config)
+  run = (_scaled_kernel if choice.interpret or not traced_primitive.is_eager(
+      (lhs, rhs, scale, group_sizes, group_offset)) else _scaled_compiled)(*static)
+  try:
+    return run(lhs, rhs, scale, group_sizes, group_offset)
+  except NotImplementedError:  # (scale blocks not in whole k steps)
+    return dequantized()
+
+
+def _fused_scales(lhs, rhs, group_sizes, group_offset, transpose_rhs) -> bool:
+  """Whether the scaled kernel may run on these operands as they are: not
+  where they are split over explicit mesh axes, nor under a context mesh of
+  automatic axes (the partitioned op runs on the dequantized weights there)."""
+  if sharded.gmm_layout(lhs, rhs, transpose_rhs, group_sizes, group_offset) is not None:
+    return False
+  return jax.sharding.get_abstract_mesh().empty or not auto_sharding.enabled()
+
+
+@functools.lru_cache(maxsize=64)
+def _scaled_kernel(transpose_rhs, out_dtype, interpret, config):
+  """The Mosaic W8A16 kernel with the scales laid out for it (one function per
+  static arguments)."""
+  from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
+
+  def run(lhs, rhs, scale, group_sizes, group_offset):
+    return mosaic_fwd.gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs=transpose_rhs,
+                          out_dtype=out_dtype, interpret=interpret, config=config,
+                          rhs_scale=scales.kernel_scales(scale, rhs.shape, transpose_rhs))
+  return run
+
+
+@functools.lru_cache(maxsize=64)
+def _scaled_compiled(*static):
+  """``_scaled_kernel`` under ``jax.jit`` (eager calls)."""
+  return jax.jit(_scaled_kernel(*static))
+
+
+primitives.register("scaled_gmm", _scaled_gmm_impl)
+
+
+def _scaled_call(lhs, rhs, scale, group_sizes, group_offset, transpose_rhs, precision,
+                 preferred_element_type, out_sharding, implementation, checks):
+  """``ragged_dot[_general]``'s forward modes with ``rhs_scale``."""
+  problem, gs, go = validate.check_ragged_dot(lhs, rhs, group_sizes, group_offset,
+                                              preferred_element_type,
+                                              transpose_rhs=transpose_rhs)
+  lhs, rhs, scale = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(scale)
+  scales.check(lhs.dtype, rhs, scale, transpose_rhs)
+  lhs, rhs, scale, gs, go = match_varying(lhs, rhs, scale, gs, go)
+  out = primitives.scaled_gmm(lhs, rhs, scale, gs, go, transpose_rhs=transpose_rhs,
+                              precision=_hashable_precision(precision),
+                              out_dtype=problem.backend_out_dtype, implementation=implementation)
+  return _finish(out, problem, gs, go, checks, out_sharding)
+
+
 # --- per shard where operands are split over explicit mesh axes ---------------
 
 
@@ -304,6 +382,7 @@ def ragged_dot(
     *,
     implementation: str | None = None,
     checks: bool = False,
+    rhs_scale: jax.Array | None = None,
 ) -> jax.Array:
   """Grouped matmul with ragged rows: ``lhs[m, k] x rhs[g, k, n] -> [m, n]``.
 
@@ -326,11 +405,19 @@ def ragged_dot(
     implementation: None (automatic), "xla", "mosaic" or "triton".
     checks: report negative sizes / out-of-range offsets through checkify
       (wrap the caller with ``ragdot.checked``).
+    rhs_scale: optional block scales of fp8 (e4m3 / e5m2) weights, ``[g,
+      k // bk, n // bn]`` (``ragdot.scales``): the product then uses
+      ``rhs * scale`` (each scale over its bk x bn block) rounded once to
+      lhs's dtype (bf16 / f16 / f32), and the Hopper kernel dequantizes the
+      weights as it reads them.  Differentiable in every operand.
 
   Returns:
     ``[m, n]``.
   """
   impl = validate.check_implementation(implementation)
+  if rhs_scale is not None:
+    return _scaled_call(lhs, rhs, rhs_scale, group_sizes, group_offset, False, precision,
+                        preferred_element_type, out_sharding, impl, checks)
   problem, gs, go = validate.check_ragged_dot(
       lhs, rhs, group_sizes, group_offset, preferred_element_type)
   lhs, rhs, gs, go = _prepare(lhs, rhs, gs, go, weights=True)
@@ -412,6 +499,7 @@ def ragged_dot_general(
     num_groups: int | None = None,
     implementation: str | None = None,
     checks: bool = False,
+    rhs_scale: jax.Array | None = None,
 ) -> jax.Array:
   """``jax.lax.ragged_dot_general`` with native group_offset for MoE modes.
 
@@ -423,6 +511,8 @@ def ragged_dot_general(
       ``num_groups`` (static) sets the shard size when group_offset is given.
   Other modes are delegated to ``jax.lax.ragged_dot_general`` when no
   group_offset is given and raise NotImplementedError otherwise.
+  ``rhs_scale`` (the two forward modes only): block scales of fp8 weights in
+  rhs's layout, as in ``ragged_dot``.
   """
   impl = validate.check_implementation(implementation)
   dn = ragged_dot_dimension_numbers
@@ -436,6 +526,13 @@ def ragged_dot_general(
     raise ValueError(
         "num_groups applies to the ragged contracting mode only (the weight"
         f" gradient); these dimension numbers are mode {mode!r}")
+  if rhs_scale is not None and mode not in ("forward", "forward_rhs_nk"):
+    raise ValueError(f"rhs_scale applies to the forward modes only (rhs [g, k, n] or [g, n, k]"
+                     f" expert weights); these dimension numbers are mode {mode!r}")
+  if rhs_scale is not None:
+    return _scaled_call(lhs, rhs, rhs_scale, group_sizes, group_offset,
+                        mode == "forward_rhs_nk", precision, preferred_element_type,
+                        out_sharding, impl, checks)
   common = dict(precision=precision,
                 preferred_element_type=preferred_element_type,
                 out_sharding=out_sharding, implementation=impl, checks=checks)

@@ -1,8 +1,10 @@
-"""The two core ops as JAX primitives, so that every transformation reaches them.
+"""The core ops as JAX primitives, so that every transformation reaches them.
 
 ``gmm`` (``lhs[m, k] x rhs[g, k|n, n|k] -> [m, n]``, rows ragged) and ``tgmm``
 (``lhs[m, k], rhs[m, n] -> [num_groups, k, n]``, the contraction ragged) are
-bilinear in (lhs, rhs).  Each is a primitive (``ragdot.traced_primitive``)
+bilinear in (lhs, rhs); ``scaled_gmm`` is ``gmm`` on fp8 weights with block
+scales (``ragdot.scales``), linear in lhs (its rules below the two others').
+Each is a primitive (``ragdot.traced_primitive``)
 whose implementation is the kernel call ``ragdot.api`` registers, with:
 
 * a JVP rule, ``d op(a, b) = op(da, b) + op(a, db)`` skipping symbolic-zero
@@ -42,7 +44,7 @@ def register(op: str, impl: Callable[..., jax.Array]) -> None:
   _IMPLS[op] = impl
 
 
-def gmm(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: bool, precision: Any,
+def gmm(lhs, rhs, group_sizes, group_offset=None, *, transpose_rhs: bool, precision: Any,
         out_dtype: Any, implementation: str | None) -> jax.Array:
   """``out[m, n]``: the rows of group ``o + j`` times ``rhs[j]`` (``rhs[j]^T``
   when ``transpose_rhs``); other rows 0.  lhs and rhs of one dtype, or bf16 /
@@ -51,7 +53,7 @@ def gmm(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: bool, precision: 
                precision=precision, out_dtype=out_dtype, implementation=implementation)
 
 
-def tgmm(lhs, rhs, group_sizes, group_offset, *, num_groups: int, precision: Any,
+def tgmm(lhs, rhs, group_sizes, group_offset=None, *, num_groups: int, precision: Any,
          out_dtype: Any, implementation: str | None) -> jax.Array:
   """``out[j] = lhs_rows(o + j)^T @ rhs_rows(o + j)`` for ``j < num_groups``."""
   return _bind(tgmm_p, lhs, rhs, group_sizes, group_offset, num_groups=num_groups,
@@ -148,7 +150,7 @@ def _batch(op, axis_data, args, dims, **params):
       it, others = iter(xs), iter(rest)
       full = [next(it) if i in mapped else next(others) for i in range(len(args))]
       full = match_varying(*full)
-      return op(*full[:3], _offset(tuple(full)), **params)
+      return op(*full, **params)
     return lax.map(one, xs)
 
   split = _batch_split(xs)
@@ -234,3 +236,70 @@ def _define(name: str, op: Callable[..., jax.Array], op_name: str) -> Any:
 
 gmm_p = _define("ragdot_gmm", gmm, "gmm")
 tgmm_p = _define("ragdot_tgmm", tgmm, "tgmm")
+
+
+# --- fp8 weights with block scales ------------------------------------------------
+
+
+def scaled_gmm(lhs, rhs, scale, group_sizes, group_offset=None, *, transpose_rhs: bool,
+               precision: Any, out_dtype: Any, implementation: str | None) -> jax.Array:
+  """``gmm(lhs, scales.dequantize(rhs, scale, lhs.dtype), ...)``: fp8 weights
+  ``rhs`` with ``scale`` in rhs's layout (``ragdot.scales``)."""
+  args = (lhs, rhs, scale, group_sizes) + (() if group_offset is None else (group_offset,))
+  return tp.bind(scaled_gmm_p, *args, transpose_rhs=transpose_rhs, precision=precision,
+                 out_dtype=out_dtype, implementation=implementation)
+
+
+def _make_scaled_fn(params: dict[str, Any]) -> Callable[..., jax.Array]:
+  def fn(lhs, rhs, scale, group_sizes, group_offset=None):
+    return _IMPLS["scaled_gmm"](lhs, rhs, scale, group_sizes, group_offset, **params)
+  return fn
+
+
+def _dequantized_tangent(lhs, rhs, scale, drhs, dscale):
+  """The tangent of the dequantized weights (rounding to lhs's dtype taken as
+  the identity, as JAX's convert does)."""
+  from ragdot import scales  # pylint: disable=g-import-not-at-top  (imports validate only)
+  drhs = ad.instantiate_zeros(drhs)
+  dscale = ad.instantiate_zeros(dscale)
+  return jax.jvp(lambda r, s: scales.dequantize(r, s, lhs.dtype), (rhs, scale),
+                 (drhs, dscale))[1]
+
+
+def _scaled_jvp(primals, tangents, **params):
+  params = tp.params_of(params)
+  lhs, rhs, scale, group_sizes, *rest = primals
+  go = rest[0] if rest else None
+  dlhs, drhs, dscale = tangents[:3]
+  out = scaled_gmm(lhs, rhs, scale, group_sizes, go, **params)
+  terms = []
+  if not (tp.is_zero(drhs) and tp.is_zero(dscale)):  # through the dequantized weights
+    terms.append(gmm(lhs, _dequantized_tangent(lhs, rhs, scale, drhs, dscale), group_sizes, go,
+                     **params))
+  if not tp.is_zero(dlhs):
+    terms.append(scaled_gmm(dlhs, rhs, scale, group_sizes, go, **params))
+  if not terms:
+    return out, ad.Zero.from_primal_value(out)
+  return out, functools.reduce(jnp.add, terms)
+
+
+def _scaled_transpose(ct, lhs, rhs, scale, group_sizes, *rest, **params):
+  """lhs's cotangent: the same scaled weights used transposed (dX); the JVP
+  puts rhs's and the scales' tangents through ``gmm``, so only lhs is linear."""
+  params = tp.params_of(params)
+  cts = [None] * (4 + len(rest))
+  if ad.is_undefined_primal(rhs) or ad.is_undefined_primal(scale):
+    raise ValueError("scaled_gmm is linear in lhs only")
+  if tp.is_zero(ct):
+    return cts
+  dtype = lhs.aval.dtype
+  cts[0] = scaled_gmm(ct.astype(dtype), rhs, scale, group_sizes, rest[0] if rest else None,
+                      transpose_rhs=not params["transpose_rhs"], precision=params["precision"],
+                      out_dtype=validate.backend_out_dtype(dtype),
+                      implementation=params["implementation"]).astype(dtype)
+  return cts
+
+
+scaled_gmm_p = tp.define("ragdot_scaled_gmm", _make_scaled_fn, jvp=_scaled_jvp,
+                         transpose=_scaled_transpose,
+                         batch=functools.partial(_batch, scaled_gmm), batch_takes_axis=True)

@@ -1,0 +1,252 @@
+"""fp8 expert weights with block scales (``rhs_scale``): a scaled call equals
+the call on the dequantized weights (``ragdot.scales``), through XLA and the
+Mosaic W8A16 kernel (interpret mode: it scales each widened slice), in both
+weight layouts, with shards; its gradients, JVP and vmap; bad scales raise
+naming ``rhs_scale``; the scaled kernel lowers for sm90."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import oracle
+import ragdot
+from ragdot import dispatch, scales
+from ragdot.backends import mosaic_fwd as mf
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+H200 = dispatch.Device("gpu", "NVIDIA H200", "9.0")
+NK = lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), [0], [0])
+SWAP = mf.MosaicFwdConfig(block_m=128, block_n=128, block_k=64, num_stages=2, num_compute_wgs=2,
+                          ring=True, swap=True, num_sms=3, producer_zeros=False)
+
+
+def _case(m, k, n, local, nk, block, x_dtype=jnp.bfloat16, w_dtype=E4M3, seed=0):
+  """Rows, fp8 weights ([g, n, k] when nk) and f32 scales of (bk, bn) blocks."""
+  bk, bn = block
+  kx, kw, ks = jax.random.split(jax.random.key(seed), 3)
+  rshape = (local, n, k) if nk else (local, k, n)
+  sshape = (local, n // bn, k // bk) if nk else (local, k // bk, n // bn)
+  x = jax.random.normal(kx, (m, k), jnp.float32).astype(x_dtype)
+  w = jax.random.normal(kw, rshape, jnp.float32).astype(w_dtype)
+  s = jax.random.uniform(ks, sshape, jnp.float32, 0.25, 2.0)
+  return x, w, s
+
+
+def _call(x, w, gs, nk, **kw):
+  if nk:
+    return ragdot.ragged_dot_general(x, w, gs, NK, **kw)
+  return ragdot.ragged_dot(x, w, gs, **kw)
+
+
+def _bits(a):
+  return np.asarray(a.astype(jnp.float32))
+
+
+def test_dequantize_and_kernel_layout_against_numpy():
+  w = np.arange(2 * 4 * 6, dtype=np.float32).reshape(2, 4, 6) / 8
+  s = np.array([[[1, 2, 3], [4, 5, 6]], [[7, 8, 9], [10, 11, 12]]], np.float32)  # 2 x 2 blocks
+  want = w * np.repeat(np.repeat(s, 2, axis=1), 2, axis=2)
+  got = scales.dequantize(jnp.asarray(w, E4M3), jnp.asarray(s), jnp.float32)
+  np.testing.assert_array_equal(got, np.asarray(jnp.asarray(w, E4M3), np.float32)
+                                * np.repeat(np.repeat(s, 2, axis=1), 2, axis=2))
+  assert want.shape == got.shape
+  # the kernels' layout: [g, k // bk, n], one scale a column; from [g, n, k] too
+  np.testing.assert_array_equal(scales.kernel_scales(jnp.asarray(s), (2, 4, 6), False),
+                                np.repeat(s, 2, axis=2))
+  st = np.swapaxes(s, 1, 2)  # the same scales for the weights laid out [g, n, k]
+  np.testing.assert_array_equal(scales.kernel_scales(jnp.asarray(st), (2, 6, 4), True),
+                                np.repeat(s, 2, axis=2))
+
+
+@pytest.mark.parametrize("nk,block,offset,x_dtype,w_dtype", [
+    (False, (64, 64), None, jnp.bfloat16, E4M3),
+    (True, (128, 1), None, jnp.float16, E5M2),     # per column and k block
+    (False, (128, 128), 1, jnp.bfloat16, E4M3),    # one scale per expert, a shard
+    (True, (32, 64), None, jnp.float32, E4M3),     # f32 rows: dequantized to f32
+])
+def test_xla_call_equals_the_call_on_dequantized_weights(nk, block, offset, x_dtype, w_dtype):
+  m, k, n, sizes = 200, 128, 128, [90, 0, 70, 30]
+  local = 4 if offset is None else 2
+  x, w, s = _case(m, k, n, local, nk, block, x_dtype, w_dtype)
+  gs, go = jnp.asarray(sizes, jnp.int32), None if offset is None else jnp.int32(offset)
+  got = _call(x, w, gs, nk, rhs_scale=s, group_offset=go, implementation="xla")
+  deq = scales.dequantize(w, s, x_dtype)
+  want = _call(x, deq, gs, nk, group_offset=go, implementation="xla")
+  assert got.dtype == x_dtype
+  np.testing.assert_array_equal(_bits(got), _bits(want))
+  oracle.assert_close(got, oracle.ref_ragged_dot(x, deq, sizes, offset, nk), x_dtype)
+  oracle.assert_zero_rows(got, sizes, offset, local)
+
+
+@pytest.mark.parametrize("nk,block,offset,staging", [
+    (True, (128, 1), None, 2),   # [g, n, k]: a scale row per 128-column k step
+    (False, (64, 64), 1, 1),     # [g, k, n] read as stored, one buffer, a shard
+    (False, (256, 128), None, 2),
+])
+def test_kernel_equals_the_kernel_on_dequantized_weights(nk, block, offset, staging):
+  """The W8A16 kernel scaling each widened slice: bitwise the same kernel (its
+  config) on the dequantized bf16 weights; a folded tail, an empty group,
+  rows past the groups."""
+  m, k, n, sizes = 1280, 256, 192, [300, 10, 520, 0, 280]
+  local = 5 if offset is None else 3
+  x, w, s = _case(m, k, n, local, nk, block, seed=7)
+  gs, go = jnp.asarray(sizes, jnp.int32), None if offset is None else jnp.int32(offset)
+  cfg = dataclasses.replace(SWAP, tail_rows=64, widen_staging=staging)
+  got = mf.gmm(x, w, gs, go, transpose_rhs=nk, out_dtype=jnp.bfloat16, interpret=True,
+               config=cfg, rhs_scale=scales.kernel_scales(s, w.shape, nk))
+  run = mf.weight_only_config(cfg, m, len(sizes), k, nk, block[0])
+  assert run.block_k == 64 and run.widen_staging == staging
+  deq = scales.dequantize(w, s, jnp.bfloat16)
+  want = mf.gmm(x, deq, gs, go, transpose_rhs=nk, out_dtype=jnp.bfloat16, interpret=True,
+                config=run)
+  np.testing.assert_array_equal(_bits(got), _bits(want))
+  oracle.assert_close(got, oracle.ref_ragged_dot(x, deq, sizes, offset, nk), jnp.bfloat16)
+  oracle.assert_zero_rows(got, sizes, offset, local)
+
+
+def test_kernel_refuses_scale_blocks_not_in_whole_k_steps():
+  x, w, s = _case(128, 128, 64, 2, True, (32, 1))
+  gs = jnp.array([60, 40], jnp.int32)
+  with pytest.raises(NotImplementedError, match="multiple of 64"):
+    mf.gmm(x, w, gs, None, transpose_rhs=True, out_dtype=jnp.bfloat16, interpret=True,
+           config=SWAP, rhs_scale=scales.kernel_scales(s, w.shape, True))
+  with pytest.raises(NotImplementedError, match="fp8 weights"):
+    mf.gmm(x, w.astype(jnp.bfloat16), gs, None, transpose_rhs=True, out_dtype=jnp.bfloat16,
+           interpret=True, config=SWAP, rhs_scale=scales.kernel_scales(s, w.shape, True))
+
+
+def test_mosaic_call_scales_in_the_kernel_and_falls_back_where_it_refuses(monkeypatch):
+  """implementation="mosaic": the kernel takes 64-row scale blocks (one call
+  with rhs_scale), and 32-row ones run on dequantized weights; both equal
+  the XLA call bitwise where the sums' order is the kernel's (the same
+  kernel on the dequantized weights)."""
+  calls = []
+  gmm = mf.gmm
+
+  def spy(*args, **kw):  # (the calls that returned: a refusal raises first)
+    out = gmm(*args, **kw)
+    calls.append(kw.get("rhs_scale") is not None)
+    return out
+
+  monkeypatch.setattr(mf, "gmm", spy)
+  m, k, n, sizes = 256, 128, 128, [100, 0, 120]
+  gs = jnp.asarray(sizes, jnp.int32)
+  for block, scaled in [((64, 64), True), ((32, 64), False)]:
+    calls.clear()
+    x, w, s = _case(m, k, n, 3, False, block, seed=3)
+    got = ragdot.ragged_dot(x, w, gs, rhs_scale=s, implementation="mosaic")
+    want = ragdot.ragged_dot(x, scales.dequantize(w, s, jnp.bfloat16), gs,
+                             implementation="mosaic")
+    assert calls[0] == scaled and not any(calls[1:]), calls
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+def test_gradients_equal_those_through_the_dequantized_weights():
+  """d/dx, d/dw (fp8) and d/dscale: those of the same loss through
+  ``scales.dequantize`` and a plain call."""
+  m, k, n, sizes = 200, 128, 128, [90, 0, 70, 30]
+  x, w, s = _case(m, k, n, 4, False, (64, 32))
+  gs = jnp.asarray(sizes, jnp.int32)
+  c = jax.random.normal(jax.random.key(9), (m, n), jnp.float32)
+
+  def loss(f):
+    return lambda x, w, s: jnp.sum(f(x, w, s).astype(jnp.float32) * c)
+
+  scaled = lambda x, w, s: ragdot.ragged_dot(x, w, gs, rhs_scale=s, implementation="xla")
+  plain = lambda x, w, s: ragdot.ragged_dot(x, scales.dequantize(w, s, x.dtype), gs,
+                                            implementation="xla")
+  got = jax.jit(jax.grad(loss(scaled), (0, 1, 2)))(x, w, s)
+  want = jax.jit(jax.grad(loss(plain), (0, 1, 2)))(x, w, s)
+  for a, b in zip(got, want):
+    assert a.dtype == b.dtype
+    np.testing.assert_array_equal(_bits(a), _bits(b))
+  assert float(jnp.max(jnp.abs(got[2]))) > 0  # the scales' gradient is not zero
+
+
+def test_dx_runs_the_scaled_kernel_transposed(monkeypatch):
+  """Under jax.grad with implementation="mosaic" the rows' cotangent runs the
+  scaled kernel on the weights as stored, transposed (no dequantized copy):
+  equal to the dX of the same kernel on the dequantized weights."""
+  calls = []
+  gmm = mf.gmm
+
+  def spy(*args, **kw):
+    calls.append((kw.get("rhs_scale") is not None, kw["transpose_rhs"]))
+    return gmm(*args, **kw)
+
+  monkeypatch.setattr(mf, "gmm", spy)
+  m, k, n, sizes = 256, 128, 128, [100, 0, 120]
+  x, w, s = _case(m, k, n, 3, False, (64, 64), seed=4)
+  gs = jnp.asarray(sizes, jnp.int32)
+  c = jax.random.normal(jax.random.key(2), (m, n), jnp.float32)
+  loss = lambda x: jnp.sum(ragdot.ragged_dot(x, w, gs, rhs_scale=s, implementation="mosaic")
+                           .astype(jnp.float32) * c)
+  got = jax.grad(loss)(x)
+  assert (True, True) in calls, calls
+  deq = scales.dequantize(w, s, jnp.bfloat16)
+  want = jax.grad(lambda x: jnp.sum(ragdot.ragged_dot(x, deq, gs, implementation="mosaic")
+                                    .astype(jnp.float32) * c))(x)
+  oracle.assert_close(got, want, jnp.bfloat16)
+
+
+def test_jvp_and_vmap():
+  m, k, n, sizes = 128, 64, 64, [50, 60]
+  x, w, s = _case(m, k, n, 2, True, (64, 1))
+  gs = jnp.asarray(sizes, jnp.int32)
+  f = lambda x, s: ragdot.ragged_dot_general(x, w, gs, NK, rhs_scale=s, implementation="xla")
+  deq = lambda s: scales.dequantize(w, s, jnp.bfloat16)
+  g = lambda x, s: ragdot.ragged_dot_general(x, deq(s), gs, NK, implementation="xla")
+  tx, ts = jnp.ones_like(x), jnp.full_like(s, 0.5)
+  for a, b in zip(jax.jvp(f, (x, s), (tx, ts)), jax.jvp(g, (x, s), (tx, ts))):
+    np.testing.assert_array_equal(_bits(a), _bits(b))
+  xs = jnp.stack([x, -x])
+  got = jax.vmap(f, in_axes=(0, None))(xs, s)
+  np.testing.assert_array_equal(_bits(got[1]), _bits(f(-x, s)))
+
+
+@pytest.mark.parametrize("bad,err,match", [
+    (dict(w_dtype=jnp.bfloat16), TypeError, "8-bit float weights"),
+    (dict(shape=(3, 2, 2)), ValueError, "rhs_scale's shape"),
+    (dict(shape=(2, 3, 2)), ValueError, "rhs_scale's shape"),
+    (dict(shape=(2, 2)), ValueError, "rank 3"),
+    (dict(s_dtype=jnp.int32), TypeError, "rhs_scale must be f32"),
+])
+def test_bad_scales_raise_naming_rhs_scale(bad, err, match):
+  x = jnp.ones((8, 64), jnp.bfloat16)
+  w = jnp.ones((2, 64, 64), bad.get("w_dtype", E4M3))
+  s = jnp.ones(bad.get("shape", (2, 2, 2)), bad.get("s_dtype", jnp.float32))
+  with pytest.raises(err, match=match) as e:
+    ragdot.ragged_dot(x, w, jnp.array([4, 4], jnp.int32), rhs_scale=s)
+  assert "rhs_scale" in str(e.value)
+
+
+def test_rhs_scale_in_the_ragged_contracting_mode_raises():
+  dn = lax.RaggedDotDimensionNumbers((([0], [0]), ([], [])), [0], [])
+  with pytest.raises(ValueError, match="rhs_scale applies to the forward modes"):
+    ragdot.ragged_dot_general(jnp.ones((8, 4)), jnp.ones((8, 4)), jnp.array([8], jnp.int32),
+                              dn, rhs_scale=jnp.ones((1, 1, 1)))
+
+
+@pytest.mark.parametrize("m,nk,block", [(32768, True, (128, 128)), (512, False, (128, 128)),
+                                        (8, True, (2048, 1))])
+def test_scaled_kernel_lowers_for_sm90_with_the_h200_choice(m, nk, block):
+  """The dispatcher's W8A16 config on an H200 with a row of scales a stage lowers
+  for sm90 (registers for [g, n, k], SMEM buffers for [g, k, n])."""
+  import functools
+  k, n, g = 2048, 1536, 128
+  c = dispatch.choose("gmm", None, dtype=jnp.bfloat16, rhs_dtype=E4M3, out_dtype=jnp.bfloat16,
+                      m=m, k=k, n=n, g=g, num_groups=g, transpose_rhs=nk, device=H200)
+  f = jax.jit(functools.partial(mf.gmm, transpose_rhs=nk, out_dtype=jnp.bfloat16,
+                                config=c.config))
+  rshape = (g, n, k) if nk else (g, k, n)
+  args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct(rshape, E4M3),
+          jax.ShapeDtypeStruct((g,), jnp.int32), None)
+  scale = jax.ShapeDtypeStruct((g, k // block[0], n), jnp.float32)
+  lowered = f.trace(*args, rhs_scale=scale).lower(lowering_platforms=("cuda",))
+  assert "mosaic_gpu" in lowered.as_text()
