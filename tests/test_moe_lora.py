@@ -127,3 +127,48 @@ def test_fp8_experts_beside_bf16_rows_stay_fp8(monkeypatch):
   assert float(l8) == float(l16)
   for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g16)):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_fp8_experts_with_block_scales(monkeypatch):
+  """Frozen experts quantized to e4m3 with 8 x 16 block scales
+  (``F.quantize_experts``) and bf16 LoRA adapters, EP=4: each projection's
+  ragged_dot gets the fp8 weights and their scales (``rhs_scale``), and the
+  block equals the one on the dequantized bf16 weights (outputs and LoRA
+  gradients, bitwise: XLA dequantizes the same way), and the f32 reference
+  on the scaled weights."""
+  cfg = MoEConfig(**{**CFG.__dict__, "freeze_base": True})
+  params, x, ids, cot = _data(cfg)
+  params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+  quant = F.quantize_experts(params, cfg, block=(8, 16))
+  for n in cfg.projections:
+    k, m = cfg.proj_shape(n)
+    assert quant[n].dtype == jnp.float8_e4m3fn
+    assert quant[f"{n}_scale"].shape == (cfg.num_experts, k // 8, m // 16)
+  deq = {n: F.scales.dequantize(quant[n], quant[f"{n}_scale"], jnp.bfloat16)
+         for n in cfg.projections}
+  wide = {**params, **deq}
+  mesh = _mesh(4)
+  scaled = []
+  real = F.ragdot.ragged_dot
+
+  def spy(x, w, *a, **kw):
+    scaled.append(kw.get("rhs_scale") is not None)
+    return real(x, w, *a, **kw)
+
+  def vg(p):
+    loss = lambda lora, x: jnp.sum(F.moe_mlp({**p, "lora": lora}, x, cfg, adapter_ids=ids,
+                                             mesh=mesh).astype(jnp.float32) * cot)
+    return jax.jit(jax.value_and_grad(loss))(p["lora"], x.astype(jnp.bfloat16))
+
+  monkeypatch.setattr(F.ragdot, "ragged_dot", spy)
+  (lq, gq), (lw, gw) = vg(quant), vg(wide)
+  assert any(scaled)
+  assert float(lq) == float(lw)
+  for a, b in zip(jax.tree.leaves(gq), jax.tree.leaves(gw)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  y = F.moe_mlp(quant, x.astype(jnp.bfloat16), cfg, adapter_ids=ids, mesh=mesh)
+  xb = x.astype(jnp.bfloat16)  # (the same routing in both)
+  assert _rel(y, F.reference_moe_mlp(quant, xb, cfg, adapter_ids=ids)) <= 3e-2
+  # the quantized weights are close to the bf16 ones they came from
+  for n in cfg.projections:
+    assert _rel(deq[n], params[n]) <= 0.07

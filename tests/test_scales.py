@@ -250,3 +250,19 @@ def test_scaled_kernel_lowers_for_sm90_with_the_h200_choice(m, nk, block):
   scale = jax.ShapeDtypeStruct((g, k // block[0], n), jnp.float32)
   lowered = f.trace(*args, rhs_scale=scale).lower(lowering_platforms=("cuda",))
   assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_quantize_round_trips_within_the_dtype():
+  """``scales.quantize``: one scale per block (its largest magnitude over e4m3's
+  448; 1 for an all-zero block), weights within e4m3's relative step of the
+  originals after ``dequantize``; a block that does not divide raises."""
+  w = jax.random.normal(jax.random.key(0), (2, 64, 96), jnp.float32)
+  w = w.at[1, :32, :48].set(0.0)
+  q, s = scales.quantize(w, (32, 48))
+  assert q.dtype == E4M3 and s.shape == (2, 2, 2)
+  np.testing.assert_allclose(s[0, 0, 0], jnp.abs(w[0, :32, :48]).max() / 448, rtol=1e-6)
+  assert float(s[1, 0, 0]) == 1.0
+  back = scales.dequantize(q, s, jnp.float32)
+  np.testing.assert_allclose(back, w, rtol=2 ** -3, atol=float(s.max()) * 2 ** -9)
+  with pytest.raises(ValueError, match="must divide"):
+    scales.quantize(w, (48, 48))

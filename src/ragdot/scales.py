@@ -69,3 +69,20 @@ def kernel_scales(scale: jax.Array, rhs_shape: tuple[int, ...],
   s = jnp.swapaxes(scale, 1, 2) if transpose_rhs else scale
   n = rhs_shape[1] if transpose_rhs else rhs_shape[2]
   return jnp.repeat(s.astype(jnp.float32), n // s.shape[2], axis=2)
+
+
+def quantize(w: jax.Array, block: tuple[int, int], dtype: Any = jnp.float8_e4m3fn
+             ) -> tuple[jax.Array, jax.Array]:
+  """``(q, scale)`` with ``dequantize(q, scale, f32)`` close to ``w`` ``[g, a, b]``:
+  one f32 scale per ``block`` (rows, columns) of each matrix, the block's
+  largest magnitude over ``dtype``'s largest finite value (1 for an all-zero
+  block), and ``q = w / scale`` rounded to ``dtype``."""
+  g, a, b = w.shape
+  ba, bb = block
+  if ba < 1 or bb < 1 or a % ba or b % bb:
+    raise ValueError(f"block {block} must divide the matrices' shape ({a}, {b})")
+  blocks = jnp.abs(w.astype(jnp.float32)).reshape(g, a // ba, ba, b // bb, bb)
+  amax = blocks.max(axis=(2, 4))
+  scale = jnp.where(amax > 0, amax / float(jnp.finfo(dtype).max), 1.0)
+  q = (w.astype(jnp.float32) / _full(scale, w.shape)).astype(dtype)
+  return q, scale

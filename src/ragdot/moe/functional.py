@@ -25,12 +25,15 @@ import jax.numpy as jnp
 import numpy as np
 
 import ragdot
+from ragdot import scales
 from ragdot import sharded
 from ragdot import validate
 from ragdot.moe import routing as rt
 from ragdot.moe.config import MoEConfig
 
-EXPERT_KEYS = ("gate_up", "gate", "up", "down", "lora")
+EXPERT_KEYS = ("gate_up", "gate", "up", "down", "lora",
+               # block scales of fp8 expert weights (``quantize_experts``)
+               "gate_up_scale", "gate_scale", "up_scale", "down_scale")
 
 
 def init_params(key: jax.Array, cfg: MoEConfig, dtype: Any = jnp.bfloat16) -> dict:
@@ -114,8 +117,9 @@ def expert_ffn(xs: jax.Array, group_sizes: jax.Array, experts: dict, cfg: MoECon
       else group_sizes
   lora_offset = None if expert_offset is None else expert_offset * a
   if ragged_dot_fn is None:
-    dot = lambda x, w, gs, go: ragdot.ragged_dot(
-        x, w, gs, precision=cfg.precision, group_offset=go, implementation=cfg.implementation)
+    dot = lambda x, w, gs, go, scale=None: ragdot.ragged_dot(
+        x, w, gs, precision=cfg.precision, group_offset=go, implementation=cfg.implementation,
+        rhs_scale=scale)
   else:
     if expert_offset is not None:
       raise ValueError("ragged_dot_fn is only supported without expert parallelism")
@@ -123,12 +127,16 @@ def expert_ffn(xs: jax.Array, group_sizes: jax.Array, experts: dict, cfg: MoECon
   dtype = xs.dtype
 
   def proj(name: str, x: jax.Array) -> jax.Array:
-    w = experts[name]
-    if ragged_dot_fn is not None or not validate.weight_only(x, w):
+    w, scale = experts[name], experts.get(f"{name}_scale")
+    if scale is not None and ragged_dot_fn is not None:
+      w, scale = scales.dequantize(w, scale, dtype), None
+    if scale is None and (ragged_dot_fn is not None or not validate.weight_only(x, w)):
       w = w.astype(dtype)  # (fp8 experts beside 16-bit rows stay fp8: W8A16)
     if cfg.freeze_base:
       w = jax.lax.stop_gradient(w)
-    y = dot(x, w, expert_sizes, expert_offset)
+      scale = None if scale is None else jax.lax.stop_gradient(scale)
+    y = (dot(x, w, expert_sizes, expert_offset) if scale is None else
+         dot(x, w, expert_sizes, expert_offset, scale))
     if name in cfg.targets:
       la, lb = experts["lora"][name]["a"], experts["lora"][name]["b"]
       la = la.reshape((-1,) + la.shape[2:]).astype(dtype)  # [E_local * A, k, r]
@@ -201,9 +209,27 @@ def moe_mlp(params: dict, x: jax.Array, cfg: MoEConfig, *,
   return y.reshape(lead + y.shape[-1:])
 
 
+def quantize_experts(params: dict, cfg: MoEConfig, block: tuple[int, int] = (128, 128),
+                     dtype: Any = jnp.float8_e4m3fn) -> dict:
+  """``params`` with each projection's expert weights in ``dtype`` (e4m3 /
+  e5m2) and their f32 scales (one per ``block`` of (k, n), cut to the weights'
+  shape) under ``<projection>_scale``, as FP8 checkpoints store them
+  (``scales.quantize``); the block runs them through ``rhs_scale``."""
+  out = dict(params)
+  for name in cfg.projections:
+    w = params[name]
+    out[name], out[f"{name}_scale"] = scales.quantize(
+        w, (min(block[0], w.shape[1]), min(block[1], w.shape[2])), dtype)
+  return out
+
+
 def merged_weights(params: dict, cfg: MoEConfig, name: str) -> jax.Array:
-  """f32 ``[E, A, k, n]`` = ``W[e] + scale * A[e, a] @ B[e, a]`` (A = 1 without LoRA)."""
-  w = params[name].astype(jnp.float32)[:, None]
+  """f32 ``[E, A, k, n]`` = ``W[e] + scale * A[e, a] @ B[e, a]`` (A = 1 without LoRA;
+  W dequantized where the params hold its block scales)."""
+  w = params[name]
+  if f"{name}_scale" in params:
+    w = scales.dequantize(w, params[f"{name}_scale"], jnp.float32)
+  w = w.astype(jnp.float32)[:, None]
   if name in cfg.targets:
     lo = params["lora"][name]
     w = w + cfg.lora_scale * jnp.einsum(
