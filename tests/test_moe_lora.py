@@ -172,3 +172,29 @@ def test_fp8_experts_with_block_scales(monkeypatch):
   # the quantized weights are close to the bf16 ones they came from
   for n in cfg.projections:
     assert _rel(deq[n], params[n]) <= 0.07
+
+
+def test_nnx_block_quantize_experts():
+  """``MoEMLP.quantize_experts``: the expert weights become frozen e4m3
+  ``QuantizedWeight`` variables with ``WeightScale`` blocks (no longer Params;
+  the LoRA factors still are), placed with the experts under EP=4, and the
+  block equals the functional block on the same quantized params."""
+  from ragdot.moe.block import QuantizedWeight, WeightScale
+  cfg = MoEConfig(hidden=32, intermediate=16, num_experts=8, top_k=2, num_adapters=2,
+                  lora_rank=4, implementation="xla")
+  mesh = _mesh(4)
+  model = MoEMLP(cfg, rngs=nnx.Rngs(0), mesh=mesh, lora_init_b_zero=False)
+  model.quantize_experts(block=(16, 16))
+  assert model.gate_up[...].dtype == jnp.float8_e4m3fn
+  assert isinstance(model.gate_up, QuantizedWeight) and isinstance(model.down_scale, WeightScale)
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  assert "gate_up" not in params and "lora_gate_up_a" in params
+  state = shard_moe_state(nnx.state(model), mesh)
+  assert state["down_scale"][...].sharding.spec[0] == "ep"
+  x = jax.random.normal(jax.random.key(1), (2, 12, 32)).astype(jnp.bfloat16)
+  ids = jax.random.randint(jax.random.key(2), (2, 12), 0, 2)
+  y = model(x, ids)
+  p = model.params()
+  assert p["gate_up_scale"].shape == (8, 2, 2)
+  want = F.moe_mlp(p, x, cfg, adapter_ids=ids)
+  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))

@@ -10,6 +10,9 @@ the expert ragged_dots run in ``dtype`` (default: param_dtype).  Variable types:
   ``MoEConfig.freeze_base`` which stops the base weights' gradients.
 * ``RouterBias`` (an ``nnx.Variable``, not a Param): the DeepSeek score-correction
   bias, updated outside the gradient (``update_router_bias``).
+* ``QuantizedWeight`` / ``WeightScale`` (``nnx.Variable``s, not Params): after
+  ``quantize_experts``, the fp8 expert weights and their block scales (frozen;
+  LoRA adapters on top still train).
 
 The module just gathers its variables into ``functional``'s params pytree, so the
 NNX block and the pure function compute exactly the same thing.
@@ -35,6 +38,14 @@ class LoRAParam(nnx.Param):
 
 class RouterBias(nnx.Variable):
   """DeepSeek-V3 per-expert selection bias (not trained by gradient)."""
+
+
+class QuantizedWeight(nnx.Variable):
+  """fp8 expert weights of a projection (``MoEMLP.quantize_experts``; frozen)."""
+
+
+class WeightScale(nnx.Variable):
+  """Block scales of a projection's fp8 expert weights (frozen)."""
 
 
 _SAME = object()
@@ -86,11 +97,25 @@ class MoEMLP(nnx.Module):
       p["router_bias"] = self.router_bias[...]
     for name in self.cfg.projections:
       p[name] = getattr(self, name)[...]
+      if hasattr(self, f"{name}_scale"):
+        p[f"{name}_scale"] = getattr(self, f"{name}_scale")[...]
     if self.cfg.targets:
       p["lora"] = {name: {"a": getattr(self, f"lora_{name}_a")[...],
                           "b": getattr(self, f"lora_{name}_b")[...]}
                    for name in self.cfg.targets}
     return p
+
+  def quantize_experts(self, block: tuple[int, int] = (128, 128),
+                       dtype: Any = jnp.float8_e4m3fn) -> None:
+    """Replaces each projection's expert weights by ``dtype`` (e4m3 / e5m2)
+    ones with f32 scales per ``block`` of (k, n) (``functional.quantize_experts``),
+    held as frozen ``QuantizedWeight`` / ``WeightScale`` variables; the expert
+    ragged_dots then take them through ``rhs_scale`` (W8A16 on Hopper)."""
+    p = F.quantize_experts({n: getattr(self, n)[...] for n in self.cfg.projections}, self.cfg,
+                           block, dtype)
+    for name in self.cfg.projections:
+      setattr(self, name, QuantizedWeight(p[name]))
+      setattr(self, f"{name}_scale", WeightScale(p[f"{name}_scale"]))
 
   def __call__(self, x: jax.Array, adapter_ids: jax.Array | None = None, *,
                mesh: Any = _SAME, reference: bool = False) -> jax.Array:
@@ -124,6 +149,7 @@ def shard_moe_state(state: Any, mesh: Any, ep_axis: str = "ep") -> Any:
   expert attribute get ``P(ep_axis)`` on their leading dim, others are replicated."""
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   expert_names = {"gate_up", "gate", "up", "down"}
+  expert_names |= {f"{name}_scale" for name in expert_names}
 
   def place(path, leaf):
     keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
