@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 import oracle
 import ragdot
@@ -266,3 +267,23 @@ def test_quantize_round_trips_within_the_dtype():
   np.testing.assert_allclose(back, w, rtol=2 ** -3, atol=float(s.max()) * 2 ** -9)
   with pytest.raises(ValueError, match="must divide"):
     scales.quantize(w, (48, 48))
+
+
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+@pytest.mark.parametrize("rspec", [P("ep"), P(None, None, "ep")])
+def test_split_weights_and_scales_match_the_unsplit_call(axis_type, rspec):
+  """fp8 weights and their scales split over a mesh axis (experts, or output
+  columns), rows over another: under explicit axes (the per-shard ops on
+  weights dequantized by XLA) and automatic ones (the partitioned op), the
+  same result as the unsplit call."""
+  from split_cases import mesh as split_mesh
+  m, k, n, sizes = 256, 64, 32, [40, 0, 33, 50, 7, 60, 20, 30]
+  x, w, s = _case(m, k, n, 8, False, (32, 8))
+  gs = jnp.asarray(sizes, jnp.int32)
+  call = lambda x, w, s: ragdot.ragged_dot(x, w, gs, rhs_scale=s, implementation="xla")
+  want = call(x, w, s)
+  with jax.set_mesh(split_mesh(getattr(jax.sharding.AxisType, axis_type))):
+    xs = jax.device_put(x, P("dp"))
+    ws, ss = jax.device_put(w, rspec), jax.device_put(s, rspec)
+    got = jax.jit(call)(xs, ws, ss)
+  np.testing.assert_array_equal(_bits(got), _bits(want))

@@ -57,8 +57,17 @@ def _full(scale: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 def dequantize(rhs: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
   """The weights a scaled call uses: rhs times its block's scale in f32,
-  rounded once to ``dtype`` (rhs and scale in the same layout)."""
-  return (rhs.astype(jnp.float32) * _full(scale, rhs.shape)).astype(dtype)
+  rounded once to ``dtype`` (rhs and scale in the same layout).  Operands
+  split over explicit mesh axes are dequantized as if those axes were
+  automatic (explicit ones cannot repeat a split dimension), the result split
+  as rhs is."""
+  fn = lambda r, s: (r.astype(jnp.float32) * _full(s, r.shape)).astype(dtype)
+  sharding = getattr(jax.typeof(rhs), "sharding", None)
+  axes = tuple(a for a, t in zip(sharding.mesh.axis_names, sharding.mesh.axis_types)
+               if t == jax.sharding.AxisType.Explicit) if sharding is not None else ()
+  if axes:
+    fn = jax.sharding.auto_axes(fn, axes=axes, out_sharding=sharding)
+  return fn(rhs, scale)
 
 
 def kernel_scales(scale: jax.Array, rhs_shape: tuple[int, ...],
