@@ -287,3 +287,31 @@ def test_split_weights_and_scales_match_the_unsplit_call(axis_type, rspec):
     ws, ss = jax.device_put(w, rspec), jax.device_put(s, rspec)
     got = jax.jit(call)(xs, ws, ss)
   np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+@pytest.mark.parametrize("nk,block,offset", [(False, (64, 32), None), (True, (64, 1), 1)])
+def test_triton_scales_each_widened_block(monkeypatch, nk, block, offset):
+  """implementation="triton": the Triton kernel takes the scales (one call with
+  rhs_scale, interpret mode) and equals itself on the dequantized weights
+  bitwise (k = 192: a masked last k step), rows outside a shard exactly 0."""
+  from ragdot.backends import triton as tb
+  calls = []
+  gmm = tb.gmm
+
+  def spy(*args, **kw):
+    out = gmm(*args, **kw)
+    calls.append(kw.get("rhs_scale") is not None)
+    return out
+
+  monkeypatch.setattr(tb, "gmm", spy)
+  m, k, n, sizes = 200, 192, 96, [90, 0, 70, 30]
+  local = 4 if offset is None else 2
+  x, w, s = _case(m, k, n, local, nk, block, seed=5)
+  gs, go = jnp.asarray(sizes, jnp.int32), None if offset is None else jnp.int32(offset)
+  got = _call(x, w, gs, nk, rhs_scale=s, group_offset=go, implementation="triton")
+  assert calls == [True], calls
+  deq = scales.dequantize(w, s, jnp.bfloat16)
+  want = _call(x, deq, gs, nk, group_offset=go, implementation="triton")
+  np.testing.assert_array_equal(_bits(got), _bits(want))
+  oracle.assert_close(got, oracle.ref_ragged_dot(x, deq, sizes, offset, nk), jnp.bfloat16)
+  oracle.assert_zero_rows(got, sizes, offset, local)

@@ -211,10 +211,10 @@ primitives.register("tgmm", _tgmm_impl)
 
 def _scaled_gmm_impl(lhs, rhs, scale, group_sizes, group_offset, *, transpose_rhs, precision,
                      out_dtype, implementation):
-  """The Mosaic W8A16 kernel scaling each widened weight slice where the
-  dispatcher picks it and it takes the scales' blocks; else (another backend,
-  a refusal, operands split over mesh axes the partitioned op would split) the
-  op on weights dequantized by XLA."""
+  """The W8A16 kernel the dispatcher picks (Mosaic, or Triton where Mosaic
+  refuses), scaling each widened weight block, where it takes the scales'
+  blocks; else (XLA, a refusal, operands split over mesh axes the partitioned
+  op would split) the op on weights dequantized by XLA."""
   def dequantized():
     deq = scales.dequantize(rhs, scale, lhs.dtype)
     return _gmm_sharded(lhs, deq, group_sizes, group_offset, transpose_rhs, precision,
@@ -225,15 +225,16 @@ def _scaled_gmm_impl(lhs, rhs, scale, group_sizes, group_offset, *, transpose_rh
   choice = dispatch.choose("gmm", implementation, **dispatch.facts(
       "gmm", lhs=lhs, rhs=rhs, group_sizes=group_sizes, group_offset=group_offset,
       transpose_rhs=transpose_rhs, out_dtype=out_dtype, precision=precision))
-  if choice.implementation != "mosaic" or not _takes_operands(
-      "gmm", "mosaic", lhs, rhs, out_dtype):
+  if choice.implementation not in ("mosaic", "triton") or not _takes_operands(
+      "gmm", choice.implementation, lhs, rhs, out_dtype):
     return dequantized()
-  static = (transpose_rhs, out_dtype, choice.interpret, choice.config)
+  static = (choice.implementation, transpose_rhs, precision, out_dtype, choice.interpret,
+            choice.config)
   run = (_scaled_kernel if choice.interpret or not traced_primitive.is_eager(
       (lhs, rhs, scale, group_sizes, group_offset)) else _scaled_compiled)(*static)
   try:
     return run(lhs, rhs, scale, group_sizes, group_offset)
-  except NotImplementedError:  # (scale blocks not in whole k steps)
+  except NotImplementedError:  # (scale blocks not in whole k steps, ...)
     return dequantized()
 
 
@@ -247,15 +248,20 @@ def _fused_scales(lhs, rhs, group_sizes, group_offset, transpose_rhs) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def _scaled_kernel(transpose_rhs, out_dtype, interpret, config):
-  """The Mosaic W8A16 kernel with the scales laid out for it (one function per
-  static arguments)."""
-  from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
+def _scaled_kernel(implementation, transpose_rhs, precision, out_dtype, interpret, config):
+  """The Mosaic or Triton W8A16 kernel with the scales laid out for it (one
+  function per static arguments)."""
+  # pylint: disable=g-import-not-at-top
+  if implementation == "mosaic":
+    from ragdot.backends import mosaic_fwd as kernel
+  else:
+    from ragdot.backends import triton as kernel
 
   def run(lhs, rhs, scale, group_sizes, group_offset):
-    return mosaic_fwd.gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs=transpose_rhs,
-                          out_dtype=out_dtype, interpret=interpret, config=config,
-                          rhs_scale=scales.kernel_scales(scale, rhs.shape, transpose_rhs))
+    return kernel.gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs=transpose_rhs,
+                      out_dtype=out_dtype, precision=precision, interpret=interpret,
+                      config=config,
+                      rhs_scale=scales.kernel_scales(scale, rhs.shape, transpose_rhs))
   return run
 
 

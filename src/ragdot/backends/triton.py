@@ -320,8 +320,10 @@ def _compiler_params(config: TritonConfig) -> Any:
 # --- gmm: forward and dX -------------------------------------------------------
 
 
-def _gmm_kernel(tiles_ref, info_ref, lhs_ref, rhs_ref, out_ref, *, m, k, n, bm,
-                bn, bk, n_tiles, work, transpose_rhs, precision):
+def _gmm_kernel(tiles_ref, info_ref, lhs_ref, rhs_ref, *refs, m, k, n, bm,
+                bn, bk, n_tiles, work, transpose_rhs, precision, scale_rows=0):
+  # refs: (scale_ref, out_ref) with weight scales (scale_rows > 0), else (out_ref,)
+  scale_ref, out_ref = refs if scale_rows else (None, refs[0])
   pid = pl.program_id(0)
   k_steps = pl.cdiv(k, bk)
 
@@ -352,6 +354,9 @@ def _gmm_kernel(tiles_ref, info_ref, lhs_ref, rhs_ref, out_ref, *, m, k, n, bm,
           w = _load(rhs_ref.at[grp, pl.ds(k0, bk), pl.ds(n0, bn)],
                     _and(None if k_mask is None else k_mask[:, None],
                          None if col_mask is None else col_mask[None, :]))
+        if scale_ref is not None:  # each column's scale over this k step's block
+          sc = _load(scale_ref.at[grp, k0 // scale_rows, pl.ds(n0, bn)], col_mask)
+          w = w.astype(jnp.float32) * (sc[:, None] if transpose_rhs else sc[None, :])
         if w.dtype != x.dtype:  # W8A16: 8-bit weights widened in registers (exact)
           w = w.astype(x.dtype)
         return acc + plgpu.dot(x, w, trans_b=transpose_rhs, precision=precision)
@@ -392,9 +397,13 @@ def gmm(
     precision: Any,
     interpret: bool = False,
     config: TritonConfig | None = None,
+    rhs_scale: jax.Array | None = None,
 ) -> jax.Array:
   """lhs[m,k] x rhs[g_local,k,n] (or [g_local,n,k] with transpose_rhs) -> out[m,n].
-  rhs in lhs's dtype, or e4m3 / e5m2 beside bf16 / f16 lhs (``takes_weight_only``)."""
+  rhs in lhs's dtype, or e4m3 / e5m2 beside bf16 / f16 lhs (``takes_weight_only``);
+  then optionally ``rhs_scale``, f32 ``[g_local, k // t, n]`` (``ragdot.scales``'
+  kernel layout): each widened weight block times its columns' scales in f32,
+  rounded once to lhs's dtype (t a multiple of the k step)."""
   m, k = lhs.shape
   num_local = rhs.shape[0]
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -410,6 +419,15 @@ def gmm(
   if not isinstance(config, TritonConfig):
     raise TypeError(f"config must be a TritonConfig, got {type(config).__name__}")
   bm, bn, bk = _fit(config.block_m, m), _fit(config.block_n, n), _fit(config.block_k, k)
+  scale_rows = 0
+  if rhs_scale is not None:
+    if rhs.dtype == lhs.dtype or rhs_scale.shape[0] != num_local or rhs_scale.shape[2] != n:
+      raise NotImplementedError(f"triton: rhs_scale [{num_local}, k // t, {n}] beside fp8 "
+                                f"weights, got {rhs_scale.shape} with {rhs.dtype}")
+    scale_rows = k // rhs_scale.shape[1]
+    if k % rhs_scale.shape[1] or scale_rows % bk:
+      raise NotImplementedError(f"triton: scale blocks of {scale_rows} rows must hold whole"
+                                f" k steps of {bk}")
 
   tiles, info = backends.flat_schedule(  # info: num_tiles, lo, hi, ...
       group_sizes, group_offset, m=m, num_local=num_local, block_m=bm,
@@ -422,8 +440,11 @@ def gmm(
   work = max_t * n_tiles
   kernel = functools.partial(
       _gmm_kernel, m=m, k=k, n=n, bm=bm, bn=bn, bk=bk, n_tiles=n_tiles, work=work,
-      transpose_rhs=transpose_rhs, precision=prec)
+      transpose_rhs=transpose_rhs, precision=prec, scale_rows=scale_rows)
   tiles, info, lhs, rhs = match_varying(tiles, info, lhs, rhs)
+  operands = (tiles, info, lhs, rhs)
+  if rhs_scale is not None:
+    operands += match_varying(rhs_scale.astype(jnp.float32), lhs)[:1]
   return pl.pallas_call(
       kernel,
       out_shape=out_struct((m, n), out_dtype, lhs),
@@ -431,7 +452,7 @@ def gmm(
       compiler_params=_compiler_params(config),
       interpret=interpret,
       name="ragdot_triton_gmm_t" if transpose_rhs else "ragdot_triton_gmm",
-  )(tiles, info, lhs, rhs)
+  )(*operands)
 
 
 # --- tgmm: dW --------------------------------------------------------------------
@@ -490,6 +511,15 @@ def tgmm(
   if not isinstance(config, TritonConfig):
     raise TypeError(f"config must be a TritonConfig, got {type(config).__name__}")
   bm, bn, bk = _fit(config.block_m, m), _fit(config.block_n, n), _fit(config.block_k, k)
+  scale_rows = 0
+  if rhs_scale is not None:
+    if rhs.dtype == lhs.dtype or rhs_scale.shape[0] != num_local or rhs_scale.shape[2] != n:
+      raise NotImplementedError(f"triton: rhs_scale [{num_local}, k // t, {n}] beside fp8 "
+                                f"weights, got {rhs_scale.shape} with {rhs.dtype}")
+    scale_rows = k // rhs_scale.shape[1]
+    if k % rhs_scale.shape[1] or scale_rows % bk:
+      raise NotImplementedError(f"triton: scale blocks of {scale_rows} rows must hold whole"
+                                f" k steps of {bk}")
   starts, ends = md.group_bounds(group_sizes, m, group_offset, num_groups)
   bounds = jnp.stack([starts, ends]).astype(jnp.int32)
   k_tiles, n_tiles = pl.cdiv(k, bk), pl.cdiv(n, bn)
