@@ -511,15 +511,6 @@ def tgmm(
   if not isinstance(config, TritonConfig):
     raise TypeError(f"config must be a TritonConfig, got {type(config).__name__}")
   bm, bn, bk = _fit(config.block_m, m), _fit(config.block_n, n), _fit(config.block_k, k)
-  scale_rows = 0
-  if rhs_scale is not None:
-    if rhs.dtype == lhs.dtype or rhs_scale.shape[0] != num_local or rhs_scale.shape[2] != n:
-      raise NotImplementedError(f"triton: rhs_scale [{num_local}, k // t, {n}] beside fp8 "
-                                f"weights, got {rhs_scale.shape} with {rhs.dtype}")
-    scale_rows = k // rhs_scale.shape[1]
-    if k % rhs_scale.shape[1] or scale_rows % bk:
-      raise NotImplementedError(f"triton: scale blocks of {scale_rows} rows must hold whole"
-                                f" k steps of {bk}")
   starts, ends = md.group_bounds(group_sizes, m, group_offset, num_groups)
   bounds = jnp.stack([starts, ends]).astype(jnp.int32)
   k_tiles, n_tiles = pl.cdiv(k, bk), pl.cdiv(n, bn)
