@@ -355,6 +355,44 @@ def test_w8a16_scaled_real_size(m, k, n, g, offset, nk, block):
 
 
 @pytest.mark.parametrize("m,k,n,g,nk,out_dtype", [
+    (12, 2048, 1536, 128, False, jnp.bfloat16),  # rows the Mosaic W8A16 kernel refuses
+    (512, 768, 2048, 128, True, jnp.float32),
+])
+def test_w8a16_scaled_through_the_api_real_size(m, k, n, g, nk, out_dtype):
+  """``ragged_dot[_general](..., rhs_scale=)`` with 128 x 128 block scales where
+  the automatic choice is the Triton W8A16 kernel: it scales each widened block
+  (one Triton call with the scales), within one bf16 unit (f32: the sums'
+  order) of Triton on the dequantized weights, the f32 oracle, every row
+  written."""
+  from ragdot import scales
+  sizes = _sizes(m, g, "routed")
+  rshape = (g, n, k) if nk else (g, k, n)
+  sshape = (g, n // 128, k // 128) if nk else (g, k // 128, n // 128)
+  x, w = oracle.random_inputs(jax.random.key(m + 3), [(m, k), rshape], jnp.float32)
+  x, w = x.astype(jnp.bfloat16), (w / 4).astype(jnp.float8_e4m3fn)
+  scale = jax.random.uniform(jax.random.key(6), sshape, jnp.float32, 0.5, 2.0) / 64
+  gs = jnp.asarray(sizes)
+  dims = lax.RaggedDotDimensionNumbers((([1], [2 if nk else 1]), ([], [])), [0], [0])
+  call = lambda x, w, s: ragdot.ragged_dot_general(x, w, gs, dims, rhs_scale=s,
+                                                   preferred_element_type=out_dtype)
+  text = jax.jit(call).lower(x, w, scale).as_text()
+  assert "ragdot_triton_gmm" in text
+  _poison(8 * max(m, 64) * n)
+  out = jax.jit(call)(x, w, scale)
+  deq = scales.dequantize(w, scale, jnp.bfloat16)
+  same = jax.jit(lambda x, w: ragdot.ragged_dot_general(
+      x, w, gs, dims, preferred_element_type=out_dtype, implementation="triton"))(x, deq)
+  if out_dtype == jnp.float32:
+    np.testing.assert_allclose(np.asarray(out), np.asarray(same), rtol=1e-5, atol=1e-4)
+  else:
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(same, np.float32),
+                               rtol=2 ** -7, atol=0)
+  oracle.assert_close(out, oracle.ref_ragged_dot(x, deq.astype(jnp.float32), sizes, None, nk),
+                      jnp.bfloat16)
+  oracle.assert_zero_rows(out, sizes, None, g)
+
+
+@pytest.mark.parametrize("m,k,n,g,nk,out_dtype", [
     (12, 2048, 1536, 128, True, jnp.bfloat16),   # rows the TMA row tiles refuse
     (44, 768, 2048, 128, False, jnp.bfloat16),
     (512, 2048, 1536, 128, True, jnp.float32),   # an f32 result (the swap form writes 16 bits)
