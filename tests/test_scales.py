@@ -315,3 +315,39 @@ def test_triton_scales_each_widened_block(monkeypatch, nk, block, offset):
   np.testing.assert_array_equal(_bits(got), _bits(want))
   oracle.assert_close(got, oracle.ref_ragged_dot(x, deq, sizes, offset, nk), jnp.bfloat16)
   oracle.assert_zero_rows(got, sizes, offset, local)
+
+
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+@pytest.mark.parametrize("specs", [(P("dp"), P("ep"), P("ep")), (P(), P(), P("ep")),
+                                   (P("dp"), P(), P())])
+def test_split_operands_gradients_match_the_unsplit_ones(axis_type, specs):
+  """Gradients in rows, fp8 weights and scales with operands split over mesh
+  axes (the scale alone too): those of the unsplit call."""
+  from split_cases import mesh as split_mesh
+  m, k, n, sizes = 256, 64, 32, [40, 0, 33, 50, 7, 60, 20, 30]
+  x, w, s = _case(m, k, n, 8, False, (32, 8), x_dtype=jnp.float32)
+  gs = jnp.asarray(sizes, jnp.int32)
+  c = jax.random.normal(jax.random.key(3), (m, n), jnp.float32)
+  loss = lambda x, w, s: jnp.sum(
+      ragdot.ragged_dot(x, w, gs, rhs_scale=s, implementation="xla") * c)
+  grad = jax.grad(loss, (0, 1, 2))
+  want = grad(x, w, s)
+  with jax.set_mesh(split_mesh(getattr(jax.sharding.AxisType, axis_type))):
+    args = [jax.device_put(a, spec) for a, spec in zip((x, w, s), specs)]
+    got = jax.jit(grad)(*args)
+  for a, b in zip(got, want):  # (f32 sums split over shards: their order differs)
+    b = _bits(b)
+    np.testing.assert_allclose(_bits(a), b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max()))
+
+
+def test_e8m0_weights_and_a_second_quantization_raise():
+  x = jnp.ones((8, 64), jnp.float16)
+  w = jnp.ones((2, 64, 64), jnp.float8_e8m0fnu)
+  with pytest.raises(TypeError, match="rhs_scale needs 8-bit float weights"):
+    ragdot.ragged_dot(x, w, jnp.array([4, 4], jnp.int32), rhs_scale=jnp.ones((2, 1, 1)))
+  from ragdot.moe import functional as F
+  from ragdot.moe.config import MoEConfig
+  cfg = MoEConfig(hidden=32, intermediate=16, num_experts=4, top_k=2)
+  params = F.quantize_experts(F.init_params(jax.random.key(0), cfg), cfg, block=(16, 16))
+  with pytest.raises(ValueError, match="quantized already"):
+    F.quantize_experts(params, cfg)

@@ -220,7 +220,7 @@ def _scaled_gmm_impl(lhs, rhs, scale, group_sizes, group_offset, *, transpose_rh
     return _gmm_sharded(lhs, deq, group_sizes, group_offset, transpose_rhs, precision,
                         out_dtype, implementation)
 
-  if not _fused_scales(lhs, rhs, group_sizes, group_offset, transpose_rhs):
+  if not _fused_scales(lhs, rhs, scale, group_sizes, group_offset):
     return dequantized()
   choice = dispatch.choose("gmm", implementation, **dispatch.facts(
       "gmm", lhs=lhs, rhs=rhs, group_sizes=group_sizes, group_offset=group_offset,
@@ -238,13 +238,28 @@ def _scaled_gmm_impl(lhs, rhs, scale, group_sizes, group_offset, *, transpose_rh
     return dequantized()
 
 
-def _fused_scales(lhs, rhs, group_sizes, group_offset, transpose_rhs) -> bool:
-  """Whether the scaled kernel may run on these operands as they are: not
-  where they are split over explicit mesh axes, nor under a context mesh of
-  automatic axes (the partitioned op runs on the dequantized weights there)."""
-  if sharded.gmm_layout(lhs, rhs, transpose_rhs, group_sizes, group_offset) is not None:
+def _fused_scales(*operands) -> bool:
+  """Whether the scaled kernel runs on these operands as they are: inside
+  shard_map (each call is one device's), an eager call's arrays on one
+  device, a traced call with no context mesh.  Under a context mesh of
+  automatic axes, and for arrays over several devices, the partitioned op
+  runs on the dequantized weights instead: the fused call has no partitioning
+  rule (XLA would gather every expert's weights onto each device).  A program
+  partitioned by its inputs' shardings alone (no context mesh) cannot be told
+  from a one-device one while tracing: it gets the fused call, gathered."""
+  if _explicitly_split(*operands):
     return False
-  return jax.sharding.get_abstract_mesh().empty or not auto_sharding.enabled()
+  if not auto_sharding.enabled():  # a shard_map region, or replicated operands of explicit axes
+    return True
+  arrays = [a for a in operands if a is not None]
+  if traced_primitive.is_eager(arrays):
+    return not auto_sharding.over_devices(tuple(arrays))
+  return jax.sharding.get_abstract_mesh().empty
+
+
+def _explicitly_split(*operands) -> bool:
+  """Whether any operand's type splits it over explicit mesh axes."""
+  return any(any(sharded.split_dims(a)) for a in operands if a is not None)
 
 
 @functools.lru_cache(maxsize=64)
@@ -283,9 +298,16 @@ def _scaled_call(lhs, rhs, scale, group_sizes, group_offset, transpose_rhs, prec
   lhs, rhs, scale = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(scale)
   scales.check(lhs.dtype, rhs, scale, transpose_rhs)
   lhs, rhs, scale, gs, go = match_varying(lhs, rhs, scale, gs, go)
-  out = primitives.scaled_gmm(lhs, rhs, scale, gs, go, transpose_rhs=transpose_rhs,
-                              precision=_hashable_precision(precision),
-                              out_dtype=problem.backend_out_dtype, implementation=implementation)
+  precision = _hashable_precision(precision)
+  if _explicitly_split(lhs, rhs, scale):
+    # Per shard on the dequantized weights (ragdot.sharded), which the JVP and
+    # transpose of the plain op keep per shard too.
+    out = _gmm_sharded(lhs, scales.dequantize(rhs, scale, lhs.dtype), gs, go, transpose_rhs,
+                       precision, problem.backend_out_dtype, implementation)
+  else:
+    out = primitives.scaled_gmm(lhs, rhs, scale, gs, go, transpose_rhs=transpose_rhs,
+                                precision=precision, out_dtype=problem.backend_out_dtype,
+                                implementation=implementation)
   return _finish(out, problem, gs, go, checks, out_sharding)
 
 

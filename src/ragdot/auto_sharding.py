@@ -80,7 +80,7 @@ def _call(op: tuple[str, bool, int | None], kernel: Kernel, static: Any,
   effects.  ``op``: the op's name, transpose_rhs, and tgmm's number of groups."""
   partition = enabled()
   eager = tp.is_eager(args)
-  if partition and eager and _over_devices(args):  # op by op, it would not be partitioned
+  if partition and eager and over_devices(args):  # op by op, it would not be partitioned
     return _jitted(op, kernel, static)(*args)
   args = tuple(a for a in args if a is not None)
   plain = _plain(kernel, static, op[2])
@@ -92,7 +92,8 @@ def _call(op: tuple[str, bool, int | None], kernel: Kernel, static: Any,
   return _partitioned(op, kernel, static, len(args))(*args)
 
 
-def _over_devices(args: tuple[jax.Array | None, ...]) -> bool:
+def over_devices(args: tuple[jax.Array | None, ...]) -> bool:
+  """Whether any concrete array among ``args`` lives on more than one device."""
   return any(len(a.sharding.device_set) > 1 for a in args if isinstance(a, jax.Array))
 
 

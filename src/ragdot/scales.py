@@ -24,11 +24,14 @@ import jax.numpy as jnp
 
 from ragdot import validate
 
+# The 8-bit float weights that take scales (their values are exact in bf16 and f16).
+WEIGHT_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
 
 def check(lhs_dtype: Any, rhs: Any, scale: Any, transpose_rhs: bool) -> tuple[int, int]:
   """(contracting rows, output columns) of one scale block; TypeError or
   ValueError, naming ``rhs_scale``, for a scale that is none of rhs's."""
-  if not validate.is_fp8(rhs.dtype):
+  if jnp.dtype(rhs.dtype) not in WEIGHT_DTYPES:
     raise TypeError(f"rhs_scale needs 8-bit float weights (e4m3 / e5m2), got rhs {rhs.dtype}")
   if jnp.dtype(lhs_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
                                   jnp.dtype(jnp.float32)):

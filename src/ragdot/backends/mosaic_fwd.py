@@ -684,8 +684,11 @@ def gmm(
   if smem > config.smem_budget():
     raise NotImplementedError(f"config {config} needs {smem} bytes of SMEM")
 
-  if (has_offset and config.shard_ring_above is not None and config.swap
-      and config.producer_zeros is False):
+  shard_ring = (has_offset and config.shard_ring_above is not None and config.swap
+                and config.producer_zeros is False)
+  if rhs_scale is not None and (shard_ring or not (config.ring and config.swap)):
+    raise NotImplementedError(f"rhs_scale needs the swap kernel alone, got config {config}")
+  if shard_ring:
     return _shard_swap_or_ring(lhs, rhs, group_sizes, group_offset, transpose_rhs=transpose_rhs,
                                out_dtype=out_dtype, config=config, interpret=interpret)
   if config.ring:

@@ -111,8 +111,10 @@ class MoEMLP(nnx.Module):
     ones with f32 scales per ``block`` of (k, n) (``functional.quantize_experts``),
     held as frozen ``QuantizedWeight`` / ``WeightScale`` variables; the expert
     ragged_dots then take them through ``rhs_scale`` (W8A16 on Hopper)."""
-    p = F.quantize_experts({n: getattr(self, n)[...] for n in self.cfg.projections}, self.cfg,
-                           block, dtype)
+    held = {n: getattr(self, n)[...] for n in self.cfg.projections}
+    held.update({f"{n}_scale": getattr(self, f"{n}_scale")[...] for n in self.cfg.projections
+                 if hasattr(self, f"{n}_scale")})
+    p = F.quantize_experts(held, self.cfg, block, dtype)  # (raises if quantized already)
     for name in self.cfg.projections:
       setattr(self, name, QuantizedWeight(p[name]))
       setattr(self, f"{name}_scale", WeightScale(p[f"{name}_scale"]))

@@ -217,6 +217,8 @@ def quantize_experts(params: dict, cfg: MoEConfig, block: tuple[int, int] = (128
   (``scales.quantize``); the block runs them through ``rhs_scale``."""
   out = dict(params)
   for name in cfg.projections:
+    if f"{name}_scale" in params:
+      raise ValueError(f"projection {name!r} is quantized already (params hold {name}_scale)")
     w = params[name]
     out[name], out[f"{name}_scale"] = scales.quantize(
         w, (min(block[0], w.shape[1]), min(block[1], w.shape[2])), dtype)
