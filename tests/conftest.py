@@ -11,6 +11,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 
 import hypothesis  # noqa: E402
+import pytest  # noqa: E402
 
 hypothesis.settings.register_profile(
     "ragdot", deadline=None, print_blob=True,
@@ -27,3 +28,17 @@ def pytest_runtest_logreport(report):
   if path and report.failed:
     with open(path, "a") as f:
       f.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")
+
+
+@pytest.fixture
+def h200_table():
+  """The shipped H200 table, restored (and the dispatcher's caches cleared)
+  after the test edits its entries."""
+  from ragdot import dispatch, tables
+  dispatch.clear_cache()  # (this reloads the tables: edit the one loaded after it)
+  table, _ = tables.table_for("NVIDIA H200", "9.0")
+  saved = dict(table.entries)
+  yield table
+  table.entries.clear()
+  table.entries.update(saved)
+  dispatch.clear_cache()

@@ -549,3 +549,19 @@ def test_ep_summary_takes_the_median_of_per_round_ratios():
   assert "= 1.30x the local rows' call (1.20-1.30 over 3 rounds)" in line, line
   # masked / ragdot per round 5.0, 5.0, 20.0: median 5.0 (the medians' ratio: 10.0)
   assert "5.0x faster than the masked workaround" in line, line
+
+
+def test_tune_dry_run_for_fp8_weights(tmp_path, capsys):
+  """``--weights-dtype``: W8A16 keys (f16 rows and e5m2 weights under the bf16
+  / e4m3 aliases), both forward layouts and dX, today's choice marked."""
+  assert cli.main(["tune", "--dry-run", "--shape", "512,768,2048,128", "--dtype", "float16",
+                   "--weights-dtype", "float8_e5m2", "--device-kind", "NVIDIA H200",
+                   "--compute-capability", "9.0", "--table", str(tmp_path / "t.json")]) == 0
+  out = capsys.readouterr().out
+  for key in ("gmm/bfloat16+float8_e4m3fn/m512,k768,n2048,g128",
+              "gmm_t/bfloat16+float8_e4m3fn/m512,k768,n2048,g128",
+              "gmm_t/bfloat16+float8_e4m3fn/m512,k2048,n768,g128"):
+    assert key in out
+  assert out.count("(today's choice)") == 3 and "widen_staging" in out
+  assert cli.main(["tune", "--dry-run", "--shape", "512,768,2048,128", "--weights-dtype",
+                   "float8_e4m3fn", "--ops", "dw"]) == 2

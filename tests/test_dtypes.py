@@ -373,20 +373,6 @@ def test_the_shipped_fp8_entries_serve_the_qwen3_30b_calls():
       assert not kept.config.widen_rows
 
 
-@pytest.fixture
-def h200_table():
-  """The shipped H200 table, restored (and the dispatcher's caches cleared)
-  after the test edits its entries."""
-  from ragdot import dispatch, tables
-  dispatch.clear_cache()  # (this reloads the tables: edit the one loaded after it)
-  table, _ = tables.table_for("NVIDIA H200", "9.0")
-  saved = dict(table.entries)
-  yield table
-  table.entries.clear()
-  table.entries.update(saved)
-  dispatch.clear_cache()
-
-
 def _drop_fp8_entries(table):
   for key in [key for key in table.entries if "float8" in key]:
     del table.entries[key]

@@ -398,3 +398,71 @@ def test_triton_widens_fp8_weights_after_each_load(transpose_rhs, w_dtype, offse
   assert not tb.takes_weight_only(jnp.float32, w_dtype)
   with pytest.raises(NotImplementedError, match="rhs dtype"):
     call(x.astype(jnp.float32), w)
+
+
+# --- W8A16 tuning: `ragdot tune --weights-dtype`, and the dispatcher's use of its entries ---
+
+
+def test_tune_tasks_and_candidates_for_fp8_weights():
+  """``--weights-dtype``: the forward in both weight layouts and dX; the
+  candidates start at today's W8A16 config and vary tiles, stages, k step and
+  staging, each a swap config ``weight_only_config`` keeps as it is and that
+  fits SMEM, then Triton's; dW and fp8 rows refuse."""
+  from ragdot import bench, tune
+  s = bench.Shape("decode", 512, 2048, 1536, 128, 8)
+  tasks = tune.tasks_for([s], ("fwd", "dx"), jnp.bfloat16, "float8_e4m3fn")
+  assert [(t.op, t.table_op, t.k, t.n) for t in tasks] == [
+      ("fwd", "gmm", 2048, 1536), ("fwd", "gmm_t", 2048, 1536), ("dx", "gmm_t", 1536, 2048)]
+  assert tune.dtype_key(jnp.bfloat16, "float8_e4m3fn") == "bfloat16+float8_e4m3fn"
+  with pytest.raises(ValueError, match="dW takes no fp8 weights"):
+    tune.tasks_for([s], ("dw",), jnp.bfloat16, "float8_e4m3fn")
+  with pytest.raises(ValueError, match="beside bf16 / f16 rows"):
+    tune.tasks_for([s], ("fwd",), jnp.float32, "float8_e4m3fn")
+  for task in tasks:
+    inc = tune.incumbent_choice(task, jnp.bfloat16, H200)
+    assert inc[0] == "mosaic"
+    cands = tune.weight_only_candidates(task, jnp.bfloat16, inc)
+    assert cands[0] == inc
+    mosaic = [c for b, c in cands if b == "mosaic"]
+    assert len(mosaic) == len(set(mosaic)) >= 20
+    assert any(b == "triton" for b, _ in cands)
+    assert {c.num_stages for c in mosaic} >= {4, 6} and {c.block_k for c in mosaic} == {64, 128}
+    assert {c.widen_staging for c in mosaic} == ({0, 1, 2} if task.transpose_rhs else {1, 2})
+    for c in mosaic:
+      assert c.swap and mf.weight_only_config(c, task.m, task.g, task.k,
+                                              task.transpose_rhs) == c
+      assert c.smem_bytes(jnp.bfloat16, jnp.bfloat16, E4M3) <= c.smem_budget()
+
+
+def test_dispatcher_takes_a_tuned_w8a16_entry(h200_table):
+  """A W8A16 entry (``gmm/bfloat16+float8_e4m3fn/...``) is what the dispatcher
+  runs for fp8 weights beside bf16 rows (its config as ``weight_only_config``
+  fits it; e5m2 / f16 through the aliases), and a Triton one where Triton takes
+  fp8 weights, unless Mosaic is asked for; without one, today's rule."""
+  from ragdot import dispatch
+  k, n, g = 2048, 1536, 128
+  choose = lambda m, **kw: dispatch.choose(
+      "gmm", kw.pop("impl", None), **dict(dict(dtype=jnp.bfloat16, rhs_dtype=E4M3,
+                                               out_dtype=jnp.bfloat16), **kw),
+      m=m, k=k, n=n, g=g, num_groups=g, device=H200)
+  tuned = dataclasses.replace(mf.weight_only_config(None, 512, g, k, False), num_stages=6,
+                              swap_rows=32)
+  h200_table.put("gmm", "bfloat16+float8_e4m3fn", 512, k, n, g,
+                 dict(backend="mosaic", config=dataclasses.asdict(tuned), measured=True))
+  h200_table.put("gmm", "bfloat16+float8_e4m3fn", 256, k, n, g,
+                 dict(backend="triton", measured=True,
+                      config=dict(block_m=32, block_n=128, block_k=128, num_warps=4,
+                                  num_stages=3)))
+  for x_dtype, w_dtype in [(jnp.bfloat16, E4M3), (jnp.float16, E5M2)]:
+    c = choose(512, dtype=x_dtype, rhs_dtype=w_dtype, out_dtype=x_dtype)
+    assert c.implementation == "mosaic" and "W8A16 measured entry" in c.reason, c.reason
+    assert c.config == mf.weight_only_config(tuned, 512, g, k, False)
+    assert c.config.num_stages == 6 and c.config.swap_rows == 32
+  # the [g, n, k] layout has no entry: today's rule
+  assert "W8A16 measured entry" not in choose(512, transpose_rhs=True).reason
+  c = choose(256)
+  assert c.implementation == "triton" and c.config.block_m == 32, c.reason
+  # an explicit mosaic request does not take the Triton entry
+  c = choose(256, impl="mosaic")
+  assert c.implementation == "mosaic"
+  assert c.config == mf.weight_only_config(None, 256, g, k, False)

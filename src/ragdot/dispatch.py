@@ -106,6 +106,7 @@ def clear_cache() -> None:
   """Forget cached choices and tables (after a table file changed)."""
   tables.clear_cache()
   _choose.cache_clear()
+  _weight_only_entry.cache_clear()
   _built_config.cache_clear()
 
 
@@ -340,6 +341,10 @@ def _weight_only(op, implementation, dtype, rhs_dtype, precision_ok, out_dtype, 
                                f" load (Triton W8A16); {why}")
   # A shard takes the full call's entry (a shard's own is mapped to the row-major ring).
   groups = num_groups if has_offset and num_groups else g
+  tuned = _weight_only_entry(table_op(op, transpose_rhs), implementation, _name(dtype),
+                             _name(rhs_dtype), m, k, n, groups, device)
+  if tuned is not None:
+    return tuned
   choice = _choose(op, implementation, _name(dtype), precision_ok, out, m, k, n, groups,
                    groups if has_offset else num_groups, bool(transpose_rhs), False, device)
   decode = mosaic_fwd.weight_only_decode(m, groups or 0)
@@ -353,6 +358,40 @@ def _weight_only(op, implementation, dtype, rhs_dtype, precision_ok, out_dtype, 
          " widened copy)")
   return Choice("mosaic", config=config, automatic=implementation is None,
                 reason=f"{_name(rhs_dtype)} weights: the W8A16 swap kernel, {why}; {choice.reason}")
+
+
+def weight_only_dtype(dtype: Any, rhs_dtype: Any) -> str:
+  """The table dtype of W8A16 entries: ``rows+weights``."""
+  return f"{_name(dtype)}+{_name(rhs_dtype)}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _weight_only_entry(top, implementation, dtype, rhs_dtype, m, k, n, groups,
+                       device: Device) -> Choice | None:
+  """The table's W8A16 entry for the call (``ragdot tune --weights-dtype``):
+  Mosaic (its config as ``weight_only_config`` fits it) or Triton (sm89+), when
+  one is within reach and ``implementation`` allows it; else None."""
+  if None in (m, k, n, groups) or not groups:
+    return None
+  table, why = tables.table_for(device.kind, device.compute_capability)
+  hit = table.lookup(top, weight_only_dtype(dtype, rhs_dtype), m, k, n, groups)
+  if (hit is None or hit.backend not in ("mosaic", "triton") or hit.config_items is None
+      or implementation not in (None, hit.backend)):
+    return None
+  if hit.backend == "triton" and not triton_takes_weight_only(dtype, rhs_dtype, device):
+    return None
+  try:
+    config = make_config(hit.backend, top, dict(hit.config_items))
+  except (TypeError, ValueError):  # the kernel's Config changed under the table
+    return None
+  if hit.backend == "mosaic":
+    from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
+    if not config.swap:
+      return None
+    config = mosaic_fwd.weight_only_config(config, m, groups, k, top == "gmm_t")
+  return Choice(hit.backend, config=config, automatic=implementation is None,
+                measured=hit.measured,
+                reason=f"{rhs_dtype} weights: the W8A16 {hit.reason}; {why}")
 
 
 @functools.lru_cache(maxsize=4096)

@@ -24,6 +24,8 @@ shipped ones)::
     }
   }
 
+Dtypes: the operands' (``bfloat16``), or for fp8 weights beside 16-bit rows
+(W8A16) the pair ``bfloat16+float8_e4m3fn``.
 Ops: ``gmm`` (forward), ``gmm_t`` (forward with rhs ``[g, n, k]``, i.e. dX),
 ``tgmm`` (ragged contracting, dW).  m, k, n, g are the shapes the backend call
 sees (lhs ``[m, k]``, output ``[m, n]`` or ``[g, k, n]``, g local groups).
@@ -122,7 +124,10 @@ class Table:
     return None
 
   def canonical_dtype(self, dtype: str) -> str:
-    return self.data.get("dtype_aliases", {}).get(dtype, dtype)
+    """The dtype whose entries serve ``dtype`` (each part of a W8A16 pair
+    ``rows+weights``, e.g. ``bfloat16+float8_e4m3fn``, on its own)."""
+    aliases = self.data.get("dtype_aliases", {})
+    return "+".join(aliases.get(part, part) for part in dtype.split("+"))
 
   def lookup(self, op: str, dtype: str, m: int, k: int, n: int, g: int) -> Hit | None:
     """The entry for one call; None when the table has nothing for the dtype."""

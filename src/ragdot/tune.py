@@ -69,7 +69,8 @@ class Task:
   n: int
   g: int
   top_k: int = 8
-  rhs_nk: bool = False  # fwd with rhs [g, n, k] (fp8 operands)
+  rhs_nk: bool = False  # fwd with rhs [g, n, k] (fp8 operands; W8A16 weights so laid out)
+  weights: str | None = None  # W8A16: the fp8 weights' dtype beside 16-bit rows
 
   @property
   def transpose_rhs(self) -> bool:
@@ -82,6 +83,14 @@ class Task:
 
 
 FP8_OPS = ("fwd",)
+WEIGHT_ONLY_OPS = ("fwd", "dx")  # W8A16: the forward in both weight layouts, and dX
+
+
+def dtype_key(dtype, weights: str | None) -> str:
+  """The table dtype a task's entry goes under (W8A16: ``rows+weights``)."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  name = jnp.dtype(dtype).name
+  return f"{name}+{jnp.dtype(weights).name}" if weights else name
 
 
 def out_dtype_of(dtype):
@@ -91,19 +100,37 @@ def out_dtype_of(dtype):
   return jnp.dtype(jnp.bfloat16) if validate.is_fp8(dtype) else jnp.dtype(dtype)
 
 
-def tasks_for(shapes, ops, dtype=None) -> list[Task]:
+def tasks_for(shapes, ops, dtype=None, weights=None) -> list[Task]:
   """One task per (shape, op), with the k and n the backend call sees (fp8:
-  the forward on rhs [g, n, k], the layout 8-bit wgmma reads)."""
+  the forward on rhs [g, n, k], the layout 8-bit wgmma reads; W8A16
+  (``weights``, fp8 beside 16-bit rows): the forward in both weight layouts,
+  and dX)."""
   fp8 = dtype is not None and validate.is_fp8(dtype)
   if fp8 and set(ops) - set(FP8_OPS):
     raise ValueError(f"ops: fp8 operands are tuned for {FP8_OPS} only (the backward runs on"
                      f" bf16 copies), got {list(ops)}")
+  if weights is not None:
+    if fp8 or not validate.weight_only(jnp_zeros(dtype), jnp_zeros(weights)):
+      raise ValueError(f"weights: fp8 weights beside bf16 / f16 rows, got {weights} beside"
+                       f" {dtype}")
+    if set(ops) - set(WEIGHT_ONLY_OPS):
+      raise ValueError(f"ops: W8A16 is tuned for {WEIGHT_ONLY_OPS} (dW takes no fp8 weights),"
+                       f" got {list(ops)}")
   out = []
   for s in shapes:
     for op in ops:
       call = backend_call(op, s.k, s.n)
-      out.append(Task(op, s.name, s.m, call.k, call.n, s.g, min(s.top_k, s.g), fp8))
+      task = Task(op, s.name, s.m, call.k, call.n, s.g, min(s.top_k, s.g), fp8, weights)
+      out.append(task)
+      if weights is not None and op == "fwd":  # the forward on weights laid out [g, n, k]
+        out.append(dataclasses.replace(task, rhs_nk=True))
   return out
+
+
+def jnp_zeros(dtype):
+  """A zero of ``dtype`` (for the dtype rules of ``validate``)."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  return jnp.zeros((), dtype)
 
 
 def config_fields(config: Any) -> dict[str, Any]:
@@ -119,6 +146,8 @@ def candidates(task: Task, dtype, incumbent: tuple[str, Any] | None = None
   xla backend."""
   from ragdot.backends import mosaic_dw, mosaic_fwd, triton, xla  # pylint: disable=g-import-not-at-top
 
+  if task.weights is not None:
+    return weight_only_candidates(task, dtype, incumbent)
   if task.op == "dw":
     cfgs = [mosaic_dw.default_config(task.m, task.k, task.n, task.g, dtype, dtype)]
     cfgs += mosaic_dw.gpu_sweep_configs(task.m, task.k, task.n, task.g, dtype, dtype)
@@ -150,6 +179,44 @@ def candidates(task: Task, dtype, incumbent: tuple[str, Any] | None = None
   return out
 
 
+def weight_only_candidates(task: Task, dtype, incumbent: tuple[str, Any] | None = None
+                           ) -> list[tuple[str, Any]]:
+  """W8A16 candidates: the Mosaic swap kernel's config the dispatcher runs
+  today (or its own), then its variants: tiles of half and twice the rows, 4, 6
+  and 8 stages, k steps of 64 and 128 columns, the widened slices in registers
+  ([g, n, k] only) or one or two SMEM buffers, each as ``weight_only_config``
+  fits it; then the first four Triton configs (weights widened after each
+  load)."""
+  import itertools  # pylint: disable=g-import-not-at-top
+  from ragdot.backends import mosaic_fwd, triton  # pylint: disable=g-import-not-at-top
+
+  tr = task.transpose_rhs
+  fit = lambda c: mosaic_fwd.weight_only_config(c, task.m, task.g, task.k, tr)
+  base = (incumbent[1] if incumbent is not None and incumbent[0] == "mosaic"
+          else fit(None))
+  out = [("mosaic", base)]
+  if incumbent is not None and incumbent[0] == "triton":
+    out.append(incumbent)
+  rows = sorted({r for r in (base.swap_rows // 2, base.swap_rows, base.swap_rows * 2)
+                 if mosaic_fwd.MIN_SWAP_ROWS <= r <= 256 and r % 16 == 0})
+  stagings = (0, 1, 2) if tr else (1, 2)
+  for r, stages, block_k, staging in itertools.product(rows, (4, 6, 8), (64, 128), stagings):
+    try:
+      c = fit(dataclasses.replace(base, swap_rows=r, num_stages=stages, block_k=block_k,
+                                  widen_staging=staging,
+                                  tail_rows=base.tail_rows if r == base.swap_rows else 0,
+                                  short_tile_rows=0 if r != base.swap_rows
+                                  else base.short_tile_rows))
+    except ValueError:  # (a field combination the config refuses)
+      continue
+    if ("mosaic", c) not in out:
+      out.append(("mosaic", c))
+  for c in triton.gpu_sweep_configs(task.table_op, task.m, task.k, task.n, task.g, dtype)[:4]:
+    if ("triton", c) not in out:
+      out.append(("triton", c))
+  return out
+
+
 def incumbent_choice(task: Task, dtype, device) -> tuple[str, Any] | None:
   """(backend, config) the dispatcher picks for ``task``'s call on ``device``
   with the installed tables (a kernel backend with a config; else None)."""
@@ -158,7 +225,8 @@ def incumbent_choice(task: Task, dtype, device) -> tuple[str, Any] | None:
   # task.k / task.n are the backend call's already (dX: the forward's n and k).
   c = dispatch.choose("tgmm" if task.op == "dw" else "gmm", None, dtype=dtype,
                       out_dtype=out_dtype_of(dtype), m=task.m, k=task.k, n=task.n, g=task.g,
-                      num_groups=task.g, transpose_rhs=task.transpose_rhs, device=device)
+                      num_groups=task.g, transpose_rhs=task.transpose_rhs, device=device,
+                      rhs_dtype=task.weights)
   if c.implementation not in ("mosaic", "triton") or c.config is None:
     return None
   return c.implementation, c.config
@@ -202,7 +270,9 @@ def _inputs(task: Task, dtype, seed: int = 0):
     rhs = jax.random.normal(keys[1], (task.m, task.n), dtype)
   else:
     shape = (task.g, task.n, task.k) if task.transpose_rhs else (task.g, task.k, task.n)
-    rhs = (jax.random.normal(keys[1], shape, jnp.float32) / 32).astype(dtype)
+    # (W8A16: unit-scale fp8 weights, well inside e4m3's normal range)
+    scale, wdtype = (1.0, task.weights) if task.weights else (1 / 32, dtype)
+    rhs = (jax.random.normal(keys[1], shape, jnp.float32) * scale).astype(wdtype)
   return lhs, rhs, sizes
 
 
@@ -220,9 +290,12 @@ def _fn(task: Task, backend: str, config: Any, out_dtype):
 
 
 def _reference(task: Task, lhs, rhs, sizes):
-  """The xla backend's f32 result (fp8 operands: on their exact bf16 copies)."""
+  """The xla backend's f32 result (fp8 operands: on their exact bf16 copies;
+  fp8 weights: on copies in the rows' dtype)."""
   if validate.is_fp8(lhs.dtype):
     lhs, rhs = lhs.astype(validate.widened(lhs.dtype)), rhs.astype(validate.widened(rhs.dtype))
+  elif rhs.dtype != lhs.dtype:
+    rhs = rhs.astype(lhs.dtype)
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   return _fn(task, "xla", None, jnp.float32)(lhs, rhs, sizes)
 
@@ -538,6 +611,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--dtype", default="bfloat16",
                       choices=["bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"],
                       help="operand dtype (fp8: --ops fwd, the native [g, n, k] forward)")
+  parser.add_argument("--weights-dtype", default=None, choices=["float8_e4m3fn", "float8_e5m2"],
+                      help="W8A16: fp8 expert weights beside --dtype rows (bf16 / f16); --ops"
+                           " fwd (both weight layouts) and dx; entries under"
+                           " 'bfloat16+float8_e4m3fn'")
   parser.add_argument("--table", default=None,
                       help="table file to merge into (default: this device's shipped table)")
   parser.add_argument("--force", action="store_true", help="re-measure entries already measured")
@@ -567,6 +644,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            " --json` file, where it beat the automatic choice, and exit")
   parser.add_argument("--device-kind", default=None,
                       help="device kind for --dry-run / --import-* (default: this device)")
+  parser.add_argument("--compute-capability", default=None,
+                      help="with --device-kind: its compute capability (e.g. 9.0), which"
+                           " today's choice of a --dry-run depends on")
 
 
 def _cpus() -> int:
@@ -588,7 +668,9 @@ def run(args: argparse.Namespace) -> int:
   table = open_table(path, kind)
 
   dtype = jnp.dtype(args.dtype)
-  if validate.is_fp8(dtype) and (args.import_sweep or args.import_bench):
+  weights = getattr(args, "weights_dtype", None)
+  key_dtype = dtype_key(dtype, weights)
+  if (validate.is_fp8(dtype) or weights) and (args.import_sweep or args.import_bench):
     print("ragdot tune: --import-sweep / --import-bench hold bf16 measurements; fp8"
           " entries come from timing fp8 calls", file=sys.stderr)
     return 2
@@ -611,9 +693,10 @@ def run(args: argparse.Namespace) -> int:
   if not shapes:
     print("ragdot tune: give --preset or --shape", file=sys.stderr)
     return 2
-  ops = args.ops or (FP8_OPS if validate.is_fp8(dtype) else OPS)
+  ops = args.ops or (FP8_OPS if validate.is_fp8(dtype) else WEIGHT_ONLY_OPS if weights
+                     else OPS)
   try:
-    tasks = tasks_for(shapes, ops, dtype)
+    tasks = tasks_for(shapes, ops, dtype, weights)
   except ValueError as e:
     print(f"ragdot tune: {e}", file=sys.stderr)
     return 2
@@ -621,15 +704,16 @@ def run(args: argparse.Namespace) -> int:
   from ragdot import dispatch  # pylint: disable=g-import-not-at-top
   # Whose choice is "today's" (incumbent_choice): this GPU, or --device-kind's.
   device = (dispatch.current_device() if on_gpu and not args.device_kind
-            else dispatch.Device("gpu", kind))
+            else dispatch.Device("gpu", kind, getattr(args, "compute_capability", None)))
   if args.dry_run:
     print(f"table: {path} ({kind}){'' if on_gpu else '  [no GPU: dry run only]'}")
     for task in tasks:
-      k_ = tables.key(task.table_op, table.canonical_dtype(dtype.name), task.m, task.k,
+      k_ = tables.key(task.table_op, table.canonical_dtype(key_dtype), task.m, task.k,
                       task.n, task.g)
-      done = None if args.force else _done(table, task, dtype.name)
+      done = None if args.force else _done(table, task, key_dtype)
       state = f"skip: {done}" if done else "to tune"
-      print(f"{task.op:3s} {task.name}  call m={task.m} k={task.k} n={task.n} g={task.g}"
+      layout = " rhs [g,n,k]" if task.weights and task.rhs_nk else ""
+      print(f"{task.op:3s} {task.name}{layout}  call m={task.m} k={task.k} n={task.n} g={task.g}"
             f"  key {k_}  [{state}]")
       inc = incumbent_choice(task, dtype, device)
       for backend, config in candidates(task, dtype, inc):
@@ -662,7 +746,7 @@ def run(args: argparse.Namespace) -> int:
   with Progress() as progress:
     for name, shape_tasks in by_shape.items():
       for task in shape_tasks:
-        done = None if args.force else _done(table, task, dtype.name)
+        done = None if args.force else _done(table, task, key_dtype)
         if done:
           progress.console.print(f"skip {task.op} {name}: {done}")
           continue
@@ -677,7 +761,7 @@ def run(args: argparse.Namespace) -> int:
               f"[red]{task.op} {name}: no candidate timed within {args.budget_s:.0f} s"
               " or passed the accuracy check; table entry unchanged[/red]")
           continue
-        text = table.put(task.table_op, dtype.name, task.m, task.k, task.n, task.g, entry)
+        text = table.put(task.table_op, key_dtype, task.m, task.k, task.n, task.g, entry)
         table.save(path)
         speedup = (f", {entry['default_ms'] / entry['ms']:.2f}x the default"
                    if entry.get("default_ms") else "")
