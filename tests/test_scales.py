@@ -127,24 +127,30 @@ def test_mosaic_call_scales_in_the_kernel_and_falls_back_where_it_refuses(monkey
   with rhs_scale), and 32-row ones run on dequantized weights; both equal
   the XLA call bitwise where the sums' order is the kernel's (the same
   kernel on the dequantized weights)."""
+  import ragdot.backends.mosaic  # pylint: disable=unused-import  (its gmm bound before the spy)
   calls = []
   gmm = mf.gmm
 
-  def spy(*args, **kw):  # (the calls that returned: a refusal raises first)
-    out = gmm(*args, **kw)
-    calls.append(kw.get("rhs_scale") is not None)
+  def spy(*args, **kw):  # each call with scales: whether the kernel ran or refused
+    scaled = kw.get("rhs_scale") is not None
+    try:
+      out = gmm(*args, **kw)
+    except NotImplementedError:
+      calls.append((scaled, "refused"))
+      raise
+    calls.append((scaled, "ran"))
     return out
 
   monkeypatch.setattr(mf, "gmm", spy)
   m, k, n, sizes = 256, 128, 128, [100, 0, 120]
   gs = jnp.asarray(sizes, jnp.int32)
-  for block, scaled in [((64, 64), True), ((32, 64), False)]:
+  for block, outcome in [((64, 64), "ran"), ((32, 64), "refused")]:
     calls.clear()
     x, w, s = _case(m, k, n, 3, False, block, seed=3)
     got = ragdot.ragged_dot(x, w, gs, rhs_scale=s, implementation="mosaic")
+    assert calls == [(True, outcome)], calls
     want = ragdot.ragged_dot(x, scales.dequantize(w, s, jnp.bfloat16), gs,
                              implementation="mosaic")
-    assert calls[0] == scaled and not any(calls[1:]), calls
     np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
@@ -174,6 +180,7 @@ def test_dx_runs_the_scaled_kernel_transposed(monkeypatch):
   """Under jax.grad with implementation="mosaic" the rows' cotangent runs the
   scaled kernel on the weights as stored, transposed (no dequantized copy):
   equal to the dX of the same kernel on the dequantized weights."""
+  import ragdot.backends.mosaic  # pylint: disable=unused-import  (its gmm bound before the spy)
   calls = []
   gmm = mf.gmm
 
