@@ -5,6 +5,7 @@ from ragdot.api import checked
 from ragdot.api import ragged_dot
 from ragdot.api import ragged_dot_general
 from ragdot.api import trans_ragged_dot
+from ragdot import scales
 from ragdot.backends import IMPLEMENTATIONS
 
 __version__ = "0.1.0"
@@ -15,5 +16,6 @@ __all__ = [
     "checked",
     "ragged_dot",
     "ragged_dot_general",
+    "scales",
     "trans_ragged_dot",
 ]
