@@ -99,6 +99,31 @@ def test_nnx_block_matches_functional_bf16_ep8():
   assert max(jax.tree.leaves(errs)) <= 3e-2, errs
 
 
+def _same_lora_training(monkeypatch, cfg, narrow, wide, x, ids, cot, record):
+  """The LoRA loss and gradients of the block under EP=4 on ``narrow`` params
+  (fp8 experts) equal those on ``wide`` (their bf16 values), bitwise; returns
+  ``record(w, kwargs)`` of every ragged_dot call made."""
+  mesh = _mesh(4)
+  seen = []
+  real = F.ragdot.ragged_dot
+
+  def spy(x, w, *a, **kw):
+    seen.append(record(w, kw))
+    return real(x, w, *a, **kw)
+
+  def vg(p):
+    loss = lambda lora, x: jnp.sum(F.moe_mlp({**p, "lora": lora}, x, cfg, adapter_ids=ids,
+                                             mesh=mesh).astype(jnp.float32) * cot)
+    return jax.jit(jax.value_and_grad(loss))(p["lora"], x.astype(jnp.bfloat16))
+
+  monkeypatch.setattr(F.ragdot, "ragged_dot", spy)
+  (l8, g8), (l16, g16) = vg(narrow), vg(wide)
+  assert float(l8) == float(l16)
+  for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g16)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  return seen
+
+
 def test_fp8_experts_beside_bf16_rows_stay_fp8(monkeypatch):
   """Frozen fp8 base experts with bf16 LoRA adapters (EP=4): ragged_dot gets
   the fp8 weights (W8A16; on the CPU's XLA backend widened, exactly), so the
@@ -108,25 +133,9 @@ def test_fp8_experts_beside_bf16_rows_stay_fp8(monkeypatch):
   params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
   fp8 = {**params, **{n: params[n].astype(jnp.float8_e4m3fn) for n in cfg.projections}}
   wide = {**params, **{n: fp8[n].astype(jnp.bfloat16) for n in cfg.projections}}
-  mesh = _mesh(4)
-  seen = []
-  real = F.ragdot.ragged_dot
-
-  def spy(x, w, *a, **kw):
-    seen.append(w.dtype)
-    return real(x, w, *a, **kw)
-
-  def vg(p):
-    loss = lambda lora, x: jnp.sum(F.moe_mlp({**p, "lora": lora}, x, cfg, adapter_ids=ids,
-                                             mesh=mesh).astype(jnp.float32) * cot)
-    return jax.jit(jax.value_and_grad(loss))(p["lora"], x.astype(jnp.bfloat16))
-
-  monkeypatch.setattr(F.ragdot, "ragged_dot", spy)
-  (l8, g8), (l16, g16) = vg(fp8), vg(wide)
+  seen = _same_lora_training(monkeypatch, cfg, fp8, wide, x, ids, cot,
+                              lambda w, kw: w.dtype)
   assert jnp.dtype(jnp.float8_e4m3fn) in seen
-  assert float(l8) == float(l16)
-  for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g16)):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def test_fp8_experts_with_block_scales(monkeypatch):
@@ -147,26 +156,10 @@ def test_fp8_experts_with_block_scales(monkeypatch):
   deq = {n: F.scales.dequantize(quant[n], quant[f"{n}_scale"], jnp.bfloat16)
          for n in cfg.projections}
   wide = {**params, **deq}
-  mesh = _mesh(4)
-  scaled = []
-  real = F.ragdot.ragged_dot
-
-  def spy(x, w, *a, **kw):
-    scaled.append(kw.get("rhs_scale") is not None)
-    return real(x, w, *a, **kw)
-
-  def vg(p):
-    loss = lambda lora, x: jnp.sum(F.moe_mlp({**p, "lora": lora}, x, cfg, adapter_ids=ids,
-                                             mesh=mesh).astype(jnp.float32) * cot)
-    return jax.jit(jax.value_and_grad(loss))(p["lora"], x.astype(jnp.bfloat16))
-
-  monkeypatch.setattr(F.ragdot, "ragged_dot", spy)
-  (lq, gq), (lw, gw) = vg(quant), vg(wide)
+  scaled = _same_lora_training(monkeypatch, cfg, quant, wide, x, ids, cot,
+                                lambda w, kw: kw.get("rhs_scale") is not None)
   assert any(scaled)
-  assert float(lq) == float(lw)
-  for a, b in zip(jax.tree.leaves(gq), jax.tree.leaves(gw)):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-  y = F.moe_mlp(quant, x.astype(jnp.bfloat16), cfg, adapter_ids=ids, mesh=mesh)
+  y = F.moe_mlp(quant, x.astype(jnp.bfloat16), cfg, adapter_ids=ids, mesh=_mesh(4))
   xb = x.astype(jnp.bfloat16)  # (the same routing in both)
   assert _rel(y, F.reference_moe_mlp(quant, xb, cfg, adapter_ids=ids)) <= 3e-2
   # the quantized weights are close to the bf16 ones they came from

@@ -296,7 +296,7 @@ def _scaled_call(lhs, rhs, scale, group_sizes, group_offset, transpose_rhs, prec
                                               preferred_element_type,
                                               transpose_rhs=transpose_rhs)
   lhs, rhs, scale = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(scale)
-  scales.check(lhs.dtype, rhs, scale, transpose_rhs)
+  scales.check(lhs.dtype, rhs, scale)
   lhs, rhs, scale, gs, go = match_varying(lhs, rhs, scale, gs, go)
   precision = _hashable_precision(precision)
   if _explicitly_split(lhs, rhs, scale):

@@ -29,6 +29,7 @@ from jax import lax
 from jax.interpreters import ad
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from ragdot import scales
 from ragdot import sharded
 from ragdot import validate
 from ragdot import traced_primitive as tp
@@ -259,7 +260,6 @@ def _make_scaled_fn(params: dict[str, Any]) -> Callable[..., jax.Array]:
 def _dequantized_tangent(lhs, rhs, scale, drhs, dscale):
   """The tangent of the dequantized weights (rounding to lhs's dtype taken as
   the identity, as JAX's convert does)."""
-  from ragdot import scales  # pylint: disable=g-import-not-at-top  (imports validate only)
   drhs = ad.instantiate_zeros(drhs)
   dscale = ad.instantiate_zeros(dscale)
   return jax.jvp(lambda r, s: scales.dequantize(r, s, lhs.dtype), (rhs, scale),

@@ -24,14 +24,10 @@ import jax.numpy as jnp
 
 from ragdot import validate
 
-# The 8-bit float weights that take scales (their values are exact in bf16 and f16).
-WEIGHT_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
-
-
-def check(lhs_dtype: Any, rhs: Any, scale: Any, transpose_rhs: bool) -> tuple[int, int]:
-  """(contracting rows, output columns) of one scale block; TypeError or
-  ValueError, naming ``rhs_scale``, for a scale that is none of rhs's."""
-  if jnp.dtype(rhs.dtype) not in WEIGHT_DTYPES:
+def check(lhs_dtype: Any, rhs: Any, scale: Any) -> None:
+  """TypeError or ValueError, naming ``rhs_scale``, for a scale that is none of
+  rhs's (either layout: the scale follows rhs's)."""
+  if jnp.dtype(rhs.dtype) not in validate.FP8_DTYPES:
     raise TypeError(f"rhs_scale needs 8-bit float weights (e4m3 / e5m2), got rhs {rhs.dtype}")
   if jnp.dtype(lhs_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
                                   jnp.dtype(jnp.float32)):
@@ -46,8 +42,6 @@ def check(lhs_dtype: Any, rhs: Any, scale: Any, transpose_rhs: bool) -> tuple[in
   if sg != g or not sa or not sb or a % sa or b % sb:
     raise ValueError(f"rhs_scale's shape {scale.shape} must be [{g}, a, b] with a dividing"
                      f" {a} and b dividing {b} (one scale per block of rhs {rhs.shape})")
-  k_block, n_block = (b // sb, a // sa) if transpose_rhs else (a // sa, b // sb)
-  return k_block, n_block
 
 
 def _full(scale: jax.Array, shape: tuple[int, ...]) -> jax.Array:

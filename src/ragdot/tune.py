@@ -89,8 +89,8 @@ WEIGHT_ONLY_OPS = ("fwd", "dx")  # W8A16: the forward in both weight layouts, an
 def dtype_key(dtype, weights: str | None) -> str:
   """The table dtype a task's entry goes under (W8A16: ``rows+weights``)."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  name = jnp.dtype(dtype).name
-  return f"{name}+{jnp.dtype(weights).name}" if weights else name
+  from ragdot import dispatch  # pylint: disable=g-import-not-at-top
+  return dispatch.weight_only_dtype(dtype, weights) if weights else jnp.dtype(dtype).name
 
 
 def out_dtype_of(dtype):
@@ -110,7 +110,7 @@ def tasks_for(shapes, ops, dtype=None, weights=None) -> list[Task]:
     raise ValueError(f"ops: fp8 operands are tuned for {FP8_OPS} only (the backward runs on"
                      f" bf16 copies), got {list(ops)}")
   if weights is not None:
-    if fp8 or not validate.weight_only(jnp_zeros(dtype), jnp_zeros(weights)):
+    if fp8 or not validate.weight_only(dtype, weights):
       raise ValueError(f"weights: fp8 weights beside bf16 / f16 rows, got {weights} beside"
                        f" {dtype}")
     if set(ops) - set(WEIGHT_ONLY_OPS):
@@ -125,12 +125,6 @@ def tasks_for(shapes, ops, dtype=None, weights=None) -> list[Task]:
       if weights is not None and op == "fwd":  # the forward on weights laid out [g, n, k]
         out.append(dataclasses.replace(task, rhs_nk=True))
   return out
-
-
-def jnp_zeros(dtype):
-  """A zero of ``dtype`` (for the dtype rules of ``validate``)."""
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  return jnp.zeros((), dtype)
 
 
 def config_fields(config: Any) -> dict[str, Any]:

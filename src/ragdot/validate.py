@@ -93,6 +93,10 @@ def widened(dtype: Any) -> np.dtype:
   return np.dtype(dtype)
 
 
+# The 8-bit floats the kernels take (natively, as W8A16 weights, with block scales).
+FP8_DTYPES = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
+
+
 def is_fp8(dtype: Any) -> bool:
   """An 8-bit float (e4m3, e5m2, ...): exact in bf16, where the backends that
   do not take it compute it."""

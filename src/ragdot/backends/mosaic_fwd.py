@@ -62,6 +62,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ragdot.manual_axes import make_varying, match_varying, out_struct, varying_axes
 from ragdot import backends
+from ragdot import validate
 from ragdot.backends import sm90
 from ragdot.backends.mosaic_fwd_config import (  # noqa: F401  (re-exported)
     MIN_SWAP_ROWS,
@@ -91,7 +92,7 @@ _OUT_DTYPES = _IN_DTYPES + (jnp.dtype(jnp.float32),)
 # Native fp8: 8-bit wgmma reads both operands K-major, as rhs laid out [g, n, k]
 # is; rhs [g, k, n] is first copied to that layout (an XLA transpose, 1 byte an
 # element: less traffic than the bf16 copies the other backends take).
-FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+FP8_DTYPES = validate.FP8_DTYPES
 
 
 def takes_fp8(dtype: Any) -> bool:

@@ -47,6 +47,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ragdot import metadata as md
 from ragdot import backends
+from ragdot import validate
 from ragdot.backends import sm90
 from ragdot.manual_axes import match_varying, out_struct
 
@@ -268,15 +269,12 @@ def _dot_precision(precision: Any) -> Any:
   return None
 
 
-_FP8_WEIGHTS = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
-
-
 def takes_weight_only(lhs_dtype: Any, rhs_dtype: Any) -> bool:
   """Whether ``gmm`` takes bf16 / f16 rows with e4m3 / e5m2 weights as they
   are (W8A16): each weight block is widened to the rows' dtype after its load
   (exact), in either layout.  Needs sm89 or later for e4m3 (Triton's
   conversion)."""
-  return (jnp.dtype(lhs_dtype) in _IN_DTYPES[:2] and jnp.dtype(rhs_dtype) in _FP8_WEIGHTS)
+  return (jnp.dtype(lhs_dtype) in _IN_DTYPES[:2] and jnp.dtype(rhs_dtype) in validate.FP8_DTYPES)
 
 
 def _check_dtypes(dtype: Any, out_dtype: Any) -> None:

@@ -111,10 +111,7 @@ class MoEMLP(nnx.Module):
     ones with f32 scales per ``block`` of (k, n) (``functional.quantize_experts``),
     held as frozen ``QuantizedWeight`` / ``WeightScale`` variables; the expert
     ragged_dots then take them through ``rhs_scale`` (W8A16 on Hopper)."""
-    held = {n: getattr(self, n)[...] for n in self.cfg.projections}
-    held.update({f"{n}_scale": getattr(self, f"{n}_scale")[...] for n in self.cfg.projections
-                 if hasattr(self, f"{n}_scale")})
-    p = F.quantize_experts(held, self.cfg, block, dtype)  # (raises if quantized already)
+    p = F.quantize_experts(self.params(), self.cfg, block, dtype)  # (raises if quantized already)
     for name in self.cfg.projections:
       setattr(self, name, QuantizedWeight(p[name]))
       setattr(self, f"{name}_scale", WeightScale(p[f"{name}_scale"]))
@@ -150,8 +147,7 @@ def shard_moe_state(state: Any, mesh: Any, ep_axis: str = "ep") -> Any:
   """Places an NNX state (or any pytree with path names): leaves under a MoEMLP
   expert attribute get ``P(ep_axis)`` on their leading dim, others are replicated."""
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  expert_names = {"gate_up", "gate", "up", "down"}
-  expert_names |= {f"{name}_scale" for name in expert_names}
+  expert_names = set(F.EXPERT_KEYS)
 
   def place(path, leaf):
     keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
