@@ -7,6 +7,7 @@ naming ``rhs_scale``; the scaled kernel lowers for sm90."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -120,6 +121,26 @@ def test_kernel_refuses_scale_blocks_not_in_whole_k_steps():
   with pytest.raises(NotImplementedError, match="fp8 weights"):
     mf.gmm(x, w.astype(jnp.bfloat16), gs, None, transpose_rhs=True, out_dtype=jnp.bfloat16,
            interpret=True, config=SWAP, rhs_scale=scales.kernel_scales(s, w.shape, True))
+
+
+@pytest.mark.parametrize("kernel", ["mosaic", "triton"])
+def test_kernels_raise_value_error_for_a_malformed_kernel_scale(kernel):
+  """Both kernels: a kernel-layout scale of the wrong shape is a ValueError
+  (a caller's bug), bf16 weights with scales a NotImplementedError (a call
+  the dispatcher routes elsewhere)."""
+  from ragdot.backends import triton as tb
+  x, w, s = _case(128, 128, 64, 2, True, (64, 1))
+  gs = jnp.array([60, 40], jnp.int32)
+  good = scales.kernel_scales(s, w.shape, True)
+  call = (functools.partial(mf.gmm, config=SWAP) if kernel == "mosaic"
+          else functools.partial(tb.gmm, precision=None))
+  run = lambda w, sc: call(x, w, gs, None, transpose_rhs=True, out_dtype=jnp.bfloat16,
+                           interpret=True, rhs_scale=sc)
+  for bad in (good[:, :, :32], good[:1], good[:, :0], good[..., None]):
+    with pytest.raises(ValueError, match="rhs_scale must be"):
+      run(w, bad)
+  with pytest.raises(NotImplementedError, match="fp8 weights"):
+    run(w.astype(jnp.bfloat16), good)
 
 
 def test_mosaic_call_scales_in_the_kernel_and_falls_back_where_it_refuses(monkeypatch):

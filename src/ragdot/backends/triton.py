@@ -419,11 +419,15 @@ def gmm(
   bm, bn, bk = _fit(config.block_m, m), _fit(config.block_n, n), _fit(config.block_k, k)
   scale_rows = 0
   if rhs_scale is not None:
-    if rhs.dtype == lhs.dtype or rhs_scale.shape[0] != num_local or rhs_scale.shape[2] != n:
-      raise NotImplementedError(f"triton: rhs_scale [{num_local}, k // t, {n}] beside fp8 "
-                                f"weights, got {rhs_scale.shape} with {rhs.dtype}")
+    if rhs.dtype == lhs.dtype:
+      raise NotImplementedError(f"triton: rhs_scale needs fp8 weights beside 16-bit rows, got"
+                                f" {rhs.dtype} weights")
+    if (rhs_scale.ndim != 3 or rhs_scale.shape[0] != num_local or rhs_scale.shape[2] != n
+        or not rhs_scale.shape[1] or k % rhs_scale.shape[1]):
+      raise ValueError(f"rhs_scale must be [{num_local}, k // t, {n}] for k={k}, got"
+                       f" {rhs_scale.shape}")
     scale_rows = k // rhs_scale.shape[1]
-    if k % rhs_scale.shape[1] or scale_rows % bk:
+    if scale_rows % bk:
       raise NotImplementedError(f"triton: scale blocks of {scale_rows} rows must hold whole"
                                 f" k steps of {bk}")
 
