@@ -29,6 +29,9 @@ interleaved rounds) on
      [k, n] block (wrong results): the same TMA stores, but into a few MB that
      stay in L2, so next to no DRAM writes.  S near W: the DRAM writes are the
      cost; S near A: issuing and draining the stores is,
+  H  (only when --cases has H) A with every item's rows read from ``[first mod
+     1024, ...)``: the same loads, from a window of rows that stays in L2
+     (wrong results: H/A is the ceiling of any prefetch of the rows),
   D  with ``--set``: routed sizes, A's config with those fields replaced (an
      A/B; its output is compared with A's bitwise),
 and writes OUT_DIR/diag_dw.json.  ``--table``: every case starts from the
@@ -49,6 +52,8 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ragdot import bench, timing
@@ -117,12 +122,29 @@ def stores_traced_out(into_group0: bool = False):
     mosaic_dw._store_half = real
 
 
+@contextlib.contextmanager
+def rows_from_l2_window(window: int = 1024):
+  """While tracing: each dW item's rows start at ``first mod window`` (its
+  loads read a few MB that stay in L2)."""
+  real = mosaic_dw._work_item
+
+  def item(*args, **kwargs):
+    it = real(*args, **kwargs)
+    return it._replace(first=pl.multiple_of(lax.rem(it.first, window), 8))
+
+  mosaic_dw._work_item = item
+  try:
+    yield
+  finally:
+    mosaic_dw._work_item = real
+
+
 def main() -> None:
   p = argparse.ArgumentParser()
   p.add_argument("out_dir")
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--iterations", type=int, default=10)
-  p.add_argument("--cases", default="ABC", help="which of A, B, C, E to run (A always runs)")
+  p.add_argument("--cases", default="ABC", help="which of A, B, C, E, R, W, S, H to run (A always runs)")
   p.add_argument("--set", nargs="+", default=[], metavar="FIELD=VALUE",
                  help="MosaicDwConfig fields of case D (Python literals)")
   p.add_argument("--base", nargs="+", default=[], metavar="FIELD=VALUE",
@@ -214,6 +236,11 @@ def main() -> None:
       with stores_traced_out():
         compile_("W", fw)
       cases.append(("W", fw, gs))
+    if "H" in args.cases:
+      fh = make()
+      with rows_from_l2_window():
+        compile_("H", fh)
+      cases.append(("H", fh, gs))
     if "S" in args.cases:
       fs = make()
       with stores_traced_out(into_group0=True):
@@ -235,10 +262,11 @@ def main() -> None:
                r_over_a=med["R"] / med["A"] if "R" in med else None,
                w_over_a=med["W"] / med["A"] if "W" in med else None,
                s_over_a=med["S"] / med["A"] if "S" in med else None,
+               h_over_a=med["H"] / med["A"] if "H" in med else None,
                config=str(default),
                blocks_routed=row_blocks(sizes),
                blocks_aligned=row_blocks(np.asarray(gs64)))
-    line = "".join(f"  {name}/A {row[f'{name.lower()}_over_a']:.3f}" for name in "BCERWS"
+    line = "".join(f"  {name}/A {row[f'{name.lower()}_over_a']:.3f}" for name in "BCERWSH"
                    if name in med)
     if "R" in med:
       row.update(r_equal_a=r_equal)

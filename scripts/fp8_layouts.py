@@ -30,6 +30,8 @@ inputs, bf16 output, the automatic choice each:
                       before v53);
   w8a16 ... scaled     the automatic config with 128 x 128 block scales
                       (``rhs_scale``, laid out for the kernel inside the timed call);
+  w8a16 ... scaled pre  the same on scales laid out before the call;
+  kernel_scales       that layout alone ([g, k // 128, n] f32 from [g, k // 128, n // 128]);
   w8a16 [g,k,n] sS kK bB  with ``--variant kn:S,K,B`` (or ``nk:``): the automatic
                       config with S stages, k steps of K columns and ``widen_staging``
                       B, as ``weight_only_config`` fits it (the name gives the result);
@@ -127,8 +129,20 @@ def cases(s: bench.Shape, key, variants: tuple[str, ...] = ()) -> tuple[dict, di
           x, w, gs, None, transpose_rhs=nk_layout, out_dtype=bf, config=cfg,
           rhs_scale=scales.kernel_scales(sc, w.shape, nk_layout)))
 
-    timed["w8a16 [g,n,k] scaled"] = (scaled(True), (xb, w8_nk, jnp.swapaxes(scale, 1, 2)))
+    def scaled_pre(nk_layout: bool):  # the same on scales laid out before the call
+      cfg = w8a16_config(nk_layout)
+      return jax.jit(lambda x, w, ks: mosaic_fwd.gmm(
+          x, w, gs, None, transpose_rhs=nk_layout, out_dtype=bf, config=cfg, rhs_scale=ks))
+
+    scale_nk = jnp.swapaxes(scale, 1, 2)
+    timed["w8a16 [g,n,k] scaled"] = (scaled(True), (xb, w8_nk, scale_nk))
     timed["w8a16 [g,k,n] scaled"] = (scaled(False), (xb, w8, scale))
+    timed["w8a16 [g,n,k] scaled pre"] = (scaled_pre(True), (
+        xb, w8_nk, scales.kernel_scales(scale_nk, w8_nk.shape, True)))
+    timed["w8a16 [g,k,n] scaled pre"] = (scaled_pre(False), (
+        xb, w8, scales.kernel_scales(scale, w8.shape, False)))
+    timed["kernel_scales"] = (jax.jit(functools.partial(
+        scales.kernel_scales, rhs_shape=w8.shape, transpose_rhs=False)), (scale,))
     for spec in variants:
       layout, fields = spec.split(":")
       stages, block_k, staging = map(int, fields.split(","))
@@ -155,7 +169,7 @@ def cases(s: bench.Shape, key, variants: tuple[str, ...] = ()) -> tuple[dict, di
   for name in list(timed):
     if name.startswith("w8a16 [g,") or name == "fp8 [g,k,n] copy":
       fn, args = timed[name]
-      want = (exact_scaled if name.endswith("scaled") else
+      want = (exact_scaled if "scaled" in name else
               exact16 if name.startswith("w8a16") else exact)
       try:
         checks.setdefault(name, (fn(*args), want))

@@ -37,3 +37,27 @@ def test_stores_traced_out_lower_and_are_undone():
       assert mosaic_dw._store_half is not store
       lower_for_sm90(32768, 2048, 1536, 128, cfg)
     assert mosaic_dw._store_half is store
+
+
+def test_rows_from_l2_window_lower_read_the_window_and_are_undone():
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from ragdot.backends import mosaic_dw  # pylint: disable=g-import-not-at-top
+  from test_mosaic_dw import SIDE, run  # noqa: E402
+  cfg = dataclasses.replace(SIDE, num_sms=None, num_stages=4, block_n=192,
+                            epilogue_split=3, epilogue_buffers=2)
+  item = mosaic_dw._work_item
+  with diag_dw.rows_from_l2_window():
+    assert mosaic_dw._work_item is not item
+    lower_for_sm90(32768, 2048, 1536, 128, cfg)
+  assert mosaic_dw._work_item is item
+  # Interpret mode: with a 64-row window, a group starting at row 128 reads
+  # rows 0.. instead (its dW is group 0's); the first group's is unchanged.
+  small = dataclasses.replace(SIDE, num_sms=2)
+  sizes = [64, 0, 64]
+  want, _ = run(192, 128, 128, sizes, config=small, out_dtype=jnp.bfloat16)
+  with diag_dw.rows_from_l2_window(64):
+    got, _ = run(192, 128, 128, sizes, config=small, out_dtype=jnp.bfloat16)
+  np.testing.assert_array_equal(got[0], want[0])
+  np.testing.assert_array_equal(got[2], want[0])
+  assert not np.array_equal(got[2], want[2])

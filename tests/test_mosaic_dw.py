@@ -785,3 +785,30 @@ def test_release_each_step_checks_and_lowers():
                              num_groups=g, device=h200)
     lower_for_sm90(m, k, n, g, dataclasses.replace(choice.config, delay_release=0),
                    out_dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("config", [SIDE, FLAT3_BANDED], ids=["pingpong_side", "shared_banded"])
+def test_l2_prefetch_changes_no_result(config):
+  """``l2_prefetch_ahead``: the producer's L2 prefetches of later groups' rows
+  (no-ops in the interpreter, which still checks their slices) leave the
+  result bitwise as it was, with a shard (offset 2) and groups past the end;
+  the kernel lowers for sm90 with the H200's dW choices."""
+  cfg = dataclasses.replace(config, num_sms=2)
+  kw = dict(config=cfg, out_dtype=jnp.bfloat16, offset=2, num_groups=6)
+  out, ref = run(448, 128, 128, SIDE_SIZES, **kw)
+  ahead, _ = run(448, 128, 128, SIDE_SIZES,
+                 **{**kw, "config": dataclasses.replace(cfg, l2_prefetch_ahead=1)})
+  np.testing.assert_array_equal(out, ahead)
+  check(ahead, ref, jnp.bfloat16)
+  with pytest.raises(ValueError, match="l2_prefetch_ahead"):
+    dataclasses.replace(TWO_WG, l2_prefetch_ahead=1)
+  with pytest.raises(ValueError, match="l2_prefetch_ahead"):
+    dataclasses.replace(config, l2_prefetch_ahead=-1)
+  from ragdot import dispatch  # pylint: disable=g-import-not-at-top
+  h200 = dispatch.Device("gpu", "NVIDIA H200", "9.0")
+  for m, k, n, g in [(32768, 2048, 1536, 128), (32768, 768, 2048, 128)]:
+    choice = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, m=m, k=k, n=n, g=g,
+                             num_groups=g, device=h200)
+    cfg = choice.config or mosaic_dw.default_config(m, k, n, g)
+    assert choice.implementation == "mosaic" and cfg.pipeline_across_items, choice
+    lower_for_sm90(m, k, n, g, dataclasses.replace(cfg, l2_prefetch_ahead=2))

@@ -410,9 +410,39 @@ def _body_2wg(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gm
     pl.when(is_consumer)(lambda: plgpu.wait_smem_to_gmem(0))
 
 
+def _prefetch_later_group(it, starts_gmem, ends_gmem, lhs_gmem, rhs_gmem, *,
+                          config: MosaicDwConfig, num_groups: int, items_per_group: int,
+                          num_sms: int) -> None:
+  """``config.l2_prefetch_ahead``: this CTA's (64, 256) box of a later group's
+  rows of lhs or rhs into L2 (the boxes of both operands' columns numbered
+  side by side, row block by row block, one per CTA index)."""
+  later = it.group + config.l2_prefetch_ahead + pl.cdiv(num_sms, items_per_group)
+  j = jnp.minimum(later, num_groups - 1)
+  start, end = starts_gmem[j], ends_gmem[j]
+  m, k = lhs_gmem.shape
+  n = rhs_gmem.shape[1]
+  rows = min(64, m)
+  boxes = []  # (array, box width, boxes across)
+  for ref, cols in ((lhs_gmem, k), (rhs_gmem, n)):
+    width = min(256, cols)
+    boxes.append((ref, width, pl.cdiv(cols, width)))
+  across = boxes[0][2] + boxes[1][2]
+  b = lax.axis_index("sm")
+  row = start + (b // across) * rows
+  wanted = (later < num_groups) & (row < end)
+  row = jnp.minimum(row, m - rows)
+  col, skip = b % across, 0
+  for ref, width, count in boxes:
+    c = jnp.clip(col - skip, 0, count - 1)
+    c0 = jnp.minimum(c * width, ref.shape[1] - width)
+    plgpu.async_prefetch(ref.at[pl.ds(row, rows), pl.ds(c0, width)],
+                         predicate=wanted & (col >= skip) & (col < skip + count))
+    skip += count
+
+
 def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gmem,
                    *refs, config, num_groups, grid_k, grid_n, out_dtype,
-                   in_transforms_lhs, in_transforms_rhs, out_transforms):
+                   in_transforms_lhs, in_transforms_rhs, out_transforms, num_sms=1):
   """Warp-specialized dW with one pipeline through all of a CTA's items.
 
   The same roles and tiles as ``_body_2wg`` (consumers 0 and 1 each own half of
@@ -556,6 +586,10 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
 
       def load(it, i, step, slot, owner):
         _, ki, ni, _, _, first, full, _ = it
+        if config.l2_prefetch_ahead:
+          pl.when(i == 0)(lambda: _prefetch_later_group(
+              it, starts_gmem, ends_gmem, lhs_gmem, rhs_gmem, config=config,
+              num_groups=num_groups, items_per_group=grid_k * grid_n, num_sms=num_sms))
         # The slot's previous use (step - stages) must be consumed first.
         pl.when(step >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
 
@@ -747,12 +781,16 @@ def tgmm(
 
     plgpu.wait_smem_to_gmem(0)
 
+  num_sms = config.num_sms
+  if num_sms is None:
+    num_sms = 1 if interpret else config.ctas_per_sm * sm90.device_sm_count()
   if config.num_compute_wgs == 2:
+    flat = dict(num_sms=num_sms) if config.pipeline_across_items else {}
     body = functools.partial(
         _body_2wg_flat if config.pipeline_across_items else _body_2wg,
         config=config, num_groups=num_groups, grid_k=grid_k, grid_n=grid_n,
         out_dtype=out_dtype, in_transforms_lhs=in_transforms_lhs,
-        in_transforms_rhs=in_transforms_rhs, out_transforms=out_transforms,
+        in_transforms_rhs=in_transforms_rhs, out_transforms=out_transforms, **flat,
     )
     scratch_types = []
     extra = dict(num_threads=4 if config.mask_warpgroup else 3, thread_name="wg")
@@ -767,9 +805,6 @@ def tgmm(
   args = match_varying(i32(starts), i32(ends), i32(first_row), i32(num_blocks), lhs, rhs,
                        *side)
   lhs = args[4]
-  num_sms = config.num_sms
-  if num_sms is None:
-    num_sms = 1 if interpret else config.ctas_per_sm * sm90.device_sm_count()
   kernel = plgpu.kernel(
       body,
       out_type=out_struct((num_groups, k, n), out_dtype, lhs),

@@ -138,6 +138,13 @@ class MosaicDwConfig:
       item); on the pingpong rings 0.99-1.01x on routed Qwen sizes, 1.05-1.07x
       under skew and 1.17x on Mixtral (a consumer owning whole items then has
       no wgmma queued behind its own).
+    l2_prefetch_ahead: with ``pipeline_across_items``, > 0: at each item's
+      first step the producer prefetches into L2 one (64 rows, 256 columns)
+      box of a later group's rows of lhs or rhs (which box: the CTA's index),
+      that group being this many groups past the ones all CTAs work on now
+      (``ceil(num_sms / items per group)`` groups on).  The items of a group
+      run at once on different SMs and each misses the same lines; the
+      prefetch issues those misses early.  0: none.  Not measured yet.
   """
 
   block_m: int = 64
@@ -158,6 +165,7 @@ class MosaicDwConfig:
   side_rows: bool = False
   schedule_kernel: bool = True
   delay_release: int = 1
+  l2_prefetch_ahead: int = 0
 
   def __post_init__(self):
     if self.block_m <= 0 or self.block_m % 64:
@@ -228,6 +236,10 @@ class MosaicDwConfig:
     if self.delay_release not in (0, 1) or (self.delay_release == 0
                                             and not self.pipeline_across_items):
       raise ValueError("delay_release must be 1, or 0 with pipeline_across_items,"
+                       f" got {self}")
+    if self.l2_prefetch_ahead < 0 or (self.l2_prefetch_ahead
+                                      and not self.pipeline_across_items):
+      raise ValueError("l2_prefetch_ahead must be 0, or > 0 with pipeline_across_items,"
                        f" got {self}")
     if self.epilogue_rows is not None and (
         self.num_compute_wgs != 2 or self.epilogue_rows <= 0 or self.epilogue_rows % 64
