@@ -237,6 +237,8 @@ def main() -> None:
         compile_("W", fw)
       cases.append(("W", fw, gs))
     if "H" in args.cases:
+      # (only `first` moves: a masking config would mask every block as straddling)
+      assert default.side_rows, "case H needs a side_rows config"
       fh = make()
       with rows_from_l2_window():
         compile_("H", fh)

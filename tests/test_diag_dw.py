@@ -51,8 +51,8 @@ def test_rows_from_l2_window_lower_read_the_window_and_are_undone():
     assert mosaic_dw._work_item is not item
     lower_for_sm90(32768, 2048, 1536, 128, cfg)
   assert mosaic_dw._work_item is item
-  # Interpret mode: with a 64-row window, a group starting at row 128 reads
-  # rows 0.. instead (its dW is group 0's); the first group's is unchanged.
+  # Interpret mode: with a 64-row window, group 2 (rows 64..127) reads rows
+  # 0..63 instead (its dW is group 0's); group 0's is unchanged.
   small = dataclasses.replace(SIDE, num_sms=2)
   sizes = [64, 0, 64]
   want, _ = run(192, 128, 128, sizes, config=small, out_dtype=jnp.bfloat16)

@@ -790,9 +790,9 @@ def test_release_each_step_checks_and_lowers():
 @pytest.mark.parametrize("config", [SIDE, FLAT3_BANDED], ids=["pingpong_side", "shared_banded"])
 def test_l2_prefetch_changes_no_result(config):
   """``l2_prefetch_ahead``: the producer's L2 prefetches of later groups' rows
-  (no-ops in the interpreter, which still checks their slices) leave the
-  result bitwise as it was, with a shard (offset 2) and groups past the end;
-  the kernel lowers for sm90 with the H200's dW choices."""
+  (no-ops in the interpreter: this checks that they trace and leave the rest
+  as it was) give the result bitwise as before, on a shard (offset 2); the
+  kernel lowers for sm90 with the H200's dW choices."""
   cfg = dataclasses.replace(config, num_sms=2)
   kw = dict(config=cfg, out_dtype=jnp.bfloat16, offset=2, num_groups=6)
   out, ref = run(448, 128, 128, SIDE_SIZES, **kw)
@@ -812,3 +812,33 @@ def test_l2_prefetch_changes_no_result(config):
     cfg = choice.config or mosaic_dw.default_config(m, k, n, g)
     assert choice.implementation == "mosaic" and cfg.pipeline_across_items, choice
     lower_for_sm90(m, k, n, g, dataclasses.replace(cfg, l2_prefetch_ahead=2))
+
+
+@pytest.mark.parametrize("m,k,n,g", [(32768, 2048, 1536, 128), (32768, 768, 2048, 128),
+                                     (448, 128, 320, 6), (40, 64, 192, 3)])
+def test_prefetch_boxes_cover_a_group_inside_the_arrays(m, k, n, g):
+  """The boxes of a group's items (each item's place in its group, plus the
+  extra rounds): every one inside both arrays, exactly one operand per box
+  that holds rows, and together every row of both operands' columns for a
+  group of up to twice the mean size (boxes past the group's end unwanted)."""
+  from ragdot.backends.mosaic_dw import prefetch_boxes, prefetch_boxes_per_item
+  cdiv = lambda a, b: -(-a // b)
+  items = cdiv(k, 128) * cdiv(n, 128)
+  per_item = prefetch_boxes_per_item(m, k, n, g, items)
+  rows = min(64, m)
+  widths = [min(256, k), min(256, n)]
+  big = min(m, 2 * cdiv(m, g))
+  for start, end in [(0, big), (m - big, m), (8, 8), (16, 16 + big // 2)]:
+    covered = [np.zeros((m, k), bool), np.zeros((m, n), bool)]
+    for box in range(per_item * items):
+      got = prefetch_boxes(box, start, end, m=m, k=k, n=n)
+      assert [op for op, *_ in got] == [0, 1]
+      assert sum(bool(w) for *_, w in got) <= 1
+      for op, row, col, wanted in got:
+        row, col = int(row), int(col)
+        assert 0 <= row <= m - rows and 0 <= col <= covered[op].shape[1] - widths[op]
+        if wanted:
+          assert start <= row + rows - 1 and row < end
+          covered[op][row:row + rows, col:col + widths[op]] = True
+    for cov in covered:
+      assert cov[start:end].all(), (start, end)

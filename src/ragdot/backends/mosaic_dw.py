@@ -410,34 +410,59 @@ def _body_2wg(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gm
     pl.when(is_consumer)(lambda: plgpu.wait_smem_to_gmem(0))
 
 
+_PREFETCH_ROWS, _PREFETCH_COLS = 64, 256  # one L2 prefetch box
+
+
+def prefetch_boxes(box, start, end, *, m: int, k: int, n: int):
+  """The rows ``box`` of a group's rows ``[start, end)`` is: boxes of at most
+  64 rows x 256 columns numbered over lhs's columns, then rhs's, row block by
+  row block.  Returns ``[(operand 0 / 1, row, column, wanted), ...]`` for both
+  operands (exactly one wanted where the box holds some of the group's rows);
+  row and column keep the box (64 x 256, or the array's size) inside the array."""
+  rows = min(_PREFETCH_ROWS, m)
+  counts = [pl.cdiv(cols, min(_PREFETCH_COLS, cols)) for cols in (k, n)]
+  across = sum(counts)
+  row = start + (box // across) * rows
+  inside = row < end
+  row = jnp.minimum(row, m - rows)
+  col, skip, out = box % across, 0, []
+  for operand, (cols, count) in enumerate(zip((k, n), counts)):
+    width = min(_PREFETCH_COLS, cols)
+    c0 = jnp.minimum(jnp.clip(col - skip, 0, count - 1) * width, cols - width)
+    out.append((operand, row, c0, inside & (col >= skip) & (col < skip + count)))
+    skip += count
+  return out
+
+
+def prefetch_boxes_per_item(m: int, k: int, n: int, num_groups: int,
+                            items_per_group: int) -> int:
+  """Boxes each item prefetches: enough for twice a mean group's rows
+  (at most 4)."""
+  counts = sum(pl.cdiv(cols, min(_PREFETCH_COLS, cols)) for cols in (k, n))
+  blocks = pl.cdiv(2 * pl.cdiv(m, max(num_groups, 1)), _PREFETCH_ROWS)
+  return max(1, min(4, pl.cdiv(blocks * counts, items_per_group)))
+
+
 def _prefetch_later_group(it, starts_gmem, ends_gmem, lhs_gmem, rhs_gmem, *,
-                          config: MosaicDwConfig, num_groups: int, items_per_group: int,
-                          num_sms: int) -> None:
-  """``config.l2_prefetch_ahead``: this CTA's (64, 256) box of a later group's
-  rows of lhs or rhs into L2 (the boxes of both operands' columns numbered
-  side by side, row block by row block, one per CTA index)."""
+                          config: MosaicDwConfig, num_groups: int, grid_n: int,
+                          items_per_group: int, num_sms: int) -> None:
+  """``config.l2_prefetch_ahead``: this item's boxes (``prefetch_boxes``) of a
+  later group's rows into L2.  Items of one group run on different CTAs
+  (round-robin), so the item's place in its group, not the CTA, numbers them."""
   later = it.group + config.l2_prefetch_ahead + pl.cdiv(num_sms, items_per_group)
   j = jnp.minimum(later, num_groups - 1)
   start, end = starts_gmem[j], ends_gmem[j]
-  m, k = lhs_gmem.shape
-  n = rhs_gmem.shape[1]
-  rows = min(64, m)
-  boxes = []  # (array, box width, boxes across)
-  for ref, cols in ((lhs_gmem, k), (rhs_gmem, n)):
-    width = min(256, cols)
-    boxes.append((ref, width, pl.cdiv(cols, width)))
-  across = boxes[0][2] + boxes[1][2]
-  b = lax.axis_index("sm")
-  row = start + (b // across) * rows
-  wanted = (later < num_groups) & (row < end)
-  row = jnp.minimum(row, m - rows)
-  col, skip = b % across, 0
-  for ref, width, count in boxes:
-    c = jnp.clip(col - skip, 0, count - 1)
-    c0 = jnp.minimum(c * width, ref.shape[1] - width)
-    plgpu.async_prefetch(ref.at[pl.ds(row, rows), pl.ds(c0, width)],
-                         predicate=wanted & (col >= skip) & (col < skip + count))
-    skip += count
+  (m, k), n = lhs_gmem.shape, rhs_gmem.shape[1]
+  place = it.k_tile * grid_n + it.n_tile
+  refs = (lhs_gmem, rhs_gmem)
+  for r in range(prefetch_boxes_per_item(m, k, n, num_groups, items_per_group)):
+    for operand, row, c0, wanted in prefetch_boxes(place + r * items_per_group, start, end,
+                                                   m=m, k=k, n=n):
+      ref = refs[operand]
+      plgpu.async_prefetch(
+          ref.at[pl.ds(row, min(_PREFETCH_ROWS, m)),
+                 pl.ds(c0, min(_PREFETCH_COLS, ref.shape[1]))],
+          predicate=wanted & (later < num_groups))
 
 
 def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gmem,
@@ -589,7 +614,8 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
         if config.l2_prefetch_ahead:
           pl.when(i == 0)(lambda: _prefetch_later_group(
               it, starts_gmem, ends_gmem, lhs_gmem, rhs_gmem, config=config,
-              num_groups=num_groups, items_per_group=grid_k * grid_n, num_sms=num_sms))
+              num_groups=num_groups, grid_n=grid_n, items_per_group=grid_k * grid_n,
+              num_sms=num_sms))
         # The slot's previous use (step - stages) must be consumed first.
         pl.when(step >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
 

@@ -139,9 +139,10 @@ class MosaicDwConfig:
       under skew and 1.17x on Mixtral (a consumer owning whole items then has
       no wgmma queued behind its own).
     l2_prefetch_ahead: with ``pipeline_across_items``, > 0: at each item's
-      first step the producer prefetches into L2 one (64 rows, 256 columns)
-      box of a later group's rows of lhs or rhs (which box: the CTA's index),
-      that group being this many groups past the ones all CTAs work on now
+      first step the producer prefetches into L2 up to 4 (64 rows, 256
+      columns) boxes of a later group's rows of lhs or rhs (which: the item's
+      place in its group; ``mosaic_dw.prefetch_boxes``), that group being
+      this many groups past the ones all CTAs work on now
       (``ceil(num_sms / items per group)`` groups on).  The items of a group
       run at once on different SMs and each misses the same lines; the
       prefetch issues those misses early.  0: none.  Not measured yet.
