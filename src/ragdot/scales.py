@@ -77,6 +77,16 @@ def kernel_scales(scale: jax.Array, rhs_shape: tuple[int, ...],
   return jnp.repeat(s.astype(jnp.float32), n // s.shape[2], axis=2)
 
 
+def kernel_scale_rows(scale: Any, g: int, k: int, n: int) -> int:
+  """The contracting rows per scale of a kernel-layout scale (``kernel_scales``:
+  ``[g, k // t, n]``) for rhs of ``g`` groups, ``k`` contracting rows and
+  ``n`` columns; ValueError for any other shape."""
+  if (scale.ndim != 3 or scale.shape[0] != g or scale.shape[2] != n
+      or not scale.shape[1] or k % scale.shape[1]):
+    raise ValueError(f"rhs_scale must be [{g}, k // t, {n}] for k={k}, got {scale.shape}")
+  return k // scale.shape[1]
+
+
 def quantize(w: jax.Array, block: tuple[int, int], dtype: Any = jnp.float8_e4m3fn
              ) -> tuple[jax.Array, jax.Array]:
   """``(q, scale)`` with ``dequantize(q, scale, f32)`` close to ``w`` ``[g, a, b]``:

@@ -62,6 +62,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ragdot.manual_axes import make_varying, match_varying, out_struct, varying_axes
 from ragdot import backends
+from ragdot import scales
 from ragdot import validate
 from ragdot.backends import sm90
 from ragdot.backends.mosaic_fwd_config import (  # noqa: F401  (re-exported)
@@ -152,14 +153,10 @@ def _scale_rows(lhs, rhs, rhs_scale, transpose_rhs: bool) -> int:
   if lhs.dtype == rhs.dtype:
     raise NotImplementedError("mosaic gmm takes rhs_scale with fp8 weights beside 16-bit rows"
                               f" only, got {lhs.dtype} and {rhs.dtype}")
-  k = lhs.shape[1]
-  g, n = rhs.shape[0], rhs.shape[1] if transpose_rhs else rhs.shape[2]
-  if (rhs_scale.ndim != 3 or rhs_scale.shape[0] != g or rhs_scale.shape[2] != n
-      or not rhs_scale.shape[1] or k % rhs_scale.shape[1]):
-    raise ValueError(f"rhs_scale must be [{g}, k // t, {n}] for k={k}, got {rhs_scale.shape}")
+  rows = scales.kernel_scale_rows(rhs_scale, rhs.shape[0], lhs.shape[1],
+                                  rhs.shape[1] if transpose_rhs else rhs.shape[2])
   if rhs_scale.dtype != jnp.float32:
     raise ValueError(f"rhs_scale must be float32, got {rhs_scale.dtype}")
-  rows = k // rhs_scale.shape[1]
   if rows % 64:
     raise NotImplementedError(f"mosaic gmm takes scale blocks of a multiple of 64 contracting"
                               f" rows (its k steps), got {rows}")

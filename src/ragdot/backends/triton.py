@@ -47,6 +47,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ragdot import metadata as md
 from ragdot import backends
+from ragdot import scales
 from ragdot import validate
 from ragdot.backends import sm90
 from ragdot.manual_axes import match_varying, out_struct
@@ -422,11 +423,7 @@ def gmm(
     if rhs.dtype == lhs.dtype:
       raise NotImplementedError(f"triton: rhs_scale needs fp8 weights beside 16-bit rows, got"
                                 f" {rhs.dtype} weights")
-    if (rhs_scale.ndim != 3 or rhs_scale.shape[0] != num_local or rhs_scale.shape[2] != n
-        or not rhs_scale.shape[1] or k % rhs_scale.shape[1]):
-      raise ValueError(f"rhs_scale must be [{num_local}, k // t, {n}] for k={k}, got"
-                       f" {rhs_scale.shape}")
-    scale_rows = k // rhs_scale.shape[1]
+    scale_rows = scales.kernel_scale_rows(rhs_scale, num_local, k, n)
     if scale_rows % bk:
       raise NotImplementedError(f"triton: scale blocks of {scale_rows} rows must hold whole"
                                 f" k steps of {bk}")
