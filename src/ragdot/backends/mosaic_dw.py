@@ -410,24 +410,30 @@ def _body_2wg(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gm
     pl.when(is_consumer)(lambda: plgpu.wait_smem_to_gmem(0))
 
 
-_PREFETCH_ROWS, _PREFETCH_COLS = 64, 256  # one L2 prefetch box
+_PREFETCH_ROWS, _PREFETCH_COLS = 64, 256  # one L2 prefetch box, at most
+
+
+def _box_grid(m: int, k: int, n: int) -> tuple[int, tuple[int, int], tuple[int, int]]:
+  """(box rows, box widths, boxes across) of lhs [m, k] and rhs [m, n]: boxes
+  of at most 64 rows x 256 columns, the arrays' own sizes where smaller."""
+  widths = (min(_PREFETCH_COLS, k), min(_PREFETCH_COLS, n))
+  return (min(_PREFETCH_ROWS, m), widths,
+          (pl.cdiv(k, widths[0]), pl.cdiv(n, widths[1])))
 
 
 def prefetch_boxes(box, start, end, *, m: int, k: int, n: int):
-  """The rows ``box`` of a group's rows ``[start, end)`` is: boxes of at most
-  64 rows x 256 columns numbered over lhs's columns, then rhs's, row block by
-  row block.  Returns ``[(operand 0 / 1, row, column, wanted), ...]`` for both
+  """The rows ``box`` of a group's rows ``[start, end)`` is: boxes
+  (``_box_grid``) numbered over lhs's columns, then rhs's, row block by row
+  block.  Returns ``[(operand 0 / 1, row, column, wanted), ...]`` for both
   operands (exactly one wanted where the box holds some of the group's rows);
-  row and column keep the box (64 x 256, or the array's size) inside the array."""
-  rows = min(_PREFETCH_ROWS, m)
-  counts = [pl.cdiv(cols, min(_PREFETCH_COLS, cols)) for cols in (k, n)]
+  row and column keep the box inside the array."""
+  rows, widths, counts = _box_grid(m, k, n)
   across = sum(counts)
   row = start + (box // across) * rows
   inside = row < end
   row = jnp.minimum(row, m - rows)
   col, skip, out = box % across, 0, []
-  for operand, (cols, count) in enumerate(zip((k, n), counts)):
-    width = min(_PREFETCH_COLS, cols)
+  for operand, (cols, width, count) in enumerate(zip((k, n), widths, counts)):
     c0 = jnp.minimum(jnp.clip(col - skip, 0, count - 1) * width, cols - width)
     out.append((operand, row, c0, inside & (col >= skip) & (col < skip + count)))
     skip += count
@@ -438,9 +444,8 @@ def prefetch_boxes_per_item(m: int, k: int, n: int, num_groups: int,
                             items_per_group: int) -> int:
   """Boxes each item prefetches: enough for twice a mean group's rows
   (at most 4)."""
-  counts = sum(pl.cdiv(cols, min(_PREFETCH_COLS, cols)) for cols in (k, n))
   blocks = pl.cdiv(2 * pl.cdiv(m, max(num_groups, 1)), _PREFETCH_ROWS)
-  return max(1, min(4, pl.cdiv(blocks * counts, items_per_group)))
+  return max(1, min(4, pl.cdiv(blocks * sum(_box_grid(m, k, n)[2]), items_per_group)))
 
 
 def _prefetch_later_group(it, starts_gmem, ends_gmem, lhs_gmem, rhs_gmem, *,
@@ -453,21 +458,19 @@ def _prefetch_later_group(it, starts_gmem, ends_gmem, lhs_gmem, rhs_gmem, *,
   j = jnp.minimum(later, num_groups - 1)
   start, end = starts_gmem[j], ends_gmem[j]
   (m, k), n = lhs_gmem.shape, rhs_gmem.shape[1]
+  rows, widths, _ = _box_grid(m, k, n)
   place = it.k_tile * grid_n + it.n_tile
   refs = (lhs_gmem, rhs_gmem)
   for r in range(prefetch_boxes_per_item(m, k, n, num_groups, items_per_group)):
     for operand, row, c0, wanted in prefetch_boxes(place + r * items_per_group, start, end,
                                                    m=m, k=k, n=n):
-      ref = refs[operand]
-      plgpu.async_prefetch(
-          ref.at[pl.ds(row, min(_PREFETCH_ROWS, m)),
-                 pl.ds(c0, min(_PREFETCH_COLS, ref.shape[1]))],
-          predicate=wanted & (later < num_groups))
+      plgpu.async_prefetch(refs[operand].at[pl.ds(row, rows), pl.ds(c0, widths[operand])],
+                           predicate=wanted & (later < num_groups))
 
 
 def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gmem,
                    *refs, config, num_groups, grid_k, grid_n, out_dtype,
-                   in_transforms_lhs, in_transforms_rhs, out_transforms, num_sms=1):
+                   in_transforms_lhs, in_transforms_rhs, out_transforms, num_sms):
   """Warp-specialized dW with one pipeline through all of a CTA's items.
 
   The same roles and tiles as ``_body_2wg`` (consumers 0 and 1 each own half of
