@@ -29,8 +29,10 @@ inputs, bf16 output, the automatic choice each:
   w8a16 bf16          bf16 rows, the weights converted to bf16 first (the path
                       before v53);
   w8a16 ... scaled     the automatic config with 128 x 128 block scales
-                      (``rhs_scale``, laid out for the kernel inside the timed call);
-  w8a16 ... scaled pre  the same on scales laid out before the call;
+                      (``rhs_scale`` as given: one scale a consumer and k step);
+  w8a16 ... scaled col  the same scales laid out per column inside the timed call
+                      (``scales.kernel_scales``; the kernel's only form before v57);
+  w8a16 ... scaled col pre  per-column scales laid out before the call;
   kernel_scales       that layout alone ([g, k // 128, n] f32 from [g, k // 128, n // 128]);
   w8a16 [g,k,n] sS kK bB  with ``--variant kn:S,K,B`` (or ``nk:``): the automatic
                       config with S stages, k steps of K columns and ``widen_staging``
@@ -123,24 +125,24 @@ def cases(s: bench.Shape, key, variants: tuple[str, ...] = ()) -> tuple[dict, di
         "w8a16 [g,n,k] smem2": (staged(True, 2), (xb, w8_nk)),
         "w8a16 [g,k,n] smem1": (staged(False, 1), (xb, w8)),
     })
-    def scaled(nk_layout: bool):  # 128 x 128 blocks, laid out for the kernel inside the call
+    def scaled(nk_layout: bool, per_column: bool = False):
+      """128 x 128 blocks as given; ``per_column``: laid out per column in the call."""
       cfg = w8a16_config(nk_layout)
+      col = lambda sc, w: columns(sc, w.shape, nk_layout) if per_column else sc
       return jax.jit(lambda x, w, sc: mosaic_fwd.gmm(
           x, w, gs, None, transpose_rhs=nk_layout, out_dtype=bf, config=cfg,
-          rhs_scale=scales.kernel_scales(sc, w.shape, nk_layout)))
+          rhs_scale=col(sc, w)))
 
-    def scaled_pre(nk_layout: bool):  # the same on scales laid out before the call
-      cfg = w8a16_config(nk_layout)
-      return jax.jit(lambda x, w, ks: mosaic_fwd.gmm(
-          x, w, gs, None, transpose_rhs=nk_layout, out_dtype=bf, config=cfg, rhs_scale=ks))
+    def columns(sc, shape, nk_layout: bool):  # per-column scales in rhs's layout
+      ks = scales.kernel_scales(sc, shape, nk_layout)
+      return jnp.swapaxes(ks, 1, 2) if nk_layout else ks
 
     scale_nk = jnp.swapaxes(scale, 1, 2)
-    timed["w8a16 [g,n,k] scaled"] = (scaled(True), (xb, w8_nk, scale_nk))
-    timed["w8a16 [g,k,n] scaled"] = (scaled(False), (xb, w8, scale))
-    timed["w8a16 [g,n,k] scaled pre"] = (scaled_pre(True), (
-        xb, w8_nk, scales.kernel_scales(scale_nk, w8_nk.shape, True)))
-    timed["w8a16 [g,k,n] scaled pre"] = (scaled_pre(False), (
-        xb, w8, scales.kernel_scales(scale, w8.shape, False)))
+    for nk_layout, name, wt, sc in ((True, "n,k", w8_nk, scale_nk), (False, "k,n", w8, scale)):
+      timed[f"w8a16 [g,{name}] scaled"] = (scaled(nk_layout), (xb, wt, sc))
+      timed[f"w8a16 [g,{name}] scaled col"] = (scaled(nk_layout, True), (xb, wt, sc))
+      timed[f"w8a16 [g,{name}] scaled col pre"] = (scaled(nk_layout), (
+          xb, wt, columns(sc, wt.shape, nk_layout)))
     timed["kernel_scales"] = (jax.jit(functools.partial(
         scales.kernel_scales, rhs_shape=w8.shape, transpose_rhs=False)), (scale,))
     for spec in variants:

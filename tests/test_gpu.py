@@ -318,7 +318,7 @@ def test_w8a16_staging_variants(m, k, n, g, nk, staging):
     (8, 768, 2048, 128, None, True, (768, 1)),         # one token, per column
 ])
 def test_w8a16_scaled_real_size(m, k, n, g, offset, nk, block):
-  """fp8 weights with block scales (``rhs_scale`` as the kernels read it): bitwise
+  """fp8 weights with block scales (``rhs_scale`` in rhs's layout): bitwise
   the same kernel's result on the dequantized bf16 weights (its config), the f32
   oracle on those weights, NaN-poisoned memory, every row written, exact zeros
   outside a shard, bitwise repeatable."""
@@ -338,7 +338,7 @@ def test_w8a16_scaled_real_size(m, k, n, g, offset, nk, block):
   assert choice.implementation == "mosaic", choice.reason
   run = jax.jit(lambda x, w, s: mf.gmm(x, w, gs, go, transpose_rhs=nk, out_dtype=jnp.bfloat16,
                                        config=choice.config,
-                                       rhs_scale=scales.kernel_scales(s, w.shape, nk)))
+                                       rhs_scale=s))
   _poison(8 * max(m, 64) * n)
   out = run(x, w, scale)
   deq = scales.dequantize(w, scale, jnp.bfloat16)

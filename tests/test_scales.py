@@ -87,21 +87,40 @@ def test_xla_call_equals_the_call_on_dequantized_weights(nk, block, offset, x_dt
 
 
 @pytest.mark.parametrize("nk,block,offset,staging", [
-    (True, (128, 1), None, 2),   # [g, n, k]: a scale row per 128-column k step
-    (False, (64, 64), 1, 1),     # [g, k, n] read as stored, one buffer, a shard
-    (False, (256, 128), None, 2),
+    (True, (128, 1), None, 2),   # [g, n, k]: per column, a scale row per 128-column k step
+    (False, (64, 64), 1, 1),     # [g, k, n] read as stored, one buffer, a shard: per block
+    (False, (256, 128), None, 2),  # (n = 192: the second tile's second consumer past n)
+    (True, (128, 64), None, 1),  # [g, n, k] per block
+    (False, (128, 32), None, 2),  # 32-column blocks: laid out per column
 ])
-def test_kernel_equals_the_kernel_on_dequantized_weights(nk, block, offset, staging):
-  """The W8A16 kernel scaling each widened slice: bitwise the same kernel (its
-  config) on the dequantized bf16 weights; a folded tail, an empty group,
-  rows past the groups."""
+def test_kernel_equals_the_kernel_on_dequantized_weights(monkeypatch, nk, block, offset,
+                                                          staging):
+  """The W8A16 kernel scaling each widened slice (by one scale per 64-column
+  slice where the blocks span such slices, else per column): bitwise the same
+  kernel (its config) on the dequantized bf16 weights; a folded tail, an
+  empty group, rows past the groups."""
   m, k, n, sizes = 1280, 256, 192, [300, 10, 520, 0, 280]
   local = 5 if offset is None else 3
   x, w, s = _case(m, k, n, local, nk, block, seed=7)
   gs, go = jnp.asarray(sizes, jnp.int32), None if offset is None else jnp.int32(offset)
   cfg = dataclasses.replace(SWAP, tail_rows=64, widen_staging=staging)
+  from ragdot.backends import mosaic_fwd_swap
+  seen = []
+  swap_gmm = mosaic_fwd_swap.gmm
+
+  def spy(*args, **kw):  # the form of the scales the swap kernel gets
+    seen.append((kw["scale_block"], kw["rhs_scale"].shape))
+    return swap_gmm(*args, **kw)
+
+  monkeypatch.setattr(mosaic_fwd_swap, "gmm", spy)
   got = mf.gmm(x, w, gs, go, transpose_rhs=nk, out_dtype=jnp.bfloat16, interpret=True,
-               config=cfg, rhs_scale=scales.kernel_scales(s, w.shape, nk))
+               config=cfg, rhs_scale=s)
+  cols = n // (n // block[1])
+  # 64-column multiples: rhs's layout as given; else per column, [g, k // t, n]
+  want_form = (((block[0], cols), s.shape) if cols % 64 == 0
+               else ((block[0], 1), (local, k // block[0], n)))
+  assert seen == [want_form], seen
+  monkeypatch.undo()
   run = mf.weight_only_config(cfg, m, len(sizes), k, nk, block[0])
   assert run.block_k == 64 and run.widen_staging == staging
   deq = scales.dequantize(w, s, jnp.bfloat16)
@@ -117,26 +136,26 @@ def test_kernel_refuses_scale_blocks_not_in_whole_k_steps():
   gs = jnp.array([60, 40], jnp.int32)
   with pytest.raises(NotImplementedError, match="multiple of 64"):
     mf.gmm(x, w, gs, None, transpose_rhs=True, out_dtype=jnp.bfloat16, interpret=True,
-           config=SWAP, rhs_scale=scales.kernel_scales(s, w.shape, True))
+           config=SWAP, rhs_scale=s)
   with pytest.raises(NotImplementedError, match="fp8 weights"):
     mf.gmm(x, w.astype(jnp.bfloat16), gs, None, transpose_rhs=True, out_dtype=jnp.bfloat16,
-           interpret=True, config=SWAP, rhs_scale=scales.kernel_scales(s, w.shape, True))
+           interpret=True, config=SWAP, rhs_scale=s)
 
 
 @pytest.mark.parametrize("kernel", ["mosaic", "triton"])
-def test_kernels_raise_value_error_for_a_malformed_kernel_scale(kernel):
-  """Both kernels: a kernel-layout scale of the wrong shape is a ValueError
-  (a caller's bug), bf16 weights with scales a NotImplementedError (a call
-  the dispatcher routes elsewhere)."""
+def test_kernels_raise_value_error_for_a_malformed_scale(kernel):
+  """Both kernels: a scale that is no block scale of rhs (in its layout) is a
+  ValueError (a caller's bug), bf16 weights with scales a NotImplementedError
+  (a call the dispatcher routes elsewhere)."""
   from ragdot.backends import triton as tb
-  x, w, s = _case(128, 128, 64, 2, True, (64, 1))
+  x, w, s = _case(128, 128, 64, 2, True, (64, 1))  # rhs [2, 64, 128], scales [2, 64, 2]
   gs = jnp.array([60, 40], jnp.int32)
-  good = scales.kernel_scales(s, w.shape, True)
+  good = s
   call = (functools.partial(mf.gmm, config=SWAP) if kernel == "mosaic"
           else functools.partial(tb.gmm, precision=None))
   run = lambda w, sc: call(x, w, gs, None, transpose_rhs=True, out_dtype=jnp.bfloat16,
                            interpret=True, rhs_scale=sc)
-  for bad in (good[:, :, :32], good[:1], good[:, :0], good[..., None]):
+  for bad in (good[:, :48], good[:1], good[:, :0], good[..., None], good[:, :, :0]):
     with pytest.raises(ValueError, match="rhs_scale must be"):
       run(w, bad)
   with pytest.raises(NotImplementedError, match="fp8 weights"):
@@ -265,8 +284,10 @@ def test_rhs_scale_in_the_ragged_contracting_mode_raises():
 @pytest.mark.parametrize("m,nk,block", [(32768, True, (128, 128)), (512, False, (128, 128)),
                                         (8, True, (2048, 1))])
 def test_scaled_kernel_lowers_for_sm90_with_the_h200_choice(m, nk, block):
-  """The dispatcher's W8A16 config on an H200 with a row of scales a stage lowers
-  for sm90 (registers for [g, n, k], SMEM buffers for [g, k, n])."""
+  """The dispatcher's W8A16 config on an H200 with scales lowers for sm90
+  (registers for [g, n, k], SMEM buffers for [g, k, n]; one scale a consumer
+  and stage for 128-column blocks, a row of per-column scales for one-column
+  ones)."""
   import functools
   k, n, g = 2048, 1536, 128
   c = dispatch.choose("gmm", None, dtype=jnp.bfloat16, rhs_dtype=E4M3, out_dtype=jnp.bfloat16,
@@ -276,7 +297,8 @@ def test_scaled_kernel_lowers_for_sm90_with_the_h200_choice(m, nk, block):
   rshape = (g, n, k) if nk else (g, k, n)
   args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct(rshape, E4M3),
           jax.ShapeDtypeStruct((g,), jnp.int32), None)
-  scale = jax.ShapeDtypeStruct((g, k // block[0], n), jnp.float32)
+  sshape = (g, n // block[1], k // block[0]) if nk else (g, k // block[0], n // block[1])
+  scale = jax.ShapeDtypeStruct(sshape, jnp.float32)
   lowered = f.trace(*args, rhs_scale=scale).lower(lowering_platforms=("cuda",))
   assert "mosaic_gpu" in lowered.as_text()
 

@@ -264,8 +264,8 @@ def _explicitly_split(*operands) -> bool:
 
 @functools.lru_cache(maxsize=64)
 def _scaled_kernel(implementation, transpose_rhs, precision, out_dtype, interpret, config):
-  """The Mosaic or Triton W8A16 kernel with the scales laid out for it (one
-  function per static arguments)."""
+  """The Mosaic or Triton W8A16 kernel, scales in rhs's layout (one function
+  per static arguments)."""
   # pylint: disable=g-import-not-at-top
   if implementation == "mosaic":
     from ragdot.backends import mosaic_fwd as kernel
@@ -275,8 +275,7 @@ def _scaled_kernel(implementation, transpose_rhs, precision, out_dtype, interpre
   def run(lhs, rhs, scale, group_sizes, group_offset):
     return kernel.gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs=transpose_rhs,
                       out_dtype=out_dtype, precision=precision, interpret=interpret,
-                      config=config,
-                      rhs_scale=scales.kernel_scales(scale, rhs.shape, transpose_rhs))
+                      config=config, rhs_scale=scale)
   return run
 
 

@@ -11,8 +11,12 @@ k // bk]``), and the weights the product uses are
     dequantized = (rhs.astype(f32) * scale repeated over its block).astype(lhs.dtype)
 
 so a scaled call equals the call on those dequantized weights.  The kernels
-take the scales as ``kernel_scales`` lays them out: f32 ``[g, k // bk, n]``,
-one row of per-column scales per block of contracting rows.
+take the scales in rhs's layout too.  The Mosaic kernel reads one scale per
+consumer and k step where a block spans whole 64-column slices (the 128 x 128
+blocks of DeepSeek-V3 / Qwen3 checkpoints); for narrower blocks, and in the
+Triton kernel, ``kernel_scales`` first lays them out per column: f32
+``[g, k // bk, n]``, one row of per-column scales per block of contracting
+rows.
 """
 
 from __future__ import annotations
@@ -77,14 +81,20 @@ def kernel_scales(scale: jax.Array, rhs_shape: tuple[int, ...],
   return jnp.repeat(s.astype(jnp.float32), n // s.shape[2], axis=2)
 
 
-def kernel_scale_rows(scale: Any, g: int, k: int, n: int) -> int:
-  """The contracting rows per scale of a kernel-layout scale (``kernel_scales``:
-  ``[g, k // t, n]``) for rhs of ``g`` groups, ``k`` contracting rows and
-  ``n`` columns; ValueError for any other shape."""
-  if (scale.ndim != 3 or scale.shape[0] != g or scale.shape[2] != n
-      or not scale.shape[1] or k % scale.shape[1]):
-    raise ValueError(f"rhs_scale must be [{g}, k // t, {n}] for k={k}, got {scale.shape}")
-  return k // scale.shape[1]
+def blocks(scale: Any, rhs_shape: tuple[int, ...], transpose_rhs: bool) -> tuple[int, int]:
+  """(contracting rows, output columns) of one block of ``scale`` in rhs's
+  layout (``[g, k // t, n // c]``, or ``[g, n // c, k // t]`` for rhs ``[g, n,
+  k]``): ``(t, c)``; ValueError naming ``rhs_scale`` for any other shape.  The
+  kernels' own check, beside ``check``'s for callers."""
+  g = rhs_shape[0]
+  k, n = (rhs_shape[2], rhs_shape[1]) if transpose_rhs else (rhs_shape[1], rhs_shape[2])
+  shape = tuple(scale.shape)
+  if len(shape) == 3:
+    sk, sn = (shape[2], shape[1]) if transpose_rhs else (shape[1], shape[2])
+    if shape[0] == g and sk and sn and not k % sk and not n % sn:
+      return k // sk, n // sn
+  want = f"[{g}, {n} // c, {k} // t]" if transpose_rhs else f"[{g}, {k} // t, {n} // c]"
+  raise ValueError(f"rhs_scale must be {want} for rhs {tuple(rhs_shape)}, got {shape}")
 
 
 def quantize(w: jax.Array, block: tuple[int, int], dtype: Any = jnp.float8_e4m3fn

@@ -146,21 +146,20 @@ def _check_supported(lhs, rhs, out_dtype, transpose_rhs) -> None:
     raise NotImplementedError(f"mosaic gmm needs {reason}")
 
 
-def _scale_rows(lhs, rhs, rhs_scale, transpose_rhs: bool) -> int:
-  """The contracting rows per scale of a W8A16 call's ``rhs_scale``; else
-  NotImplementedError (not W8A16, a scale block not in whole 64-row steps)
-  or ValueError (a shape or dtype that is no such scale)."""
+def _scale_blocks(lhs, rhs, rhs_scale, transpose_rhs: bool) -> tuple[int, int]:
+  """(contracting rows, columns) of one block of a W8A16 call's ``rhs_scale``
+  (rhs's layout); else NotImplementedError (not W8A16, a block not in whole
+  64-row k steps) or ValueError (a shape or dtype that is no such scale)."""
   if lhs.dtype == rhs.dtype:
     raise NotImplementedError("mosaic gmm takes rhs_scale with fp8 weights beside 16-bit rows"
                               f" only, got {lhs.dtype} and {rhs.dtype}")
-  rows = scales.kernel_scale_rows(rhs_scale, rhs.shape[0], lhs.shape[1],
-                                  rhs.shape[1] if transpose_rhs else rhs.shape[2])
-  if rhs_scale.dtype != jnp.float32:
-    raise ValueError(f"rhs_scale must be float32, got {rhs_scale.dtype}")
+  rows, cols = scales.blocks(rhs_scale, rhs.shape, transpose_rhs)
+  if not jnp.issubdtype(rhs_scale.dtype, jnp.floating) or validate.is_fp8(rhs_scale.dtype):
+    raise ValueError(f"rhs_scale must be f32, bf16 or f16, got {rhs_scale.dtype}")
   if rows % 64:
     raise NotImplementedError(f"mosaic gmm takes scale blocks of a multiple of 64 contracting"
                               f" rows (its k steps), got {rows}")
-  return rows
+  return rows, cols
 
 
 def unsupported_shape(m: int, k: int, n: int) -> str | None:
@@ -617,20 +616,24 @@ def gmm(
     precision: ignored (bf16/f16 wgmma with f32 accumulation is exact-product).
     interpret: False, True or ``plgpu.InterpretGPUParams`` (CPU interpret mode).
     config: tiling; ``default_config`` when None.
-    rhs_scale: W8A16 only: f32 ``[g_local, k // t, n]``, the scale of each
-      weight column over each block of ``t`` contracting rows (t a multiple of
-      64): each consumer widens its weight slice, multiplies it by its
-      columns' scales in f32 and rounds it to the rows' dtype, so the result
-      is bitwise this kernel's on those dequantized weights.
+    rhs_scale: W8A16 only: the weights' block scales in rhs's layout
+      (``[g_local, k // t, n // c]``, or ``[g_local, n // c, k // t]`` with
+      ``transpose_rhs``; f32, bf16 or f16; ``t`` a multiple of 64; see
+      ``ragdot.scales``): each consumer widens its weight slice, multiplies it
+      by its columns' scales in f32 and rounds it to the rows' dtype, so the
+      result is bitwise this kernel's on those dequantized weights.  Where
+      ``c`` is a multiple of 64 a consumer's 64 columns share one scale per k
+      step, which the producer reads from ``rhs_scale`` as it is; otherwise
+      ``scales.kernel_scales`` first lays them out per column.
 
   Raises:
     NotImplementedError: dtypes or alignments the TMA path cannot take.
   """
   del precision
   _check_supported(lhs, rhs, out_dtype, transpose_rhs)
-  scale_rows = None
+  scale_rows = scale_cols = None
   if rhs_scale is not None:
-    scale_rows = _scale_rows(lhs, rhs, rhs_scale, transpose_rhs)
+    scale_rows, scale_cols = _scale_blocks(lhs, rhs, rhs_scale, transpose_rhs)
   if (takes_fp8(lhs.dtype) and not transpose_rhs and config is not None and config.widen_rows
       and weight_only_refusal(jnp.bfloat16, rhs.dtype, out_dtype) is None):
     lhs = lhs.astype(jnp.bfloat16)  # (exact) the W8A16 form, reading the weights as stored
@@ -694,9 +697,15 @@ def gmm(
       raise NotImplementedError(f"tail_rows needs a bf16/f16 output, got {out_dtype}")
     if config.swap:
       from ragdot.backends import mosaic_fwd_swap  # pylint: disable=g-import-not-at-top  (imports this module)
+      scale = {}
+      if rhs_scale is not None:
+        scale = dict(rhs_scale=rhs_scale.astype(jnp.float32), scale_block=(scale_rows, scale_cols))
+        if scale_cols % mosaic_fwd_swap.SCALE_COLS:  # per column: [g, k // t, n]
+          scale = dict(rhs_scale=scales.kernel_scales(rhs_scale, rhs.shape, transpose_rhs),
+                       scale_block=(scale_rows, 1))
       return mosaic_fwd_swap.gmm(lhs, rhs, group_sizes, group_offset,
                                  transpose_rhs=transpose_rhs, out_dtype=out_dtype,
-                                 config=config, interpret=interpret, rhs_scale=rhs_scale)
+                                 config=config, interpret=interpret, **scale)
     from ragdot.backends import mosaic_fwd_ring  # pylint: disable=g-import-not-at-top  (imports this module)
     return mosaic_fwd_ring.gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs=transpose_rhs,
                                out_dtype=out_dtype, config=config, interpret=interpret)

@@ -55,6 +55,7 @@ from ragdot.backends import mosaic_fwd_ring as ring
 from ragdot.backends import sm90
 
 _COLS = 64  # output columns per consumer: wgmma's M
+SCALE_COLS = _COLS  # scale blocks of a multiple of these columns: one scale per consumer
 _CHUNK = 64  # rows per epilogue store
 
 
@@ -99,7 +100,8 @@ def _per_layout(layouts, fn) -> None:
 
 def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int, n: int,
           cfg: mf.MosaicFwdConfig, transpose_rhs: bool, num_ctas: int,
-          gate: ring.RowGate | None = None, stage_widened: bool = False, scale_gmem=None):
+          gate: ring.RowGate | None = None, stage_widened: bool = False, scale_gmem=None,
+          scale_block: tuple[int, int] = (0, 0)):
   bn, bk, stages, tr = cfg.block_n, cfg.block_k, cfg.num_stages, cfg.tail_rows
   rows_t = cfg.swap_rows  # R, rows per tile
   swizzled, share = cfg.swizzle_staging, cfg.share_rows
@@ -121,12 +123,18 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
   if widen and (cfg.tail_on_m or not (transpose_rhs or staged)):
     raise NotImplementedError("8-bit weights with 16-bit rows need no tail_on_m (the weights "
                               "are wgmma's A operand only), and widen_staging for rhs [g, k, n]")
-  # Scaled weights (rhs_scale [g, k // t, n]): each stage also holds its k step's
-  # row of the n tile's scales (one scale block: t is a multiple of bk).
+  # Scaled weights (scale blocks of scale_block = (t, c); t a multiple of bk, so a
+  # k step lies in one block): each stage also holds its k step's scales.  Per
+  # column (c = 1, scale_gmem [g, k // t, n]): a row of the n tile's, by TMA.  Per
+  # block (c a multiple of 64, scale_gmem in rhs's layout): one per consumer, read
+  # and stored by the producer (a TMA box would need 16 bytes).
   scaled = scale_gmem is not None
   if scaled and not widen:
     raise NotImplementedError("weight scales need 8-bit weights beside 16-bit rows")
-  scale_rows = k // scale_gmem.shape[1] if scaled else 0
+  scale_rows, scale_cols = scale_block
+  per_block = scaled and scale_cols > 1
+  if per_block and scale_cols % SCALE_COLS:
+    raise ValueError(f"scale blocks of {scale_cols} columns split a consumer's {_COLS}")
   # [g, k, n] 8-bit weights: 64-byte swizzle tiles, so each consumer's 64 columns
   # are whole tiles.
   w_minor = 64 if widen and not transpose_rhs else min(b_shape[1], bk)
@@ -137,6 +145,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
       # (forward: wgmma takes the (bk, 64) weight slice as an MN-major A only with a
       # swizzle of at most bk elements; 128 bytes at bk = 64, 64 at bk = 32)
       w_smem=plgpu.SMEM((stages, *b_shape), w_dtype, transforms=sm90.swizzled(w_minor, w_dtype)),
+      # (per-block scales: the producer's own arrival)
       produced=plgpu.Barrier(num_arrivals=2 + bool(tr) + scaled, num_barriers=stages),
       # share: the partner's multicast writes this CTA's slots too, so a slot
       # is refilled once the consumers of both CTAs released it.
@@ -153,7 +162,7 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
     scratch["a_smem"] = plgpu.SMEM((2, staged, *a_shape), dtype,
                                    transforms=sm90.swizzled(a_shape[1], dtype))
   if scaled:
-    scratch["s_smem"] = plgpu.SMEM((stages, bn), jnp.float32)
+    scratch["s_smem"] = plgpu.SMEM((stages, 2 if per_block else bn), jnp.float32)
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
   def _scope(x_smem, w_smem, produced, consumed, o_smem, a_smem=None, s_smem=None):
@@ -170,12 +179,23 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
     def _producer():
       plgpu.set_max_registers(40, action="decrease")
 
+      def scale_at(grp, kb, col):
+        """The block scale of weight column ``col`` (clamped into n) in k block ``kb``."""
+        cb = lax.div(jnp.minimum(col, n - 1), scale_cols)
+        return scale_gmem[grp, cb, kb] if transpose_rhs else scale_gmem[grp, kb, cb]
+
       def load(w, step0):
         ni, grp, row0, _, row_end = tile_of(w)
         layouts = _layouts(cfg, row0, row_end)
+        # (an odd grid_n leaves the last pair's second tile past n: it loads
+        # the last tile's block, computes and stores nothing)
+        ni_in = jnp.minimum(ni, grid_n - 1) if grid_n % pair else ni
 
         @pl.loop(0, k_steps)
         def _(kk):
+          if per_block:  # read before the wait for a free slot, which hides their latency
+            held = [scale_at(grp, lax.div(kk * bk, scale_rows), ni_in * bn + c * _COLS)
+                    for c in range(2)]
           slot = ring.free_slot(consumed, step0 + kk, stages)
           cols = pl.ds(kk * bk, bk)
 
@@ -191,12 +211,13 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
 
           # The weight block first: it comes from DRAM, the rows mostly from L2
           # (docs/performance.md v34d-e: 0.993-0.998x the time of rows first).
-          # (an odd grid_n leaves the last pair's second tile past n: it loads
-          # the last tile's block, computes and stores nothing)
-          ni_in = jnp.minimum(ni, grid_n - 1) if grid_n % pair else ni
           plgpu.copy_gmem_to_smem(ring.rhs_block(rhs_gmem, grp, ni_in, cols, bn, transpose_rhs),
                                   w_smem.at[slot], produced.at[slot])
-          if scaled:
+          if per_block:
+            for c, value in enumerate(held):
+              s_smem[slot, c] = value
+            plgpu.barrier_arrive(produced.at[slot])
+          elif scaled:
             plgpu.copy_gmem_to_smem(
                 scale_gmem.at[grp, lax.div(kk * bk, scale_rows), pl.ds(ni_in * bn, bn)],
                 s_smem.at[slot], produced.at[slot])
@@ -231,7 +252,11 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
               a = wb.at[mine] if transpose_rhs else wb.at[:, mine]
               # (the slice's columns run along its rows for [g, n, k], else along
               # its columns)
-              scale = (s_smem.at[slot, mine], 0 if transpose_rhs else 1) if scaled else None
+              scale = None
+              if per_block:  # one scale for the slice
+                scale = s_smem[slot, wg]
+              elif scaled:
+                scale = (s_smem.at[slot, mine], 0 if transpose_rhs else 1)
               if widen and not staged:
                 a = sm90.widened_operand(a, dtype, scale=scale)
               elif widen:
@@ -323,14 +348,16 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: jax.Array | None,
         *, transpose_rhs: bool, out_dtype: Any, config: mf.MosaicFwdConfig,
         interpret: Any = False, rhs_scale: jax.Array | None = None,
-        **gated: Any) -> jax.Array:
+        scale_block: tuple[int, int] = (0, 0), **gated: Any) -> jax.Array:
   """``mosaic_fwd.gmm`` for a ``swap=True`` config (checked by ``mosaic_fwd.gmm``:
   supported dtypes and alignments, non-empty operands, m >= swap_rows + tail_rows,
-  a config that fits SMEM, a 16-bit output; ``rhs_scale`` as there).  ``gated``:
+  a config that fits SMEM, a 16-bit output; ``rhs_scale`` f32: ``[g, k // t, n]``
+  when ``scale_block`` = (t, 1), else in rhs's layout with ``scale_block`` =
+  (t, c), c a multiple of ``SCALE_COLS``).  ``gated``:
   ``ring.launch``'s ``gate``, ``into`` and ``schedule``."""
   # (the interpreter takes wgmma operands from SMEM only: there the widened
   # weights go through a buffer, on the GPU they stay in registers)
-  body = functools.partial(_body, stage_widened=bool(interpret))
+  body = functools.partial(_body, stage_widened=bool(interpret), scale_block=scale_block)
   return ring.launch(body, lhs, rhs, group_sizes, group_offset, rows=config.swap_rows,
                      transpose_rhs=transpose_rhs, out_dtype=out_dtype, config=config,
                      interpret=interpret, rhs_scale=rhs_scale, **gated)

@@ -47,16 +47,18 @@ def widened_operand(ref, dtype, staging=None, wait: bool = True, scale=None):
   buffer.  ``wait``: first wait for every wgmma in flight, which may still
   read the registers (or buffer) this overwrites (on the H100 a wgmma left in
   flight across k steps gave wrong sums, 53a); registers always wait.
-  ``scale``: (an f32 SMEM vector, the tile's axis it runs along): the tile
-  times it in f32, then rounded once to ``dtype``."""
+  ``scale``: (an f32 SMEM vector, the tile's axis it runs along), or one f32
+  scalar: the tile times it in f32, then rounded once to ``dtype``."""
   if wait or staging is None:
     plgpu.wgmma_wait(0)
   a = plgpu.load(ref, layout=plgpu.Layout.WGMMA_UPCAST_2X)
   a = plgpu.layout_cast(a, plgpu.Layout.WGMMA).astype(jnp.float16)
-  if scale is not None:
+  if isinstance(scale, tuple):
     vec, axis = scale
     s = plgpu.load(vec, layout=plgpu.Layout.WGMMA.reduce(1 - axis))
     a = (a.astype(jnp.float32) * lax.broadcast_in_dim(s, a.shape, [axis])).astype(dtype)
+  elif scale is not None:
+    a = (a.astype(jnp.float32) * scale).astype(dtype)
   elif jnp.dtype(dtype) != jnp.float16:
     a = a.astype(jnp.float32).astype(dtype)
   if staging is None:

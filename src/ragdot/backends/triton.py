@@ -400,9 +400,11 @@ def gmm(
 ) -> jax.Array:
   """lhs[m,k] x rhs[g_local,k,n] (or [g_local,n,k] with transpose_rhs) -> out[m,n].
   rhs in lhs's dtype, or e4m3 / e5m2 beside bf16 / f16 lhs (``takes_weight_only``);
-  then optionally ``rhs_scale``, f32 ``[g_local, k // t, n]`` (``ragdot.scales``'
-  kernel layout): each widened weight block times its columns' scales in f32,
-  rounded once to lhs's dtype (t a multiple of the k step)."""
+  then optionally ``rhs_scale`` in rhs's layout (``[g_local, k // t, n // c]``,
+  or ``[g_local, n // c, k // t]`` with transpose_rhs; see ``ragdot.scales``),
+  laid out per column first (``scales.kernel_scales``): each widened weight
+  block times its columns' scales in f32, rounded once to lhs's dtype (t a
+  multiple of the k step)."""
   m, k = lhs.shape
   num_local = rhs.shape[0]
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -423,7 +425,7 @@ def gmm(
     if rhs.dtype == lhs.dtype:
       raise NotImplementedError(f"triton: rhs_scale needs fp8 weights beside 16-bit rows, got"
                                 f" {rhs.dtype} weights")
-    scale_rows = scales.kernel_scale_rows(rhs_scale, num_local, k, n)
+    scale_rows, _ = scales.blocks(rhs_scale, rhs.shape, transpose_rhs)
     if scale_rows % bk:
       raise NotImplementedError(f"triton: scale blocks of {scale_rows} rows must hold whole"
                                 f" k steps of {bk}")
@@ -443,7 +445,8 @@ def gmm(
   tiles, info, lhs, rhs = match_varying(tiles, info, lhs, rhs)
   operands = (tiles, info, lhs, rhs)
   if rhs_scale is not None:
-    operands += match_varying(rhs_scale.astype(jnp.float32), lhs)[:1]
+    operands += match_varying(scales.kernel_scales(rhs_scale, rhs.shape, transpose_rhs),
+                              lhs)[:1]
   return pl.pallas_call(
       kernel,
       out_shape=out_struct((m, n), out_dtype, lhs),
