@@ -32,7 +32,7 @@ inputs, bf16 output, the automatic choice each:
                       (``rhs_scale`` as given: one scale a consumer and k step);
   w8a16 ... scaled col  the same scales laid out per column inside the timed call
                       (``scales.kernel_scales``; the kernel's only form before v57);
-  w8a16 ... scaled col pre  per-column scales laid out before the call;
+  w8a16 [g,k,n] scaled col pre  per-column scales laid out before the call;
   kernel_scales       that layout alone ([g, k // 128, n] f32 from [g, k // 128, n // 128]);
   w8a16 [g,k,n] sS kK bB  with ``--variant kn:S,K,B`` (or ``nk:``): the automatic
                       config with S stages, k steps of K columns and ``widen_staging``
@@ -141,8 +141,10 @@ def cases(s: bench.Shape, key, variants: tuple[str, ...] = ()) -> tuple[dict, di
     for nk_layout, name, wt, sc in ((True, "n,k", w8_nk, scale_nk), (False, "k,n", w8, scale)):
       timed[f"w8a16 [g,{name}] scaled"] = (scaled(nk_layout), (xb, wt, sc))
       timed[f"w8a16 [g,{name}] scaled col"] = (scaled(nk_layout, True), (xb, wt, sc))
-      timed[f"w8a16 [g,{name}] scaled col pre"] = (scaled(nk_layout), (
-          xb, wt, columns(sc, wt.shape, nk_layout)))
+    # ([g, k, n] only: [g, n, k]'s per-column scales in rhs's layout, [g, n, k // t], are
+    # transposed for the kernel inside the call, which is no "pre")
+    timed["w8a16 [g,k,n] scaled col pre"] = (scaled(False), (xb, w8, columns(scale, w8.shape,
+                                                                               False)))
     timed["kernel_scales"] = (jax.jit(functools.partial(
         scales.kernel_scales, rhs_shape=w8.shape, transpose_rhs=False)), (scale,))
     for spec in variants:

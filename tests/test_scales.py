@@ -86,15 +86,16 @@ def test_xla_call_equals_the_call_on_dequantized_weights(nk, block, offset, x_dt
   oracle.assert_zero_rows(got, sizes, offset, local)
 
 
-@pytest.mark.parametrize("nk,block,offset,staging", [
-    (True, (128, 1), None, 2),   # [g, n, k]: per column, a scale row per 128-column k step
-    (False, (64, 64), 1, 1),     # [g, k, n] read as stored, one buffer, a shard: per block
-    (False, (256, 128), None, 2),  # (n = 192: the second tile's second consumer past n)
-    (True, (128, 64), None, 1),  # [g, n, k] per block
-    (False, (128, 32), None, 2),  # 32-column blocks: laid out per column
+@pytest.mark.parametrize("nk,block,offset,staging,s_dtype", [
+    (True, (128, 1), None, 2, jnp.float32),  # [g, n, k]: per column, a row per k step
+    (False, (64, 64), 1, 1, jnp.float32),  # [g, k, n] as stored, one buffer, a shard: per block
+    # one block over all 192 columns and k (the second tile's second consumer past n)
+    (False, (256, 192), None, 2, jnp.float32),
+    (True, (128, 64), 1, 1, jnp.bfloat16),  # [g, n, k] per block, a shard, bf16 scales
+    (False, (128, 32), None, 2, jnp.float16),  # 32-column blocks: laid out per column
 ])
 def test_kernel_equals_the_kernel_on_dequantized_weights(monkeypatch, nk, block, offset,
-                                                          staging):
+                                                          staging, s_dtype):
   """The W8A16 kernel scaling each widened slice (by one scale per 64-column
   slice where the blocks span such slices, else per column): bitwise the same
   kernel (its config) on the dequantized bf16 weights; a folded tail, an
@@ -102,6 +103,7 @@ def test_kernel_equals_the_kernel_on_dequantized_weights(monkeypatch, nk, block,
   m, k, n, sizes = 1280, 256, 192, [300, 10, 520, 0, 280]
   local = 5 if offset is None else 3
   x, w, s = _case(m, k, n, local, nk, block, seed=7)
+  s = s.astype(s_dtype)
   gs, go = jnp.asarray(sizes, jnp.int32), None if offset is None else jnp.int32(offset)
   cfg = dataclasses.replace(SWAP, tail_rows=64, widen_staging=staging)
   from ragdot.backends import mosaic_fwd_swap

@@ -74,8 +74,9 @@ def dequantize(rhs: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
 def kernel_scales(scale: jax.Array, rhs_shape: tuple[int, ...],
                   transpose_rhs: bool) -> jax.Array:
   """f32 ``[g, k // bk, n]``: ``scale`` (rhs's layout) with its contracting
-  blocks first and each output column its own scale (what the kernels
-  read, one row per k step)."""
+  blocks first and each output column its own scale (what the Triton kernel
+  reads, and the Mosaic one for blocks narrower than 64 columns: one row
+  per k step)."""
   s = jnp.swapaxes(scale, 1, 2) if transpose_rhs else scale
   n = rhs_shape[1] if transpose_rhs else rhs_shape[2]
   return jnp.repeat(s.astype(jnp.float32), n // s.shape[2], axis=2)

@@ -342,7 +342,7 @@ class MosaicFwdConfig:
     """Static SMEM footprint (pipeline buffers + output staging chunk), with
     weights of ``rhs_dtype`` (default ``in_dtype``; a narrower one: W8A16,
     with its ``widen_staging`` buffers; ``scaled``: and a row of ``block_n``
-    f32 weight scales per stage).
+    f32 weight scales per stage, an upper bound: per-block scales take 8 bytes).
 
     Barriers and alignment add a few dozen bytes on top (48 measured at
     lowering for the 2-warpgroup kernel): ``smem_budget`` keeps 1 KiB for them.
@@ -607,8 +607,8 @@ def weight_only_config(cfg: MosaicFwdConfig | None, m: int, groups: int,
   kernel pads such calls.  ``scale_rows``: the weights carry a scale per
   ``scale_rows`` contracting rows (``gmm``'s ``rhs_scale``): each k step then
   lies in one scale block (k steps of 64 columns where 128 do not divide it;
-  ValueError where 64 do not either), and a row of scales takes SMEM per
-  stage."""
+  ValueError where 64 do not either), and a stage holds its scales (counted as
+  a row of per-column ones)."""
   if scale_rows is not None and scale_rows % 64:
     raise ValueError(f"scale_rows must be a multiple of 64, got {scale_rows}")
   m = max(m, MIN_SWAP_ROWS)
