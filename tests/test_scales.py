@@ -157,7 +157,8 @@ def test_kernels_raise_value_error_for_a_malformed_scale(kernel):
           else functools.partial(tb.gmm, precision=None))
   run = lambda w, sc: call(x, w, gs, None, transpose_rhs=True, out_dtype=jnp.bfloat16,
                            interpret=True, rhs_scale=sc)
-  for bad in (good[:, :48], good[:1], good[:, :0], good[..., None], good[:, :, :0]):
+  for bad in (good[:, :48], good[:1], good[:, :0], good[..., None], good[:, :, :0],
+              good.astype(jnp.int32), good.astype(E4M3)):
     with pytest.raises(ValueError, match="rhs_scale must be"):
       run(w, bad)
   with pytest.raises(NotImplementedError, match="fp8 weights"):

@@ -247,7 +247,8 @@ def test_precision_and_dtype_refusals():
 
 @pytest.mark.parametrize("kind", ["NVIDIA H200", "NVIDIA A100-SXM4-80GB"])
 def test_lowers_for_cuda(kind):
-  """Pallas -> Triton IR for sm90 / sm80 works on CPU; PTX needs the GPU."""
+  """Pallas -> Triton IR for sm90 / sm80 works on CPU (the W8A16 call with
+  block scales too); PTX needs the GPU."""
   from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
   m, k, n, g, G = 300, 200, 136, 4, 8
@@ -265,11 +266,22 @@ def test_lowers_for_cuda(kind):
       (lambda l, r, a, o: tr.tgmm(l, r, a, o, num_groups=g, out_dtype=bf16,
                                   precision=None), (s((m, k), bf16), s((m, n), bf16))),
   ]
+  # sm90: W8A16 (Triton widens e4m3 from sm89 on) with block scales gathered from rhs's
+  # layout (k = 256: 128-row blocks; n = 136 = 8 blocks of 17 columns, masked fp8 loads;
+  # [g, n, k] per column, bf16 scales)
+  e4m3 = jnp.float8_e4m3fn
+  for nk, sshape, sdt in ((False, (g, 2, 8), jnp.float32), (True, (g, n, 2), bf16))[
+      :2 if kind == "NVIDIA H200" else 0]:
+    cases.append((
+        lambda l, r, a, o, sc, nk=nk: tr.gmm(l, r, a, o, transpose_rhs=nk, out_dtype=bf16,
+                                             precision=None, rhs_scale=sc),
+        (s((m, 256), bf16), s((g, n, 256) if nk else (g, 256, n), e4m3), s(sshape, sdt))))
   device = AbstractDevice(device_kind=kind, num_cores=None, platform="gpu")
   mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
   for fn, operands in cases:
+    extra = operands[2:]  # (the scales come after the group sizes and offset)
     with use_abstract_mesh(mesh):
-      text = jax.jit(fn).trace(*operands, gs, go).lower(
+      text = jax.jit(fn).trace(*operands[:2], gs, go, *extra).lower(
           lowering_platforms=("cuda",)).as_text()
     assert "triton" in text
 

@@ -85,8 +85,11 @@ def kernel_scales(scale: jax.Array, rhs_shape: tuple[int, ...],
 def blocks(scale: Any, rhs_shape: tuple[int, ...], transpose_rhs: bool) -> tuple[int, int]:
   """(contracting rows, output columns) of one block of ``scale`` in rhs's
   layout (``[g, k // t, n // c]``, or ``[g, n // c, k // t]`` for rhs ``[g, n,
-  k]``): ``(t, c)``; ValueError naming ``rhs_scale`` for any other shape.  The
-  kernels' own check, beside ``check``'s for callers."""
+  k]``): ``(t, c)``; ValueError naming ``rhs_scale`` for any other shape, or a
+  dtype but f32, bf16 and f16.  The kernels' own check, beside ``check``'s for
+  callers."""
+  if not jnp.issubdtype(scale.dtype, jnp.floating) or validate.is_fp8(scale.dtype):
+    raise ValueError(f"rhs_scale must be f32, bf16 or f16, got {scale.dtype}")
   g = rhs_shape[0]
   k, n = (rhs_shape[2], rhs_shape[1]) if transpose_rhs else (rhs_shape[1], rhs_shape[2])
   shape = tuple(scale.shape)

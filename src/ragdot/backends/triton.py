@@ -302,7 +302,8 @@ def _and(*masks):
 def _load(ref, mask):
   if mask is None:
     return plgpu.load(ref)
-  return plgpu.load(ref, mask=mask, other=0)
+  # (a zero of the ref's dtype: Triton casts no int32 0 to 8-bit floats)
+  return plgpu.load(ref, mask=mask, other=jnp.zeros((), ref.dtype))
 
 
 def _store(ref, val, mask):
@@ -320,9 +321,9 @@ def _compiler_params(config: TritonConfig) -> Any:
 
 
 def _gmm_kernel(tiles_ref, info_ref, lhs_ref, rhs_ref, *refs, m, k, n, bm,
-                bn, bk, n_tiles, work, transpose_rhs, precision, scale_rows=0):
-  # refs: (scale_ref, out_ref) with weight scales (scale_rows > 0), else (out_ref,)
-  scale_ref, out_ref = refs if scale_rows else (None, refs[0])
+                bn, bk, n_tiles, work, transpose_rhs, precision, scale_block=None):
+  # refs: (scale_ref, out_ref) with weight scales (scale_block: (t, c)), else (out_ref,)
+  scale_ref, out_ref = refs if scale_block else (None, refs[0])
   pid = pl.program_id(0)
   k_steps = pl.cdiv(k, bk)
 
@@ -354,7 +355,11 @@ def _gmm_kernel(tiles_ref, info_ref, lhs_ref, rhs_ref, *refs, m, k, n, bm,
                     _and(None if k_mask is None else k_mask[:, None],
                          None if col_mask is None else col_mask[None, :]))
         if scale_ref is not None:  # each column's scale over this k step's block
-          sc = _load(scale_ref.at[grp, k0 // scale_rows, pl.ds(n0, bn)], col_mask)
+          # (gathered from rhs's layout; columns past n read the last one's)
+          kb = k0 // scale_block[0]
+          cb = jnp.minimum(_iota(bn, n0), n - 1) // scale_block[1]
+          sc = scale_ref[grp, cb, kb] if transpose_rhs else scale_ref[grp, kb, cb]
+          sc = sc.astype(jnp.float32)
           w = w.astype(jnp.float32) * (sc[:, None] if transpose_rhs else sc[None, :])
         if w.dtype != x.dtype:  # W8A16: 8-bit weights widened in registers (exact)
           w = w.astype(x.dtype)
@@ -402,9 +407,9 @@ def gmm(
   rhs in lhs's dtype, or e4m3 / e5m2 beside bf16 / f16 lhs (``takes_weight_only``);
   then optionally ``rhs_scale`` in rhs's layout (``[g_local, k // t, n // c]``,
   or ``[g_local, n // c, k // t]`` with transpose_rhs; see ``ragdot.scales``),
-  laid out per column first (``scales.kernel_scales``): each widened weight
-  block times its columns' scales in f32, rounded once to lhs's dtype (t a
-  multiple of the k step)."""
+  read as given (each k step gathers its columns' scales): each widened
+  weight block times its columns' scales in f32, rounded once to lhs's dtype
+  (t a multiple of the k step)."""
   m, k = lhs.shape
   num_local = rhs.shape[0]
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -420,14 +425,14 @@ def gmm(
   if not isinstance(config, TritonConfig):
     raise TypeError(f"config must be a TritonConfig, got {type(config).__name__}")
   bm, bn, bk = _fit(config.block_m, m), _fit(config.block_n, n), _fit(config.block_k, k)
-  scale_rows = 0
+  scale_block = None
   if rhs_scale is not None:
     if rhs.dtype == lhs.dtype:
       raise NotImplementedError(f"triton: rhs_scale needs fp8 weights beside 16-bit rows, got"
                                 f" {rhs.dtype} weights")
-    scale_rows, _ = scales.blocks(rhs_scale, rhs.shape, transpose_rhs)
-    if scale_rows % bk:
-      raise NotImplementedError(f"triton: scale blocks of {scale_rows} rows must hold whole"
+    scale_block = scales.blocks(rhs_scale, rhs.shape, transpose_rhs)
+    if scale_block[0] % bk:
+      raise NotImplementedError(f"triton: scale blocks of {scale_block[0]} rows must hold whole"
                                 f" k steps of {bk}")
 
   tiles, info = backends.flat_schedule(  # info: num_tiles, lo, hi, ...
@@ -441,12 +446,11 @@ def gmm(
   work = max_t * n_tiles
   kernel = functools.partial(
       _gmm_kernel, m=m, k=k, n=n, bm=bm, bn=bn, bk=bk, n_tiles=n_tiles, work=work,
-      transpose_rhs=transpose_rhs, precision=prec, scale_rows=scale_rows)
+      transpose_rhs=transpose_rhs, precision=prec, scale_block=scale_block)
   tiles, info, lhs, rhs = match_varying(tiles, info, lhs, rhs)
   operands = (tiles, info, lhs, rhs)
   if rhs_scale is not None:
-    operands += match_varying(scales.kernel_scales(rhs_scale, rhs.shape, transpose_rhs),
-                              lhs)[:1]
+    operands += match_varying(rhs_scale, lhs)[:1]
   return pl.pallas_call(
       kernel,
       out_shape=out_struct((m, n), out_dtype, lhs),
