@@ -13,10 +13,10 @@ k // bk]``), and the weights the product uses are
 so a scaled call equals the call on those dequantized weights.  The kernels
 take the scales in rhs's layout too.  The Mosaic kernel reads one scale per
 consumer and k step where a block spans whole 64-column slices (the 128 x 128
-blocks of DeepSeek-V3 / Qwen3 checkpoints); for narrower blocks, and in the
-Triton kernel, ``kernel_scales`` first lays them out per column: f32
-``[g, k // bk, n]``, one row of per-column scales per block of contracting
-rows.
+blocks of DeepSeek-V3 / Qwen3 checkpoints); for narrower blocks
+``kernel_scales`` first lays them out per column: f32 ``[g, k // bk, n]``, one
+row of per-column scales per block of contracting rows.  The Triton kernel
+gathers each k step's column scales as given.
 """
 
 from __future__ import annotations
@@ -74,9 +74,8 @@ def dequantize(rhs: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
 def kernel_scales(scale: jax.Array, rhs_shape: tuple[int, ...],
                   transpose_rhs: bool) -> jax.Array:
   """f32 ``[g, k // bk, n]``: ``scale`` (rhs's layout) with its contracting
-  blocks first and each output column its own scale (what the Triton kernel
-  reads, and the Mosaic one for blocks narrower than 64 columns: one row
-  per k step)."""
+  blocks first and each output column its own scale (what the Mosaic kernel
+  reads for blocks narrower than 64 columns: one row per k step)."""
   s = jnp.swapaxes(scale, 1, 2) if transpose_rhs else scale
   n = rhs_shape[1] if transpose_rhs else rhs_shape[2]
   return jnp.repeat(s.astype(jnp.float32), n // s.shape[2], axis=2)
