@@ -28,6 +28,8 @@ inputs, bf16 output, the automatic choice each:
   bf16 [g,k,n] triton the bf16 call on that Triton config;
   w8a16 bf16          bf16 rows, the weights converted to bf16 first (the path
                       before v53);
+  w8a16 ... scaled api  ``ragged_dot[_general](..., rhs_scale=)``, 128 x 128 block
+                      scales, the automatic choice (Mosaic or Triton);
   w8a16 ... scaled     the automatic config with 128 x 128 block scales
                       (``rhs_scale`` as given: one scale a consumer and k step);
   w8a16 ... scaled col  the same scales laid out per column inside the timed call
@@ -105,7 +107,12 @@ def cases(s: bench.Shape, key, variants: tuple[str, ...] = ()) -> tuple[dict, di
                                                out_dtype=bf, config=choice.config))
 
   mosaic = isinstance(w8a16_config(True), mosaic_fwd.MosaicFwdConfig)
+  scale_nk = jnp.swapaxes(scale, 1, 2)
+  kn_scaled = jax.jit(lambda x, w, sc: ragdot.ragged_dot(x, w, gs, rhs_scale=sc))
+  nk_scaled = jax.jit(lambda x, w, sc: ragdot.ragged_dot_general(x, w, gs, NK, rhs_scale=sc))
   timed = {
+      "w8a16 [g,n,k] scaled api": (nk_scaled, (xb, w8_nk, scale_nk)),
+      "w8a16 [g,k,n] scaled api": (kn_scaled, (xb, w8, scale)),
       "bf16 [g,k,n]": (kn, (xb, w.astype(bf))),
       "fp8 [g,k,n]": (kn, (x8, w8)),
       "fp8 [g,k,n] copy": (fp8_copy(), (x8, w8)),
@@ -137,7 +144,6 @@ def cases(s: bench.Shape, key, variants: tuple[str, ...] = ()) -> tuple[dict, di
       ks = scales.kernel_scales(sc, shape, nk_layout)
       return jnp.swapaxes(ks, 1, 2) if nk_layout else ks
 
-    scale_nk = jnp.swapaxes(scale, 1, 2)
     for nk_layout, name, wt, sc in ((True, "n,k", w8_nk, scale_nk), (False, "k,n", w8, scale)):
       timed[f"w8a16 [g,{name}] scaled"] = (scaled(nk_layout), (xb, wt, sc))
       timed[f"w8a16 [g,{name}] scaled col"] = (scaled(nk_layout, True), (xb, wt, sc))
