@@ -66,6 +66,21 @@ def test_dequantize_and_kernel_layout_against_numpy():
                                 np.repeat(s, 2, axis=2))
 
 
+def test_blocks_reads_either_layout_and_names_rhs_scale():
+  """``scales.blocks``: (contracting rows, columns) of a block for rhs [g, k, n]
+  and [g, n, k] alike; ValueError naming ``rhs_scale`` for a shape or dtype
+  that is none of rhs's block scales."""
+  s = jnp.ones((3, 4, 6), jnp.float32)  # [g, k // t, n // c] for rhs [3, 512, 384]
+  assert scales.blocks(s, (3, 512, 384), False) == (128, 64)
+  assert scales.blocks(jnp.swapaxes(s, 1, 2), (3, 384, 512), True) == (128, 64)
+  assert scales.blocks(s.astype(jnp.bfloat16), (3, 4, 6), False) == (1, 1)
+  for bad, rhs_shape in [(s, (2, 512, 384)), (s, (3, 512, 380)), (s[:, :0], (3, 512, 384)),
+                         (s[0], (3, 512, 384)), (s, (3, 384, 512)),
+                         (s.astype(jnp.int32), (3, 512, 384)), (s.astype(E4M3), (3, 512, 384))]:
+    with pytest.raises(ValueError, match="rhs_scale must be"):
+      scales.blocks(bad, rhs_shape, False)
+
+
 @pytest.mark.parametrize("nk,block,offset,x_dtype,w_dtype", [
     (False, (64, 64), None, jnp.bfloat16, E4M3),
     (True, (128, 1), None, jnp.float16, E5M2),     # per column and k block

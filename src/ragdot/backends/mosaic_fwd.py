@@ -160,6 +160,18 @@ def _scale_blocks(lhs, rhs, rhs_scale, transpose_rhs: bool) -> tuple[int, int]:
   return rows, cols
 
 
+def _swap_scales(rhs_scale, rhs_shape, transpose_rhs: bool, block: tuple[int, int],
+                 slice_cols: int) -> dict[str, Any]:
+  """The swap kernel's scale arguments: ``rhs_scale`` as given (f32) where its
+  blocks span whole consumer slices of ``slice_cols`` columns, else laid out
+  per column (``[g, k // t, n]``, ``scale_block`` (t, 1))."""
+  rows, cols = block
+  if cols % slice_cols:
+    return dict(rhs_scale=scales.kernel_scales(rhs_scale, rhs_shape, transpose_rhs),
+                scale_block=(rows, 1))
+  return dict(rhs_scale=rhs_scale.astype(jnp.float32), scale_block=block)
+
+
 def unsupported_shape(m: int, k: int, n: int) -> str | None:
   """Why this kernel refuses lhs[m, k] -> out[m, n] (static; None: it takes it).
 
@@ -697,10 +709,8 @@ def gmm(
       from ragdot.backends import mosaic_fwd_swap  # pylint: disable=g-import-not-at-top  (imports this module)
       scale = {}
       if rhs_scale is not None:
-        scale = dict(rhs_scale=rhs_scale.astype(jnp.float32), scale_block=(scale_rows, scale_cols))
-        if scale_cols % mosaic_fwd_swap.SCALE_COLS:  # per column: [g, k // t, n]
-          scale = dict(rhs_scale=scales.kernel_scales(rhs_scale, rhs.shape, transpose_rhs),
-                       scale_block=(scale_rows, 1))
+        scale = _swap_scales(rhs_scale, rhs.shape, transpose_rhs, (scale_rows, scale_cols),
+                             mosaic_fwd_swap.SCALE_COLS)
       return mosaic_fwd_swap.gmm(lhs, rhs, group_sizes, group_offset,
                                  transpose_rhs=transpose_rhs, out_dtype=out_dtype,
                                  config=config, interpret=interpret, **scale)
