@@ -145,7 +145,9 @@ class MosaicDwConfig:
       this many groups past the ones all CTAs work on now
       (``ceil(num_sms / items per group)`` groups on).  The items of a group
       run at once on different SMs and each misses the same lines; the
-      prefetch issues those misses early.  0: none.  Not measured yet.
+      prefetch issues those misses early.  0: none.  Measured slower
+      (docs/performance.md v57, H100: 1.06x / 1.10x the time on Qwen3-30B
+      gate_up / down), so off.
   """
 
   block_m: int = 64
