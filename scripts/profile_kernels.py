@@ -19,7 +19,9 @@ and its zero rows alone; ``fwd_down_decode`` / ``fwd_deepseek_decode``: the
 decode forwards of Qwen3-30B down and DeepSeek-V3 down; ``fwd_down`` /
 ``fwd_down_aligned`` / ``batched_down`` / ``dense_down``: Qwen3-30B down forward
 on routed and on 256-row groups, XLA's batched matmul (cuBLAS) of those
-groups, and the dense matmul.  Inputs are routed
+groups, and the dense matmul; ``w8a16_kn`` / ``w8a16_kn_scaled`` / ``w8a16_nk`` /
+``w8a16_nk_scaled``: W8A16 decode of Qwen3-30B gate_up, fp8 weights in either
+layout, without and with 128 x 128 block scales.  Inputs are routed
 random data, never zeros.  Extra ncu sections (e.g. SourceCounters for the
 stall sampling by instruction): ``PROFILE_SECTIONS`` in scripts/gpu_run.sh.
 """
@@ -180,6 +182,28 @@ def _down_cases() -> dict:
           "dense_down": (jax.jit(jnp.dot), (x, w[0]))}
 
 
+def _w8a16_cases() -> dict:
+  """W8A16 decode (Qwen3-30B gate_up, 512 rows): fp8 weights [g, k, n] and [g, n, k],
+  unscaled and with 128 x 128 block scales (where do [g, k, n]'s scales cost 8-11%
+  against [g, n, k]'s 2%?), each the automatic choice."""
+  s = bench.PRESETS["decode"][0]
+  fp8, bf = jnp.float8_e4m3fn, jnp.bfloat16
+  nk_dims = jax.lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), [0], [0])
+  key = jax.random.key(30)
+  x = jax.random.normal(key, (s.m, s.k), bf)
+  w = (jax.random.normal(jax.random.fold_in(key, 1), (s.g, s.k, s.n), jnp.float32) / 32
+       ).astype(fp8)
+  scale = jax.random.uniform(jax.random.fold_in(key, 2), (s.g, s.k // 128, s.n // 128),
+                             jnp.float32, 0.5, 2.0)
+  w_nk, scale_nk = jnp.swapaxes(w, 1, 2), jnp.swapaxes(scale, 1, 2)
+  gs = jnp.asarray(bench.routed_group_sizes(s))
+  kn = jax.jit(lambda x, w, gs, sc=None: ragdot.ragged_dot(x, w, gs, rhs_scale=sc))
+  nk = jax.jit(lambda x, w, gs, sc=None: ragdot.ragged_dot_general(
+      x, w, gs, nk_dims, rhs_scale=sc))
+  return {"w8a16_kn": (kn, (x, w, gs)), "w8a16_kn_scaled": (kn, (x, w, gs, scale)),
+          "w8a16_nk": (nk, (x, w_nk, gs)), "w8a16_nk_scaled": (nk, (x, w_nk, gs, scale_nk))}
+
+
 # Each builder's case names: only the builders of the requested cases allocate.
 _BUILDERS = (
     (_qwen_cases, ("fwd_qwen", "dw_qwen", "fwd_mixtral", "dense_qwen", "dw_qwen_p6",
@@ -190,6 +214,7 @@ _BUILDERS = (
     (_ep_cases, ("fwd_ep", "fwd_ep_local", "fwd_ep_zeros")),
     (_decode_cases, ("fwd_down_decode", "fwd_deepseek_decode")),
     (_down_cases, ("fwd_down", "fwd_down_aligned", "batched_down", "dense_down")),
+    (_w8a16_cases, ("w8a16_kn", "w8a16_kn_scaled", "w8a16_nk", "w8a16_nk_scaled")),
 )
 
 
