@@ -657,11 +657,6 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
               it, starts_gmem, ends_gmem, lhs_gmem, rhs_gmem, config=config,
               num_groups=num_groups, grid_n=grid_n, items_per_group=grid_k * grid_n,
               num_sms=num_sms))
-        if config.l2_prefetch_items:
-          pl.when(i == 0)(lambda: _prefetch_own_item(
-              q + config.l2_prefetch_items, starts_gmem, ends_gmem, first_gmem, nblocks_gmem,
-              lhs_gmem, rhs_gmem, config=config, num_groups=num_groups, grid_k=grid_k,
-              grid_n=grid_n))
         # The slot's previous use (step - stages) must be consumed first.
         pl.when(step >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
 
@@ -678,6 +673,12 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
           pl.when(in_pieces)(lambda: load_pieces(it, i, slot, pieces_in.at[owner + slot]))
         else:
           whole_block()
+        if config.l2_prefetch_items:  # (after the step's loads: it reads the later
+          # item's rows from GMEM first, which takes a DRAM round trip)
+          pl.when(i == 0)(lambda: _prefetch_own_item(
+              q + config.l2_prefetch_items, starts_gmem, ends_gmem, first_gmem, nblocks_gmem,
+              lhs_gmem, rhs_gmem, config=config, num_groups=num_groups, grid_k=grid_k,
+              grid_n=grid_n))
 
       total = ring_steps(load)
 
