@@ -789,25 +789,21 @@ def test_release_each_step_checks_and_lowers():
 
 @pytest.mark.parametrize("config", [SIDE, FLAT3_BANDED], ids=["pingpong_side", "shared_banded"])
 def test_l2_prefetch_changes_no_result(config):
-  """``l2_prefetch_ahead`` / ``l2_prefetch_items``: the producer's L2
-  prefetches of later groups' rows or of its own later items' rows (no-ops in
-  the interpreter: this checks that they trace and leave the rest as it was)
-  give the result bitwise as before, on a shard (offset 2); the kernel lowers
-  for sm90 with the H200's dW choices."""
+  """``l2_prefetch_ahead``: the producer's L2 prefetches of later groups' rows
+  (no-ops in the interpreter: this checks that they trace and leave the rest
+  as it was) give the result bitwise as before, on a shard (offset 2); the
+  kernel lowers for sm90 with the H200's dW choices."""
   cfg = dataclasses.replace(config, num_sms=2)
   kw = dict(config=cfg, out_dtype=jnp.bfloat16, offset=2, num_groups=6)
   out, ref = run(448, 128, 128, SIDE_SIZES, **kw)
-  for field, value in [("l2_prefetch_ahead", 1), ("l2_prefetch_items", 1),
-                       ("l2_prefetch_items", 3)]:
-    ahead, _ = run(448, 128, 128, SIDE_SIZES,
-                   **{**kw, "config": dataclasses.replace(cfg, **{field: value})})
-    np.testing.assert_array_equal(out, ahead)
+  ahead, _ = run(448, 128, 128, SIDE_SIZES,
+                 **{**kw, "config": dataclasses.replace(cfg, l2_prefetch_ahead=1)})
+  np.testing.assert_array_equal(out, ahead)
   check(ahead, ref, jnp.bfloat16)
-  for field in ("l2_prefetch_ahead", "l2_prefetch_items"):
-    with pytest.raises(ValueError, match=field):
-      dataclasses.replace(TWO_WG, **{field: 1})
-    with pytest.raises(ValueError, match=field):
-      dataclasses.replace(config, **{field: -1})
+  with pytest.raises(ValueError, match="l2_prefetch_ahead"):
+    dataclasses.replace(TWO_WG, l2_prefetch_ahead=1)
+  with pytest.raises(ValueError, match="l2_prefetch_ahead"):
+    dataclasses.replace(config, l2_prefetch_ahead=-1)
   from ragdot import dispatch  # pylint: disable=g-import-not-at-top
   h200 = dispatch.Device("gpu", "NVIDIA H200", "9.0")
   for m, k, n, g in [(32768, 2048, 1536, 128), (32768, 768, 2048, 128)]:
@@ -816,28 +812,6 @@ def test_l2_prefetch_changes_no_result(config):
     cfg = choice.config or mosaic_dw.default_config(m, k, n, g)
     assert choice.implementation == "mosaic" and cfg.pipeline_across_items, choice
     lower_for_sm90(m, k, n, g, dataclasses.replace(cfg, l2_prefetch_ahead=2))
-    lower_for_sm90(m, k, n, g, dataclasses.replace(cfg, l2_prefetch_items=1))
-
-
-@pytest.mark.parametrize("m", [32768, 448, 40])
-def test_own_item_boxes_cover_its_first_rows_inside_the_array(m):
-  """``l2_prefetch_items``' boxes of an item's rows: each inside the array, the
-  wanted ones together covering the group's rows (up to the first 256 from
-  its 8-aligned start), none wanted wholly past the group."""
-  from ragdot.backends.mosaic_dw import own_item_boxes
-  rows = min(64, m)
-  for start, end in [(0, min(m, 300)), (m - min(m, 37), m), (8, 8), (13, min(m, 29)),
-                     (min(m, 40) - 8, min(m, 40))]:
-    covered = np.zeros(m, bool)
-    for row, wanted in own_item_boxes(start, end, m=m):
-      row, wanted = int(row), bool(wanted)
-      assert 0 <= row <= m - rows
-      if wanted:
-        assert row < end
-        covered[row:row + rows] = True
-    want = np.zeros(m, bool)
-    want[start:min(end, start // 8 * 8 + 256)] = True
-    assert covered[want].all(), (start, end)
 
 
 @pytest.mark.parametrize("m,k,n,g", [(32768, 2048, 1536, 128), (32768, 768, 2048, 128),

@@ -468,44 +468,6 @@ def _prefetch_later_group(it, starts_gmem, ends_gmem, lhs_gmem, rhs_gmem, *,
                            predicate=wanted & (later < num_groups))
 
 
-_OWN_PREFETCH_BOXES = 4  # of 64 rows per operand: an item's first 256 rows
-
-
-def own_item_boxes(start, end, *, m: int):
-  """First rows of the (at most ``_OWN_PREFETCH_BOXES``) 64-row boxes that hold
-  the rows ``[start, end)`` (from ``start`` rounded down to 8), each kept inside
-  the array's ``m`` rows, and whether the box holds any of them:
-  ``[(row, wanted), ...]``."""
-  rows = min(_PREFETCH_ROWS, m)
-  first = start // _ROW_ALIGN * _ROW_ALIGN
-  return [(jnp.minimum(first + b * rows, m - rows), first + b * rows < end)
-          for b in range(_OWN_PREFETCH_BOXES)]
-
-
-def _prefetch_own_item(q, starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem,
-                       rhs_gmem, *, config: MosaicDwConfig, num_groups: int, grid_k: int,
-                       grid_n: int) -> None:
-  """``config.l2_prefetch_items``: into L2, the rows this CTA's item ``q`` (its
-  ``q``-th, counted as ``ring_steps`` does) will read, from its lhs and rhs
-  column slices.  Items go round-robin over the CTAs (``plgpu.nd_loop``), so
-  the CTA's ``q``-th is the loop's step ``q * ctas + cta``."""
-  per_group = grid_k * grid_n
-  step = q * lax.axis_size("sm") + lax.axis_index("sm")
-  j = lax.div(step, per_group)
-  later = _work_item(plgpu.NDLoopInfo((jnp.minimum(j, num_groups - 1), lax.rem(step, per_group)),
-                                      0, None),
-                     grid_k, grid_n, config, starts_gmem, ends_gmem, first_gmem, nblocks_gmem)
-  m = lhs_gmem.shape[0]
-  rows = min(_PREFETCH_ROWS, m)
-  bk, bn = config.block_k, config.block_n
-  for row, wanted in own_item_boxes(later.start, later.end, m=m):
-    go = wanted & (j < num_groups)
-    plgpu.async_prefetch(lhs_gmem.at[pl.ds(row, rows), pl.ds(later.k_tile * bk, bk)],
-                         predicate=go)
-    plgpu.async_prefetch(rhs_gmem.at[pl.ds(row, rows), pl.ds(later.n_tile * bn, bn)],
-                         predicate=go)
-
-
 def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gmem,
                    *refs, config, num_groups, grid_k, grid_n, out_dtype,
                    in_transforms_lhs, in_transforms_rhs, out_transforms, num_sms):
@@ -565,17 +527,17 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
     return steps
 
   def ring_steps(per_step):
-    """Calls ``per_step(item, i, step, slot, owner, q)`` for row block ``i`` of
+    """Calls ``per_step(item, i, step, slot, owner)`` for row block ``i`` of
     every item of this CTA in order: ``step`` counts the ring's steps over all
-    items, ``slot = step % stages``, ``owner`` is the first of the item's
-    consumer's ``produced`` / ``masked`` barriers with ``pingpong`` (else 0),
-    and ``q`` counts the CTA's items.  Returns the number of steps."""
+    items, ``slot = step % stages``, and ``owner`` is the first of the item's
+    consumer's ``produced`` / ``masked`` barriers with ``pingpong`` (else 0).
+    Returns the number of steps."""
     def item(it, carry):
       step0, q = carry
       owner = lax.rem(q, 2) * stages if pingpong else 0
 
       def one(i, step):
-        per_step(it, i, step, lax.rem(step, stages), owner, q)
+        per_step(it, i, step, lax.rem(step, stages), owner)
         return step + 1
 
       return lax.fori_loop(0, it.nblocks, one, step0), q + 1
@@ -636,8 +598,8 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
       def _masker():
         plgpu.set_max_registers(regs_masker, action="decrease")
 
-        def mask_step(it, i, step, slot, owner, q):
-          del step, q
+        def mask_step(it, i, step, slot, owner):
+          del step
           _, _, _, start, end, first, _, _ = it
           plgpu.barrier_wait(produced.at[owner + slot])
           _mask_own_stage(lhs_smem.at[slot], rhs_smem.at[slot], first + i * bm, start, end,
@@ -650,7 +612,7 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
     def _producer():
       plgpu.set_max_registers(regs_producer, action="decrease")
 
-      def load(it, i, step, slot, owner, q):
+      def load(it, i, step, slot, owner):
         _, ki, ni, _, _, first, full, _ = it
         if config.l2_prefetch_ahead:
           pl.when(i == 0)(lambda: _prefetch_later_group(
@@ -673,12 +635,6 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
           pl.when(in_pieces)(lambda: load_pieces(it, i, slot, pieces_in.at[owner + slot]))
         else:
           whole_block()
-        if config.l2_prefetch_items:  # (after the step's loads: it reads the later
-          # item's rows from GMEM first, which takes a DRAM round trip)
-          pl.when(i == 0)(lambda: _prefetch_own_item(
-              q + config.l2_prefetch_items, starts_gmem, ends_gmem, first_gmem, nblocks_gmem,
-              lhs_gmem, rhs_gmem, config=config, num_groups=num_groups, grid_k=grid_k,
-              grid_n=grid_n))
 
       total = ring_steps(load)
 

@@ -147,13 +147,8 @@ class MosaicDwConfig:
       run at once on different SMs and each misses the same lines; the
       prefetch issues those misses early.  0: none.  Measured slower
       (docs/performance.md v57, H100: 1.06x / 1.10x the time on Qwen3-30B
-      gate_up / down), so off.
-    l2_prefetch_items: with ``pipeline_across_items``, > 0: at each item's
-      first step the producer prefetches into L2 the first up-to-256 rows
-      (64-row boxes) that the CTA's own item this many items later will load,
-      its lhs and rhs column slices only (``mosaic_dw.own_item_boxes``): no
-      row another item would not read, and the lead of whole items instead of
-      the ring's few stages.  0: none.
+      gate_up / down), so off.  Prefetching instead the rows of the CTA's
+      own item 1 or 2 items later (v58, removed) measured 1.12-1.23x.
   """
 
   block_m: int = 64
@@ -175,7 +170,6 @@ class MosaicDwConfig:
   schedule_kernel: bool = True
   delay_release: int = 1
   l2_prefetch_ahead: int = 0
-  l2_prefetch_items: int = 0
 
   def __post_init__(self):
     if self.block_m <= 0 or self.block_m % 64:
@@ -250,10 +244,6 @@ class MosaicDwConfig:
     if self.l2_prefetch_ahead < 0 or (self.l2_prefetch_ahead
                                       and not self.pipeline_across_items):
       raise ValueError("l2_prefetch_ahead must be 0, or > 0 with pipeline_across_items,"
-                       f" got {self}")
-    if self.l2_prefetch_items < 0 or (self.l2_prefetch_items
-                                      and not self.pipeline_across_items):
-      raise ValueError("l2_prefetch_items must be 0, or > 0 with pipeline_across_items,"
                        f" got {self}")
     if self.epilogue_rows is not None and (
         self.num_compute_wgs != 2 or self.epilogue_rows <= 0 or self.epilogue_rows % 64
