@@ -300,12 +300,12 @@ def test_rhs_scale_in_the_ragged_contracting_mode_raises():
 
 
 @pytest.mark.parametrize("m,nk,block", [(32768, True, (128, 128)), (512, False, (128, 128)),
-                                        (8, True, (2048, 1))])
+                                        (8, True, (2048, 1)), (512, False, (2048, 1))])
 def test_scaled_kernel_lowers_for_sm90_with_the_h200_choice(m, nk, block):
   """The dispatcher's W8A16 config on an H200 with scales lowers for sm90
   (registers for [g, n, k], SMEM buffers for [g, k, n]; one scale a consumer
   and stage for 128-column blocks, a row of per-column scales for one-column
-  ones)."""
+  ones, in either register layout)."""
   import functools
   k, n, g = 2048, 1536, 128
   c = dispatch.choose("gmm", None, dtype=jnp.bfloat16, rhs_dtype=E4M3, out_dtype=jnp.bfloat16,

@@ -51,23 +51,23 @@ def widened_operand(ref, dtype, staging=None, wait: bool = True, scale=None):
   scalar: the tile times it in f32, then rounded once to ``dtype``."""
   if wait or staging is None:
     plgpu.wgmma_wait(0)
-  if staging is not None and not isinstance(scale, tuple):
+  if staging is None:
+    layout = plgpu.Layout.WGMMA
+    a = plgpu.load(ref, layout=plgpu.Layout.WGMMA_UPCAST_2X)
+    a = plgpu.layout_cast(a, layout).astype(jnp.float16)
+  else:
     # Only SMEM reads the result, so the registers keep the 8-bit layout (no
-    # relayout): 0.95-0.97x the time of scaled [g, k, n] W8A16 calls, the same
-    # unscaled (docs/performance.md v58c).
-    a = plgpu.load(ref, layout=plgpu.Layout.WGMMA_8BIT).astype(jnp.float32)
-    staging[...] = (a if scale is None else a * scale).astype(dtype)
-    plgpu.commit_smem()
-    return staging
-  a = plgpu.load(ref, layout=plgpu.Layout.WGMMA_UPCAST_2X)
-  a = plgpu.layout_cast(a, plgpu.Layout.WGMMA).astype(jnp.float16)
+    # relayout): 0.95-0.97x the time of block-scaled [g, k, n] W8A16 calls, the
+    # same unscaled (docs/performance.md v58c).
+    layout = plgpu.Layout.WGMMA_8BIT
+    a = plgpu.load(ref, layout=layout)
   if isinstance(scale, tuple):
     vec, axis = scale
-    s = plgpu.load(vec, layout=plgpu.Layout.WGMMA.reduce(1 - axis))
+    s = plgpu.load(vec, layout=layout.reduce(1 - axis))
     a = (a.astype(jnp.float32) * lax.broadcast_in_dim(s, a.shape, [axis])).astype(dtype)
   elif scale is not None:
     a = (a.astype(jnp.float32) * scale).astype(dtype)
-  elif jnp.dtype(dtype) != jnp.float16:
+  elif jnp.dtype(dtype) != jnp.float16 or staging is not None:
     a = a.astype(jnp.float32).astype(dtype)
   if staging is None:
     return a
