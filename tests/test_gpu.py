@@ -316,6 +316,7 @@ def test_w8a16_staging_variants(m, k, n, g, nk, staging):
     (4096, 768, 2048, 128, 16, False, (128, 128)),     # a shard, [g, k, n] staged
     (512, 2048, 1536, 128, None, False, (128, 128)),   # decode
     (8, 768, 2048, 128, None, True, (768, 1)),         # one token, per column
+    (512, 768, 2048, 128, None, False, (768, 1)),      # decode, per column, [g, k, n] staged
     # 64-column blocks over n = 2880 (an odd count of 128-column tiles: the last tile's
     # second consumer past n), [g, n, k], a shard
     (512, 2048, 2880, 32, 4, True, (128, 64)),
