@@ -356,7 +356,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: ja
   (t, c), c a multiple of ``SCALE_COLS``).  ``gated``:
   ``ring.launch``'s ``gate``, ``into`` and ``schedule``."""
   # (the interpreter takes wgmma operands from SMEM only: there the widened
-  # weights go through a buffer, on the GPU they stay in registers)
+  # weights always go through a buffer; on the GPU [g, n, k] weights stay in
+  # registers unless widen_staging is set)
   body = functools.partial(_body, stage_widened=bool(interpret), scale_block=scale_block)
   return ring.launch(body, lhs, rhs, group_sizes, group_offset, rows=config.swap_rows,
                      transpose_rhs=transpose_rhs, out_dtype=out_dtype, config=config,

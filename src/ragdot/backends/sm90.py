@@ -39,12 +39,12 @@ def swizzled(minor: int, dtype) -> tuple:
 
 
 def widened_operand(ref, dtype, staging=None, wait: bool = True, scale=None):
-  """An 8-bit (e4m3 / e5m2) SMEM tile ((64, k) K-major, or (k, 64) into a
-  staging buffer) in the 16-bit ``dtype``, converted in registers (exact:
-  every fp8 value is an f16 and a bf16).  Returned as registers (wgmma's A
-  operand: loaded two to a 16-bit lane and relaid for wgmma), or written to
-  ``staging`` (an SMEM buffer of the tile's shape) and returned as that
-  buffer.  ``wait``: first wait for every wgmma in flight, which may still
+  """An 8-bit (e4m3 / e5m2) SMEM tile ((64, k) K-major, or (k, 64)) in the
+  16-bit ``dtype``, converted in registers (exact: every fp8 value is an f16
+  and a bf16).  Returned as registers (a (64, k) tile: wgmma's A operand,
+  loaded two to a 16-bit lane and relaid for wgmma), or written to
+  ``staging`` (an SMEM buffer of the tile's shape; either tile, loaded in
+  wgmma's 8-bit layout) and returned as that buffer.  ``wait``: first wait for every wgmma in flight, which may still
   read the registers (or buffer) this overwrites (on the H100 a wgmma left in
   flight across k steps gave wrong sums, 53a); registers always wait.
   ``scale``: (an f32 SMEM vector, the tile's axis it runs along), or one f32
@@ -57,8 +57,8 @@ def widened_operand(ref, dtype, staging=None, wait: bool = True, scale=None):
     a = plgpu.layout_cast(a, layout).astype(jnp.float16)
   else:
     # Only SMEM reads the result, so the registers keep the 8-bit layout (no
-    # relayout): 0.95-0.97x the time of block-scaled [g, k, n] W8A16 calls, the
-    # same unscaled (docs/performance.md v58c).
+    # relayout): 0.95-0.97x the time of block-scaled [g, k, n] W8A16 calls and
+    # 0.96x per-column-scaled ones, the same unscaled (docs/performance.md v58c, g).
     layout = plgpu.Layout.WGMMA_8BIT
     a = plgpu.load(ref, layout=layout)
   if isinstance(scale, tuple):
