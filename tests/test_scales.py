@@ -299,19 +299,27 @@ def test_rhs_scale_in_the_ragged_contracting_mode_raises():
                               dn, rhs_scale=jnp.ones((1, 1, 1)))
 
 
-@pytest.mark.parametrize("m,nk,block", [(32768, True, (128, 128)), (512, False, (128, 128)),
-                                        (8, True, (2048, 1)), (512, False, (2048, 1))])
-def test_scaled_kernel_lowers_for_sm90_with_the_h200_choice(m, nk, block):
+@pytest.mark.parametrize("m,nk,block,staging", [
+    (32768, True, (128, 128), None), (512, False, (128, 128), None),
+    (8, True, (2048, 1), None), (512, False, (2048, 1), None),
+    (512, True, (2048, 1), 2), (512, True, (128, 128), 1)])
+def test_scaled_kernel_lowers_for_sm90_with_the_h200_choice(m, nk, block, staging):
   """The dispatcher's W8A16 config on an H200 with scales lowers for sm90
   (registers for [g, n, k], SMEM buffers for [g, k, n]; one scale a consumer
   and stage for 128-column blocks, a row of per-column scales for one-column
-  ones, in either register layout)."""
+  ones, in either register layout); ``staging``: the config with that many
+  SMEM buffers instead ([g, n, k] staged)."""
   import functools
   k, n, g = 2048, 1536, 128
   c = dispatch.choose("gmm", None, dtype=jnp.bfloat16, rhs_dtype=E4M3, out_dtype=jnp.bfloat16,
                       m=m, k=k, n=n, g=g, num_groups=g, transpose_rhs=nk, device=H200)
+  config = c.config
+  if staging:
+    config = mf.weight_only_config(dataclasses.replace(config, widen_staging=staging), m, g, k,
+                                   nk)
+    assert config.widen_staging == staging
   f = jax.jit(functools.partial(mf.gmm, transpose_rhs=nk, out_dtype=jnp.bfloat16,
-                                config=c.config))
+                                config=config))
   rshape = (g, n, k) if nk else (g, k, n)
   args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct(rshape, E4M3),
           jax.ShapeDtypeStruct((g,), jnp.int32), None)
