@@ -53,13 +53,12 @@ import os
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 import ragdot
 from ragdot import backends, bench, dispatch, scales, timing
 from ragdot.backends import mosaic_fwd
 
-NK = lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), [0], [0])
+NK = bench.DN_DX  # weights [g, n, k]
 FP8 = jnp.float8_e4m3fn
 
 

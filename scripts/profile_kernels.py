@@ -189,7 +189,6 @@ def _w8a16_cases() -> dict:
   automatic choice."""
   s = bench.PRESETS["decode"][0]
   fp8, bf = jnp.float8_e4m3fn, jnp.bfloat16
-  nk_dims = jax.lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), [0], [0])
   key = jax.random.key(30)
   x = jax.random.normal(key, (s.m, s.k), bf)
   w = (jax.random.normal(jax.random.fold_in(key, 1), (s.g, s.k, s.n), jnp.float32) / 32
@@ -200,7 +199,7 @@ def _w8a16_cases() -> dict:
   gs = jnp.asarray(bench.routed_group_sizes(s))
   kn = jax.jit(lambda x, w, gs, sc=None: ragdot.ragged_dot(x, w, gs, rhs_scale=sc))
   nk = jax.jit(lambda x, w, gs, sc=None: ragdot.ragged_dot_general(
-      x, w, gs, nk_dims, rhs_scale=sc))
+      x, w, gs, bench.DN_DX, rhs_scale=sc))  # weights [g, n, k]
   return {"w8a16_kn": (kn, (x, w, gs)), "w8a16_kn_scaled": (kn, (x, w, gs, scale)),
           "w8a16_nk": (nk, (x, w_nk, gs)), "w8a16_nk_scaled": (nk, (x, w_nk, gs, scale_nk))}
 

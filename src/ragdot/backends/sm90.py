@@ -44,9 +44,10 @@ def widened_operand(ref, dtype, staging=None, wait: bool = True, scale=None):
   and a bf16).  Returned as registers (a (64, k) tile: wgmma's A operand,
   loaded two to a 16-bit lane and relaid for wgmma), or written to
   ``staging`` (an SMEM buffer of the tile's shape; either tile, loaded in
-  wgmma's 8-bit layout) and returned as that buffer.  ``wait``: first wait for every wgmma in flight, which may still
-  read the registers (or buffer) this overwrites (on the H100 a wgmma left in
-  flight across k steps gave wrong sums, 53a); registers always wait.
+  wgmma's 8-bit layout) and returned as that buffer.  ``wait``: first wait
+  for every wgmma in flight, which may still read the registers (or buffer)
+  this overwrites (on the H100 a wgmma left in flight across k steps gave
+  wrong sums, 53a); registers always wait.
   ``scale``: (an f32 SMEM vector, the tile's axis it runs along), or one f32
   scalar: the tile times it in f32, then rounded once to ``dtype``."""
   if wait or staging is None:
