@@ -8,6 +8,7 @@ public API with hypothesis.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -240,6 +241,23 @@ def test_precision_and_dtype_refusals():
   with pytest.raises(NotImplementedError):
     tr.gmm(lhs.astype(jnp.int32), rhs.astype(jnp.int32), gs, None, precision=None,
            transpose_rhs=False, out_dtype=jnp.int32, interpret=True)
+
+
+@pytest.mark.parametrize("n,refused", [(4096, False), (4097, True), (8193, False)])
+def test_one_byte_weights_past_int32_offsets_refused(n, refused):
+  """e4m3 weights of 2**31 < size <= 2**32 elements would wrap Pallas-Triton's
+  32-bit offsets (an illegal address on the GPU): refused; 2**31 elements, and
+  arrays over 2**32 bytes (64-bit offsets), are taken.  Abstract operands only."""
+  lhs = jax.ShapeDtypeStruct((512, 2048), jnp.bfloat16)
+  rhs = jax.ShapeDtypeStruct((256, 2048, n), jnp.float8_e4m3fn)
+  gs = jax.ShapeDtypeStruct((256,), jnp.int32)
+  call = functools.partial(tr.gmm, group_offset=None, transpose_rhs=False,
+                           out_dtype=jnp.bfloat16, precision=None, interpret=True)
+  if refused:
+    with pytest.raises(NotImplementedError, match="rhs of 2148007936 one-byte elements"):
+      jax.eval_shape(call, lhs, rhs, gs)
+  else:
+    assert jax.eval_shape(call, lhs, rhs, gs).shape == (512, n)
 
 
 # --- lowering for a real GPU (no GPU needed: abstract device) ------------------

@@ -278,6 +278,10 @@ def takes_weight_only(lhs_dtype: Any, rhs_dtype: Any) -> bool:
   return (jnp.dtype(lhs_dtype) in _IN_DTYPES[:2] and jnp.dtype(rhs_dtype) in validate.FP8_DTYPES)
 
 
+# The most elements a 1-byte operand of at most 2**32 bytes may have (see ``gmm``).
+_MAX_1BYTE_ELEMENTS = 2**31
+
+
 def _check_dtypes(dtype: Any, out_dtype: Any) -> None:
   if jnp.dtype(dtype) not in _IN_DTYPES:
     raise NotImplementedError(f"triton: input dtype {jnp.dtype(dtype)} (takes bf16/f16/f32)")
@@ -417,6 +421,13 @@ def gmm(
   if rhs.dtype != lhs.dtype and not takes_weight_only(lhs.dtype, rhs.dtype):
     raise NotImplementedError(f"triton: rhs dtype {rhs.dtype} beside lhs {lhs.dtype} (takes the"
                               " same dtype, or e4m3 / e5m2 weights beside bf16 / f16 rows)")
+  if jnp.dtype(rhs.dtype).itemsize == 1 and _MAX_1BYTE_ELEMENTS < rhs.size <= 2**32:
+    # Pallas-Triton (jax 0.11.2) indexes an array of at most 2**32 bytes with 32-bit
+    # signed offsets: past 2**31 one-byte elements they wrap (an illegal address,
+    # DeepSeek-V3's 256 x 2048 x 7168 e4m3 weights on the H200, docs/performance.md v59).
+    raise NotImplementedError(f"triton: rhs of {rhs.size} one-byte elements (Pallas-Triton's"
+                              f" 32-bit offsets reach {_MAX_1BYTE_ELEMENTS}; arrays over 2**32"
+                              " bytes get 64-bit ones)")
   prec = _dot_precision(precision)
   if m == 0 or n == 0 or k == 0 or num_local == 0:
     return jnp.zeros((m, n), out_dtype)
