@@ -56,9 +56,14 @@ def test_every_entry_names_a_config_the_kernel_accepts(table):
       continue
     config = dispatch.make_config(entry["backend"], op, entry["config"])
     assert isinstance(config, cls), text
-    if entry["backend"] == "mosaic":  # fits SMEM for its inputs (16- or 8-bit), 16-bit out
+    dtype = tables.parse_key(text)[1]
+    if entry["backend"] == "mosaic" and "+" in dtype:  # W8A16: the kernel's rule keeps it
+      from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
+      m, k, _, g = entry["shape"]
+      assert config.swap, text
+      assert mosaic_fwd.weight_only_config(config, m, g, k, op == "gmm_t") == config, text
+    elif entry["backend"] == "mosaic":  # fits SMEM for its inputs (16- or 8-bit), 16-bit out
       module = importlib.import_module(dispatch.CONFIG_CLASSES[("mosaic", op)][0])
-      dtype = tables.parse_key(text)[1]
       assert module.fit_config(config, dtype, "bfloat16") == config, text
       # ... and refits to a valid config (or to None: the default) for an f32 output.
       wide = module.fit_config(config, dtype, "float32")
@@ -301,3 +306,42 @@ def test_tune_task_rearms_the_watchdog_for_each_sustained_window(monkeypatch):
                          jobs=1, sustained_s=0.6, watchdog=dog)
   time_mod.sleep(0.3)  # one more look by the watchdog after the last window
   assert entry["ms"] > 0 and exits == []
+
+
+@pytest.mark.parametrize("message,fault", [
+    ("INTERNAL: CUDA error: CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access", True),
+    ("RESOURCE_EXHAUSTED: out of memory", False)])
+def test_tune_task_stops_at_a_device_fault(monkeypatch, message, fault):
+  # Three xla candidates; the second one's timing fails.  A sticky CUDA error (the
+  # context is lost: every later run would fail or mislead) ends the task with
+  # DeviceFault before the third is timed; any other error only marks that row.
+  import time as time_mod  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from ragdot import timing, tune  # pylint: disable=g-import-not-at-top
+  from ragdot.backends import xla  # pylint: disable=g-import-not-at-top
+
+  configs = [dataclasses.replace(xla.default_config(256, 4), block_m=b) for b in (16, 32, 64)]
+  monkeypatch.setattr(tune, "candidates",
+                      lambda task, dtype, incumbent=None: [("xla", c) for c in configs])
+  timed = []
+
+  def fake_time(compiled, lhs, rhs, gs, iterations):
+    del lhs, rhs, gs, iterations
+    timed.append(compiled)
+    if len(timed) == 2:
+      raise RuntimeError(message)
+    return 1.0 + len(timed), "fake"
+
+  monkeypatch.setattr(timing, "device_time_ms", fake_time)
+  rows = []
+  task = tune.Task("fwd", "tiny", 256, 64, 64, 4, top_k=2)
+  run = lambda: tune.tune_task(task, jnp.bfloat16, time_mod.time() + 60, iterations=2,
+                               repeats=1, jobs=1, skew_slack=-1.0, log=rows.append)
+  if fault:
+    with pytest.raises(tune.DeviceFault, match="CUDA_ERROR_ILLEGAL_ADDRESS"):
+      run()
+    assert len(timed) == 2 and "error" in rows[-1]
+  else:
+    entry = run()
+    assert len(timed) == 3 and entry["config"] == tune.config_fields(configs[0])
+    assert ["error" in r for r in rows] == [False, True, False]

@@ -28,7 +28,9 @@ marked ``"complete": false`` and is redone next time.  A candidate whose run
 takes longer than ``--hang-s`` (a kernel that deadlocks on the hardware) ends
 the process with exit status 3 after naming it (and logging it with ``--log``):
 the entries merged so far are already saved, and a calling script's later
-stages still run.
+stages still run.  A candidate that faults the device (an illegal address: the
+CUDA context is lost, so every later run would fail or mislead) ends it the
+same way with exit status 4; that task's entry is not written.
 
 Without a GPU only ``--dry-run`` (list candidates and table keys) works.
 """
@@ -347,6 +349,21 @@ def _done(table: tables.Table, task: Task, dtype_name: str) -> str | None:
   return "already measured"
 
 
+# Sticky CUDA errors: after one, every later call in the process fails.
+_FAULTS = ("CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_LAUNCH_FAILED",
+           "CUDA_ERROR_MISALIGNED_ADDRESS", "CUDA_ERROR_ILLEGAL_INSTRUCTION")
+
+
+class DeviceFault(RuntimeError):
+  """A candidate left the GPU's context unusable (``_FAULTS``)."""
+
+
+def _check_fault(error: Exception, label: dict[str, Any]) -> None:
+  """Raises DeviceFault naming ``label`` if ``error`` is a sticky CUDA error."""
+  if any(f in str(error) for f in _FAULTS):
+    raise DeviceFault(f"{label}: {str(error)[:300]}") from error
+
+
 def tune_task(task: Task, dtype, deadline: float, *, iterations: int, repeats: int,
               jobs: int, progress=None, log=None,
               watchdog: Watchdog | None = None,
@@ -417,12 +434,22 @@ def tune_task(task: Task, dtype, deadline: float, *, iterations: int, repeats: i
           compiled_of[id(row)] = compiled
       except Exception as e:  # pylint: disable=broad-except
         row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        fault = e
+      else:
+        fault = None
       finally:
         if watchdog is not None:
           watchdog.disarm()
       results.append(row)
       if log is not None:
         log(dict(op=task.op, shape=task.name, call=[task.m, task.k, task.n, task.g], **row))
+      if fault is not None:
+        try:
+          _check_fault(fault, dict(op=task.op, shape=task.name, **row))
+        except DeviceFault:
+          for f in futures:  # (no compiles left to wait for)
+            f.cancel()
+          raise
       if bar is not None:
         progress.advance(bar)
   timed = [r for r in results if "ms" in r]
@@ -447,12 +474,17 @@ def tune_task(task: Task, dtype, deadline: float, *, iterations: int, repeats: i
           row["skewed_error"] = f"rel_err {err:.3g} on skewed sizes"
       except Exception as e:  # pylint: disable=broad-except
         row["skewed_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        fault = e
+      else:
+        fault = None
       finally:
         if watchdog is not None:
           watchdog.disarm()
       if log is not None:
         log(dict(op=task.op, shape=task.name, call=[task.m, task.k, task.n, task.g],
                  routing="skewed", **row))
+      if fault is not None:
+        _check_fault(fault, label)
   # A candidate wrong on skewed sizes is out, however fast on routed ones.
   timed = [r for r in timed if "skewed_error" not in r]
   if not timed:
@@ -745,11 +777,16 @@ def run(args: argparse.Namespace) -> int:
           progress.console.print(f"skip {task.op} {name}: {done}")
           continue
         deadline = time.time() + args.budget_s
-        entry = tune_task(task, dtype, deadline, iterations=args.iterations,
-                          repeats=args.repeats, jobs=args.jobs, progress=progress,
-                          sustained_s=args.sustained_s, skew_slack=args.skew_slack,
-                          log=log, watchdog=watchdog,
-                          incumbent=incumbent_choice(task, dtype, device))
+        try:
+          entry = tune_task(task, dtype, deadline, iterations=args.iterations,
+                            repeats=args.repeats, jobs=args.jobs, progress=progress,
+                            sustained_s=args.sustained_s, skew_slack=args.skew_slack,
+                            log=log, watchdog=watchdog,
+                            incumbent=incumbent_choice(task, dtype, device))
+        except DeviceFault as e:
+          progress.console.print(f"[red]{task.op} {name}: the device faulted, stopping (this"
+                                 f" entry not written): {e}[/red]")
+          return 4
         if entry is None:
           progress.console.print(
               f"[red]{task.op} {name}: no candidate timed within {args.budget_s:.0f} s"
