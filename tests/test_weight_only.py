@@ -173,7 +173,8 @@ def test_lowers_for_sm90_with_the_h200_choice(shape, transpose_rhs):
                       m=m, k=k, n=n, g=g, num_groups=g, transpose_rhs=transpose_rhs,
                       device=H200)
   assert c.implementation == "mosaic", c.reason
-  assert c.config.widen_staging == (0 if transpose_rhs else 2)
+  # Registers for [g, n, k]; SMEM for [g, k, n]: the rule's 2 buffers, or the tuned 1.
+  assert c.config.widen_staging in ((0,) if transpose_rhs else (1, 2))
   sm90_lowering.assert_gmm_lowers(c.config, m=m, k=k, n=n, g=g, transpose_rhs=transpose_rhs,
                                   rhs_dtype=E4M3)
 
@@ -205,11 +206,13 @@ def test_dispatcher_takes_the_w8a16_kernel_on_sm90_only():
       device=device)
   bf16 = lambda device=H200, **kw: dispatch.choose(
       "gmm", None, **{**common, "m": 512, "out_dtype": jnp.bfloat16, **kw}, device=device)
-  # The config the kernel runs (its own rule gives it back unchanged): decode's
-  # 64-row tiles, the bf16 swap entry's at training size.
+  # The config the kernel runs (its own rule gives it back unchanged): at decode
+  # size the tuned W8A16 entry (H200, v59a: 8 stages, one staging buffer), the bf16
+  # swap entry's at training size.
   auto, train, entry = choose(), choose(m=32768), bf16(m=32768)
   assert auto.implementation == train.implementation == entry.implementation == "mosaic"
-  assert auto.config == mf.weight_only_config(None, 512, 128, 768, transpose_rhs=False)
+  assert auto.config == mf.weight_only_config(auto.config, 512, 128, 768, transpose_rhs=False)
+  assert "W8A16" in auto.reason and auto.config.widen_staging == 1
   assert auto.config.swap_rows == 16 and entry.config.swap
   assert train.config == mf.weight_only_config(entry.config, 32768, 128, 768, transpose_rhs=False)
   for c, m in ((auto, 512), (train, 32768)):
