@@ -344,6 +344,8 @@ def _gmm_kernel(tiles_ref, info_ref, lhs_ref, rhs_ref, *refs, m, k, n, bm,
       row_mask = (rows >= tiles_ref[2, t]) & (rows < tiles_ref[3, t])
       n0 = pl.multiple_of(j * bn, bn)
       col_mask = _iota(bn, n0) < n if n % bn else None
+      # Each column's scale block (columns past n read the last one's).
+      col_block = jnp.minimum(_iota(bn, n0), n - 1) // scale_block[1] if scale_block else None
 
       def step(kk, acc):
         k0 = pl.multiple_of(kk * bk, bk)
@@ -359,10 +361,8 @@ def _gmm_kernel(tiles_ref, info_ref, lhs_ref, rhs_ref, *refs, m, k, n, bm,
                     _and(None if k_mask is None else k_mask[:, None],
                          None if col_mask is None else col_mask[None, :]))
         if scale_ref is not None:  # each column's scale over this k step's block
-          # (gathered from rhs's layout; columns past n read the last one's)
-          kb = k0 // scale_block[0]
-          cb = jnp.minimum(_iota(bn, n0), n - 1) // scale_block[1]
-          sc = scale_ref[grp, cb, kb] if transpose_rhs else scale_ref[grp, kb, cb]
+          kb = k0 // scale_block[0]  # (gathered from rhs's layout)
+          sc = scale_ref[grp, col_block, kb] if transpose_rhs else scale_ref[grp, kb, col_block]
           sc = sc.astype(jnp.float32)
           w = w.astype(jnp.float32) * (sc[:, None] if transpose_rhs else sc[None, :])
         if w.dtype != x.dtype:  # W8A16: 8-bit weights widened in registers (exact)
