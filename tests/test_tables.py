@@ -308,13 +308,15 @@ def test_tune_task_rearms_the_watchdog_for_each_sustained_window(monkeypatch):
   assert entry["ms"] > 0 and exits == []
 
 
+@pytest.mark.parametrize("where", ["routed", "skewed"])
 @pytest.mark.parametrize("message,fault", [
     ("INTERNAL: CUDA error: CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access", True),
     ("RESOURCE_EXHAUSTED: out of memory", False)])
-def test_tune_task_stops_at_a_device_fault(monkeypatch, message, fault):
-  # Three xla candidates; the second one's timing fails.  A sticky CUDA error (the
-  # context is lost: every later run would fail or mislead) ends the task with
-  # DeviceFault before the third is timed; any other error only marks that row.
+def test_tune_task_stops_at_a_device_fault(monkeypatch, message, fault, where):
+  # Three xla candidates, all within the skew slack.  The second one's timing fails,
+  # on routed sizes or in the skewed check.  A sticky CUDA error (the context is
+  # lost: every later run would fail or mislead) ends the task with DeviceFault
+  # before anything else is timed; any other error only marks that row.
   import time as time_mod  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from ragdot import timing, tune  # pylint: disable=g-import-not-at-top
@@ -323,25 +325,31 @@ def test_tune_task_stops_at_a_device_fault(monkeypatch, message, fault):
   configs = [dataclasses.replace(xla.default_config(256, 4), block_m=b) for b in (16, 32, 64)]
   monkeypatch.setattr(tune, "candidates",
                       lambda task, dtype, incumbent=None: [("xla", c) for c in configs])
-  timed = []
+  task = tune.Task("fwd", "tiny", 512, 64, 64, 16, top_k=2)
+  routed_max = int(tune._group_sizes(task).max())
+  timed = {"routed": [], "skewed": []}
 
   def fake_time(compiled, lhs, rhs, gs, iterations):
-    del lhs, rhs, gs, iterations
-    timed.append(compiled)
-    if len(timed) == 2:
+    del lhs, rhs, iterations
+    kind = "skewed" if int(gs.max()) > routed_max else "routed"
+    timed[kind].append(compiled)
+    if kind == where and len(timed[kind]) == 2:
       raise RuntimeError(message)
-    return 1.0 + len(timed), "fake"
+    return 1.0 + 0.01 * len(timed[kind]), "fake"
 
   monkeypatch.setattr(timing, "device_time_ms", fake_time)
   rows = []
-  task = tune.Task("fwd", "tiny", 256, 64, 64, 4, top_k=2)
   run = lambda: tune.tune_task(task, jnp.bfloat16, time_mod.time() + 60, iterations=2,
-                               repeats=1, jobs=1, skew_slack=-1.0, log=rows.append)
+                               repeats=1, jobs=1, skew_slack=0.5, log=rows.append)
   if fault:
     with pytest.raises(tune.DeviceFault, match="CUDA_ERROR_ILLEGAL_ADDRESS"):
       run()
-    assert len(timed) == 2 and "error" in rows[-1]
+    assert len(timed[where]) == 2
+    assert len(timed["skewed"]) == (0 if where == "routed" else 2)
+    assert ("error" if where == "routed" else "skewed_error") in rows[-1]
   else:
     entry = run()
-    assert len(timed) == 3 and entry["config"] == tune.config_fields(configs[0])
-    assert ["error" in r for r in rows] == [False, True, False]
+    # (a candidate that failed on routed sizes is not checked on skewed ones)
+    assert len(timed["routed"]) == 3 and len(timed["skewed"]) == (2 if where == "routed" else 3)
+    errors = [r for r in rows if "error" in r or "skewed_error" in r]
+    assert len(errors) == 1 and entry is not None

@@ -243,21 +243,35 @@ def test_precision_and_dtype_refusals():
            transpose_rhs=False, out_dtype=jnp.int32, interpret=True)
 
 
-@pytest.mark.parametrize("n,refused", [(4096, False), (4097, True), (8193, False)])
-def test_one_byte_weights_past_int32_offsets_refused(n, refused):
+@pytest.mark.parametrize("n,refused", [(4096, False), (4097, True), (8192, True),
+                                       (8193, False)])
+def test_one_byte_weights_past_int32_offsets_refused(n, refused, monkeypatch):
   """e4m3 weights of 2**31 < size <= 2**32 elements would wrap Pallas-Triton's
-  32-bit offsets (an illegal address on the GPU): refused; 2**31 elements, and
-  arrays over 2**32 bytes (64-bit offsets), are taken.  Abstract operands only."""
+  32-bit offsets (an illegal address on the GPU): the kernel refuses them, and
+  ``ragged_dot`` hands it them widened (over 2**32 bytes: 64-bit offsets).  2**31
+  elements, and arrays over 2**32 bytes, are taken as they are.  Abstract
+  operands only."""
+  from ragdot import api  # pylint: disable=g-import-not-at-top
   lhs = jax.ShapeDtypeStruct((512, 2048), jnp.bfloat16)
   rhs = jax.ShapeDtypeStruct((256, 2048, n), jnp.float8_e4m3fn)
   gs = jax.ShapeDtypeStruct((256,), jnp.int32)
+  assert tr.offsets_wrap(rhs) == refused
   call = functools.partial(tr.gmm, group_offset=None, transpose_rhs=False,
                            out_dtype=jnp.bfloat16, precision=None, interpret=True)
   if refused:
-    with pytest.raises(NotImplementedError, match="rhs of 2148007936 one-byte elements"):
+    with pytest.raises(NotImplementedError, match=f"rhs of {256 * 2048 * n} one-byte elements"):
       jax.eval_shape(call, lhs, rhs, gs)
   else:
     assert jax.eval_shape(call, lhs, rhs, gs).shape == (512, n)
+  # Through the API: the kernel gets the weights as they are, or widened to bf16.
+  seen = []
+  real = tr.gmm
+  monkeypatch.setattr(tr, "gmm", lambda lhs, rhs, *a, **kw: seen.append(rhs.dtype) or real(
+      lhs, rhs, *a, **kw))
+  got = jax.eval_shape(lambda x, w, g: api.ragged_dot(x, w, g, implementation="triton"),
+                       lhs, rhs, gs)
+  assert got.shape == (512, n) and got.dtype == jnp.bfloat16
+  assert seen and set(seen) == {jnp.dtype(jnp.bfloat16 if refused else jnp.float8_e4m3fn)}
 
 
 # --- lowering for a real GPU (no GPU needed: abstract device) ------------------

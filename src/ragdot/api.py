@@ -86,11 +86,14 @@ def _takes_operands(op: dispatch.Op, impl: str, lhs: jax.Array, rhs: jax.Array,
   Mosaic forward, both e4m3 / e5m2 (8-bit wgmma) or bf16/f16 rows with e4m3 /
   e5m2 weights where it takes the call (W8A16: the weights widened as they
   are read); the Triton forward the W8A16 pair on sm89+ or in interpret mode
-  (``dispatch.triton_takes_weight_only``)."""
+  (``dispatch.triton_takes_weight_only``) unless its offsets into the weights
+  would wrap (``triton.offsets_wrap``: it gets them widened then)."""
   if op != "gmm" or not (validate.is_fp8(lhs.dtype) or validate.is_fp8(rhs.dtype)):
     return False
   if impl == "triton":
-    return dispatch.triton_takes_weight_only(lhs.dtype, rhs.dtype)
+    from ragdot.backends import triton  # pylint: disable=g-import-not-at-top
+    return (dispatch.triton_takes_weight_only(lhs.dtype, rhs.dtype)
+            and not triton.offsets_wrap(rhs))
   if impl != "mosaic":
     return False
   from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top

@@ -447,7 +447,7 @@ def tune_task(task: Task, dtype, deadline: float, *, iterations: int, repeats: i
         try:
           _check_fault(fault, dict(op=task.op, shape=task.name, **row))
         except DeviceFault:
-          for f in futures:  # (no compiles left to wait for)
+          for f in futures:  # (the pending compiles; running ones finish)
             f.cancel()
           raise
       if bar is not None:

@@ -278,8 +278,17 @@ def takes_weight_only(lhs_dtype: Any, rhs_dtype: Any) -> bool:
   return (jnp.dtype(lhs_dtype) in _IN_DTYPES[:2] and jnp.dtype(rhs_dtype) in validate.FP8_DTYPES)
 
 
-# The most elements a 1-byte operand of at most 2**32 bytes may have (see ``gmm``).
+# The most elements a 1-byte operand of at most 2**32 bytes may have (``offsets_wrap``).
 _MAX_1BYTE_ELEMENTS = 2**31
+
+
+def offsets_wrap(array: Any) -> bool:
+  """Whether Pallas-Triton (jax 0.11.2) would index ``array`` with wrapping
+  offsets: it takes 32-bit signed element offsets for arrays of at most 2**32
+  bytes, which wrap past 2**31 one-byte elements (an illegal address on
+  DeepSeek-V3's 256 x 2048 x 7168 e4m3 weights, docs/performance.md v59).  The
+  kernels take such weights widened (then over 2**32 bytes: 64-bit offsets)."""
+  return jnp.dtype(array.dtype).itemsize == 1 and _MAX_1BYTE_ELEMENTS < array.size <= 2**32
 
 
 def _check_dtypes(dtype: Any, out_dtype: Any) -> None:
@@ -421,10 +430,7 @@ def gmm(
   if rhs.dtype != lhs.dtype and not takes_weight_only(lhs.dtype, rhs.dtype):
     raise NotImplementedError(f"triton: rhs dtype {rhs.dtype} beside lhs {lhs.dtype} (takes the"
                               " same dtype, or e4m3 / e5m2 weights beside bf16 / f16 rows)")
-  if jnp.dtype(rhs.dtype).itemsize == 1 and _MAX_1BYTE_ELEMENTS < rhs.size <= 2**32:
-    # Pallas-Triton (jax 0.11.2) indexes an array of at most 2**32 bytes with 32-bit
-    # signed offsets: past 2**31 one-byte elements they wrap (an illegal address,
-    # DeepSeek-V3's 256 x 2048 x 7168 e4m3 weights on the H200, docs/performance.md v59).
+  if offsets_wrap(rhs):
     raise NotImplementedError(f"triton: rhs of {rhs.size} one-byte elements (Pallas-Triton's"
                               f" 32-bit offsets reach {_MAX_1BYTE_ELEMENTS}; arrays over 2**32"
                               " bytes get 64-bit ones)")
