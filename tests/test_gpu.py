@@ -1236,3 +1236,33 @@ def test_gpt_oss_calls_real_size(op, shape, shard, layout):
     oracle.assert_zero_rows(out, sizes, go, local)
   np.testing.assert_array_equal(np.asarray(out).view(np.uint16),
                                 np.asarray(run(*args)).view(np.uint16))
+
+
+def test_w8a16_triton_weights_past_int32_offsets():
+  """DeepSeek-V3 down's e4m3 weights, [g, k, n] (256 x 2048 x 7168: 3.76e9 one-byte
+  elements), through the Triton kernel: Pallas-Triton's 32-bit offsets would wrap
+  on them as they are (an illegal address, docs/performance.md v59), so the kernel
+  gets them widened to bf16 (64-bit offsets): bitwise its result on bf16 weights
+  with the same config, every row outside the groups zero, bitwise repeatable."""
+  from ragdot.backends import triton as tb
+  m, k, n, g = 512, 2048, 7168, 256
+  sizes = _sizes(m, g, "routed")
+  x = jax.random.normal(jax.random.key(1), (m, k), jnp.float32).astype(jnp.bfloat16)
+  w = (jax.random.normal(jax.random.key(2), (g, k, n), jnp.bfloat16) / 4).astype(
+      jnp.float8_e4m3fn)
+  assert tb.offsets_wrap(w)
+  gs = jnp.asarray(sizes)
+  choice = dispatch.choose("gmm", "triton", dtype=jnp.bfloat16, rhs_dtype=jnp.float8_e4m3fn,
+                           out_dtype=jnp.bfloat16, m=m, k=k, n=n, g=g, num_groups=g,
+                           transpose_rhs=False)
+  call = jax.jit(lambda x, w: ragdot.ragged_dot(x, w, gs, implementation="triton"))
+  _poison(8 * m * n)
+  out = call(x, w)
+  again = call(x, w)
+  same = jax.jit(lambda x, w: tb.gmm(x, w.astype(jnp.bfloat16), gs, None, transpose_rhs=False,
+                                     out_dtype=jnp.bfloat16, precision=None,
+                                     config=choice.config))(x, w)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(same, np.float32))
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(again, np.float32))
+  assert np.isfinite(np.asarray(out, np.float32)).all() and float(jnp.abs(out).max()) > 0
+  oracle.assert_zero_rows(out, sizes, None, g)
