@@ -240,6 +240,15 @@ def test_native_fp8_forward_real_size(m, k, n, g, offset, impl, nk):
   oracle.assert_zero_rows(out, sizes, offset, local)
 
 
+def _for_bf16_weights(cfg):
+  """A W8A16 config fitted to SMEM for the same call on bf16 weights (twice the
+  bytes a stage: a tuned 8-stage config keeps 5).  The stages do not change the
+  order of the k steps' sums, so the results stay comparable bitwise."""
+  fitted = mf.fit_config(cfg, jnp.bfloat16, jnp.bfloat16)
+  assert fitted is not None and dataclasses.replace(fitted, num_stages=cfg.num_stages) == cfg
+  return fitted
+
+
 @pytest.mark.parametrize("m,k,n,g,offset,layout,nk", [
     (32768, 2048, 1536, 128, None, "routed", True),   # the bf16 swap entry's tiles
     (32768, 768, 2048, 128, 16, "routed", False),     # a shard, [g, k, n] staged through SMEM
@@ -272,11 +281,12 @@ def test_w8a16_forward_real_size(m, k, n, g, offset, layout, nk):
   out = run(x, w)
   assert out.dtype == jnp.bfloat16
   cfg = mf.weight_only_config(choice.config, m, g, k, nk)
-  assert cfg == choice.config and cfg.widen_staging == (0 if nk else 2)
+  # (registers for [g, n, k]; SMEM for [g, k, n]: the rule's 2 buffers or a tuned 1)
+  assert cfg == choice.config and cfg.widen_staging in ((0,) if nk else (1, 2))
   pad = max(0, mf.MIN_SWAP_ROWS - m)  # (the kernel pads fewer rows to its smallest tile)
   same = jax.jit(lambda x, w: mf.gmm(x, w, gs, go, transpose_rhs=nk, out_dtype=jnp.bfloat16,
-                                     config=cfg))(jnp.pad(x, ((0, pad), (0, 0))),
-                                                  w.astype(jnp.bfloat16))[:m]
+                                     config=_for_bf16_weights(cfg)))(
+                                         jnp.pad(x, ((0, pad), (0, 0))), w.astype(jnp.bfloat16))[:m]
   np.testing.assert_array_equal(np.asarray(out).view(np.uint16), np.asarray(same).view(np.uint16))
   want = oracle.ref_ragged_dot(x, w.astype(jnp.float32), sizes, offset, nk)
   oracle.assert_close(out, want, jnp.bfloat16)
@@ -346,7 +356,7 @@ def test_w8a16_scaled_real_size(m, k, n, g, offset, nk, block):
   _poison(8 * max(m, 64) * n)
   out = run(x, w, scale)
   deq = scales.dequantize(w, scale, jnp.bfloat16)
-  cfg = mf.weight_only_config(choice.config, m, g, k, nk, bk)
+  cfg = _for_bf16_weights(mf.weight_only_config(choice.config, m, g, k, nk, bk))
   pad = max(0, mf.MIN_SWAP_ROWS - m)
   same = jax.jit(lambda x, w: mf.gmm(x, w, gs, go, transpose_rhs=nk, out_dtype=jnp.bfloat16,
                                      config=cfg))(jnp.pad(x, ((0, pad), (0, 0))), deq)[:m]

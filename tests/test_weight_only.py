@@ -199,6 +199,21 @@ def test_lowers_for_sm90_on_a_shard_with_f16_rows():
                                   out_dtype=jnp.float16, rhs_dtype=E5M2)
 
 
+@pytest.mark.parametrize("m,tuned", [(256, True), (512, True), (1024, False), (4096, False)])
+def test_decode_entries_serve_only_their_rows_per_group(m, tuned):
+  """The H200's W8A16 decode entries (16-row tiles, tuned on 4 rows a group) serve
+  calls whose rule would take 16-row tiles too; with more rows a group the rule's
+  taller tiles (16-row ones would read each group's weights 2-3 times)."""
+  c = dispatch.choose("gmm", None, dtype=jnp.bfloat16, rhs_dtype=E4M3, out_dtype=jnp.bfloat16,
+                      m=m, k=768, n=2048, g=128, num_groups=128, transpose_rhs=False,
+                      device=H200)
+  assert c.implementation == "mosaic"
+  assert ("W8A16 swap kernel" not in c.reason) == tuned, c.reason
+  assert c.config.swap_rows == mf.weight_only_tile_rows(m, 128) == (16 if tuned else
+                                                                     mf.decode_rows(m / 128))
+  assert c.config.widen_staging == (1 if tuned else 2)
+
+
 def test_dispatcher_takes_the_w8a16_kernel_on_sm90_only():
   common = dict(dtype=jnp.bfloat16, k=768, n=2048, g=128, num_groups=128)
   choose = lambda impl=None, device=H200, **kw: dispatch.choose(

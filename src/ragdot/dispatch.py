@@ -388,6 +388,13 @@ def _weight_only_entry(top, implementation, dtype, rhs_dtype, m, k, n, groups,
     from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
     if not config.swap:
       return None
+    # A decode entry's tiles fit its rows per group: a call with other ones (16-row
+    # tiles tuned on 4 rows a group, called on 32: each group's weights read 2-3
+    # times) takes the rule's instead.
+    e_m, _, _, e_g = tables.parse_key(hit.key)[2] if hit.key else (m, k, n, groups)
+    if (mosaic_fwd.weight_only_tile_rows(m, groups)
+        != mosaic_fwd.weight_only_tile_rows(e_m, e_g)):
+      return None
     config = mosaic_fwd.weight_only_config(config, m, groups, k, top == "gmm_t")
   return Choice(hit.backend, config=config, automatic=implementation is None,
                 measured=hit.measured,

@@ -86,6 +86,7 @@ from ragdot.backends.mosaic_fwd_config import (  # noqa: F401  (re-exported)
     tail_fold_groups,
     weight_only_config,
     weight_only_decode,
+    weight_only_tile_rows,
 )
 
 _IN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

@@ -572,6 +572,14 @@ def weight_only_decode(m: int, groups: int) -> bool:
   return groups > 0 and m / groups < _FEW_ROWS[0]
 
 
+def weight_only_tile_rows(m: int, groups: int) -> int | None:
+  """The tile rows ``weight_only_config`` of no config gives a decode-sized
+  call (``decode_rows`` of its mean group; fewer than 16 rows count as 16), or
+  None above decode size (the rows then come from the 16-bit entry's tiles)."""
+  m = max(m, MIN_SWAP_ROWS)
+  return decode_rows(m / groups) if weight_only_decode(m, groups) else None
+
+
 def decode_rows(mean_rows: float) -> int:
   """Rows of a W8A16 decode tile for groups of ``mean_rows`` on average: a
   multiple of 16 (wgmma's N) from 16 to 64 covering twice the mean plus 8
