@@ -415,7 +415,7 @@ def tune_task(task: Task, dtype, deadline: float, *, iterations: int, repeats: i
   with concurrent.futures.ThreadPoolExecutor(max_workers=max(jobs, 1)) as pool:
     futures = [pool.submit(compile_one, c) for c in cands]
     for (backend, config), fut in zip(cands, futures):
-      row = dict(backend=backend, config=config_fields(config))
+      row, fault = dict(backend=backend, config=config_fields(config)), None
       if time.time() > deadline:
         complete = False
         fut.cancel()
@@ -435,8 +435,6 @@ def tune_task(task: Task, dtype, deadline: float, *, iterations: int, repeats: i
       except Exception as e:  # pylint: disable=broad-except
         row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         fault = e
-      else:
-        fault = None
       finally:
         if watchdog is not None:
           watchdog.disarm()
@@ -462,7 +460,7 @@ def tune_task(task: Task, dtype, deadline: float, *, iterations: int, repeats: i
     skewed_gs = _group_sizes(task, skewed=True)
     skewed_ref = _reference(task, lhs, rhs, skewed_gs)
     for row in near:
-      label = dict(op=task.op, shape=task.name, routing="skewed", **row)
+      label, fault = dict(op=task.op, shape=task.name, routing="skewed", **row), None
       try:
         compiled = compiled_of[id(row)]
         if watchdog is not None:
@@ -475,8 +473,6 @@ def tune_task(task: Task, dtype, deadline: float, *, iterations: int, repeats: i
       except Exception as e:  # pylint: disable=broad-except
         row["skewed_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         fault = e
-      else:
-        fault = None
       finally:
         if watchdog is not None:
           watchdog.disarm()

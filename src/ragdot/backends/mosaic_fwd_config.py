@@ -625,9 +625,10 @@ def weight_only_config(cfg: MosaicFwdConfig | None, m: int, groups: int,
   base = dataclasses.replace(base, tail_on_m=False, shard_ring_above=None, pair_schedule=False,
                              producer_zeros=False, zero_front=0, widen_staging=staging,
                              delay_release=int(staging == 2))
-  if (cfg is None or not cfg.swap) and weight_only_decode(m, groups):
+  rows = weight_only_tile_rows(m, groups)
+  if (cfg is None or not cfg.swap) and rows is not None:
     wide = k is not None and k % 128 == 0
-    base = dataclasses.replace(base, swap_rows=decode_rows(m / groups), tail_rows=0,
+    base = dataclasses.replace(base, swap_rows=rows, tail_rows=0,
                                tail_split=False,
                                short_tile_rows=0, share_rows=False,
                                block_k=128 if wide else 64, num_stages=4 if wide else 8)
