@@ -465,6 +465,8 @@ def test_dispatcher_takes_a_tuned_w8a16_entry(h200_table):
       m=m, k=k, n=n, g=g, num_groups=g, device=H200)
   tuned = dataclasses.replace(mf.weight_only_config(None, 512, g, k, False), num_stages=6,
                               swap_rows=32)
+  for key in [key for key in h200_table.entries if key.startswith("gmm_t/bfloat16+float8")]:
+    del h200_table.entries[key]  # (the shipped [g, n, k] entries)
   h200_table.put("gmm", "bfloat16+float8_e4m3fn", 512, k, n, g,
                  dict(backend="mosaic", config=dataclasses.asdict(tuned), measured=True))
   h200_table.put("gmm", "bfloat16+float8_e4m3fn", 256, k, n, g,
