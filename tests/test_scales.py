@@ -182,9 +182,9 @@ def test_kernels_raise_value_error_for_a_malformed_scale(kernel):
 
 def test_mosaic_call_scales_in_the_kernel_and_falls_back_where_it_refuses(monkeypatch):
   """implementation="mosaic": the kernel takes 64-row scale blocks (one call
-  with rhs_scale), and 32-row ones run on dequantized weights; both equal
-  the XLA call bitwise where the sums' order is the kernel's (the same
-  kernel on the dequantized weights)."""
+  with rhs_scale), and 32-row ones run on dequantized weights; each equals
+  bitwise the kernel that ran on the dequantized weights: the scaled
+  kernel's config (the sums' order of its swap tiles), or the plain call."""
   import ragdot.backends.mosaic  # pylint: disable=unused-import  (its gmm bound before the spy)
   calls = []
   gmm = mf.gmm
@@ -194,9 +194,9 @@ def test_mosaic_call_scales_in_the_kernel_and_falls_back_where_it_refuses(monkey
     try:
       out = gmm(*args, **kw)
     except NotImplementedError:
-      calls.append((scaled, "refused"))
+      calls.append((scaled, "refused", None))
       raise
-    calls.append((scaled, "ran"))
+    calls.append((scaled, "ran", kw["config"]))
     return out
 
   monkeypatch.setattr(mf, "gmm", spy)
@@ -206,10 +206,16 @@ def test_mosaic_call_scales_in_the_kernel_and_falls_back_where_it_refuses(monkey
     calls.clear()
     x, w, s = _case(m, k, n, 3, False, block, seed=3)
     got = ragdot.ragged_dot(x, w, gs, rhs_scale=s, implementation="mosaic")
-    assert calls == [(True, outcome)], calls
-    want = ragdot.ragged_dot(x, scales.dequantize(w, s, jnp.bfloat16), gs,
-                             implementation="mosaic")
+    assert [c[:2] for c in calls] == [(True, outcome)], calls
+    deq = scales.dequantize(w, s, jnp.bfloat16)
+    if outcome == "ran":  # (the plain call's own tiles may sum in another order)
+      run = mf.weight_only_config(calls[0][2], m, len(sizes), k, False, block[0])
+      want = gmm(x, deq, gs, None, transpose_rhs=False, out_dtype=jnp.bfloat16,
+                 interpret=True, config=run)
+    else:
+      want = ragdot.ragged_dot(x, deq, gs, implementation="mosaic")
     np.testing.assert_array_equal(_bits(got), _bits(want))
+    oracle.assert_close(got, oracle.ref_ragged_dot(x, deq, sizes, None, False), jnp.bfloat16)
 
 
 def test_gradients_equal_those_through_the_dequantized_weights():
@@ -349,9 +355,8 @@ def test_quantize_round_trips_within_the_dtype():
 @pytest.mark.parametrize("rspec", [P("ep"), P(None, None, "ep")])
 def test_split_weights_and_scales_match_the_unsplit_call(axis_type, rspec):
   """fp8 weights and their scales split over a mesh axis (experts, or output
-  columns), rows over another: under explicit axes (the per-shard ops on
-  weights dequantized by XLA) and automatic ones (the partitioned op), the
-  same result as the unsplit call."""
+  columns), rows over another: under explicit axes (the per-shard ops) and
+  automatic ones (the partitioned op), the same result as the unsplit call."""
   from split_cases import mesh as split_mesh
   m, k, n, sizes = 256, 64, 32, [40, 0, 33, 50, 7, 60, 20, 30]
   x, w, s = _case(m, k, n, 8, False, (32, 8))
@@ -363,6 +368,122 @@ def test_split_weights_and_scales_match_the_unsplit_call(axis_type, rspec):
     ws, ss = jax.device_put(w, rspec), jax.device_put(s, rspec)
     got = jax.jit(call)(xs, ws, ss)
   np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+# (rhs [g, n, k], group_offset, specs of lhs, rhs and scale, scale blocks (k rows, n
+# columns), the lhs, rhs and scale shapes each shard's kernel gets, the output's spec):
+# experts, columns along whole blocks, the contraction (partials summed), columns whose
+# scale's two blocks cannot follow a split in 4 (the weights gathered along n; the result
+# split as the plain call's), and the [g, n, k] layout with a group_offset (4 local experts)
+_SPLIT_SCALED = {
+    "experts": (False, None, P("dp"), P("ep"), P("ep"), (64, 8), (128, 128), (2, 128, 32),
+                (2, 2, 4), (("dp",), None)),
+    "columns": (False, None, P("dp"), P(None, None, "ep"), P(None, None, "ep"), (64, 8),
+                (128, 128), (8, 128, 8), (8, 2, 1), (("dp",), ("ep",))),
+    "contraction": (False, None, P("ep", "dp"), P(None, "dp"), P(None, "dp"), (64, 32),
+                    (64, 64), (8, 64, 32), (8, 1, 1), (("ep",), None)),
+    "gathered": (False, None, P("dp"), P(None, None, "ep"), P(), (64, 16), (128, 128),
+                 (8, 128, 32), (8, 2, 2), (("dp",), ("ep",))),
+    "nk experts": (True, 2, P("dp"), P("ep"), P("ep"), (64, 8), (128, 128), (1, 32, 128),
+                   (1, 4, 2), (("dp",), None)),
+    "nk columns": (True, 2, P("dp"), P(None, "ep"), P(None, "ep"), (64, 8), (128, 128),
+                   (4, 8, 128), (4, 1, 2), (("dp",), ("ep",))),
+}
+
+
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+@pytest.mark.parametrize("case", list(_SPLIT_SCALED))
+def test_split_calls_run_the_fused_kernel_per_shard(monkeypatch, axis_type, case):
+  """Weights and scales split over mesh axes, rows over another: the fused
+  W8A16 kernel (Triton, interpret mode) runs on each shard's rows, weights and
+  scales (not on weights dequantized by XLA), and the result equals the
+  unsplit call's (bitwise, but for the contraction's summed partials); rhs's k
+  or n split only along whole scale blocks."""
+  nk, offset, lspec, rspec, sspec, block, local_x, local_w, local_s, ospec = _SPLIT_SCALED[case]
+  from ragdot.backends import triton as tb
+  from split_cases import mesh as split_mesh
+  seen = []
+  gmm = tb.gmm
+
+  def spy(lhs, rhs, *args, **kw):  # the operands each kernel call gets
+    scale = kw.get("rhs_scale")
+    seen.append((tuple(lhs.shape), tuple(rhs.shape),
+                 None if scale is None else tuple(scale.shape)))
+    return gmm(lhs, rhs, *args, **kw)
+
+  monkeypatch.setattr(tb, "gmm", spy)
+  m, k, n, sizes = 256, 128, 32, [40, 0, 33, 50, 7, 60, 20, 30]
+  local = 8 if offset is None else 4
+  x, w, s = _case(m, k, n, local, nk, block, seed=11)
+  gs, go = jnp.asarray(sizes, jnp.int32), None if offset is None else jnp.int32(offset)
+  call = lambda x, w, s: _call(x, w, gs, nk, rhs_scale=s, group_offset=go,
+                               implementation="triton")
+  want = call(x, w, s)
+  assert seen == [((m, k), w.shape, s.shape)], seen
+  seen.clear()
+  with jax.set_mesh(split_mesh(getattr(jax.sharding.AxisType, axis_type))):
+    args = [jax.device_put(a, spec) for a, spec in zip((x, w, s), (lspec, rspec, sspec))]
+    got = jax.jit(call)(*args)
+  # (automatic axes: the partitioner traces the call on the whole operands first)
+  assert (local_x, local_w, local_s) in seen and all(c[2] is not None for c in seen), seen
+  if axis_type == "Explicit":  # (automatic axes: XLA may reshard the result after the call)
+    assert set(seen) == {(local_x, local_w, local_s)}, seen
+    spec = tuple(got.sharding.spec) + (None,) * (2 - len(got.sharding.spec))
+    assert tuple(None if e is None else (e,) if isinstance(e, str) else tuple(e)
+                 for e in spec) == ospec
+  if case == "contraction":  # (partial sums rounded to bf16, then added)
+    np.testing.assert_allclose(_bits(got), _bits(want), atol=2e-2 * np.abs(_bits(want)).max())
+  else:
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+  oracle.assert_zero_rows(got, sizes, offset, local)
+
+
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+def test_split_calls_gradient_in_rows_runs_the_fused_kernel_per_shard(monkeypatch, axis_type):
+  """Frozen fp8 weights split over experts, rows over another axis: the
+  rows' gradient (dX) runs the fused kernel transposed on each shard's
+  weights and scales, and equals the unsplit call's."""
+  from ragdot.backends import triton as tb
+  from split_cases import mesh as split_mesh
+  seen = []
+  gmm = tb.gmm
+
+  def spy(lhs, rhs, *args, **kw):
+    seen.append((tuple(rhs.shape), kw["transpose_rhs"], kw.get("rhs_scale") is not None))
+    return gmm(lhs, rhs, *args, **kw)
+
+  monkeypatch.setattr(tb, "gmm", spy)
+  m, k, n, sizes = 256, 128, 128, [40, 0, 33, 50, 7, 60, 20, 30]
+  x, w, s = _case(m, k, n, 8, False, (64, 64), seed=13)  # (dX contracts n: 64-row blocks)
+  gs = jnp.asarray(sizes, jnp.int32)
+  c = jax.random.normal(jax.random.key(4), (m, n), jnp.float32)
+  loss = lambda x, w, s: jnp.sum(ragdot.ragged_dot(
+      x, w, gs, rhs_scale=s, implementation="triton").astype(jnp.float32) * c)
+  want = jax.grad(loss)(x, w, s)
+  with jax.set_mesh(split_mesh(getattr(jax.sharding.AxisType, axis_type))):
+    args = [jax.device_put(a, spec) for a, spec in zip((x, w, s), (P("dp"), P("ep"), P("ep")))]
+    seen.clear()
+    got = jax.jit(jax.grad(loss))(*args)
+  assert ((2, k, n), True, True) in seen and all(c[2] for c in seen), seen
+  np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+def test_layout_splits_scaled_weights_along_whole_blocks():
+  """``sharded.gmm_split`` with the scales' shape: rhs's k and n split only
+  where the axes divide the scale's blocks along them (either layout)."""
+  from ragdot import sharded
+  from split_cases import mesh as split_mesh
+  mesh = split_mesh(jax.sharding.AxisType.Auto)
+  lhs_dims, rhs_dims = ((), ("dp",)), (("ep",), ("dp",), ())
+  split = lambda rshape, sshape, nk, rdims=rhs_dims: sharded.gmm_split(
+      mesh, lhs_dims, rdims, (256, 64), rshape, nk, sshape)
+  assert split((8, 64, 32), None, False).k == ("dp",)  # no scales
+  assert split((8, 64, 32), (8, 2, 4), False).k == ("dp",)  # 2 k blocks over dp = 2
+  assert split((8, 64, 32), (8, 1, 4), False).k == ()  # one k block
+  assert split((8, 32, 64), (8, 4, 1), True, (("ep",), (), ("dp",))).k == ()  # [g, n, k]
+  assert split((8, 64, 32), (8, 2, 2), False, (("dp",), (), ("ep",))).n == ()  # 2 over 4
+  assert split((8, 64, 32), (8, 2, 4), False, (("dp",), (), ("ep",))).n == ("ep",)
+  assert split((8, 64, 32), (8, 2, 4), False).groups == ("ep",)
 
 
 @pytest.mark.parametrize("nk,block,offset", [(False, (64, 32), None), (True, (64, 1), 1)])
@@ -394,14 +515,17 @@ def test_triton_scales_each_widened_block(monkeypatch, nk, block, offset):
 
 
 @pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
-@pytest.mark.parametrize("specs", [(P("dp"), P("ep"), P("ep")), (P(), P(), P("ep")),
-                                   (P("dp"), P(), P())])
-def test_split_operands_gradients_match_the_unsplit_ones(axis_type, specs):
+@pytest.mark.parametrize("specs,block", [
+    ((P("dp"), P("ep"), P("ep")), (32, 8)), ((P(), P(), P("ep")), (32, 8)),
+    ((P("dp"), P(), P()), (32, 8)),
+    ((P("dp"), P(None, None, "ep"), P()), (32, 16)),  # n split held back by the blocks
+])
+def test_split_operands_gradients_match_the_unsplit_ones(axis_type, specs, block):
   """Gradients in rows, fp8 weights and scales with operands split over mesh
   axes (the scale alone too): those of the unsplit call."""
   from split_cases import mesh as split_mesh
   m, k, n, sizes = 256, 64, 32, [40, 0, 33, 50, 7, 60, 20, 30]
-  x, w, s = _case(m, k, n, 8, False, (32, 8), x_dtype=jnp.float32)
+  x, w, s = _case(m, k, n, 8, False, block, x_dtype=jnp.float32)
   gs = jnp.asarray(sizes, jnp.int32)
   c = jax.random.normal(jax.random.key(3), (m, n), jnp.float32)
   loss = lambda x, w, s: jnp.sum(

@@ -214,55 +214,36 @@ primitives.register("tgmm", _tgmm_impl)
 
 def _scaled_gmm_impl(lhs, rhs, scale, group_sizes, group_offset, *, transpose_rhs, precision,
                      out_dtype, implementation):
-  """The W8A16 kernel the dispatcher picks (Mosaic, or Triton where Mosaic
-  refuses), scaling each widened weight block, where it takes the scales'
-  blocks; else (XLA, a refusal, operands split over mesh axes the partitioned
-  op would split) the op on weights dequantized by XLA."""
-  def dequantized():
-    deq = scales.dequantize(rhs, scale, lhs.dtype)
-    return _gmm_sharded(lhs, deq, group_sizes, group_offset, transpose_rhs, precision,
-                        out_dtype, implementation)
+  return auto_sharding.scaled_gmm(
+      _scaled_gmm_kernel, (transpose_rhs, precision, out_dtype, implementation), transpose_rhs,
+      lhs, rhs, scale, group_sizes, group_offset)
 
-  if not _fused_scales(lhs, rhs, scale, group_sizes, group_offset):
-    return dequantized()
+
+def _scaled_gmm_kernel(static, lhs, rhs, scale, group_sizes, group_offset):
+  """One call's (or one shard's) scaled product: the W8A16 kernel the
+  dispatcher picks (Mosaic, or Triton where Mosaic refuses), scaling each
+  widened weight block, where it takes the scales' blocks; else (XLA, a
+  refusal) the plain kernel on weights dequantized by XLA."""
+  transpose_rhs, precision, out_dtype, implementation = static
+
+  def dequantized():
+    return _gmm_kernel((transpose_rhs, precision, out_dtype, implementation), lhs,
+                       scales.dequantize(rhs, scale, lhs.dtype), group_sizes, group_offset)
+
   choice = dispatch.choose("gmm", implementation, **dispatch.facts(
       "gmm", lhs=lhs, rhs=rhs, group_sizes=group_sizes, group_offset=group_offset,
       transpose_rhs=transpose_rhs, out_dtype=out_dtype, precision=precision))
   if choice.implementation not in ("mosaic", "triton") or not _takes_operands(
       "gmm", choice.implementation, lhs, rhs, out_dtype):
     return dequantized()
-  static = (choice.implementation, transpose_rhs, precision, out_dtype, choice.interpret,
-            choice.config)
+  kernel_static = (choice.implementation, transpose_rhs, precision, out_dtype,
+                   choice.interpret, choice.config)
   run = (_scaled_kernel if choice.interpret or not traced_primitive.is_eager(
-      (lhs, rhs, scale, group_sizes, group_offset)) else _scaled_compiled)(*static)
+      (lhs, rhs, scale, group_sizes, group_offset)) else _scaled_compiled)(*kernel_static)
   try:
     return run(lhs, rhs, scale, group_sizes, group_offset)
   except NotImplementedError:  # (scale blocks not in whole k steps, ...)
     return dequantized()
-
-
-def _fused_scales(*operands) -> bool:
-  """Whether the scaled kernel runs on these operands as they are: inside
-  shard_map (each call is one device's), an eager call's arrays on one
-  device, a traced call with no context mesh.  Under a context mesh of
-  automatic axes, and for arrays over several devices, the partitioned op
-  runs on the dequantized weights instead: the fused call has no partitioning
-  rule (XLA would gather every expert's weights onto each device).  A program
-  partitioned by its inputs' shardings alone (no context mesh) cannot be told
-  from a one-device one while tracing: it gets the fused call, gathered."""
-  if _explicitly_split(*operands):
-    return False
-  if not auto_sharding.enabled():  # a shard_map region, or replicated operands of explicit axes
-    return True
-  arrays = [a for a in operands if a is not None]
-  if traced_primitive.is_eager(arrays):
-    return not auto_sharding.over_devices(tuple(arrays))
-  return jax.sharding.get_abstract_mesh().empty
-
-
-def _explicitly_split(*operands) -> bool:
-  """Whether any operand's type splits it over explicit mesh axes."""
-  return any(any(sharded.split_dims(a)) for a in operands if a is not None)
 
 
 @functools.lru_cache(maxsize=64)
@@ -300,17 +281,71 @@ def _scaled_call(lhs, rhs, scale, group_sizes, group_offset, transpose_rhs, prec
   lhs, rhs, scale = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(scale)
   scales.check(lhs.dtype, rhs, scale)
   lhs, rhs, scale, gs, go = match_varying(lhs, rhs, scale, gs, go)
-  precision = _hashable_precision(precision)
-  if _explicitly_split(lhs, rhs, scale):
-    # Per shard on the dequantized weights (ragdot.sharded), which the JVP and
-    # transpose of the plain op keep per shard too.
-    out = _gmm_sharded(lhs, scales.dequantize(rhs, scale, lhs.dtype), gs, go, transpose_rhs,
-                       precision, problem.backend_out_dtype, implementation)
+  static = (transpose_rhs, _hashable_precision(precision), problem.backend_out_dtype,
+            implementation)
+  layout = sharded.gmm_layout(lhs, rhs, transpose_rhs, gs, go, scale=scale)
+  if layout is None:
+    out = _local_scaled_gmm(*static)(lhs, rhs, scale, gs, go)
   else:
-    out = primitives.scaled_gmm(lhs, rhs, scale, gs, go, transpose_rhs=transpose_rhs,
-                                precision=precision, out_dtype=problem.backend_out_dtype,
-                                implementation=implementation)
+    out = _scaled_per_shard(layout, *static)(lhs, rhs, scale, gs, go)
+    # The result split as the plain call's would be (a split of rhs's n that the scale
+    # blocks held back above is a slice of it here): its type does not depend on them.
+    plain = (sharded.gmm_layout(lhs, rhs, transpose_rhs, gs, go)
+             or sharded.Layout(layout.mesh))  # (None: only the scales were split)
+    if (plain.rows, plain.n) != (layout.rows, layout.n):
+      out = jax.sharding.reshard(out, jax.sharding.NamedSharding(
+          layout.mesh, sharded.partition_spec(plain.rows, plain.n)))
   return _finish(out, problem, gs, go, checks, out_sharding)
+
+
+@functools.lru_cache(maxsize=256)
+def _scaled_per_shard(layout, transpose_rhs, precision, out_dtype, implementation):
+  """The scaled call on operands split over explicit mesh axes: the fused
+  kernel per shard (``ragdot.sharded``).  Its JVP puts the weights' and
+  scales' tangents through the plain op per shard on the tangent of the
+  dequantized weights, taken whole (XLA), as the unsplit call does, so their
+  cotangents are summed over row shards in the rows' dtype before they are
+  rounded to the weights' fp8; lhs's goes through the fused call."""
+  static = (transpose_rhs, precision, out_dtype, implementation)
+  local = _local_scaled_gmm(*static)
+
+  @jax.custom_jvp
+  def call(lhs, rhs, scale, group_sizes, group_offset):
+    return sharded.gmm(lhs, rhs, group_sizes, group_offset, layout, transpose_rhs, local,
+                       scale=scale)
+
+  def jvp(primals, tangents):
+    lhs, rhs, scale, group_sizes, group_offset = primals
+    dlhs, drhs, dscale = tangents[:3]
+    out = call(*primals)
+    zero = lambda t: isinstance(t, jax.custom_derivatives.SymbolicZero)
+    terms = []
+    if not (zero(drhs) and zero(dscale)):
+      drhs, dscale = (jnp.zeros(t.shape, t.dtype) if zero(t) else t for t in (drhs, dscale))
+      deq = lambda r, s: scales.dequantize(r, s, lhs.dtype)
+      dw = jax.jvp(deq, (rhs, scale), (drhs, dscale))[1]
+      terms.append(sharded.gmm(lhs, dw, group_sizes, group_offset, layout, transpose_rhs,
+                               _local_gmm(*static)))  # (the primal's layout: its type)
+    if not zero(dlhs):
+      terms.append(call(dlhs, rhs, scale, group_sizes, group_offset))
+    if not terms:
+      return out, jnp.zeros_like(out)
+    return out, functools.reduce(jnp.add, terms)
+
+  call.defjvp(jvp, symbolic_zeros=True)
+  return call
+
+
+@functools.lru_cache(maxsize=256)
+def _local_scaled_gmm(transpose_rhs, precision, out_dtype, implementation):
+  """``primitives.scaled_gmm`` on one shard's operands (as ``_local_gmm``)."""
+  def local(lhs, rhs, scale, group_sizes, group_offset):
+    lhs, rhs, scale, group_sizes, group_offset = match_varying(lhs, rhs, scale, group_sizes,
+                                                               group_offset)
+    return primitives.scaled_gmm(lhs, rhs, scale, group_sizes, group_offset,
+                                 transpose_rhs=transpose_rhs, precision=precision,
+                                 out_dtype=out_dtype, implementation=implementation)
+  return local
 
 
 # --- per shard where operands are split over explicit mesh axes ---------------

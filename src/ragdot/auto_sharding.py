@@ -8,8 +8,9 @@ partitions the program it hands over the operands' shardings, and the op runs
 on each device's block with the split of ``ragdot.sharded`` (rows, rhs
 columns, rhs experts through ``group_offset`` plus a psum, the contraction's
 partial products summed; dW summed over row shards in the output dtype, its
-groups split where the result's sharding asks).  The kernel is then chosen
-for the shard's shapes.  Eager calls on arrays over several devices run
+groups split where the result's sharding asks; fp8 weights' block scales
+split as the weights are).  The kernel is then chosen for the shard's
+shapes.  Eager calls on arrays over several devices run
 jitted, so that they are partitioned too.
 
 Not partitioned (the plain call, operands gathered): inside ``shard_map``
@@ -40,7 +41,8 @@ from ragdot import dispatch
 from ragdot import sharded
 from ragdot import traced_primitive as tp
 
-# The kernels: ``gmm_kernel(static, lhs, rhs, group_sizes, group_offset)`` and
+# The kernels: ``gmm_kernel(static, lhs, rhs, group_sizes, group_offset)``,
+# ``scaled_gmm_kernel(static, lhs, rhs, scale, group_sizes, group_offset)`` and
 # ``tgmm_kernel(static, lhs, rhs, group_sizes, group_offset, num_groups)``,
 # with hashable ``static`` (the op's other static arguments).
 Kernel = Callable[..., jax.Array]
@@ -64,6 +66,17 @@ def gmm(kernel: Kernel, static: Any, transpose_rhs: bool, lhs: jax.Array, rhs: j
                group_offset)
 
 
+def scaled_gmm(kernel: Kernel, static: Any, transpose_rhs: bool, lhs: jax.Array,
+               rhs: jax.Array, scale: jax.Array, group_sizes: jax.Array,
+               group_offset: jax.Array | None) -> jax.Array:
+  """``kernel(static, lhs, rhs, scale, group_sizes, group_offset)``: ``gmm``
+  on fp8 weights with their block scales (rhs's layout), per shard, the
+  scales split as the weights are (rhs's k and n split only along whole
+  blocks, ``sharded.gmm_split``)."""
+  return _call(("scaled_gmm", transpose_rhs, None), kernel, static, lhs, rhs, scale,
+               group_sizes, group_offset)
+
+
 def tgmm(kernel: Kernel, static: Any, num_groups: int, lhs: jax.Array, rhs: jax.Array,
          group_sizes: jax.Array, group_offset: jax.Array | None) -> jax.Array:
   """``kernel(static, lhs, rhs, group_sizes, group_offset, num_groups)``
@@ -75,18 +88,20 @@ def tgmm(kernel: Kernel, static: Any, num_groups: int, lhs: jax.Array, rhs: jax.
 
 def _call(op: tuple[str, bool, int | None], kernel: Kernel, static: Any,
           *args: jax.Array | None) -> jax.Array:
-  """``kernel(static, *args)`` (lhs, rhs, group sizes and offset),
+  """``kernel(static, *args)`` (lhs, rhs, the scales of ``scaled_gmm``, group
+  sizes and offset),
   custom-partitioned unless ``enabled()`` says no or the kernel has side
   effects.  ``op``: the op's name, transpose_rhs, and tgmm's number of groups."""
   partition = enabled()
   eager = tp.is_eager(args)
   if partition and eager and over_devices(args):  # op by op, it would not be partitioned
     return _jitted(op, kernel, static)(*args)
+  fixed = len(args) - 1  # the arguments before the (optional) group_offset
   args = tuple(a for a in args if a is not None)
-  plain = _plain(kernel, static, op[2])
+  plain = _plain(kernel, static, op[2], fixed)
   # Eager on one device there is nothing to split, and the plain call compiles
   # its kernel once (``api._run``); a custom-partitioned one would trace anew.
-  if eager or not partition or _has_effects(kernel, static, op[2],
+  if eager or not partition or _has_effects(kernel, static, op[2], fixed,
                                             tuple((a.shape, a.dtype) for a in args)):
     return plain(*args)
   return _partitioned(op, kernel, static, len(args))(*args)
@@ -103,7 +118,7 @@ def _jitted(op: tuple[str, bool, int | None], kernel: Kernel, static: Any) -> An
 
 
 @functools.lru_cache(maxsize=256)
-def _has_effects(kernel: Kernel, static: Any, num_groups: int | None,
+def _has_effects(kernel: Kernel, static: Any, num_groups: int | None, fixed: int,
                  types: tuple[Any, ...]) -> bool:
   """Whether the kernel's trace has side effects (the interpret mode of the
   Mosaic GPU kernels calls back to the host in order), which
@@ -111,29 +126,35 @@ def _has_effects(kernel: Kernel, static: Any, num_groups: int | None,
   if dispatch.has_gpu():  # kernels compile there: no interpret mode (dispatch.choose)
     return False
   avals = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in types]
-  return bool(jax.make_jaxpr(_plain(kernel, static, num_groups))(*avals).effects)
+  return bool(jax.make_jaxpr(_plain(kernel, static, num_groups, fixed))(*avals).effects)
 
 
-def _plain(kernel: Kernel, static: Any, num_groups: int | None) -> Callable[..., jax.Array]:
-  """The unpartitioned kernel call on the op's arrays (lhs, rhs, group sizes,
-  then the group_offset if there is one)."""
+def _plain(kernel: Kernel, static: Any, num_groups: int | None,
+           fixed: int) -> Callable[..., jax.Array]:
+  """The unpartitioned kernel call on the op's arrays (the ``fixed`` ones:
+  lhs, rhs, rhs's scales for ``scaled_gmm``, group sizes; then the
+  group_offset if there is one)."""
   tail = () if num_groups is None else (num_groups,)
 
   def plain(*args):
-    return kernel(static, *args, *((None,) if len(args) == 3 else ()), *tail)
+    return kernel(static, *args, *((None,) if len(args) == fixed else ()), *tail)
   return plain
 
 
 # Shardy's view of each op: the factors of the operands and the result.  Group
 # sizes / offset are never split ("G" needs replication); a split of the
 # forward's groups or contraction, or of the weight gradient's rows, is summed.
+# The scales' block counts along k and n are factors of their own (a and b).
 _RULES = {
     ("gmm", False): "m k, g k n, G{} -> m n",
     ("gmm", True): "m k, g n k, G{} -> m n",
+    ("scaled_gmm", False): "m k, g k n, g a b, G{} -> m n",
+    ("scaled_gmm", True): "m k, g n k, g b a, G{} -> m n",
     ("tgmm", False): "m k, m n, G{} -> g k n",
 }
 _FACTORS = {
     "gmm": dict(reduction_factors=("k", "g"), need_replication_factors=("G",)),  # in rule order
+    "scaled_gmm": dict(reduction_factors=("k", "g", "a"), need_replication_factors=("G",)),
     "tgmm": dict(reduction_factors=("m",), need_replication_factors=("G",)),
 }
 
@@ -143,15 +164,17 @@ def _partitioned(op: tuple[str, bool, int | None], kernel: Kernel, static: Any,
                  num_args: int) -> Any:
   name, transpose_rhs, num_groups = op
   local = functools.partial(kernel, static)
+  scaled = name == "scaled_gmm"
+  fixed = 3 + scaled
 
   def partition(mesh, arg_shapes, result_shape):
     lhs, rhs = arg_shapes[:2]
     _dims = functools.partial(_split_dims, mesh)
-    if name == "gmm":
+    if name != "tgmm":
       layout = sharded.gmm_split(mesh, _dims(lhs), _dims(rhs), lhs.shape, rhs.shape,
-                                 transpose_rhs)
+                                 transpose_rhs, arg_shapes[2].shape if scaled else None)
       body, in_specs, out_spec = sharded.gmm_shard(layout, transpose_rhs, local, lhs.shape,
-                                                   rhs.shape, num_args)
+                                                   rhs.shape, num_args, scaled)
     else:
       layout = sharded.tgmm_split(mesh, _dims(lhs), _dims(rhs), lhs.shape, rhs.shape,
                                   _dims(result_shape)[0], num_groups)
@@ -161,8 +184,8 @@ def _partitioned(op: tuple[str, bool, int | None], kernel: Kernel, static: Any,
             tuple(NamedSharding(mesh, s) for s in in_specs))
 
   partition.inline_for_export = True  # see _lower_for_export
-  wrapped = custom_partitioning(_plain(kernel, static, num_groups))
-  offset = ", " if num_args == 4 else ""
+  wrapped = custom_partitioning(_plain(kernel, static, num_groups, fixed))
+  offset = ", " if num_args > fixed else ""
   # decode_shardings=False: JAX's own decoding asserts on a split over part of
   # a mesh axis (e.g. rows of a micro-batch sliced from split tokens) before
   # the callback runs; _split_dims reads those as unsplit instead.

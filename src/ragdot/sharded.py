@@ -13,7 +13,9 @@ block, and the result's type keeps the split:
   shards' outputs are summed over E (every row comes from one shard, the others
   add exact zeros).  The contraction split over K (lhs columns and rhs's k, as
   in tensor parallelism): each shard's partial product, summed over K in the
-  output dtype (as XLA's partitioned dot sums).
+  output dtype (as XLA's partitioned dot sums).  fp8 weights' block scales
+  (``rhs_scale``) are split as the weights are, rhs's k and n only along
+  whole blocks.
 * ``trans_ragged_dot`` (``lhs[m, k], rhs[m, n] -> [g, k, n]``): rows over R
   give per-shard sums over their rows, summed over R in the output dtype (as a
   data-parallel gradient is); lhs columns over K and rhs columns over N stay
@@ -90,25 +92,32 @@ class Layout:
 
 
 def gmm_layout(lhs: jax.Array, rhs: jax.Array, transpose_rhs: bool,
-               *others: jax.Array | None) -> Layout | None:
-  """The split of ``lhs[m, k] x rhs[g, k|n, n|k]``, or None if no operand
-  (``others``: group sizes and offset, gathered when split) carries explicit
-  mesh axes."""
-  mesh = _mesh(lhs, rhs, *others)
+               *others: jax.Array | None, scale: jax.Array | None = None) -> Layout | None:
+  """The split of ``lhs[m, k] x rhs[g, k|n, n|k]`` (with rhs's block scales
+  ``scale``, in rhs's layout), or None if no operand (``others``: group sizes
+  and offset, gathered when split) carries explicit mesh axes."""
+  mesh = _mesh(lhs, rhs, scale, *others)
   if mesh is None:
     return None
-  return gmm_split(mesh, split_dims(lhs), split_dims(rhs), lhs.shape, rhs.shape, transpose_rhs)
+  return gmm_split(mesh, split_dims(lhs), split_dims(rhs), lhs.shape, rhs.shape, transpose_rhs,
+                   None if scale is None else scale.shape)
 
 
 def gmm_split(mesh: Any, lhs_dims: tuple[Axes, ...], rhs_dims: tuple[Axes, ...],
               lhs_shape: tuple[int, ...], rhs_shape: tuple[int, ...],
-              transpose_rhs: bool) -> Layout:
+              transpose_rhs: bool, scale_shape: tuple[int, ...] | None = None) -> Layout:
   """The split of ``lhs[m, k] x rhs[g, k|n, n|k]`` whose dimensions are split
-  over the mesh axes ``lhs_dims`` / ``rhs_dims`` (``split_dims``'s form)."""
+  over the mesh axes ``lhs_dims`` / ``rhs_dims`` (``split_dims``'s form).  With
+  rhs's block scales (``scale_shape``, rhs's layout) split alike, rhs's k and n
+  are split only where the axes divide the scale's blocks along them, so that
+  no block straddles two shards."""
   (rows, k_lhs), (groups, *rest) = lhs_dims, rhs_dims
   cols, k_rhs = (rest[0], rest[1]) if transpose_rhs else (rest[1], rest[0])
   used: set[str] = set()
-  m, k, n, g = lhs_shape[0], lhs_shape[1], rhs_shape[1 if transpose_rhs else 2], rhs_shape[0]
+  kn = (2, 1) if transpose_rhs else (1, 2)
+  m, k, n, g = lhs_shape[0], lhs_shape[1], rhs_shape[kn[1]], rhs_shape[0]
+  if scale_shape is not None:  # (their block counts divide k and n)
+    k, n = scale_shape[kn[0]], scale_shape[kn[1]]
   rows = _take(rows, m, mesh, used)
   cols = _take(cols, n, mesh, used)
   groups = _take(groups, g, mesh, used)
@@ -184,26 +193,31 @@ def _shard_offset(group_offset: jax.Array | None, layout: Layout,
 
 def gmm_shard(layout: Layout, transpose_rhs: bool, local_gmm: Callable[..., jax.Array],
               lhs_shape: tuple[int, ...], rhs_shape: tuple[int, ...],
-              num_args: int) -> tuple[Callable[..., jax.Array], tuple[P, ...], P]:
+              num_args: int, scaled: bool = False
+              ) -> tuple[Callable[..., jax.Array], tuple[P, ...], P]:
   """One shard's ``ragged_dot`` under ``layout``: its body (``local_gmm`` on
   the shard's rows, columns, groups and part of the contraction, named mesh
   axes in scope), the operands' specs and the result's.  Without a
   group_offset, split groups get one (the shard's first group); the shards of
   the groups and of the contraction are summed (in the output dtype, as XLA
-  sums a dot over a split contraction)."""
+  sums a dot over a split contraction).  ``scaled``: the operands are lhs,
+  rhs, rhs's block scales (split as rhs is; ``gmm_split`` with their shape),
+  then group sizes and offset, and ``local_gmm`` takes the scales third."""
   m_local = lhs_shape[0] // _shards(layout, layout.rows)
   g_local = rhs_shape[0] // _shards(layout, layout.groups)
 
   summed = layout.groups + layout.k
+  weights = 2 + scaled  # lhs, rhs (and its scales)
 
-  def body(lhs, rhs, group_sizes, group_offset=None):
+  def body(*args):
+    group_sizes, group_offset = (args[weights:] + (None,))[:2]
     sizes = _local_sizes(group_sizes, layout, m_local)
-    out = local_gmm(lhs, rhs, sizes, _shard_offset(group_offset, layout, g_local))
+    out = local_gmm(*args[:weights], sizes, _shard_offset(group_offset, layout, g_local))
     return jax.lax.psum(out, summed) if summed else out
 
   rhs_dims = (layout.groups,) + ((layout.n, layout.k) if transpose_rhs else (layout.k, layout.n))
-  in_specs = ((partition_spec(layout.rows, layout.k), partition_spec(*rhs_dims))
-              + (P(),) * (num_args - 2))
+  in_specs = ((partition_spec(layout.rows, layout.k),)
+              + (partition_spec(*rhs_dims),) * (weights - 1) + (P(),) * (num_args - weights))
   return body, in_specs, partition_spec(layout.rows, layout.n)
 
 
@@ -229,20 +243,23 @@ def tgmm_shard(layout: Layout, local_tgmm: Callable[..., jax.Array],
 
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
         group_offset: jax.Array | None, layout: Layout, transpose_rhs: bool,
-        local_gmm: Callable[..., jax.Array]) -> jax.Array:
+        local_gmm: Callable[..., jax.Array], scale: jax.Array | None = None) -> jax.Array:
   """``local_gmm(lhs, rhs, group_sizes, group_offset)`` per shard of ``layout``
   under shard_map (``local_gmm`` should be the same object for the same static
-  arguments: it keys the cache of compiled eager calls)."""
-  args = [lhs, rhs, group_sizes] + ([] if group_offset is None else [group_offset])
-  return _gmm_fn(layout, transpose_rhs, local_gmm, lhs.shape, rhs.shape, len(args))(*args)
+  arguments: it keys the cache of compiled eager calls); with rhs's block
+  scales ``scale``, ``local_gmm(lhs, rhs, scale, group_sizes, group_offset)``."""
+  args = ([lhs, rhs] + ([] if scale is None else [scale]) + [group_sizes]
+          + ([] if group_offset is None else [group_offset]))
+  return _gmm_fn(layout, transpose_rhs, local_gmm, lhs.shape, rhs.shape, len(args),
+                 scale is not None)(*args)
 
 
 @functools.lru_cache(maxsize=256)
 def _gmm_fn(layout: Layout, transpose_rhs: bool, local_gmm: Callable[..., jax.Array],
             lhs_shape: tuple[int, ...], rhs_shape: tuple[int, ...],
-            num_args: int) -> Callable[..., jax.Array]:
+            num_args: int, scaled: bool) -> Callable[..., jax.Array]:
   return _per_shard(layout, *gmm_shard(layout, transpose_rhs, local_gmm, lhs_shape,
-                                       rhs_shape, num_args))
+                                       rhs_shape, num_args, scaled))
 
 
 def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
