@@ -148,6 +148,30 @@ def test_kernel_equals_the_kernel_on_dequantized_weights(monkeypatch, nk, block,
   oracle.assert_zero_rows(got, sizes, offset, local)
 
 
+def test_stages_hold_only_the_scales_the_kernel_keeps(monkeypatch):
+  """A stage holds one f32 scale per consumer for blocks of whole 64-column
+  slices, a row of per-column ones otherwise: a config 48 bytes under the SMEM
+  budget with the first keeps its stages (and the kernel takes it), one stage
+  less with per-column scales (its 4 KB would not fit)."""
+  assert mf.stage_scales(128, 128) == mf.stage_scales(128, 64) == 2
+  assert mf.stage_scales(128, 32) == mf.stage_scales(128, 1) == mf.stage_scales(128, None) == 128
+  base = mf.weight_only_config(None, 512, 128, 2048, False)
+  cfg = dataclasses.replace(base, swap_rows=32, tail_rows=0, num_stages=6, widen_staging=2,
+                            delay_release=1, block_k=128)
+  e4m3 = jnp.float8_e4m3fn
+  assert cfg.smem_bytes(jnp.bfloat16, jnp.bfloat16, e4m3, 2) <= cfg.smem_budget()
+  assert cfg.smem_bytes(jnp.bfloat16, jnp.bfloat16, e4m3, 128) > cfg.smem_budget()
+  assert mf.weight_only_config(cfg, 512, 128, 2048, False, 128, 128) == cfg
+  assert mf.weight_only_config(cfg, 512, 128, 2048, False, 128, 1).num_stages == 5
+  from ragdot.backends import mosaic_fwd_swap
+  seen = []
+  monkeypatch.setattr(mosaic_fwd_swap, "gmm", lambda *a, **kw: seen.append(kw["config"]))
+  x, w, s = _case(512, 2048, 128, 4, False, (128, 128))
+  mf.gmm(x, w, jnp.asarray([128] * 4, jnp.int32), None, transpose_rhs=False,
+         out_dtype=jnp.bfloat16, config=cfg, rhs_scale=s)
+  assert seen == [cfg], seen
+
+
 def test_kernel_refuses_scale_blocks_not_in_whole_k_steps():
   x, w, s = _case(128, 128, 64, 2, True, (32, 1))
   gs = jnp.array([60, 40], jnp.int32)

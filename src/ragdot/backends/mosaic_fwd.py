@@ -82,6 +82,7 @@ from ragdot.backends.mosaic_fwd_config import (  # noqa: F401  (re-exported)
     resolve_producer_zeros,
     row_major_ring,
     shard_keeps_swap,
+    stage_scales,
     swap_rows_for_mean,
     tail_fold_groups,
     weight_only_config,
@@ -666,7 +667,8 @@ def gmm(
                out_dtype=out_dtype, interpret=interpret, config=config,
                rhs_scale=rhs_scale)[:m]
   if weight_only:
-    config = weight_only_config(config, m, group_sizes.shape[0], k, transpose_rhs, scale_rows)
+    config = weight_only_config(config, m, group_sizes.shape[0], k, transpose_rhs, scale_rows,
+                                scale_cols)
   if config is not None and config.swap and out_dtype.itemsize != 2:
     # swap's transposed stores take 16 bits: its row-major ring, fitted to SMEM
     # for this output (None: the default below).
@@ -692,7 +694,8 @@ def gmm(
     raise NotImplementedError(
         f"k={k} must be a multiple of the {tile}-column TMA tiles of block_k={config.block_k}"
         f" for {lhs.dtype}")
-  smem = config.smem_bytes(lhs.dtype, out_dtype, rhs.dtype, scaled=rhs_scale is not None)
+  smem = config.smem_bytes(lhs.dtype, out_dtype, rhs.dtype,
+                           0 if rhs_scale is None else stage_scales(config.block_n, scale_cols))
   if smem > config.smem_budget():
     raise NotImplementedError(f"config {config} needs {smem} bytes of SMEM")
 

@@ -338,11 +338,12 @@ class MosaicFwdConfig:
     return self.block_n // self.epilogue_split
 
   def smem_bytes(self, in_dtype: Any, out_dtype: Any, rhs_dtype: Any = None,
-                 scaled: bool = False) -> int:
+                 scales_per_stage: int = 0) -> int:
     """Static SMEM footprint (pipeline buffers + output staging chunk), with
     weights of ``rhs_dtype`` (default ``in_dtype``; a narrower one: W8A16,
-    with its ``widen_staging`` buffers; ``scaled``: and a row of ``block_n``
-    f32 weight scales per stage, an upper bound: per-block scales take 8 bytes).
+    with its ``widen_staging`` buffers) and ``scales_per_stage`` f32 weight
+    scales in every stage (swap only: ``block_n`` per-column scales, or one per
+    consumer for blocks of whole 64-column slices).
 
     Barriers and alignment add a few dozen bytes on top (48 measured at
     lowering for the 2-warpgroup kernel): ``smem_budget`` keeps 1 KiB for them.
@@ -354,8 +355,7 @@ class MosaicFwdConfig:
       staging = self.num_compute_wgs * _WG_ROWS * _WG_ROWS * osz
       if wsz < isz:  # the widened weight slices, (64, block_k) each
         staging += self.widen_staging * self.num_compute_wgs * _WG_ROWS * self.block_k * isz
-      if scaled:
-        per_stage += self.block_n * 4
+      per_stage += scales_per_stage * 4
       return self.num_stages * per_stage + staging
     per_stage = (self.block_m + self.block_n) * self.block_k * isz
     # One (64, epilogue_n) staging buffer per compute warpgroup.
@@ -591,9 +591,18 @@ def decode_rows(mean_rows: float) -> int:
   return min(64, max(16, -(-int(2 * mean_rows + 8) // 16) * 16))
 
 
+def stage_scales(block_n: int, scale_cols: int | None) -> int:
+  """f32 weight scales a swap stage holds: one per consumer where the scale
+  blocks span whole 64-column consumer slices (``scale_cols`` a multiple of
+  64), else a row of ``block_n`` per-column ones (also the bound for
+  ``scale_cols`` None: not known)."""
+  return 2 if scale_cols and scale_cols % _WG_ROWS == 0 else block_n
+
+
 def weight_only_config(cfg: MosaicFwdConfig | None, m: int, groups: int,
                        k: int | None = None, transpose_rhs: bool = True,
-                       scale_rows: int | None = None) -> MosaicFwdConfig:
+                       scale_rows: int | None = None,
+                       scale_cols: int | None = None) -> MosaicFwdConfig:
   """The swap config a weight-only 8-bit call runs (16-bit rows, fp8 weights
   widened by the consumers as wgmma's A operand): ``cfg``'s tiles if it is a
   swap config, else ``_WEIGHT_ONLY``'s, fitted to the call's rows per group
@@ -615,8 +624,8 @@ def weight_only_config(cfg: MosaicFwdConfig | None, m: int, groups: int,
   kernel pads such calls.  ``scale_rows``: the weights carry a scale per
   ``scale_rows`` contracting rows (``gmm``'s ``rhs_scale``): each k step then
   lies in one scale block (k steps of 64 columns where 128 do not divide it;
-  ValueError where 64 do not either), and a stage holds its scales (counted as
-  a row of per-column ones)."""
+  ValueError where 64 do not either), and a stage holds its scales
+  (``stage_scales`` of the blocks' ``scale_cols`` columns)."""
   if scale_rows is not None and scale_rows % 64:
     raise ValueError(f"scale_rows must be a multiple of 64, got {scale_rows}")
   m = max(m, MIN_SWAP_ROWS)
@@ -644,8 +653,9 @@ def weight_only_config(cfg: MosaicFwdConfig | None, m: int, groups: int,
     base = dataclasses.replace(
         base, swap_rows=rows, tail_rows=tail, tail_split=base.tail_split and tail > 0,
         short_tile_rows=base.short_tile_rows if base.short_tile_rows < rows else 0)
+  scales = 0 if scale_rows is None else stage_scales(base.block_n, scale_cols)
   fits = lambda c: c.smem_bytes(jnp.bfloat16, jnp.bfloat16, jnp.float8_e4m3fn,
-                                scaled=scale_rows is not None) <= c.smem_budget()
+                                scales) <= c.smem_budget()
   cut = base
   while cut.num_stages > 2 and not fits(cut):
     cut = dataclasses.replace(cut, num_stages=cut.num_stages - 1)
@@ -653,7 +663,7 @@ def weight_only_config(cfg: MosaicFwdConfig | None, m: int, groups: int,
     # k steps of 64 columns, else one buffer a consumer (each step waits)
     smaller = (dataclasses.replace(base, block_k=64) if base.block_k == 128 else
                dataclasses.replace(base, widen_staging=1))
-    return weight_only_config(smaller, m, groups, k, transpose_rhs, scale_rows)
+    return weight_only_config(smaller, m, groups, k, transpose_rhs, scale_rows, scale_cols)
   return cut
 
 
