@@ -227,8 +227,8 @@ def _scaled_gmm_kernel(static, lhs, rhs, scale, group_sizes, group_offset):
   transpose_rhs, precision, out_dtype, implementation = static
 
   def dequantized():
-    return _gmm_kernel((transpose_rhs, precision, out_dtype, implementation), lhs,
-                       scales.dequantize(rhs, scale, lhs.dtype), group_sizes, group_offset)
+    return _gmm_kernel(static, lhs, scales.dequantize(rhs, scale, lhs.dtype), group_sizes,
+                       group_offset)  # (static: the plain op's too)
 
   choice = dispatch.choose("gmm", implementation, **dispatch.facts(
       "gmm", lhs=lhs, rhs=rhs, group_sizes=group_sizes, group_offset=group_offset,

@@ -104,7 +104,7 @@ def _call(op: tuple[str, bool, int | None], kernel: Kernel, static: Any,
   if eager or not partition or _has_effects(kernel, static, op[2], fixed,
                                             tuple((a.shape, a.dtype) for a in args)):
     return plain(*args)
-  return _partitioned(op, kernel, static, len(args))(*args)
+  return _partitioned(op, kernel, static, len(args), fixed)(*args)
 
 
 def over_devices(args: tuple[jax.Array | None, ...]) -> bool:
@@ -161,11 +161,10 @@ _FACTORS = {
 
 @functools.lru_cache(maxsize=256)
 def _partitioned(op: tuple[str, bool, int | None], kernel: Kernel, static: Any,
-                 num_args: int) -> Any:
+                 num_args: int, fixed: int) -> Any:
   name, transpose_rhs, num_groups = op
   local = functools.partial(kernel, static)
   scaled = name == "scaled_gmm"
-  fixed = 3 + scaled
 
   def partition(mesh, arg_shapes, result_shape):
     lhs, rhs = arg_shapes[:2]
