@@ -241,6 +241,9 @@ def test_precision_and_dtype_refusals():
   with pytest.raises(NotImplementedError):
     tr.gmm(lhs.astype(jnp.int32), rhs.astype(jnp.int32), gs, None, precision=None,
            transpose_rhs=False, out_dtype=jnp.int32, interpret=True)
+  with pytest.raises(NotImplementedError, match="rhs dtype float16 beside lhs bfloat16"):
+    tr.tgmm(lhs.astype(jnp.bfloat16), jnp.ones((8, 16), jnp.float16), gs, None, num_groups=1,
+            out_dtype=jnp.float32, precision=None, interpret=True)
 
 
 @pytest.mark.parametrize("n,refused", [(4096, False), (4097, True), (8192, True),

@@ -527,6 +527,9 @@ def tgmm(
   m, k = lhs.shape
   n = rhs.shape[1]
   _check_dtypes(lhs.dtype, out_dtype)
+  if rhs.dtype != lhs.dtype:
+    raise NotImplementedError(f"triton tgmm: rhs dtype {rhs.dtype} beside lhs {lhs.dtype}"
+                              " (takes one dtype for both)")
   prec = _dot_precision(precision)
   if m == 0 or k == 0 or n == 0 or num_groups == 0:
     return jnp.zeros((num_groups, k, n), out_dtype)
