@@ -56,6 +56,7 @@ from ragdot.backends import sm90
 
 _COLS = 64  # output columns per consumer: wgmma's M
 SCALE_COLS = _COLS  # scale blocks of a multiple of these columns: one scale per consumer
+_SCALES_AHEAD = 2  # k steps between reading a per-block scale and storing it into its stage
 _CHUNK = 64  # rows per epilogue store
 
 
@@ -191,11 +192,18 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
         # the last tile's block, computes and stores nothing)
         ni_in = jnp.minimum(ni, grid_n - 1) if grid_n % pair else ni
 
-        @pl.loop(0, k_steps)
-        def _(kk):
-          if per_block:  # read before the wait for a free slot, which hides their latency
-            held = [scale_at(grp, lax.div(kk * bk, scale_rows), ni_in * bn + c * _COLS)
-                    for c in range(2)]
+        def scales_of(kk):  # a step's per-block scales, one per consumer
+          kb = lax.div(jnp.minimum(kk, k_steps - 1) * bk, scale_rows)
+          return tuple(scale_at(grp, kb, ni_in * bn + c * _COLS) for c in range(2))
+
+        def step(kk, ahead):
+          # Per-block scales are plain loads (from DRAM: each is read once), so
+          # they are read _SCALES_AHEAD steps before their stage is filled;
+          # read at the step itself, their latency outlasted the wait for a free
+          # slot at decode.
+          if per_block:
+            ahead = (*ahead, scales_of(kk + _SCALES_AHEAD))
+            held, ahead = ahead[0], ahead[1:]
           slot = ring.free_slot(consumed, step0 + kk, stages)
           cols = pl.ds(kk * bk, bk)
 
@@ -222,6 +230,10 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
                 scale_gmem.at[grp, lax.div(kk * bk, scale_rows), pl.ds(ni_in * bn, bn)],
                 s_smem.at[slot], produced.at[slot])
           _per_layout(layouts, rows)
+          return ahead
+
+        first = tuple(scales_of(kk) for kk in range(_SCALES_AHEAD)) if per_block else ()
+        lax.fori_loop(0, k_steps, step, first)
 
       works(load)
       ring.drain(consumed, my_items * k_steps, stages)
