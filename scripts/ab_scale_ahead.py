@@ -62,12 +62,14 @@ def main() -> None:
   p = argparse.ArgumentParser()
   p.add_argument("out_dir")
   p.add_argument("--preset", default="decode", choices=sorted(bench.PRESETS))
-  p.add_argument("--only", nargs="*", default=["qwen3-30b gate_up", "qwen3-30b down"])
+  p.add_argument("--only", nargs="*", default=["qwen3-30b gate_up decode", "qwen3-30b down decode"])
   p.add_argument("--ahead", nargs="*", type=int, default=[0, 1, 2, 4])
   p.add_argument("--rounds", type=int, default=5)
   args = p.parse_args()
   os.makedirs(args.out_dir, exist_ok=True)
   shapes = [s for s in bench.PRESETS[args.preset] if not args.only or s.name in args.only]
+  if not shapes:
+    raise SystemExit(f"no shape of {args.preset} named {args.only}")
   kept = mosaic_fwd_swap._SCALES_AHEAD  # pylint: disable=protected-access
   rows = []
   for i, s in enumerate(shapes):
