@@ -197,10 +197,11 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
           return tuple(scale_at(grp, kb, ni_in * bn + c * _COLS) for c in range(2))
 
         def step(kk, ahead):
-          # Per-block scales are plain loads (from DRAM: each is read once), so
-          # they are read _SCALES_AHEAD steps before their stage is filled;
-          # read at the step itself, their latency outlasted the wait for a free
-          # slot at decode.
+          # Per-block scales are plain loads (mostly from DRAM: each is read
+          # once), read _SCALES_AHEAD steps before their stage is filled so their
+          # latency stays off the producer's path.  (At decode on the H200 the
+          # distance made no difference, docs/performance.md v61b: the consumers
+          # set the pace there.)
           if per_block:
             ahead = (*ahead, scales_of(kk + _SCALES_AHEAD))
             held, ahead = ahead[0], ahead[1:]
