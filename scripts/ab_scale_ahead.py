@@ -27,18 +27,15 @@ import os
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 import ragdot
 from ragdot import bench, dispatch, timing
 from ragdot.backends import mosaic_fwd, mosaic_fwd_swap
 
-NK = lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), [0], [0])
-
-
 def _call(nk: bool):
   if nk:
-    return lambda x, w, gs, sc=None: ragdot.ragged_dot_general(x, w, gs, NK, rhs_scale=sc)
+    return lambda x, w, gs, sc=None: ragdot.ragged_dot_general(x, w, gs, bench.DN_DX,
+                                                                   rhs_scale=sc)
   return lambda x, w, gs, sc=None: ragdot.ragged_dot(x, w, gs, rhs_scale=sc)
 
 
