@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import ragdot
@@ -73,3 +74,24 @@ def test_unsupported_general_mode_with_offset_is_not_implemented():
   with pytest.raises(NotImplementedError, match="MoE modes"):
     ragdot.ragged_dot_general(jnp.ones((3, 2, 4)), jnp.ones((3, 4, 5)), GS, dn,
                               group_offset=jnp.int32(0))
+
+
+def test_group_sizes_past_int32_are_clipped_not_wrapped():
+  # A uint32 size of 2**31 would wrap to a negative int32 (counted as 0); as lax, it
+  # is "more rows than m": the group takes every row after the ones before it.
+  x = jnp.ones((6, 1), jnp.float32)
+  w = jnp.arange(1.0, 4.0).reshape(3, 1, 1)
+  for gs in (jnp.array([2, 2**31, 1], jnp.uint32), np.array([2, 2**40, 1], np.int64)):
+    want = jax.lax.ragged_dot(x, w, jnp.array([2, 4, 0], jnp.int32))
+    got = ragdot.ragged_dot(x, w, gs)
+    np.testing.assert_array_equal(got, want)
+    dw = ragdot.trans_ragged_dot(x, jnp.ones((6, 1)), gs)
+    np.testing.assert_array_equal(dw.ravel(), [2.0, 4.0, 0.0])
+
+
+@pytest.mark.parametrize("offset", [jnp.array(2**32 - 1, jnp.uint32), np.uint64(2**63), 2**40, -2**40])
+def test_group_offset_past_int32_is_clipped_not_wrapped(offset):
+  # 2**32 - 1 as uint32 would wrap to -1 (the shard's second group would be global
+  # group 0); clipped it lies past every group, so the output is all zeros.
+  out = ragdot.ragged_dot(L, R[:2], GS, group_offset=offset)
+  assert float(jnp.abs(out).max()) == 0.0

@@ -168,7 +168,19 @@ def check_group_sizes(group_sizes: Any) -> jax.Array:
     raise TypeError(
         f"group_sizes must be 1-D [G], got shape {np.shape(group_sizes)}"
     )
-  return jnp.asarray(group_sizes).astype(jnp.int32)
+  return _as_int32(group_sizes)
+
+
+def _as_int32(a: Any) -> jax.Array:
+  """``a`` as int32, values past int32's range clipped to its ends rather than
+  wrapped (a uint32 size of 2**31 stays "more than any m", an offset of
+  2**32 - 1 stays past every group); numpy arrays are clipped before they
+  become jax arrays, which without x64 would wrap them."""
+  info, i32 = np.iinfo(a.dtype), np.iinfo(np.int32)
+  if info.min < i32.min or info.max > i32.max:
+    lo, hi = max(info.min, i32.min), min(info.max, i32.max)
+    a = np.clip(a, lo, hi) if isinstance(a, (np.ndarray, np.generic)) else jnp.clip(a, lo, hi)
+  return jnp.asarray(a).astype(jnp.int32)
 
 
 def check_group_offset(group_offset: Any) -> jax.Array | None:
@@ -180,7 +192,8 @@ def check_group_offset(group_offset: Any) -> jax.Array | None:
     if isinstance(group_offset, (int, np.integer)) and not isinstance(
         group_offset, bool
     ):
-      return jnp.int32(group_offset)
+      i32 = np.iinfo(np.int32)
+      return jnp.int32(min(max(int(group_offset), i32.min), i32.max))
     raise TypeError(
         "group_offset must be an integer array of shape () or (1,), got"
         f" {type(group_offset).__name__}"
@@ -191,7 +204,7 @@ def check_group_offset(group_offset: Any) -> jax.Array | None:
     raise TypeError(
         f"group_offset must have shape () or (1,), got {np.shape(group_offset)}"
     )
-  return jnp.reshape(group_offset, ()).astype(jnp.int32)
+  return jnp.reshape(_as_int32(group_offset), ())
 
 
 def _out_dtype(result: np.dtype, preferred_element_type: Any) -> jnp.dtype:
