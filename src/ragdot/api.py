@@ -29,6 +29,7 @@ from ragdot import traced_primitive
 from ragdot.manual_axes import match_varying
 from ragdot import validate
 from ragdot.backends import get_backend
+from ragdot.backends import xla_symbolic
 
 RaggedDotDimensionNumbers = lax.RaggedDotDimensionNumbers
 
@@ -43,6 +44,8 @@ _ARRAYS = ("lhs", "rhs", "group_sizes", "group_offset")
 
 
 def _run(op: dispatch.Op, implementation: str | None, **kwargs) -> jax.Array:
+  if xla_symbolic.has_symbolic_dims(kwargs["lhs"], kwargs["rhs"], kwargs["group_sizes"]):
+    return _run_symbolic(op, implementation, **kwargs)
   choice = dispatch.choose(op, implementation, **dispatch.facts(op, **kwargs))
   arrays = {name: kwargs.pop(name) for name in _ARRAYS if name in kwargs}
   # Op by op (no tracer: an eager call), the kernel runs as one compiled program
@@ -78,6 +81,17 @@ def _run(op: dispatch.Op, implementation: str | None, **kwargs) -> jax.Array:
       if eager:
         _REFUSED.add(key)
   raise AssertionError("unreachable")
+
+
+def _run_symbolic(op: dispatch.Op, implementation: str | None, **kwargs) -> jax.Array:
+  """A call whose shapes hold symbolic dimensions (``jax.export``): only the
+  XLA backend's lax form takes it (kernels size their tiles from the shape)."""
+  if implementation not in (None, "xla"):
+    raise NotImplementedError(
+        f"implementation={implementation!r} needs concrete shapes; a call with symbolic "
+        "dimensions (jax.export) runs implementation=None or 'xla'")
+  arrays = _as_backend_takes({name: kwargs.pop(name) for name in _ARRAYS}, native=False)
+  return getattr(xla_symbolic, op)(**arrays, **kwargs)
 
 
 def _takes_operands(op: dispatch.Op, impl: str, lhs: jax.Array, rhs: jax.Array,
