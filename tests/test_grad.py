@@ -123,3 +123,24 @@ def test_group_sizes_and_offset_get_no_gradient():
   grads = jax.grad(fn, (0, 1, 2, 3), allow_int=True)(x, w, gs, jnp.int32(1))
   assert grads[2].dtype == jax.dtypes.float0 and grads[3].dtype == jax.dtypes.float0
   np.testing.assert_array_equal(grads[0][:2], 0)  # rows of group 0: not in the shard
+
+
+@pytest.mark.parametrize("m", [5, 16])
+def test_explicit_mosaic_differentiates_every_call_its_forward_takes(m):
+  # (the forward takes fewer than 8 rows and an empty k: so must dX and dW)
+  for k in (64, 0):
+    x, w, c = oracle.random_inputs(jax.random.key(m + k), [(m, k), (2, k, 64), (m, 64)],
+                                   jnp.float32)
+    x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    gs = jnp.array([2, m], jnp.int32)
+
+    def loss(x, w, impl):
+      out = ragdot.ragged_dot(x, w, gs, preferred_element_type=jnp.float32,
+                              implementation=impl)
+      return jnp.sum(out * c)
+
+    got = jax.grad(loss, (0, 1))(x, w, "mosaic")
+    want = jax.grad(loss, (0, 1))(x, w, "xla")
+    for g_, w_ in zip(got, want):
+      np.testing.assert_allclose(np.asarray(g_, np.float32), np.asarray(w_, np.float32),
+                                 rtol=2e-2, atol=2e-2)

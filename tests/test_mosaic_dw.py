@@ -503,6 +503,25 @@ def test_unsupported_raise(m, k, n, dtype, out_dtype, what):
                    out_dtype=out_dtype, precision=None, interpret=True)
 
 
+@pytest.mark.parametrize("m, sizes, offset, num_groups", [
+    (5, [2, 4], None, None),      # the last group cut at m, inside the 8 padded rows
+    (3, [0, 1, 1], 1, 2),         # a shard
+])
+def test_fewer_than_8_rows_are_padded(m, sizes, offset, num_groups):
+  # As the forward takes them (a one-token call): its gradient's dW must too.
+  out, ref = run(m, 64, 128, sizes, offset=offset, num_groups=num_groups, seed=m)
+  check(out, ref, jnp.float32)
+  assert np.abs(out).max() > 0
+
+
+@pytest.mark.parametrize("k, n", [(0, 64), (64, 0)])
+def test_empty_k_or_n_gives_an_empty_result(k, n):
+  out = mosaic_dw.tgmm(jnp.ones((16, k), jnp.bfloat16), jnp.ones((16, n), jnp.bfloat16),
+                       jnp.array([7, 9], jnp.int32), None, num_groups=2,
+                       out_dtype=jnp.float32, precision=None, interpret=True)
+  assert out.shape == (2, k, n)
+
+
 def test_mixed_dtypes_raise():
   with pytest.raises(NotImplementedError, match="bf16 or f16"):
     mosaic_dw.tgmm(jnp.ones((64, 64), jnp.bfloat16), jnp.ones((64, 64), jnp.float16),

@@ -84,14 +84,18 @@ def _check_supported(lhs: jax.Array, rhs: jax.Array, out_dtype) -> None:
 
 
 def unsupported_shape(m: int, k: int, n: int) -> str | None:
-  """Why this kernel refuses lhs[m, k], rhs[m, n] (static; None: it takes it)."""
+  """Why this kernel refuses lhs[m, k], rhs[m, n] (static; None: it takes it).
+  As the forward kernel, it takes an empty k or n (zeros, no kernel) and
+  fewer than 8 rows (padded to 8 zero rows, which add nothing)."""
+  if k == 0 or n == 0:
+    return None
   if k < _MIN_DIM or n < _MIN_DIM:
     return f"thin k={k} or n={n} (< {_MIN_DIM}) is not supported"
   # Mosaic builds its TMA descriptors on the swizzle-tiled view of GMEM, so the
   # tiled dims must be whole tiles: rows by 8, columns by one 128-byte atom.
   if k % _MIN_DIM or n % _MIN_DIM:
     return f"k={k} and n={n} must be multiples of {_MIN_DIM}"
-  if m % 8:
+  if m % 8 and m > 8:
     return f"m={m} must be a multiple of 8"
   return None
 
@@ -745,6 +749,13 @@ def tgmm(
   m, k = lhs.shape
   n = rhs.shape[1]
   out_dtype = jnp.dtype(out_dtype)
+  if k == 0 or n == 0:
+    return jnp.zeros((num_groups, k, n), out_dtype)
+  if 0 < m < 8:  # (a group cut at m may now end in the zero rows: they add nothing)
+    pad = ((0, 8 - m), (0, 0))
+    return tgmm(jnp.pad(lhs, pad), jnp.pad(rhs, pad), group_sizes, group_offset,
+                num_groups=num_groups, out_dtype=out_dtype, interpret=interpret,
+                config=config)
   if config is None:
     config = default_config(m, k, n, num_groups, lhs.dtype, out_dtype)
   if smem_bytes(config, lhs.dtype, out_dtype) > config.smem_budget():
