@@ -34,12 +34,6 @@ from ragdot.backends import xla_symbolic
 RaggedDotDimensionNumbers = lax.RaggedDotDimensionNumbers
 
 
-def _hashable_precision(precision: Any) -> Any:
-  if isinstance(precision, list):
-    return tuple(precision)
-  return precision
-
-
 _ARRAYS = ("lhs", "rhs", "group_sizes", "group_offset")
 
 
@@ -295,7 +289,7 @@ def _scaled_call(lhs, rhs, scale, group_sizes, group_offset, transpose_rhs, prec
   lhs, rhs, scale = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(scale)
   scales.check(lhs.dtype, rhs, scale)
   lhs, rhs, scale, gs, go = match_varying(lhs, rhs, scale, gs, go)
-  static = (transpose_rhs, _hashable_precision(precision), problem.backend_out_dtype,
+  static = (transpose_rhs, validate.check_precision(precision), problem.backend_out_dtype,
             implementation)
   layout = sharded.gmm_layout(lhs, rhs, transpose_rhs, gs, go, scale=scale)
   if layout is None:
@@ -500,7 +494,7 @@ def ragged_dot(
   problem, gs, go = validate.check_ragged_dot(
       lhs, rhs, group_sizes, group_offset, preferred_element_type)
   lhs, rhs, gs, go = _prepare(lhs, rhs, gs, go, weights=True)
-  out = _gmm_sharded(lhs, rhs, gs, go, False, _hashable_precision(precision),
+  out = _gmm_sharded(lhs, rhs, gs, go, False, validate.check_precision(precision),
                      problem.backend_out_dtype, impl)
   return _finish(out, problem, gs, go, checks, out_sharding)
 
@@ -540,7 +534,7 @@ def trans_ragged_dot(
       lhs, rhs, group_sizes, group_offset, num_groups, preferred_element_type)
   lhs, rhs, gs, go = _prepare(lhs, rhs, gs, go)
   out = _tgmm_sharded(lhs, rhs, gs, go, problem.num_local,
-                      _hashable_precision(precision), problem.backend_out_dtype, impl)
+                      validate.check_precision(precision), problem.backend_out_dtype, impl)
   return _finish(out, problem, gs, go, checks, out_sharding)
 
 
@@ -622,7 +616,7 @@ def ragged_dot_general(
         lhs, rhs, group_sizes, group_offset, preferred_element_type,
         transpose_rhs=True)
     lhs, rhs, gs, go = _prepare(lhs, rhs, gs, go, weights=True)
-    out = _gmm_sharded(lhs, rhs, gs, go, True, _hashable_precision(precision),
+    out = _gmm_sharded(lhs, rhs, gs, go, True, validate.check_precision(precision),
                        problem.backend_out_dtype, impl)
     return _finish(out, problem, gs, go, checks, out_sharding)
   if mode == "ragged_contracting":

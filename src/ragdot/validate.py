@@ -9,6 +9,7 @@ optional checked mode (``ragdot.checked``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -140,6 +141,30 @@ def check_implementation(implementation: Any) -> str | None:
         f" {implementation!r}"
     )
   return implementation
+
+
+def check_precision(precision: Any) -> Any:
+  """``precision`` (a list as a tuple) if ``jax.lax.dot`` takes it, else the
+  error lax raises for it (ValueError / TypeError), naming precision: every
+  backend then refuses what lax refuses, though the kernels ignore it."""
+  if isinstance(precision, list):
+    precision = tuple(precision)
+  try:
+    hash(precision)
+  except TypeError as e:
+    raise TypeError(f"precision must be None, a lax.Precision, a string, a pair of them or a "
+                    f"lax.DotAlgorithmPreset, got {precision!r}") from e
+  _check_precision_with_lax(precision)
+  return precision
+
+
+@functools.lru_cache(maxsize=64)
+def _check_precision_with_lax(precision: Any) -> None:
+  one = jax.ShapeDtypeStruct((1, 1), jnp.float32)
+  try:
+    jax.eval_shape(functools.partial(jax.lax.dot, precision=precision), one, one)
+  except (TypeError, ValueError) as e:
+    raise type(e)(f"precision {precision!r} is not one jax.lax.dot takes: {e}") from e
 
 
 def _check_numeric(name: str, x: Any) -> None:
