@@ -50,6 +50,7 @@ CASES = [
     ("trans: unknown implementation", lambda: ragdot.trans_ragged_dot(L, D, GS, implementation="x"), ValueError, "implementation"),
     ("general: not dimension numbers", lambda: ragdot.ragged_dot_general(L, R, GS, ((1,), (1,))), TypeError, "ragged_dot_dimension_numbers"),
     ("general: num_groups in the forward mode", lambda: ragdot.ragged_dot_general(L, R, GS, DN_FWD, num_groups=2), ValueError, "num_groups"),
+    ("general: lhs rank with group_offset", lambda: ragdot.ragged_dot_general(L[None], R, GS, DN_FWD, group_offset=0), TypeError, "contracting"),
     ("general: k mismatch", lambda: ragdot.ragged_dot_general(L, jnp.ones((3, 6, 5)), GS, DN_FWD), TypeError, "contracting"),
 ]
 

@@ -477,7 +477,8 @@ def ragged_dot(
       lhs, columns as rhs; see ``ragdot.sharded``).
     implementation: None (automatic), "xla", "mosaic" or "triton".
     checks: report negative sizes / out-of-range offsets through checkify
-      (wrap the caller with ``ragdot.checked``).
+      (wrap the caller with ``ragdot.checked``; a jitted caller without it
+      fails to lower: "a checkify.check which was not functionalized").
     rhs_scale: optional block scales of fp8 (e4m3 / e5m2) weights, ``[g,
       k // bk, n // bn]`` (``ragdot.scales``): the product then uses
       ``rhs * scale`` (each scale over its bk x bn block) rounded once to
@@ -627,6 +628,9 @@ def ragged_dot_general(
                             group_offset=group_offset, num_groups=num_groups,
                             **common)
   if group_offset is not None:
+    # (operands lax refuses with these dimension numbers get lax's TypeError first)
+    jax.eval_shape(functools.partial(lax.ragged_dot_general,
+                                     ragged_dot_dimension_numbers=dn), lhs, rhs, group_sizes)
     raise NotImplementedError(
         f"ragged_dot_general with group_offset supports the MoE modes only"
         f" (forward, forward with rhs [g,n,k], ragged contracting); got"
