@@ -104,3 +104,21 @@ def test_kernels_refuse_symbolic_shapes():
     f = lambda x, impl=impl: ragdot.ragged_dot(x, w, gs, implementation=impl)
     with pytest.raises(NotImplementedError, match="concrete shapes"):
       export.export(jax.jit(f))(*_spec((M, K), dtype=jnp.bfloat16))
+
+
+def test_exported_moe_layer_takes_any_token_count():
+  from ragdot.moe import MoEConfig, init_params, moe_mlp  # pylint: disable=g-import-not-at-top
+  cfg = MoEConfig(hidden=32, intermediate=16, num_experts=4, top_k=2)
+  params = init_params(jax.random.key(0), cfg, jnp.float32)
+  (tokens,) = export.symbolic_shape("t")
+  layer = jax.jit(lambda x: moe_mlp(params, x, cfg))
+  exp = export.export(layer)(jax.ShapeDtypeStruct((tokens, 32), jnp.float32))
+  for rows in (5, 12):
+    x = jax.random.normal(jax.random.key(rows), (rows, 32))
+    np.testing.assert_allclose(exp.call(x), layer(x), rtol=1e-5, atol=1e-5)
+  grad = jax.jit(jax.grad(lambda p, x: moe_mlp(p, x, cfg).sum()))
+  spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+  exp = export.export(grad)(spec, jax.ShapeDtypeStruct((tokens, 32), jnp.float32))
+  x = jax.random.normal(jax.random.key(3), (7, 32))
+  for got, want in zip(jax.tree.leaves(exp.call(params, x)), jax.tree.leaves(grad(params, x))):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
