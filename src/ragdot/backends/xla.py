@@ -89,7 +89,7 @@ def gmm(
         _row_tile(lhs, first, bm), w, (contract, ((), ())),
         precision=precision, preferred_element_type=acc_dtype,
     )
-    y = _cast(y, out_dtype)
+    y = cast_result(y, out_dtype)
     # Each row belongs to exactly one tile: keep the rows already written.
     y = jnp.where(mask[:, None], y, _row_tile(out, first, bm))
     return lax.dynamic_update_slice_in_dim(out, y, first, axis=0)
@@ -98,7 +98,7 @@ def gmm(
   return lax.fori_loop(0, sched.num_tiles, body, out)
 
 
-def _cast(acc: jax.Array, out_dtype: Any) -> jax.Array:
+def cast_result(acc: jax.Array, out_dtype: Any) -> jax.Array:
   """The accumulator in the result dtype; a complex sum asked for a real
   result keeps its real part (as lax's dot_general does)."""
   if jnp.iscomplexobj(acc) and not jnp.issubdtype(out_dtype, jnp.complexfloating):
@@ -125,7 +125,7 @@ def tgmm(
   acc_dtype = accumulation_dtype(lhs.dtype, out_dtype)
   acc = jnp.zeros((num_groups, k, n), acc_dtype)
   if m == 0 or k == 0 or n == 0 or num_groups == 0:
-    return make_varying(_cast(acc, out_dtype),
+    return make_varying(cast_result(acc, out_dtype),
                         varying_axes(lhs, rhs, group_sizes, group_offset))
   bm = _block_m(config, m, num_groups)
   starts, ends = md.group_bounds(group_sizes, m, group_offset, num_groups)
@@ -145,4 +145,4 @@ def tgmm(
     return lax.dynamic_update_index_in_dim(acc, total, g, 0)
 
   acc = make_varying(acc, varying_axes(lhs, rhs, group_sizes, sched.num_tiles))
-  return _cast(lax.fori_loop(0, sched.num_tiles, body, acc), out_dtype)
+  return cast_result(lax.fori_loop(0, sched.num_tiles, body, acc), out_dtype)

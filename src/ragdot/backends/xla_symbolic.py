@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax import export, lax
 
 from ragdot import metadata as md
+from ragdot.backends.xla import cast_result
 from ragdot.validate import accumulation_dtype
 
 
@@ -48,12 +49,6 @@ def _in_window(x: jax.Array, lo: jax.Array, hi: jax.Array) -> jax.Array:
   return jnp.where((rows >= lo) & (rows < hi), x, jnp.zeros((), x.dtype))
 
 
-def _cast(acc: jax.Array, out_dtype: Any) -> jax.Array:
-  if jnp.iscomplexobj(acc) and not jnp.issubdtype(out_dtype, jnp.complexfloating):
-    acc = jnp.real(acc)
-  return acc.astype(out_dtype)
-
-
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
         group_offset: jax.Array | None, *, transpose_rhs: bool, out_dtype: Any,
         precision: Any) -> jax.Array:
@@ -68,7 +63,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
   out = lax.ragged_dot_general(
       _rotate(_in_window(lhs, lo, hi), lo), rhs, sizes, dims, precision=precision,
       preferred_element_type=accumulation_dtype(lhs.dtype, out_dtype))
-  return _in_window(_cast(_rotate(out, m - lo), out_dtype), lo, hi)
+  return _in_window(cast_result(_rotate(out, m - lo), out_dtype), lo, hi)
 
 
 def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
@@ -85,4 +80,4 @@ def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
       _rotate(_in_window(lhs, lo, hi), lo), _rotate(_in_window(rhs, lo, hi), lo), sizes,
       dims, precision=precision,
       preferred_element_type=accumulation_dtype(lhs.dtype, out_dtype))
-  return _cast(acc, out_dtype)
+  return cast_result(acc, out_dtype)
