@@ -60,9 +60,9 @@ class MoEMLP(nnx.Module):
     param_dtype: storage dtype of router/expert/LoRA weights (bf16 default).
     dtype: compute dtype of the expert matmuls (default param_dtype).
     mesh, ep_axis: run the experts under expert parallelism over mesh axis
-      ``ep_axis`` (None: no shard_map).  Expert weights are created with the
-      sharding metadata ``(ep_axis, None, ...)``; place them with
-      ``shard_moe_state`` or let jit reshard them.
+      ``ep_axis`` (None: no shard_map).  Expert weights are created sharded
+      over ``ep_axis`` on their leading dim, with that sharding as metadata
+      (``nnx.get_partition_spec`` gives ``P(ep_axis, None, ...)``).
     token_axes: the mesh axes the tokens are split over (``"auto"``: the
       axes other than ``ep_axis`` whose sizes divide the token count; see
       ``parallel.token_split``).
@@ -73,8 +73,17 @@ class MoEMLP(nnx.Module):
                dtype: Any = None, mesh: Any = None, ep_axis: str = "ep",
                token_axes: Any = "auto", lora_init_b_zero: bool = True):
     self.cfg = cfg
+    for name, value in (("param_dtype", param_dtype), ("dtype", dtype or param_dtype)):
+      if not jnp.issubdtype(jnp.dtype(value), jnp.floating):
+        raise TypeError(f"{name} must be a floating dtype, got {jnp.dtype(value)}")
     self.param_dtype = jnp.dtype(param_dtype)
     self.dtype = jnp.dtype(dtype or param_dtype)
+    if mesh is not None:
+      if ep_axis not in mesh.axis_names:
+        raise ValueError(f"ep_axis={ep_axis!r} is not an axis of the mesh {mesh.axis_names}")
+      if cfg.num_experts % int(mesh.shape[ep_axis]):
+        raise ValueError(f"mesh axis {ep_axis!r} of size {mesh.shape[ep_axis]} must divide"
+                         f" num_experts={cfg.num_experts}")
     self.mesh = mesh
     self.ep_axis = ep_axis
     self.token_axes = token_axes if isinstance(token_axes, str) else tuple(token_axes)
@@ -84,11 +93,20 @@ class MoEMLP(nnx.Module):
     if "router_bias" in p:
       self.router_bias = RouterBias(p["router_bias"])
     for name in cfg.projections:
-      setattr(self, name, nnx.Param(cast(p[name])))
+      setattr(self, name, self._expert(nnx.Param, cast(p[name])))
     for name in cfg.targets:
       b = p["lora"][name]["b"]
-      setattr(self, f"lora_{name}_a", LoRAParam(cast(p["lora"][name]["a"])))
-      setattr(self, f"lora_{name}_b", LoRAParam(cast(jnp.zeros_like(b) if lora_init_b_zero else b)))
+      setattr(self, f"lora_{name}_a", self._expert(LoRAParam, cast(p["lora"][name]["a"])))
+      setattr(self, f"lora_{name}_b",
+              self._expert(LoRAParam, cast(jnp.zeros_like(b) if lora_init_b_zero else b)))
+
+  def _expert(self, kind: type, value: jax.Array) -> nnx.Variable:
+    """A variable of per-expert ``value`` (leading dim E): with a mesh, sharded
+    over ``ep_axis`` and carrying that sharding as metadata."""
+    if self.mesh is None:
+      return kind(value)
+    return kind(value, out_sharding=(self.ep_axis,) + (None,) * (value.ndim - 1),
+                mesh=self.mesh)
 
   def params(self) -> dict:
     """The functional params pytree (current values)."""
@@ -113,8 +131,8 @@ class MoEMLP(nnx.Module):
     ragged_dots then take them through ``rhs_scale`` (W8A16 on Hopper)."""
     p = F.quantize_experts(self.params(), self.cfg, block, dtype)  # (raises if quantized already)
     for name in self.cfg.projections:
-      setattr(self, name, QuantizedWeight(p[name]))
-      setattr(self, f"{name}_scale", WeightScale(p[f"{name}_scale"]))
+      setattr(self, name, self._expert(QuantizedWeight, p[name]))
+      setattr(self, f"{name}_scale", self._expert(WeightScale, p[f"{name}_scale"]))
 
   def __call__(self, x: jax.Array, adapter_ids: jax.Array | None = None, *,
                mesh: Any = _SAME, reference: bool = False) -> jax.Array:
@@ -136,11 +154,18 @@ class MoEMLP(nnx.Module):
     return F.route(self.params(), x2, self.cfg, ids)
 
   def update_router_bias(self, x: jax.Array, rate: float = 1e-3) -> None:
-    """DeepSeek aux-loss-free balancing: raise the bias of under-loaded experts."""
+    """DeepSeek aux-loss-free balancing: raise the bias of under-loaded experts
+    and lower it of over-loaded ones by ``rate`` (an expert at exactly the mean
+    load keeps its bias).  The load counts experts, whatever the adapters."""
     if self.cfg.scoring != "deepseek":
       return
-    load = rt.expert_load(self.routing(x), self.cfg.num_experts)
-    self.router_bias[...] = self.router_bias[...] + rate * jnp.sign(load.mean() - load)
+    x2, _ = F.flat_tokens(x)
+    _, experts = F.expert_choices(self.params(), x2, self.cfg)
+    e = self.cfg.num_experts
+    count = jnp.bincount(experts.reshape(-1), length=e)
+    # (integers: E * count equals the total exactly when the load is the mean)
+    step = jnp.sign(count.sum() - e * count).astype(jnp.float32)
+    self.router_bias[...] = self.router_bias[...] + rate * step
 
 
 def shard_moe_state(state: Any, mesh: Any, ep_axis: str = "ep") -> Any:

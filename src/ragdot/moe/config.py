@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
@@ -44,10 +46,28 @@ class MoEConfig:
   precision: Any = None
 
   def __post_init__(self):
+    for name in ("hidden", "intermediate", "num_experts", "top_k", "n_group", "topk_group"):
+      _check_int(name, getattr(self, name), minimum=1)
+    _check_int("num_adapters", self.num_adapters, minimum=0)
+    if self.num_adapters:
+      _check_int("lora_rank", self.lora_rank, minimum=1)
     if self.scoring not in ("softmax", "deepseek"):
       raise ValueError(f"scoring must be 'softmax' or 'deepseek', got {self.scoring!r}")
     if not 1 <= self.top_k <= self.num_experts:
       raise ValueError(f"need 1 <= top_k <= num_experts, got {self.top_k}, {self.num_experts}")
+    if self.scoring == "deepseek":
+      per_group = self.num_experts // self.n_group
+      if self.num_experts % self.n_group:
+        raise ValueError(f"n_group={self.n_group} must divide num_experts={self.num_experts}")
+      if self.topk_group > self.n_group or self.top_k > self.topk_group * per_group:
+        raise ValueError(f"need topk_group <= n_group and top_k <= topk_group * num_experts /"
+                         f" n_group; got topk_group={self.topk_group}, n_group={self.n_group},"
+                         f" top_k={self.top_k}")
+    if self.lora_targets is not None:
+      if isinstance(self.lora_targets, str):
+        raise TypeError(f"lora_targets must be a sequence of names, got {self.lora_targets!r}")
+      # (a tuple keeps the config hashable, as a jit static argument must be)
+      object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
     bad = set(self.targets) - set(self.projections)
     if bad:
       raise ValueError(f"lora_targets {sorted(bad)} not among projections {self.projections}")
@@ -76,3 +96,10 @@ class MoEConfig:
     """(k, n) of one expert's matrix for projection ``name``."""
     d, f = self.hidden, self.intermediate
     return {"gate_up": (d, 2 * f), "gate": (d, f), "up": (d, f), "down": (f, d)}[name]
+
+
+def _check_int(name: str, value: Any, *, minimum: int) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"{name} must be an int, got {value!r}")
+  if value < minimum:
+    raise ValueError(f"{name} must be >= {minimum}, got {value}")

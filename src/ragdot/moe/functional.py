@@ -74,7 +74,34 @@ def route(params: dict, x: jax.Array, cfg: MoEConfig,
 def assignment(params: dict, x: jax.Array, cfg: MoEConfig,
                adapter_ids: jax.Array | None = None) -> rt.Assignment:
   """Router on ``x[tokens, d]`` (f32 math) -> each token's choices (per
-  token: no sort over the tokens)."""
+  token: no sort over the tokens).  ``adapter_ids[tokens]`` picks each token's
+  adapter (needed when ``cfg.num_adapters > 1``): concrete ids out of
+  ``[0, num_adapters)`` raise ValueError; traced ones are clipped into it, so a
+  token never reaches another expert's weights."""
+  weights, experts = expert_choices(params, x, cfg)
+  if cfg.num_adapters > 1 and adapter_ids is None:
+    raise ValueError("num_adapters > 1 needs adapter_ids[tokens]")
+  if adapter_ids is not None and cfg.num_adapters > 1:
+    adapter_ids = _checked_adapter_ids(adapter_ids, cfg.num_adapters)
+  return rt.assign(weights, experts, cfg.num_experts, adapter_ids=adapter_ids,
+                   num_adapters=cfg.adapters)
+
+
+def _checked_adapter_ids(adapter_ids: jax.Array, num_adapters: int) -> jax.Array:
+  if not jnp.issubdtype(jnp.result_type(adapter_ids), jnp.integer):
+    raise TypeError(f"adapter_ids must be integers, got {jnp.result_type(adapter_ids)}")
+  if not isinstance(adapter_ids, jax.core.Tracer):
+    ids = np.asarray(adapter_ids)
+    if ids.size and (ids.min() < 0 or ids.max() >= num_adapters):
+      raise ValueError(f"adapter_ids must be in [0, num_adapters={num_adapters}), got values"
+                       f" in [{ids.min()}, {ids.max()}]")
+  return jnp.clip(adapter_ids, 0, num_adapters - 1)
+
+
+def expert_choices(params: dict, x: jax.Array, cfg: MoEConfig
+                   ) -> tuple[jax.Array, jax.Array]:
+  """Router on ``x[tokens, d]`` (f32 math) -> (weights f32[tokens, top_k],
+  experts int32[tokens, top_k]): each token's experts and combine weights."""
   w = params["router"]
   if cfg.freeze_base:
     w = jax.lax.stop_gradient(w)
@@ -89,10 +116,7 @@ def assignment(params: dict, x: jax.Array, cfg: MoEConfig,
     weights, experts = rt.softmax_top_k(
         logits, cfg.top_k, renormalize=cfg.renormalize,
         routed_scaling_factor=cfg.routed_scaling_factor)
-  if cfg.num_adapters > 1 and adapter_ids is None:
-    raise ValueError("num_adapters > 1 needs adapter_ids[tokens]")
-  return rt.assign(weights, experts, cfg.num_experts, adapter_ids=adapter_ids,
-                   num_adapters=cfg.adapters)
+  return weights, experts.astype(jnp.int32)
 
 
 def expert_ffn(xs: jax.Array, group_sizes: jax.Array, experts: dict, cfg: MoEConfig, *,
@@ -183,8 +207,15 @@ def moe_mlp(params: dict, x: jax.Array, cfg: MoEConfig, *,
   mesh axes the tokens are split over (default: the other axes whose sizes
   divide the token count; see ``parallel.token_split``).
   """
+  if x.ndim < 1 or x.shape[-1] != cfg.hidden:
+    raise ValueError(f"x must be [..., hidden={cfg.hidden}], got shape {x.shape}")
+  if adapter_ids is not None and tuple(np.shape(adapter_ids)) != x.shape[:-1]:
+    raise ValueError(f"adapter_ids must have x's leading shape {x.shape[:-1]}, got"
+                     f" {tuple(np.shape(adapter_ids))}")
   if mesh is not None and ragged_dot_fn is not None:
     raise ValueError("ragged_dot_fn is only supported without expert parallelism (mesh=None)")
+  if mesh is not None and ep_axis not in mesh.axis_names:
+    raise ValueError(f"ep_axis={ep_axis!r} is not an axis of the mesh {mesh.axis_names}")
   if mesh is not None and cfg.num_experts % int(mesh.shape[ep_axis]):
     raise ValueError(f"mesh axis {ep_axis!r} of size {mesh.shape[ep_axis]} must divide"
                      f" num_experts={cfg.num_experts}")
