@@ -126,6 +126,56 @@ def test_dw_real_sizes(impl, shape, shard):
   assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(again).view(np.uint16))
 
 
+@pytest.mark.parametrize("m, sizes, offset, local", [
+    (1, [0, 1, 0], None, None),       # one token
+    (5, [2, 4], None, None),          # the last group cut at m
+    (3, [0, 1, 1, 1], 1, 2),          # a shard
+    (40, [11, 20, 9], None, None),    # fewer rows than one 64-row block
+    (60, [7, 0, 50, 9], 1, 2),
+    (72, [30, 0, 42], None, None),    # a block past the last row
+])
+def test_mosaic_dw_fewer_rows_than_a_block(m, sizes, offset, local):
+  # A TMA box taller than the array reads wrong rows on the GPU (interpret mode
+  # does not model it): the dW kernel pads such calls to one block of zero rows.
+  k, n = 256, 512
+  x, dy = oracle.random_inputs(jax.random.key(m), [(m, k), (m, n)], jnp.bfloat16)
+  go = None if offset is None else jnp.int32(offset)
+  _poison(4 * len(sizes) * k * n)
+  out = jax.jit(lambda x, d, gs, go: ragdot.trans_ragged_dot(
+      x, d, gs, group_offset=go, num_groups=local, implementation="mosaic"))(
+          x, dy, jnp.asarray(sizes, jnp.int32), go)
+  oracle.assert_close(out, oracle.np_trans_ragged_dot(x, dy, sizes, go, local), jnp.bfloat16)
+  assert np.abs(np.asarray(out, np.float32)).max() > 0
+
+
+@pytest.mark.parametrize("m, sizes", [(1, [0, 1, 0]), (5, [2, 4]), (40, [11, 20, 9])])
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["gkn", "gnk"])
+def test_mosaic_grads_of_a_few_rows(m, sizes, transpose_rhs):
+  # Forward, dX and dW of a call of a few tokens, all on the kernels.
+  k, n, g = 256, 512, len(sizes)
+  x, w, c = oracle.random_inputs(jax.random.key(m), [(m, k), (g, k, n), (m, n)], jnp.bfloat16)
+  if transpose_rhs:
+    w = jnp.swapaxes(w, 1, 2)
+  dims = lax.RaggedDotDimensionNumbers(
+      dot_dimension_numbers=(((1,), (2 if transpose_rhs else 1,)), ((), ())),
+      lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+  gs = jnp.asarray(sizes, jnp.int32)
+  def loss(impl):
+    return lambda x, w: jnp.sum(ragdot.ragged_dot_general(
+        x, w, gs, dims, implementation=impl).astype(jnp.float32) * c.astype(jnp.float32))
+  got = jax.jit(jax.grad(loss("mosaic"), (0, 1)))(x, w)
+  want = jax.jit(jax.grad(loss("xla"), (0, 1)))(x, w)
+  for a, b in zip(got, want):
+    oracle.assert_close(a, b, jnp.bfloat16, factor=2)
+
+
+@pytest.mark.parametrize("k, n", [(0, 512), (256, 0)])
+def test_mosaic_dw_empty_k_or_n(k, n):
+  out = ragdot.trans_ragged_dot(jnp.ones((64, k), jnp.bfloat16), jnp.ones((64, n), jnp.bfloat16),
+                                jnp.array([30, 34], jnp.int32), implementation="mosaic")
+  assert out.shape == (2, k, n)
+
+
 @pytest.mark.parametrize("impl", GPU_IMPLS)
 def test_grads_through_kernels_real_size(impl):
   m, k, n, g = 2048, 512, 256, 8

@@ -504,10 +504,11 @@ def test_unsupported_raise(m, k, n, dtype, out_dtype, what):
 
 
 @pytest.mark.parametrize("m, sizes, offset, num_groups", [
-    (5, [2, 4], None, None),      # the last group cut at m, inside the 8 padded rows
+    (5, [2, 4], None, None),      # the last group cut at m, inside the padded rows
     (3, [0, 1, 1], 1, 2),         # a shard
+    (44, [11, 20, 9, 9], None, None),
 ])
-def test_fewer_than_8_rows_are_padded(m, sizes, offset, num_groups):
+def test_fewer_rows_than_a_block_are_padded(m, sizes, offset, num_groups):
   # As the forward takes them (a one-token call): its gradient's dW must too.
   out, ref = run(m, 64, 128, sizes, offset=offset, num_groups=num_groups, seed=m)
   check(out, ref, jnp.float32)

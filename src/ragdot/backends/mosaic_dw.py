@@ -62,6 +62,7 @@ from ragdot.backends.mosaic_dw_config import (  # noqa: F401  (re-exported)
 _IN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _OUT_DTYPES = _IN_DTYPES + (jnp.dtype(jnp.float32),)
 _MIN_DIM = 64  # k, n granule: one 128-byte swizzle atom of 16-bit elements
+_MIN_BLOCK_M = 64  # MosaicDwConfig.block_m's granule: fewer rows are padded to a block
 _ROW_ALIGN = 8  # TMA row granule of the tiled GMEM view: row blocks start here
 # side_rows: a group's <= 7 + 7 unaligned end rows, zero-padded, in the side
 # buffer; its last step's stage holds them in rows [0, 16) and up to 48
@@ -86,7 +87,8 @@ def _check_supported(lhs: jax.Array, rhs: jax.Array, out_dtype) -> None:
 def unsupported_shape(m: int, k: int, n: int) -> str | None:
   """Why this kernel refuses lhs[m, k], rhs[m, n] (static; None: it takes it).
   As the forward kernel, it takes an empty k or n (zeros, no kernel) and
-  fewer than 8 rows (padded to 8 zero rows, which add nothing)."""
+  fewer rows than one block (padded to a block of zero rows, which add
+  nothing)."""
   if k == 0 or n == 0:
     return None
   if k < _MIN_DIM or n < _MIN_DIM:
@@ -95,7 +97,7 @@ def unsupported_shape(m: int, k: int, n: int) -> str | None:
   # tiled dims must be whole tiles: rows by 8, columns by one 128-byte atom.
   if k % _MIN_DIM or n % _MIN_DIM:
     return f"k={k} and n={n} must be multiples of {_MIN_DIM}"
-  if m % 8 and m > 8:
+  if m % 8 and m > _MIN_BLOCK_M:
     return f"m={m} must be a multiple of 8"
   return None
 
@@ -751,13 +753,16 @@ def tgmm(
   out_dtype = jnp.dtype(out_dtype)
   if k == 0 or n == 0:
     return jnp.zeros((num_groups, k, n), out_dtype)
-  if 0 < m < 8:  # (a group cut at m may now end in the zero rows: they add nothing)
-    pad = ((0, 8 - m), (0, 0))
+  if config is None:
+    config = default_config(m, k, n, num_groups, lhs.dtype, out_dtype)
+  if 0 < m < config.block_m:
+    # A TMA box may not be taller than the array it reads (the GPU returns wrong
+    # rows; interpret mode does not model it): pad to one block of zero rows.  A
+    # group cut at m may now end in them; they add nothing.
+    pad = ((0, config.block_m - m), (0, 0))
     return tgmm(jnp.pad(lhs, pad), jnp.pad(rhs, pad), group_sizes, group_offset,
                 num_groups=num_groups, out_dtype=out_dtype, interpret=interpret,
                 config=config)
-  if config is None:
-    config = default_config(m, k, n, num_groups, lhs.dtype, out_dtype)
   if smem_bytes(config, lhs.dtype, out_dtype) > config.smem_budget():
     raise NotImplementedError(
         f"{config} needs {smem_bytes(config, lhs.dtype, out_dtype)} bytes of"
