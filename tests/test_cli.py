@@ -91,8 +91,32 @@ def test_bench_only_picks_preset_shapes_by_name(tmp_path, monkeypatch):
   assert cli.main(["bench", "--preset", "small", "--only", "other", "--ops", "fwd",
                    "--iterations", "1", "--no-baselines", "--json", str(path)]) == 0
   assert {r["shape"] for r in json.loads(path.read_text())} == {"other"}
-  with pytest.raises(ValueError, match="--only"):
-    cli.main(["bench", "--preset", "small", "--only", "no such shape", "--ops", "fwd"])
+
+def test_bench_usage_errors_name_the_flag_before_any_work(tmp_path, capsys):
+  assert cli.main(["bench", "--preset", "small", "--only", "no such shape", "--ops", "fwd"]) == 2
+  assert "--only: no such shape" in capsys.readouterr().err
+  assert cli.main(["bench", "--from-json", str(tmp_path / "missing.json")]) == 2
+  assert "--from-json" in capsys.readouterr().err
+  assert cli.main(["bench", "--shape", "256,64,64,4", "--no-baselines",
+                   "--json", str(tmp_path / "no dir" / "rows.json")]) == 2
+  assert "--json" in capsys.readouterr().err
+  for flag, value in [("--iterations", "0"), ("--iterations", "-3"), ("--rounds", "0"),
+                      ("--warmup-ms", "-1"), ("--implementation", "nope"), ("--impls", "nope")]:
+    with pytest.raises(SystemExit) as e:
+      cli.main(["bench", "--shape", "256,64,64,4", flag, value])
+    assert e.value.code == 2
+    assert f"argument {flag}" in capsys.readouterr().err
+  for args in (["--budget-s", "0"], ["--jobs", "0"], ["--repeats", "-1"],
+               ["--compute-capability", "sm_90"]):
+    with pytest.raises(SystemExit):
+      cli.main(["tune", "--dry-run", "--shape", "256,64,64,4", *args])
+    assert f"argument {args[0]}" in capsys.readouterr().err
+  assert cli.main(["tune", "--import-bench", str(tmp_path / "missing.json"),
+                   "--table", str(tmp_path / "t.json")]) == 2
+  assert "--import-bench" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    cli.main(["info", "--device-kind", "NVIDIA H200", "--compute-capability", "abc"])
+  assert cli.main(["info", "--compute-capability", "9.0", "--shape", "256,64,64,4"]) == 2
 
 
 def test_preset_shapes_keeps_the_presets_order_and_rejects_unknown_names():
@@ -534,7 +558,7 @@ def test_bench_rounds_must_be_positive():
   with pytest.raises(ValueError, match="rounds"):
     bench.bench_shape(bench.Shape("t", 128, 64, 64, 4, top_k=2), ["fwd"], None,
                       iterations=1, rounds=0)
-  with pytest.raises(ValueError, match="--rounds"):  # before any work
+  with pytest.raises(SystemExit):  # an argparse error, before any work
     cli.main(["bench", "--shape", "256,64,64,4", "--rounds", "0", "--no-baselines"])
 
 
@@ -565,3 +589,13 @@ def test_tune_dry_run_for_fp8_weights(tmp_path, capsys):
   assert out.count("(today's choice)") == 3 and "widen_staging" in out
   assert cli.main(["tune", "--dry-run", "--shape", "512,768,2048,128", "--weights-dtype",
                    "float8_e4m3fn", "--ops", "dw"]) == 2
+
+
+def test_info_on_a_simulated_h200_shows_its_w8a16_kernels(capsys):
+  # Without --compute-capability the simulated H200 takes its table's (9.0): fp8
+  # weights then get the sm90 W8A16 kernel, as on the GPU itself.
+  assert cli.main(["info", "--device-kind", "NVIDIA H200", "--weights-dtype", "float8_e4m3fn",
+                   "--shape", "512,2048,1536,128"]) == 0
+  out = capsys.readouterr().out
+  assert "compute capability 9.0 (simulated" in out
+  assert out.count("W8A16") >= 2  # fwd and dx

@@ -215,6 +215,64 @@ def test_user_table_dir_overrides_shipped(tmp_path, monkeypatch):
     tables.clear_cache()
 
 
+def test_also_for_matches_whole_model_names():
+  for kind, table in [("NVIDIA RTX A1000 Laptop GPU", "default.json"),
+                      ("NVIDIA A10", "default.json"),
+                      ("NVIDIA A100-PCIE-40GB", "nvidia_a100_sxm4_80gb.json"),
+                      ("NVIDIA H200 NVL", "nvidia_h200.json"),
+                      ("NVIDIA H20", "nvidia_h200.json"),
+                      ("NVIDIA GH200 480GB", "nvidia_h200.json")]:
+    assert tables.table_for(kind)[0].name == table, kind
+  assert "H20" in tables.table_for("NVIDIA H20")[1]
+  assert "H20:" not in tables.table_for("NVIDIA H200 NVL")[1]
+
+
+def test_a_simulated_device_takes_its_tables_compute_capability():
+  assert dispatch.simulated_device("NVIDIA H200").compute_capability == "9.0"
+  assert dispatch.simulated_device("NVIDIA H100 80GB HBM3").compute_capability == "9.0"
+  assert dispatch.simulated_device("NVIDIA A100 80GB PCIe").compute_capability == "8.0"
+  assert dispatch.simulated_device("NVIDIA L4").compute_capability is None
+  assert dispatch.simulated_device("NVIDIA H200", "8.0").compute_capability == "8.0"
+
+
+def test_a_tuned_table_keeps_the_entries_its_kind_borrowed(tmp_path, monkeypatch):
+  # ``ragdot tune`` on an H100 starts a table of its own; the H200 entries the
+  # H100 used stay in reach under the ones it measures.
+  kind = "NVIDIA H100 80GB HBM3"
+  before = tables.lookup(kind, "gmm", "bfloat16", 512, 2048, 1536, 128)
+  table = tune.open_table(tmp_path / tables.slug(kind), kind)
+  assert table.data["inherits"] == "nvidia_h200.json"
+  assert table.data["compute_capability"] == "9.0"
+  table.put("gmm", "bfloat16", 32768, 2048, 1536, 128,
+            {"backend": "triton", "config": None, "measured": True})
+  table.save()
+  try:
+    monkeypatch.setenv(tables.ENV_DIR, str(tmp_path))
+    tables.clear_cache()
+    own = tables.lookup(kind, "gmm", "bfloat16", 32768, 2048, 1536, 128)
+    assert own.backend == "triton" and "borrowed" not in own.reason
+    kept = tables.lookup(kind, "gmm", "bfloat16", 512, 2048, 1536, 128)
+    assert (kept.backend, kept.config, kept.key) == (before.backend, before.config, before.key)
+    assert "borrowed from nvidia_h200.json" in kept.reason
+    assert "inherits" not in json.loads((tmp_path / tables.slug(kind)).read_text())["entries"]
+  finally:
+    monkeypatch.delenv(tables.ENV_DIR)
+    tables.clear_cache()
+
+
+@pytest.mark.parametrize("entries, match", [
+    ({"gmm/bfloat16/m1": {"backend": "xla"}}, "bad entry key"),
+    ({"gmm/bfloat16/m1,k1,n1,g1": {"backend": "cuda"}}, "backend"),
+    ({"gmm/bfloat16/m1,k1,n1,g1": {"backend": "xla", "config": 3}}, "config"),
+])
+def test_a_malformed_table_names_its_file_and_entry(tmp_path, entries, match):
+  path = tmp_path / "x.json"
+  path.write_text(json.dumps({"format": tables.FORMAT, "device_kind": "x", "entries": entries}))
+  with pytest.raises(ValueError, match=match) as e:
+    tables.load_file(path)
+  assert str(path) in str(e.value)
+
+
 def test_reading_tables_imports_no_kernel_module():
   code = ("import sys, ragdot.tables as t; t.lookup('NVIDIA H200', 'gmm', 'bfloat16', 4096,"
           " 512, 512, 16); bad = [m for m in sys.modules if m.startswith("

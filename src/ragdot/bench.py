@@ -31,6 +31,8 @@ import numpy as np
 from jax import lax
 
 import ragdot
+from ragdot import argtypes
+from ragdot.backends import IMPLEMENTATIONS
 from ragdot.timing import SETTLE_S, device_time_ms, sustained_method, sustained_time_ms
 from ragdot.watchdog import Watchdog
 
@@ -769,9 +771,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="of the presets' shapes, time only these (e.g. 'deepseek-v3 down')")
   parser.add_argument("--ops", nargs="+", default=["fwd", "dx", "dw", "fwdbwd"],
                       choices=["fwd", "dx", "dw", "fwdbwd"])
-  parser.add_argument("--implementation", default=None,
+  parser.add_argument("--implementation", default=None, choices=IMPLEMENTATIONS,
                       help="run ragdot with this implementation only (no auto check)")
-  parser.add_argument("--impls", nargs="+", default=None,
+  parser.add_argument("--impls", nargs="+", default=None, choices=IMPLEMENTATIONS,
                       help="ragdot implementations timed next to the automatic choice"
                            " (default: mosaic triton on a GPU, xla on CPU)")
   parser.add_argument("--no-baselines", action="store_true",
@@ -779,31 +781,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--baselines", nargs="+", default=list(BASELINES), choices=BASELINES,
                       help="which baselines to time (e.g. only dense, where tokamax's"
                            " allocation retries take minutes)")
-  parser.add_argument("--iterations", type=int, default=20)
-  parser.add_argument("--rounds", type=int, default=1,
+  parser.add_argument("--iterations", type=argtypes.positive_int, default=20)
+  parser.add_argument("--rounds", type=argtypes.positive_int, default=1,
                       help="time every candidate of an op this many times in turn (rotated"
                            " order) and report medians: ratios per round, so clock drift"
                            " between candidates lands in all of them alike")
-  parser.add_argument("--warmup-ms", type=float, default=1e3 * SETTLE_S,
+  parser.add_argument("--warmup-ms", type=argtypes.nonnegative_float, default=1e3 * SETTLE_S,
                       help="each row's calls before its timed ones, in milliseconds of"
                            " wall clock (at least 2 calls): the GPU's clocks settle")
-  parser.add_argument("--sustained-s", type=float, default=0.0,
+  parser.add_argument("--sustained-s", type=argtypes.nonnegative_float, default=0.0,
                       help="time each row back to back for this many seconds (wall clock"
                            " over the second half) instead of CUPTI over a short burst: the"
                            " power-limited clock of a training step (docs/performance.md v21)")
   parser.add_argument("--json", default=None, help="write rows to this file")
   parser.add_argument("--plot", default=None, help="write a PNG bar chart here")
   parser.add_argument("--from-json", default=None, help="re-plot/print saved rows")
-  parser.add_argument("--hang-s", type=float, default=180.0,
+  parser.add_argument("--hang-s", type=argtypes.nonnegative_float, default=180.0,
                       help="a candidate still compiling or running after this many seconds"
                            " (a hung kernel) ends the run with exit status 3, after writing"
                            " the rows so far to --json; 0: no watchdog")
 
 
+def _usage_error(message: str) -> int:
+  print(f"ragdot bench: error: {message}", file=sys.stderr)
+  return 2
+
+
 def run(args: argparse.Namespace) -> int:
   if args.from_json:
-    with open(args.from_json) as f:
-      rows = json.load(f)
+    try:
+      with open(args.from_json) as f:
+        rows = json.load(f)
+    except (OSError, ValueError) as e:
+      return _usage_error(f"--from-json: {e}")
     print_table(rows)
     if lines := ep_summary(rows):
       print("expert-parallel shard (shard 0):", *lines, sep="\n")
@@ -811,16 +821,20 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
       plot(rows, args.plot)
     return 0
-  if args.rounds < 1:
-    raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
   impls = args.impls
   if impls is None:
     impls = ["mosaic", "triton"] if jax.default_backend() == "gpu" else ["xla"]
   try:
     shapes = preset_shapes(args.preset or ([] if args.shape else ["small"]), args.only)
   except ValueError as e:
-    raise ValueError(f"--only: {e}") from None
+    return _usage_error(f"--only: {e}")
   shapes += list(args.shape)
+  if args.json:
+    try:  # before any timing: a bad path fails now, not after the first shape
+      with open(args.json, "w") as f:
+        json.dump([], f)
+    except OSError as e:
+      return _usage_error(f"--json: {e}")
   print(f"devices: {jax.devices()}  tokamax: {'yes' if _tokamax() else 'no'}", flush=True)
   copy_tbps = None
   baselines = () if args.no_baselines else tuple(args.baselines)

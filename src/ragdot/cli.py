@@ -16,6 +16,8 @@ import argparse
 import platform
 import sys
 
+from ragdot import argtypes
+
 
 def _info_parser(sub) -> None:
   from ragdot import bench  # pylint: disable=g-import-not-at-top
@@ -29,7 +31,8 @@ def _info_parser(sub) -> None:
   p.add_argument("--device-kind", default=None,
                  help="explain the choice for this GPU kind instead of the current device"
                       " (e.g. 'NVIDIA H200')")
-  p.add_argument("--compute-capability", default=None, help="with --device-kind")
+  p.add_argument("--compute-capability", default=None, type=argtypes.compute_capability,
+                 help="with --device-kind (default: the compute capability its table names)")
   p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
   p.add_argument("--weights-dtype", default=None,
                  choices=["float8_e4m3fn", "float8_e5m2"],
@@ -65,8 +68,13 @@ def run_info(args: argparse.Namespace) -> int:
   print(f"device: {len(devs)} x {devs[0].device_kind} (platform {cur.platform}{cc})")
   device = cur
   if args.device_kind:
-    device = dispatch.Device("gpu", args.device_kind, args.compute_capability)
-    print(f"explaining choices for: {args.device_kind} (simulated, --device-kind)")
+    device = dispatch.simulated_device(args.device_kind, args.compute_capability)
+    cc = (f", compute capability {device.compute_capability}" if device.compute_capability
+          else ", compute capability unknown")
+    print(f"explaining choices for: {args.device_kind}{cc} (simulated, --device-kind)")
+  elif args.compute_capability:
+    print("--compute-capability needs --device-kind", file=sys.stderr)
+    return 2
   if device.platform == "gpu":
     table, why = tables.table_for(device.kind, device.compute_capability)
     counts = sum(bool(e.get("measured")) for e in table.entries.values())

@@ -91,6 +91,16 @@ def current_device() -> Device:
   return Device("gpu", dev.device_kind, None if cc is None else str(cc))
 
 
+def simulated_device(kind: str, compute_capability: str | None = None) -> Device:
+  """A GPU of ``kind`` as ``ragdot info`` / ``tune --device-kind`` explain it:
+  without ``compute_capability``, the one its table names (kernels that need
+  sm90 are chosen by it), None for a kind only the default table serves."""
+  if compute_capability is None:
+    table, _ = tables.table_for(kind)
+    compute_capability = table.data.get("compute_capability")
+  return Device("gpu", kind, compute_capability)
+
+
 def has_gpu() -> bool:
   return _platform() == "gpu"
 

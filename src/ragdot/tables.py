@@ -12,7 +12,9 @@ shipped ones)::
   {
     "format": "ragdot-table/1",
     "device_kind": "NVIDIA H200",          # jax.devices()[0].device_kind
-    "also_for": {"H100": "why"},           # kinds (substrings) reusing this table
+    "also_for": {"H100": "why"},           # kinds (whole names within theirs) reusing it
+    "compute_capability": "9.0",           # of the device kind (a simulated one takes it)
+    "inherits": "nvidia_h200.json",        # optional: that table's entries, under these
     "dtype_aliases": {"float16": "bfloat16"},
     "max_distance": 3.0,                    # beyond it the op default is used
     "defaults": {"bfloat16": {"gmm": {"backend": ..., "config": null}, ...}},
@@ -42,6 +44,7 @@ import functools
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -119,7 +122,9 @@ class Table:
     if mine != "*" and mine.lower() == device_kind.lower():
       return f"table for {mine}"
     for sub, why in self.data.get("also_for", {}).items():
-      if sub.lower() in device_kind.lower():
+      # A whole model name, not part of one ("A100" is not in "RTX A1000", "H20"
+      # not in "H200"): no letter or digit before it, no digit after it.
+      if re.search(rf"(?<![a-z0-9]){re.escape(sub.lower())}(?![0-9])", device_kind.lower()):
         return f"{self.name} ({mine}) reused for {device_kind}: {why}"
     return None
 
@@ -165,6 +170,8 @@ class Table:
                + (f" ({default['note']})" if default.get("note") else ""))
 
   def _hit(self, entry, text, d, reason) -> Hit:
+    if entry.get("borrowed"):
+      reason += f" (borrowed from {entry['borrowed']})"
     return Hit(backend=entry["backend"], config=entry.get("config"),
                measured=bool(entry.get("measured", False)), table=self.name,
                key=text, distance=d, reason=reason)
@@ -193,13 +200,27 @@ class Table:
     return path
 
 
+_BACKENDS = ("xla", "mosaic", "triton")  # (ragdot.backends.IMPLEMENTATIONS; no JAX here)
+
+
 def _check(data: dict[str, Any], where: str) -> None:
   if data.get("format") != FORMAT:
     raise ValueError(f"{where}: format must be {FORMAT!r}, got {data.get('format')!r}")
   for text, entry in data.get("entries", {}).items():
-    op, _, _ = parse_key(text)
-    if op not in OPS or "backend" not in entry:
-      raise ValueError(f"{where}: bad entry {text!r}")
+    try:
+      op, _, _ = parse_key(text)
+    except (ValueError, KeyError, IndexError):
+      raise ValueError(f"{where}: bad entry key {text!r} (want op/dtype/mM,kK,nN,gG)") from None
+    if (op not in OPS or not isinstance(entry, dict)
+        or entry.get("backend") not in _BACKENDS):
+      raise ValueError(f"{where}: bad entry {text!r}: op must be one of {OPS} and backend"
+                       f" one of {_BACKENDS}")
+    if not isinstance(entry.get("config"), (dict, type(None))):
+      raise ValueError(f"{where}: entry {text!r}: config must be an object or null")
+  for dt, ops in data.get("defaults", {}).items():
+    for op, default in ops.items():
+      if op not in OPS or not isinstance(default, dict) or default.get("backend") not in _BACKENDS:
+        raise ValueError(f"{where}: bad default {dt}/{op}")
 
 
 def load_file(path: str | os.PathLike) -> Table:
@@ -228,7 +249,24 @@ def _all_tables(dirs: tuple[Path, ...]) -> tuple[Table, ...]:
         continue
       seen.add(path.name)
       out.append(load_file(path))
-  return tuple(out)
+  by_name = {t.name: t for t in out}
+  return tuple(_with_inherited(t, by_name) for t in out)
+
+
+def _with_inherited(table: Table, by_name: dict[str, Table], chain: tuple[str, ...] = ()
+                    ) -> Table:
+  """``table`` with the entries of the table it ``inherits`` under its own (a
+  table ``ragdot tune`` started for a GPU that borrowed another's keeps them)."""
+  parent_name = table.data.get("inherits")
+  if not parent_name:
+    return table
+  if parent_name not in by_name or parent_name in chain + (table.name,):
+    raise ValueError(f"{table.path}: inherits {parent_name!r}, which is not a table of"
+                     f" {', '.join(str(d) for d in table_dirs())} (or inherits it back)")
+  parent = _with_inherited(by_name[parent_name], by_name, chain + (table.name,))
+  entries = {text: {**entry, "borrowed": parent.name} for text, entry in parent.entries.items()
+             if text not in table.entries}
+  return Table(table.name, {**table.data, "entries": {**entries, **table.entries}}, table.path)
 
 
 def all_tables() -> tuple[Table, ...]:

@@ -51,6 +51,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ragdot import argtypes
 from ragdot import tables
 from ragdot import validate
 from ragdot.dispatch import backend_call
@@ -304,11 +305,16 @@ def _rel_err(out, ref) -> float:
 
 
 def _new_table(device_kind: str) -> tables.Table:
-  """An empty table for ``device_kind`` with the defaults of the table it uses today."""
+  """An empty table for ``device_kind`` with the defaults of the table it uses
+  today, inheriting that table's entries (unless it is the unknown GPUs' default)."""
   base, _ = tables.table_for(device_kind)
   data = {
       "format": tables.FORMAT,
       "device_kind": device_kind,
+      # The entries this kind borrowed stay in reach (under the ones measured here).
+      **({"inherits": base.name} if base.name != tables.DEFAULT_TABLE else {}),
+      **({"compute_capability": base.data["compute_capability"]}
+         if "compute_capability" in base.data else {}),
       "dtype_aliases": dict(base.data.get("dtype_aliases", {})),
       "max_distance": base.data.get("max_distance", tables.DEFAULT_MAX_DISTANCE),
       "defaults": json.loads(json.dumps(base.data.get("defaults", {}))),
@@ -579,7 +585,7 @@ def import_bench(path: str, table: tables.Table, device_kind: str, margin: float
   """
   from ragdot import bench, dispatch  # pylint: disable=g-import-not-at-top
 
-  device = dispatch.Device("gpu", device_kind)
+  device = dispatch.simulated_device(device_kind)
   rows = json.loads(Path(path).read_text())
   rows = rows["rows"] if isinstance(rows, dict) else rows
   by_case: dict[tuple, dict[str, dict[str, Any]]] = {}
@@ -641,20 +647,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="table file to merge into (default: this device's shipped table)")
   parser.add_argument("--force", action="store_true", help="re-measure entries already measured")
   parser.add_argument("--dry-run", action="store_true", help="list candidates; run nothing")
-  parser.add_argument("--budget-s", type=float, default=60.0, help="seconds per (op, shape)")
-  parser.add_argument("--iterations", type=int, default=10)
-  parser.add_argument("--repeats", type=int, default=3)
-  parser.add_argument("--sustained-s", type=float, default=0.0,
+  parser.add_argument("--budget-s", type=argtypes.positive_float, default=60.0, help="seconds per (op, shape)")
+  parser.add_argument("--iterations", type=argtypes.positive_int, default=10)
+  parser.add_argument("--repeats", type=argtypes.positive_int, default=3)
+  parser.add_argument("--sustained-s", type=argtypes.nonnegative_float, default=0.0,
                       help="time candidates back to back for this many seconds each"
                            " (the power-limited clock of training) instead of CUPTI bursts")
   parser.add_argument("--skew-slack", type=float, default=0.02,
                       help="re-time the candidates within this fraction of the fastest on a"
                            " skewed routing and keep the fastest there (< 0: off)")
-  parser.add_argument("--jobs", type=int, default=min(12, max(4, _cpus())),
+  parser.add_argument("--jobs", type=argtypes.positive_int, default=min(12, max(4, _cpus())),
                       help="parallel compile threads (default: the usable CPUs, 4 to 12;"
                            " at 4 a 30 s budget left all 10 m-4096 forward / dX sweeps of"
                            " docs/performance.md v42a-b unfinished)")
-  parser.add_argument("--hang-s", type=float, default=60.0,
+  parser.add_argument("--hang-s", type=argtypes.nonnegative_float, default=60.0,
                       help="a candidate whose device runs (check + timing) take longer than"
                            " this in all ends the run with exit status 3; 0: no watchdog")
   parser.add_argument("--log", default=None,
@@ -666,7 +672,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            " --json` file, where it beat the automatic choice, and exit")
   parser.add_argument("--device-kind", default=None,
                       help="device kind for --dry-run / --import-* (default: this device)")
-  parser.add_argument("--compute-capability", default=None,
+  parser.add_argument("--compute-capability", default=None, type=argtypes.compute_capability,
                       help="with --device-kind: its compute capability (e.g. 9.0), which"
                            " today's choice of a --dry-run depends on")
 
@@ -687,7 +693,17 @@ def run(args: argparse.Namespace) -> int:
   on_gpu = jax.default_backend() == "gpu"
   kind = args.device_kind or (jax.devices()[0].device_kind if on_gpu else "NVIDIA H200")
   path = Path(args.table) if args.table else default_table_path(kind)
-  table = open_table(path, kind)
+  try:
+    table = open_table(path, kind)
+  except (OSError, ValueError) as e:
+    print(f"ragdot tune: --table: {e}", file=sys.stderr)
+    return 2
+  if args.table and not on_gpu and not args.device_kind and table.device_kind != "*":
+    kind = table.device_kind  # (a dry run or an import on the CPU: the table's own kind)
+  if table.device_kind.lower() != kind.lower():
+    print(f"ragdot tune: --table {path} is the table of {table.device_kind!r}, not of"
+          f" {kind!r}", file=sys.stderr)
+    return 2
 
   dtype = jnp.dtype(args.dtype)
   weights = getattr(args, "weights_dtype", None)
@@ -696,6 +712,10 @@ def run(args: argparse.Namespace) -> int:
     print("ragdot tune: --import-sweep / --import-bench hold bf16 measurements; fp8"
           " entries come from timing fp8 calls", file=sys.stderr)
     return 2
+  for flag, source in (("--import-sweep", args.import_sweep), ("--import-bench", args.import_bench)):
+    if source and not Path(source).is_file():
+      print(f"ragdot tune: {flag}: no such file {source}", file=sys.stderr)
+      return 2
   if args.import_sweep:
     count = import_sweep(args.import_sweep, table, dtype=args.dtype)
     table.save(path)
@@ -726,7 +746,7 @@ def run(args: argparse.Namespace) -> int:
   from ragdot import dispatch  # pylint: disable=g-import-not-at-top
   # Whose choice is "today's" (incumbent_choice): this GPU, or --device-kind's.
   device = (dispatch.current_device() if on_gpu and not args.device_kind
-            else dispatch.Device("gpu", kind, getattr(args, "compute_capability", None)))
+            else dispatch.simulated_device(kind, getattr(args, "compute_capability", None)))
   if args.dry_run:
     print(f"table: {path} ({kind}){'' if on_gpu else '  [no GPU: dry run only]'}")
     for task in tasks:

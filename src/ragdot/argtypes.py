@@ -1,0 +1,48 @@
+"""argparse ``type=`` checks shared by the ``ragdot`` subcommands: a bad value
+is an argparse error naming the flag, not a traceback or a silent wrong run."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+
+def positive_int(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+  return value
+
+
+def _float(text: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+  if value != value or value in (float("inf"), float("-inf")):
+    raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+  return value
+
+
+def positive_float(text: str) -> float:
+  value = _float(text)
+  if value <= 0:
+    raise argparse.ArgumentTypeError(f"must be > 0, got {value:g}")
+  return value
+
+
+def nonnegative_float(text: str) -> float:
+  value = _float(text)
+  if value < 0:
+    raise argparse.ArgumentTypeError(f"must be >= 0, got {value:g}")
+  return value
+
+
+def compute_capability(text: str) -> str:
+  """'9.0', as ``jax.Device.compute_capability`` spells it."""
+  if not re.fullmatch(r"\d+\.\d+", text.strip()):
+    raise argparse.ArgumentTypeError(f"expected MAJOR.MINOR (e.g. 9.0), got {text!r}")
+  return text.strip()
