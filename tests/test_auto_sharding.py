@@ -179,6 +179,11 @@ def test_inside_shard_map_over_some_axes():
 def test_can_be_turned_off(monkeypatch):
   x, w, _ = _operands(9)
   xs = _put(x, P("dp"))
+  for off in ("false", "Off", "no"):
+    monkeypatch.setenv("RAGDOT_AUTO_PARTITION", off)
+    assert not auto_sharding.enabled()
+  monkeypatch.setenv("RAGDOT_AUTO_PARTITION", "1")
+  assert auto_sharding.enabled()
   monkeypatch.setenv("RAGDOT_AUTO_PARTITION", "0")
   assert not auto_sharding.enabled()
   out = jax.jit(_gmm())(xs, w)

@@ -51,8 +51,8 @@ Kernel = Callable[..., jax.Array]
 def enabled() -> bool:
   """Whether calls are custom-partitioned: yes unless the context mesh has
   manual axes (inside shard_map) or explicit ones (operand types carry their
-  split: ``ragdot.sharded``), or ``RAGDOT_AUTO_PARTITION=0`` is set."""
-  if os.environ.get("RAGDOT_AUTO_PARTITION", "1") == "0":
+  split: ``ragdot.sharded``), or ``RAGDOT_AUTO_PARTITION=0`` (or false / no / off) is set."""
+  if os.environ.get("RAGDOT_AUTO_PARTITION", "1").strip().lower() in ("0", "false", "no", "off"):
     return False
   mesh = jax.sharding.get_abstract_mesh()
   return not (mesh.manual_axes or mesh.explicit_axes)

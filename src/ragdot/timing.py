@@ -176,7 +176,18 @@ def kernel_time_sum_ms(fn: Callable[..., Any], *args: Any,
 # measurements.  (A DeepSeek-V3 dW output is 7.5 GB: 20 of them made XLA's
 # allocator retry for minutes, H200 2026-11-30.)  RAGDOT_TIMING_OUTPUT_GIB sets
 # it (e.g. very large: every iteration in one measurement, as before v18).
-OUTPUT_BUDGET_BYTES = int(float(os.environ.get("RAGDOT_TIMING_OUTPUT_GIB", "4")) * 2**30)
+def _output_budget_gib() -> float:
+  text = os.environ.get("RAGDOT_TIMING_OUTPUT_GIB", "4")
+  try:
+    gib = float(text)
+  except ValueError:
+    gib = -1.0
+  if not gib > 0:
+    raise ValueError(f"RAGDOT_TIMING_OUTPUT_GIB must be a positive number of GiB, got {text!r}")
+  return gib
+
+
+OUTPUT_BUDGET_BYTES = int(_output_budget_gib() * 2**30)
 
 
 def output_bytes(out: Any) -> int:
