@@ -132,6 +132,7 @@ def test_dw_real_sizes(impl, shape, shard):
     (3, [0, 1, 1, 1], 1, 2),          # a shard
     (40, [11, 20, 9], None, None),    # fewer rows than one 64-row block
     (60, [7, 0, 50, 9], 1, 2),
+    (64, [5, 0, 59], None, None),     # one block, not padded
     (72, [30, 0, 42], None, None),    # a block past the last row
 ])
 def test_mosaic_dw_fewer_rows_than_a_block(m, sizes, offset, local):
