@@ -155,6 +155,26 @@ def test_vmap_over_row_split_operands():
   np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("x_spec, w_spec", [
+    (P("a"), P("b")), (P("a"), P(None, None, "b")), (P("a", "b"), P())])
+def test_gradient_of_a_vmap_split_over_two_axes(x_spec, w_spec):
+  # The batch over "a", another dim over "b": vmap reaches the per-shard body,
+  # manual over "b", with the batch still split over "a" (a second shard_map
+  # nested there failed to lower its transpose).
+  x, w, _ = _operands(8)
+  xb = np.stack([x, -2 * x])
+  mesh = jax.make_mesh((2, 4), ("a", "b"), devices=jax.devices()[:8],
+                       axis_types=(AxisType.Explicit,) * 2)
+  f = lambda x, w: ragdot.ragged_dot(x, w, jnp.asarray(SIZES), precision=HIGHEST,
+                                     implementation="xla")
+  loss = lambda xb, w: jnp.sum(jax.vmap(f, (0, None))(xb, w) ** 2)
+  want = jax.grad(loss, (0, 1))(xb, w)
+  with jax.set_mesh(mesh):
+    got = jax.jit(jax.grad(loss, (0, 1)))(jax.device_put(xb, x_spec), jax.device_put(w, w_spec))
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-3)
+
+
 def test_bad_out_sharding_is_named():
   x, w, _ = _operands(6)
   with pytest.raises(TypeError, match="out_sharding must be"):

@@ -155,6 +155,12 @@ def _batch(op, axis_data, args, dims, **params):
     return lax.map(one, xs)
 
   split = _batch_split(xs)
+  if split is not None and jax.sharding.get_abstract_mesh().manual_axes:
+    # Inside a shard_map over other axes (vmap of ``sharded``'s per-shard body):
+    # a shard_map over the batch axes nested there lowers, but its transpose
+    # does not (Shardy: "axis already bound").  Loop over the gathered batch.
+    mesh, axes = split
+    return loop([_reshard(x, mesh, axes, batch=False) for x in xs], rest), 0
   if split is not None:
     # Split over explicit mesh axes, which lax.map cannot scan.
     mesh, axes = split
