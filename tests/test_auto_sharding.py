@@ -176,6 +176,27 @@ def test_inside_shard_map_over_some_axes():
                              rtol=1e-5, atol=1e-5)
 
 
+def test_an_axis_on_both_rows_and_columns_follows_the_result():
+  # Rows and rhs columns both over "a": Shardy gives this result the column
+  # split (as for jax.lax.ragged_dot); the per-shard call must split columns
+  # too, not rows (XLA then replicated the result to re-split it).
+  rng = np.random.default_rng(11)
+  x, w, d = (rng.standard_normal(s).astype(np.float32) for s in ((96, 32), (8, 32, 24), (96, 24)))
+  sizes = jnp.asarray([10, 0, 13, 20, 7, 16, 9, 11], jnp.int32)
+  mesh = jax.make_mesh((2, 4), ("a", "b"), devices=jax.devices()[:8],
+                       axis_types=(AxisType.Auto,) * 2)
+  xs = jax.device_put(x, NamedSharding(mesh, P("a")))
+  ws = jax.device_put(w, NamedSharding(mesh, P(None, None, "a")))
+  call = lambda x, w: ragdot.ragged_dot(x, w, sizes, precision=HIGHEST, implementation="xla")
+  out = jax.jit(call)(xs, ws)
+  assert _spec(out) == (None, ("a",))
+  assert split_cases.collectives(call, xs, ws) == ["all-gather"]  # lhs's rows only
+  np.testing.assert_allclose(out, call(x, w), rtol=1e-5, atol=1e-5)
+  loss = lambda x, w: jnp.sum(call(x, w) * d)
+  for a, b in zip(jax.jit(jax.grad(loss, (0, 1)))(xs, ws), jax.grad(loss, (0, 1))(x, w)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
+
+
 def test_can_be_turned_off(monkeypatch):
   x, w, _ = _operands(9)
   xs = _put(x, P("dp"))

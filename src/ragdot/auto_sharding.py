@@ -171,7 +171,8 @@ def _partitioned(op: tuple[str, bool, int | None], kernel: Kernel, static: Any,
     _dims = functools.partial(_split_dims, mesh)
     if name != "tgmm":
       layout = sharded.gmm_split(mesh, _dims(lhs), _dims(rhs), lhs.shape, rhs.shape,
-                                 transpose_rhs, arg_shapes[2].shape if scaled else None)
+                                 transpose_rhs, arg_shapes[2].shape if scaled else None,
+                                 out_cols=_dims(result_shape)[1])
       body, in_specs, out_spec = sharded.gmm_shard(layout, transpose_rhs, local, lhs.shape,
                                                    rhs.shape, num_args, scaled)
     else:

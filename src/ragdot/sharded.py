@@ -105,12 +105,15 @@ def gmm_layout(lhs: jax.Array, rhs: jax.Array, transpose_rhs: bool,
 
 def gmm_split(mesh: Any, lhs_dims: tuple[Axes, ...], rhs_dims: tuple[Axes, ...],
               lhs_shape: tuple[int, ...], rhs_shape: tuple[int, ...],
-              transpose_rhs: bool, scale_shape: tuple[int, ...] | None = None) -> Layout:
+              transpose_rhs: bool, scale_shape: tuple[int, ...] | None = None,
+              out_cols: Axes = ()) -> Layout:
   """The split of ``lhs[m, k] x rhs[g, k|n, n|k]`` whose dimensions are split
   over the mesh axes ``lhs_dims`` / ``rhs_dims`` (``split_dims``'s form).  With
   rhs's block scales (``scale_shape``, rhs's layout) split alike, rhs's k and n
   are split only where the axes divide the scale's blocks along them, so that
-  no block straddles two shards."""
+  no block straddles two shards.  An axis splitting both lhs's rows and rhs's
+  columns goes to the rows, unless it is among ``out_cols`` (the axes the
+  result's columns are wanted split over)."""
   (rows, k_lhs), (groups, *rest) = lhs_dims, rhs_dims
   cols, k_rhs = (rest[0], rest[1]) if transpose_rhs else (rest[1], rest[0])
   used: set[str] = set()
@@ -118,8 +121,12 @@ def gmm_split(mesh: Any, lhs_dims: tuple[Axes, ...], rhs_dims: tuple[Axes, ...],
   m, k, n, g = lhs_shape[0], lhs_shape[1], rhs_shape[kn[1]], rhs_shape[0]
   if scale_shape is not None:  # (their block counts divide k and n)
     k, n = scale_shape[kn[0]], scale_shape[kn[1]]
-  rows = _take(rows, m, mesh, used)
-  cols = _take(cols, n, mesh, used)
+  if set(cols) & set(out_cols):
+    cols = _take(cols, n, mesh, used)
+    rows = _take(rows, m, mesh, used)
+  else:
+    rows = _take(rows, m, mesh, used)
+    cols = _take(cols, n, mesh, used)
   groups = _take(groups, g, mesh, used)
   return Layout(mesh, rows=rows, k=_take(k_lhs or k_rhs, k, mesh, used), n=cols, groups=groups)
 
