@@ -79,11 +79,7 @@ class MoEMLP(nnx.Module):
     self.param_dtype = jnp.dtype(param_dtype)
     self.dtype = jnp.dtype(dtype or param_dtype)
     if mesh is not None:
-      if ep_axis not in mesh.axis_names:
-        raise ValueError(f"ep_axis={ep_axis!r} is not an axis of the mesh {mesh.axis_names}")
-      if cfg.num_experts % int(mesh.shape[ep_axis]):
-        raise ValueError(f"mesh axis {ep_axis!r} of size {mesh.shape[ep_axis]} must divide"
-                         f" num_experts={cfg.num_experts}")
+      F.check_ep_mesh(mesh, ep_axis, cfg.num_experts)
     self.mesh = mesh
     self.ep_axis = ep_axis
     self.token_axes = token_axes if isinstance(token_axes, str) else tuple(token_axes)

@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from ragdot.moe.routing import check_expert_groups
+
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
@@ -56,13 +58,7 @@ class MoEConfig:
     if not 1 <= self.top_k <= self.num_experts:
       raise ValueError(f"need 1 <= top_k <= num_experts, got {self.top_k}, {self.num_experts}")
     if self.scoring == "deepseek":
-      per_group = self.num_experts // self.n_group
-      if self.num_experts % self.n_group:
-        raise ValueError(f"n_group={self.n_group} must divide num_experts={self.num_experts}")
-      if self.topk_group > self.n_group or self.top_k > self.topk_group * per_group:
-        raise ValueError(f"need topk_group <= n_group and top_k <= topk_group * num_experts /"
-                         f" n_group; got topk_group={self.topk_group}, n_group={self.n_group},"
-                         f" top_k={self.top_k}")
+      check_expert_groups(self.num_experts, self.top_k, self.n_group, self.topk_group)
     if self.lora_targets is not None:
       if isinstance(self.lora_targets, str):
         raise TypeError(f"lora_targets must be a sequence of names, got {self.lora_targets!r}")

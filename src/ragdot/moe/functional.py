@@ -194,6 +194,16 @@ def flat_tokens(x: jax.Array, adapter_ids: jax.Array | None = None
   return flat(x, 1), None if adapter_ids is None else flat(adapter_ids, 0)
 
 
+def check_ep_mesh(mesh: Any, ep_axis: str, num_experts: int) -> None:
+  """Raise ValueError unless ``mesh`` has axis ``ep_axis`` and its size divides
+  ``num_experts`` (each shard holds the same number of experts)."""
+  if ep_axis not in mesh.axis_names:
+    raise ValueError(f"ep_axis={ep_axis!r} is not an axis of the mesh {mesh.axis_names}")
+  if num_experts % int(mesh.shape[ep_axis]):
+    raise ValueError(f"mesh axis {ep_axis!r} of size {mesh.shape[ep_axis]} must divide"
+                     f" num_experts={num_experts}")
+
+
 def moe_mlp(params: dict, x: jax.Array, cfg: MoEConfig, *,
             adapter_ids: jax.Array | None = None, mesh: Any = None,
             ep_axis: str = "ep", dtype: Any = None, manual: str = "auto",
@@ -214,11 +224,8 @@ def moe_mlp(params: dict, x: jax.Array, cfg: MoEConfig, *,
                      f" {tuple(np.shape(adapter_ids))}")
   if mesh is not None and ragged_dot_fn is not None:
     raise ValueError("ragged_dot_fn is only supported without expert parallelism (mesh=None)")
-  if mesh is not None and ep_axis not in mesh.axis_names:
-    raise ValueError(f"ep_axis={ep_axis!r} is not an axis of the mesh {mesh.axis_names}")
-  if mesh is not None and cfg.num_experts % int(mesh.shape[ep_axis]):
-    raise ValueError(f"mesh axis {ep_axis!r} of size {mesh.shape[ep_axis]} must divide"
-                     f" num_experts={cfg.num_experts}")
+  if mesh is not None:
+    check_ep_mesh(mesh, ep_axis, cfg.num_experts)
   lead = x.shape[:-1]
   dtype = jnp.dtype(dtype or x.dtype)
   if mesh is not None and math.prod(lead) == 0:

@@ -81,6 +81,17 @@ def softmax_top_k(logits: jax.Array, top_k: int, *, renormalize: bool = True,
   return weights * routed_scaling_factor, experts.astype(jnp.int32)
 
 
+def check_expert_groups(num_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
+  """Raise ValueError unless DeepSeek's group-limited routing can choose ``top_k``
+  of ``num_experts`` experts split into ``n_group`` groups, ``topk_group`` of them
+  open to a token."""
+  if num_experts % n_group:
+    raise ValueError(f"n_group={n_group} must divide num_experts={num_experts}")
+  if not 1 <= topk_group <= n_group or top_k > topk_group * (num_experts // n_group):
+    raise ValueError(f"need 1 <= topk_group <= n_group and top_k <= topk_group * E / n_group;"
+                     f" got top_k={top_k}, n_group={n_group}, topk_group={topk_group}, E={num_experts}")
+
+
 def deepseek_top_k(logits: jax.Array, top_k: int, *, bias: jax.Array | None = None,
                    n_group: int = 1, topk_group: int = 1, renormalize: bool = True,
                    routed_scaling_factor: float = 1.0) -> tuple[jax.Array, jax.Array]:
@@ -94,12 +105,8 @@ def deepseek_top_k(logits: jax.Array, top_k: int, *, bias: jax.Array | None = No
       (``top_k <= topk_group * E / n_group``).
   """
   tokens, num_experts = logits.shape
-  if num_experts % n_group:
-    raise ValueError(f"n_group={n_group} must divide num_experts={num_experts}")
+  check_expert_groups(num_experts, top_k, n_group, topk_group)
   per_group = num_experts // n_group
-  if not 1 <= topk_group <= n_group or top_k > topk_group * per_group:
-    raise ValueError(f"need 1 <= topk_group <= n_group and top_k <= topk_group * E / n_group;"
-                     f" got top_k={top_k}, n_group={n_group}, topk_group={topk_group}, E={num_experts}")
   scores = jax.nn.sigmoid(logits.astype(jnp.float32))
   choice = scores
   if bias is not None:
