@@ -92,6 +92,43 @@ def test_bench_only_picks_preset_shapes_by_name(tmp_path, monkeypatch):
                    "--iterations", "1", "--no-baselines", "--json", str(path)]) == 0
   assert {r["shape"] for r in json.loads(path.read_text())} == {"other"}
 
+def _strict_json(text):
+  def refuse(name):
+    raise ValueError(f"not strict JSON: {name}")
+  return json.loads(text, parse_constant=refuse)
+
+
+def test_bench_json_is_strict_and_reads_back_failed_rows(tmp_path, monkeypatch, capsys):
+  """A failed call's NaN figures are written as null (parsers other than Python's
+  refuse NaN) and read back as NaN by --from-json and tune --import-bench."""
+  from ragdot import bench  # pylint: disable=g-import-not-at-top
+
+  nan = float("nan")
+  failed = dict(shape="s", op="fwd", impl="ragdot:triton", m=8, k=8, n=8, g=2, ms=nan,
+                tflops=nan, tbps=nan, vs_dense=nan, vs_tokamax=nan, peak_mib=None,
+                compile_s=None, method="error: boom", routing="routed", rounds=2,
+                ms_rounds=[1.0, nan], vs_dense_rounds=[nan, nan])
+  monkeypatch.setattr(bench, "bench_shape", lambda *a, **k: [dict(failed)])
+  path = tmp_path / "rows.json"
+  assert cli.main(["bench", "--shape", "8,8,8,2", "--ops", "fwd", "--no-baselines",
+                   "--iterations", "1", "--json", str(path)]) == 0
+  lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("{")]
+  assert _strict_json(lines[0])["ms"] is None
+  written = _strict_json(path.read_text())
+  assert written[0]["ms"] is None and written[0]["ms_rounds"] == [1.0, None]
+  back = bench.rows_from_json(path.read_text())[0]
+  assert back["ms"] != back["ms"] and back["ms_rounds"][0] == 1.0
+  assert back["ms_rounds"][1] != back["ms_rounds"][1] and back["peak_mib"] is None
+  assert cli.main(["bench", "--from-json", str(path)]) == 0
+  # older files with bare NaN still read
+  old = tmp_path / "old.json"
+  old.write_text(json.dumps([failed]))
+  assert bench.rows_from_json(old.read_text())[0]["tflops"] != bench.rows_from_json(
+      old.read_text())[0]["tflops"]
+  old.write_text('{"not": "rows"}')
+  assert cli.main(["bench", "--from-json", str(old)]) == 2
+
+
 def test_bench_usage_errors_name_the_flag_before_any_work(tmp_path, capsys):
   assert cli.main(["bench", "--preset", "small", "--only", "no such shape", "--ops", "fwd"]) == 2
   assert "--only: no such shape" in capsys.readouterr().err

@@ -608,6 +608,47 @@ def _watched(watchdog: Watchdog | None, label: str):
       watchdog.disarm()
 
 
+# Measured fields that are NaN when a call failed: strict JSON has no NaN, so
+# they are written as null and read back as NaN.
+_FLOAT_FIELDS = ("ms", "tflops", "tbps", "vs_dense", "vs_tokamax", "vs_copy", "ms_rounds",
+                 "vs_dense_rounds")
+
+
+def _json_value(value: Any) -> Any:
+  if isinstance(value, float) and value != value:
+    return None
+  if isinstance(value, (list, tuple)):
+    return [_json_value(v) for v in value]
+  return value
+
+
+def row_json(row: dict[str, Any], **kwargs: Any) -> str:
+  """One bench row as strict JSON (NaN -> null)."""
+  return json.dumps({k: _json_value(v) for k, v in row.items()}, allow_nan=False, **kwargs)
+
+
+def rows_json(rows: list[dict[str, Any]]) -> str:
+  """Bench rows as a strict JSON list (NaN -> null), one row a line."""
+  return "[\n" + ",\n".join(row_json(r) for r in rows) + "\n]\n"
+
+
+def rows_from_json(text: str) -> list[dict[str, Any]]:
+  """Bench rows from ``rows_json`` (or older files with bare NaN): null
+  measurements become NaN again."""
+  data = json.loads(text)
+  rows = data.get("rows") if isinstance(data, dict) else data
+  if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+    raise ValueError("expected a JSON list of bench rows (objects)")
+  nan = float("nan")
+  for r in rows:
+    for key in _FLOAT_FIELDS:
+      if key in r and r[key] is None:
+        r[key] = nan
+      elif isinstance(r.get(key), list):
+        r[key] = [nan if v is None else v for v in r[key]]
+  return rows
+
+
 def _median(ts: list[float]) -> float:
   return float(statistics.median(ts)) if ts else float("nan")
 
@@ -811,7 +852,7 @@ def run(args: argparse.Namespace) -> int:
   if args.from_json:
     try:
       with open(args.from_json) as f:
-        rows = json.load(f)
+        rows = rows_from_json(f.read())
     except (OSError, ValueError) as e:
       return _usage_error(f"--from-json: {e}")
     print_table(rows)
@@ -846,7 +887,7 @@ def run(args: argparse.Namespace) -> int:
   def save(_label=None):
     if args.json:
       with open(args.json, "w") as f:
-        json.dump(rows, f, indent=1)
+        f.write(rows_json(rows))
 
   watchdog = Watchdog(args.hang_s, "ragdot bench", on_hang=save) if args.hang_s > 0 else None
   for shape in shapes:
@@ -857,7 +898,7 @@ def run(args: argparse.Namespace) -> int:
     if copy_tbps:
       add_copy_ratio(shape_rows, copy_tbps)
     for r in shape_rows:
-      print(json.dumps(r), flush=True)
+      print(row_json(r), flush=True)
     rows.extend(shape_rows)
     save()  # after every shape: a run cut short keeps what it measured
   if args.plot:

@@ -586,8 +586,7 @@ def import_bench(path: str, table: tables.Table, device_kind: str, margin: float
   from ragdot import bench, dispatch  # pylint: disable=g-import-not-at-top
 
   device = dispatch.simulated_device(device_kind)
-  rows = json.loads(Path(path).read_text())
-  rows = rows["rows"] if isinstance(rows, dict) else rows
+  rows = bench.rows_from_json(Path(path).read_text())
   by_case: dict[tuple, dict[str, dict[str, Any]]] = {}
   for row in rows:
     if (row.get("op") in OPS and row["impl"].startswith("ragdot") and row["ms"] == row["ms"]
