@@ -65,6 +65,50 @@ def test_ragged_dot_grads_match_lax(impl, transpose_rhs, case):
 
 
 @pytest.mark.parametrize("impl", sorted(CONTRACT))
+@pytest.mark.parametrize("ct_scale,operand_scale", [(1e5, 1e-3), (1e-8, 1e4)])
+def test_f16_gradients_of_an_f32_result_keep_the_cotangent_range(impl, ct_scale, operand_scale):
+  """f16 operands, f32 result: an f32 cotangent past f16's range (above 65504 or
+  below its smallest subnormal, ~6e-8) still gives the finite, nonzero f16
+  gradients lax gives, for both ops."""
+  m, k, n, sizes, offset, num_local = CASES[2]
+  k, n = _dims(impl, k, n)
+  key = jax.random.key(int(ct_scale > 1))
+  x, w, c, d = oracle.random_inputs(key, [(m, k), (num_local, k, n), (m, n), (m, n)],
+                                    jnp.float32)
+  x, w, d = (operand_scale * a for a in (x, w, d))
+  c = ct_scale * c
+  gs = jnp.asarray(sizes, jnp.int32)
+  f16 = lambda *a: tuple(b.astype(jnp.float16) for b in a)
+
+  def loss(x, w):
+    out = ragdot.ragged_dot(x, w, gs, group_offset=offset, precision=HIGHEST,
+                            preferred_element_type=jnp.float32, implementation=impl)
+    return jnp.sum(out * c)
+
+  def ref_loss(x, w):
+    return jnp.sum(oracle.ref_ragged_dot(x, w, sizes, offset, False) * c)
+
+  got = jax.jit(jax.grad(loss, (0, 1)))(*f16(x, w))
+  want = jax.grad(ref_loss, (0, 1))(*(a.astype(jnp.float32) for a in f16(x, w)))
+  for g_, w_ in zip(got, want):
+    assert g_.dtype == jnp.float16 and bool(jnp.all(jnp.isfinite(g_)))
+    assert 1e-5 < float(jnp.max(jnp.abs(w_))) < 6e4  # the gradients themselves fit f16
+    oracle.assert_close(g_, w_, jnp.float16, factor=2)
+  # trans_ragged_dot: its [g, k, n] cotangent, f32, goes the same way
+  cy = ct_scale * jax.random.normal(jax.random.key(3), (num_local, k, n), jnp.float32)
+  tloss = lambda x, d: jnp.sum(ragdot.trans_ragged_dot(
+      x, d, gs, group_offset=offset, num_groups=num_local, precision=HIGHEST,
+      preferred_element_type=jnp.float32, implementation=impl) * cy)
+  ref_tloss = lambda x, d: jnp.sum(oracle.ref_trans_ragged_dot(x, d, sizes, offset, num_local)
+                                   * cy)
+  got = jax.jit(jax.grad(tloss, (0, 1)))(*f16(x, d))
+  want = jax.grad(ref_tloss, (0, 1))(*(a.astype(jnp.float32) for a in f16(x, d)))
+  for g_, w_ in zip(got, want):
+    assert bool(jnp.all(jnp.isfinite(g_)))
+    oracle.assert_close(g_, w_, jnp.float16, factor=2)
+
+
+@pytest.mark.parametrize("impl", sorted(CONTRACT))
 @pytest.mark.parametrize("case", CASES[:3] + CASES[4:])
 def test_trans_ragged_dot_grads_match_lax(impl, case):
   m, k, n, sizes, offset, num_local = case

@@ -291,6 +291,35 @@ def test_dx_runs_the_scaled_kernel_transposed(monkeypatch):
   oracle.assert_close(got, want, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("nk", [False, True])
+def test_linear_transpose_in_the_weights_or_the_scales(nk):
+  """The op is linear in the fp8 weights (scales fixed) and in the scales
+  (weights fixed): jax.linear_transpose of either equals that of the same call
+  on the dequantized weights, over a middle shard with rows past the sum."""
+  m, k, n, sizes = 96, 64, 64, [10, 30, 0, 25, 12]
+  x, w, s = _case(m, k, n, 3, nk, (32, 32), seed=3)
+  gs = jnp.asarray(sizes, jnp.int32)
+
+  def call(w_, **kw):
+    if nk:
+      return ragdot.ragged_dot_general(x, w_, gs, NK, group_offset=1, implementation="xla", **kw)
+    return ragdot.ragged_dot(x, w_, gs, group_offset=1, implementation="xla", **kw)
+
+  ct = jax.random.normal(jax.random.key(5), (m, n), jnp.bfloat16)
+  in_scales = lambda s_: call(w, rhs_scale=s_)
+  via_deq = lambda s_: call(scales.dequantize(w, s_, x.dtype))
+  got = jax.jit(jax.linear_transpose(in_scales, s))(ct)[0]
+  want = jax.jit(jax.linear_transpose(via_deq, s))(ct)[0]
+  assert got.dtype == want.dtype and float(jnp.max(jnp.abs(got))) > 0
+  oracle.assert_close(got, want, jnp.bfloat16)
+  in_weights = lambda w_: call(w_, rhs_scale=s)
+  via_deq = lambda w_: call(scales.dequantize(w_, s, x.dtype))
+  got = jax.linear_transpose(in_weights, w)(ct)[0]
+  want = jax.linear_transpose(via_deq, w)(ct)[0]
+  assert got.dtype == w.dtype
+  np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
 def test_jvp_and_vmap():
   m, k, n, sizes = 128, 64, 64, [50, 60]
   x, w, s = _case(m, k, n, 2, True, (64, 1))
@@ -373,6 +402,20 @@ def test_quantize_round_trips_within_the_dtype():
   np.testing.assert_allclose(back, w, rtol=2 ** -3, atol=float(s.max()) * 2 ** -9)
   with pytest.raises(ValueError, match="must divide"):
     scales.quantize(w, (48, 48))
+
+
+@pytest.mark.parametrize("dtype", [E4M3, jnp.float8_e5m2])
+def test_quantize_keeps_blocks_of_tiny_weights_finite(dtype):
+  """A block whose largest weight over the fp8 maximum is below f32's normals
+  (1e-36 / 448) still gets a nonzero scale: finite fp8 values that
+  dequantize close to the weights, and a finite call."""
+  w = jnp.full((1, 32, 32), 1e-36, jnp.float32).at[0, 0, 0].set(-3e-37)
+  q, s = scales.quantize(w, (32, 32), dtype)
+  assert float(s[0, 0, 0]) > 0 and bool(jnp.all(jnp.isfinite(q.astype(jnp.float32))))
+  np.testing.assert_allclose(scales.dequantize(q, s, jnp.float32), w, rtol=2 ** -2)
+  x = jnp.ones((8, 32), jnp.float32)
+  out = ragdot.ragged_dot(x, q, jnp.array([8], jnp.int32), rhs_scale=s, implementation="xla")
+  assert bool(jnp.all(jnp.isfinite(out))) and float(jnp.max(jnp.abs(out))) > 0
 
 
 @pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])

@@ -107,12 +107,12 @@ def _transpose(op, ct, lhs, rhs, group_sizes, *rest, **params):
   # operands: bf16 (which holds them exactly), results rounded once from f32.
   dtype = (lhs.aval if lhs_linear else lhs).dtype
   wide = validate.widened(dtype)
-  ct = ct.astype(wide)
+  ct, ct_scale = _fitted_cotangent(ct, wide)
   if wide != dtype:
     lhs, rhs = (a if ad.is_undefined_primal(a) else a.astype(wide) for a in (lhs, rhs))
   common = dict(precision=params["precision"], implementation=params["implementation"])
-  lhs_dtype = validate.backend_out_dtype(lhs.aval.dtype) if lhs_linear else None
-  rhs_dtype = validate.backend_out_dtype(rhs.aval.dtype) if rhs_linear else None
+  lhs_dtype = _backward_out_dtype(lhs.aval.dtype, ct_scale) if lhs_linear else None
+  rhs_dtype = _backward_out_dtype(rhs.aval.dtype, ct_scale) if rhs_linear else None
   if op is gmm:
     transpose_rhs = params["transpose_rhs"]
     if lhs_linear:  # rows outside the shard get 0
@@ -129,8 +129,36 @@ def _transpose(op, ct, lhs, rhs, group_sizes, *rest, **params):
       cts[1] = gmm(lhs, ct, group_sizes, go, transpose_rhs=False, out_dtype=rhs_dtype, **common)
   for i, a in enumerate((lhs, rhs)):
     if cts[i] is not None:
-      cts[i] = cts[i].astype(a.aval.dtype)
+      cts[i] = _unscaled(cts[i], ct_scale).astype(a.aval.dtype)
   return cts
+
+
+def _fitted_cotangent(ct: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array | None]:
+  """``ct`` rounded to the operands' ``dtype`` for the backward kernels, and the
+  power of two it was divided by first (None: not scaled).
+
+  A cotangent of a wider exponent range than ``dtype`` (f32 or bf16 beside f16
+  operands, e.g. an f32 result of f16 operands) is scaled so its largest value
+  sits just below ``dtype``'s largest power of two: without that, values past
+  f16's 65504 would become inf and those below ~6e-8 zero, where lax's
+  gradients stay finite.  The division and the product back are exact."""
+  if not (jnp.issubdtype(dtype, jnp.floating) and jnp.issubdtype(ct.dtype, jnp.floating)
+          and jnp.finfo(ct.dtype).maxexp > jnp.finfo(dtype).maxexp):
+    return ct.astype(dtype), None
+  amax = jnp.max(jnp.abs(ct), initial=0.0).astype(jnp.float32)
+  usable = jnp.isfinite(amax) & (amax > 0)
+  exponent = jnp.floor(jnp.log2(jnp.where(usable, amax, 1.0)))
+  scale = jnp.where(usable, jnp.exp2(exponent - (jnp.finfo(dtype).maxexp - 2)), 1.0)
+  return (ct.astype(jnp.float32) / scale).astype(dtype), scale
+
+
+def _backward_out_dtype(dtype: Any, ct_scale: jax.Array | None) -> jnp.dtype:
+  # A scaled cotangent's products are unscaled in f32, then rounded once.
+  return validate.backend_out_dtype(jnp.float32 if ct_scale is not None else dtype)
+
+
+def _unscaled(x: jax.Array, ct_scale: jax.Array | None) -> jax.Array:
+  return x if ct_scale is None else x * ct_scale
 
 
 def _batch(op, axis_data, args, dims, **params):
@@ -294,15 +322,42 @@ def _scaled_transpose(ct, lhs, rhs, scale, group_sizes, *rest, **params):
   puts rhs's and the scales' tangents through ``gmm``, so only lhs is linear."""
   params = tp.params_of(params)
   cts = [None] * (4 + len(rest))
-  if ad.is_undefined_primal(rhs) or ad.is_undefined_primal(scale):
-    raise ValueError("scaled_gmm is linear in lhs only")
   if tp.is_zero(ct):
     return cts
+  go = rest[0] if rest else None
+  if ad.is_undefined_primal(rhs) or ad.is_undefined_primal(scale):
+    return _scaled_weights_transpose(ct, lhs, rhs, scale, group_sizes, go, cts, **params)
   dtype = lhs.aval.dtype
-  cts[0] = scaled_gmm(ct.astype(dtype), rhs, scale, group_sizes, rest[0] if rest else None,
+  ct, ct_scale = _fitted_cotangent(ct, dtype)
+  cts[0] = scaled_gmm(ct, rhs, scale, group_sizes, go,
                       transpose_rhs=not params["transpose_rhs"], precision=params["precision"],
-                      out_dtype=validate.backend_out_dtype(dtype),
-                      implementation=params["implementation"]).astype(dtype)
+                      out_dtype=_backward_out_dtype(dtype, ct_scale),
+                      implementation=params["implementation"])
+  cts[0] = _unscaled(cts[0], ct_scale).astype(dtype)
+  return cts
+
+
+def _scaled_weights_transpose(ct, lhs, rhs, scale, group_sizes, go, cts, *, transpose_rhs,
+                              precision, out_dtype, implementation):
+  """Cotangent of the fp8 weights or of the scales (``jax.linear_transpose``;
+  ``jax.grad`` goes through the JVP's ``gmm`` instead): the dequantized
+  weights' cotangent (a dW), put back through the dequantization, which is
+  linear in each of the two."""
+  del out_dtype
+  if ad.is_undefined_primal(lhs) or (ad.is_undefined_primal(rhs)
+                                     and ad.is_undefined_primal(scale)):
+    raise ValueError("scaled_gmm is linear in one operand at a time")
+  dtype = lhs.dtype
+  r = jnp.zeros(rhs.aval.shape, rhs.aval.dtype) if ad.is_undefined_primal(rhs) else rhs
+  s = jnp.zeros(scale.aval.shape, scale.aval.dtype) if ad.is_undefined_primal(scale) else scale
+  weights = jax.core.ShapedArray(r.shape, dtype)
+  w_ct = _transpose(gmm, ct, lhs, ad.UndefinedPrimal(weights), group_sizes,
+                    *(() if go is None else (go,)), transpose_rhs=transpose_rhs,
+                    precision=precision, out_dtype=ct.dtype, implementation=implementation)[1]
+  _, pullback = jax.vjp(lambda r, s: scales.dequantize(r, s, dtype), r, s)
+  r_ct, s_ct = pullback(w_ct)
+  cts[1 if ad.is_undefined_primal(rhs) else 2] = (
+      r_ct if ad.is_undefined_primal(rhs) else s_ct)
   return cts
 
 

@@ -105,13 +105,16 @@ def quantize(w: jax.Array, block: tuple[int, int], dtype: Any = jnp.float8_e4m3f
   """``(q, scale)`` with ``dequantize(q, scale, f32)`` close to ``w`` ``[g, a, b]``:
   one f32 scale per ``block`` (rows, columns) of each matrix, the block's
   largest magnitude over ``dtype``'s largest finite value (1 for an all-zero
-  block), and ``q = w / scale`` rounded to ``dtype``."""
+  block; at least f32's smallest normal, so a block of tiny weights gets a
+  nonzero scale that no flush-to-zero removes), and ``q = w / scale`` rounded
+  to ``dtype``."""
   g, a, b = w.shape
   ba, bb = block
   if ba < 1 or bb < 1 or a % ba or b % bb:
     raise ValueError(f"block {block} must divide the matrices' shape ({a}, {b})")
   blocks = jnp.abs(w.astype(jnp.float32)).reshape(g, a // ba, ba, b // bb, bb)
   amax = blocks.max(axis=(2, 4))
-  scale = jnp.where(amax > 0, amax / float(jnp.finfo(dtype).max), 1.0)
+  tiny = float(jnp.finfo(jnp.float32).tiny)
+  scale = jnp.where(amax > 0, jnp.maximum(amax / float(jnp.finfo(dtype).max), tiny), 1.0)
   q = (w.astype(jnp.float32) / _full(scale, w.shape)).astype(dtype)
   return q, scale

@@ -1,7 +1,8 @@
 """Static argument checks shared by every public op.
 
-Bad static input raises ``TypeError`` (ranks, shapes, dtypes: as ``jax.lax``
-does) or ``ValueError`` (out-of-range options), always naming the argument.
+Bad static input raises ``TypeError`` (the operands' ranks, shapes and dtypes:
+as ``jax.lax`` does) or ``ValueError`` (out-of-range options, and a malformed
+``rhs_scale``: ``scales.check``), always naming the argument.
 Traced values (negative sizes, offsets out of range) are only checked in the
 optional checked mode (``ragdot.checked``).
 """

@@ -250,9 +250,10 @@ def moe_mlp(params: dict, x: jax.Array, cfg: MoEConfig, *,
 def quantize_experts(params: dict, cfg: MoEConfig, block: tuple[int, int] = (128, 128),
                      dtype: Any = jnp.float8_e4m3fn) -> dict:
   """``params`` with each projection's expert weights in ``dtype`` (e4m3 /
-  e5m2) and their f32 scales (one per ``block`` of (k, n), cut to the weights'
-  shape) under ``<projection>_scale``, as FP8 checkpoints store them
-  (``scales.quantize``); the block runs them through ``rhs_scale``."""
+  e5m2) and their f32 scales (one per ``block`` of (k, n); a block larger than
+  the weights is cut to their shape, any other must divide it) under
+  ``<projection>_scale``, as FP8 checkpoints store them (``scales.quantize``);
+  the block runs them through ``rhs_scale``."""
   out = dict(params)
   for name in cfg.projections:
     if f"{name}_scale" in params:
