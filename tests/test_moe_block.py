@@ -17,9 +17,8 @@ from ragdot.moe.config import MoEConfig
 BASE = dict(hidden=16, intermediate=8, num_experts=8, top_k=2, implementation="xla")
 
 
-def _mesh(n, name="ep"):
-  return jax.make_mesh((n,), (name,), devices=jax.devices()[:n],
-                       axis_types=(jax.sharding.AxisType.Auto,))
+def _mesh(n, name="ep", axis_type=jax.sharding.AxisType.Auto):
+  return jax.make_mesh((n,), (name,), devices=jax.devices()[:n], axis_types=(axis_type,))
 
 
 @pytest.mark.parametrize("change, error, names", [
@@ -94,8 +93,9 @@ def test_adapter_ids_out_of_range():
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_expert_weights_are_created_sharded_over_ep():
-  mesh = _mesh(4)
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])  # Explicit: make_mesh's default
+def test_expert_weights_are_created_sharded_over_ep(axis_type):
+  mesh = _mesh(4, axis_type=getattr(jax.sharding.AxisType, axis_type))
   cfg = MoEConfig(**BASE, num_adapters=2, lora_rank=4)
   model = MoEMLP(cfg, rngs=nnx.Rngs(0), mesh=mesh)
   specs = nnx.get_partition_spec(nnx.state(model))
@@ -107,7 +107,7 @@ def test_expert_weights_are_created_sharded_over_ep():
   alone = MoEMLP(cfg, rngs=nnx.Rngs(0))
   np.testing.assert_array_equal(np.asarray(model.down[...], np.float32),
                                 np.asarray(alone.down[...], np.float32))
-  model.quantize_experts()
+  model.quantize_experts(block=(8, 8))
   specs = nnx.get_partition_spec(nnx.state(model))
   assert specs["down"].get_value() == P("ep", None, None)
   assert specs["down_scale"].get_value() == P("ep", None, None)

@@ -437,6 +437,26 @@ def test_split_weights_and_scales_match_the_unsplit_call(axis_type, rspec):
   np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+@pytest.mark.parametrize("wspec", [P("ep"), P(None, None, "ep"), P(None, "dp", "ep")])
+def test_quantize_weights_split_over_a_mesh(axis_type, wspec):
+  """``scales.quantize`` of split weights (the MoE block's experts under
+  ``jax.make_mesh``'s default explicit axes): the unsplit values, q split as the
+  weights, the scales along the dims the split divides."""
+  from split_cases import mesh as split_mesh
+  w = jax.random.normal(jax.random.key(4), (8, 64, 32), jnp.float32)
+  want_q, want_s = scales.quantize(w, (32, 32))
+  with jax.set_mesh(split_mesh(getattr(jax.sharding.AxisType, axis_type))):
+    q, s = scales.quantize(jax.device_put(w, wspec), (32, 32))  # eager, as the MoE block calls it
+  np.testing.assert_array_equal(_bits(q), _bits(want_q))
+  np.testing.assert_array_equal(s, want_s)
+  if axis_type == "Explicit":
+    padded = lambda spec: tuple(spec) + (None,) * (3 - len(spec))
+    assert padded(jax.typeof(q).sharding.spec) == padded(wspec)
+    # scales [8, 2, 1]: experts split as the weights; n's one block replicated
+    assert padded(jax.typeof(s).sharding.spec) == (padded(wspec)[0], padded(wspec)[1], None)
+
+
 # (rhs [g, n, k], group_offset, specs of lhs, rhs and scale, scale blocks (k rows, n
 # columns), the lhs, rhs and scale shapes each shard's kernel gets, the output's spec):
 # experts, columns along whole blocks, the contraction (partials summed), columns whose

@@ -21,6 +21,7 @@ gathers each k step's column scales as given.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -63,12 +64,30 @@ def dequantize(rhs: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
   automatic (explicit ones cannot repeat a split dimension), the result split
   as rhs is."""
   fn = lambda r, s: (r.astype(jnp.float32) * _full(s, r.shape)).astype(dtype)
-  sharding = getattr(jax.typeof(rhs), "sharding", None)
+  return _on_auto_axes(fn, rhs, lambda sharding: sharding)(rhs, scale)
+
+
+def _on_auto_axes(fn: Any, w: jax.Array, out_sharding: Any) -> Any:
+  """``fn`` run as if ``w``'s explicit mesh axes were automatic (its reshapes
+  and repeats of a split dim are refused on explicit ones), its results split
+  as ``out_sharding(w's sharding)`` says; ``fn`` itself where w has none."""
+  sharding = getattr(jax.typeof(w), "sharding", None)
   axes = tuple(a for a, t in zip(sharding.mesh.axis_names, sharding.mesh.axis_types)
                if t == jax.sharding.AxisType.Explicit) if sharding is not None else ()
-  if axes:
-    fn = jax.sharding.auto_axes(fn, axes=axes, out_sharding=sharding)
-  return fn(rhs, scale)
+  if not axes:
+    return fn
+  return jax.sharding.auto_axes(fn, axes=axes, out_sharding=out_sharding(sharding))
+
+
+def _scale_sharding(sharding: Any, scale_shape: tuple[int, ...]) -> Any:
+  """The weights' split, on the scales' dims it divides (others replicated)."""
+  mesh, spec = sharding.mesh, tuple(sharding.spec) + (None,) * len(scale_shape)
+  def size(entry):
+    names = entry if isinstance(entry, tuple) else (entry,)
+    return math.prod(mesh.shape[a] for a in names)
+  kept = [e if e is not None and n % size(e) == 0 else None
+          for e, n in zip(spec, scale_shape)]
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*kept))
 
 
 def kernel_scales(scale: jax.Array, rhs_shape: tuple[int, ...],
@@ -112,9 +131,13 @@ def quantize(w: jax.Array, block: tuple[int, int], dtype: Any = jnp.float8_e4m3f
   ba, bb = block
   if ba < 1 or bb < 1 or a % ba or b % bb:
     raise ValueError(f"block {block} must divide the matrices' shape ({a}, {b})")
-  blocks = jnp.abs(w.astype(jnp.float32)).reshape(g, a // ba, ba, b // bb, bb)
-  amax = blocks.max(axis=(2, 4))
-  tiny = float(jnp.finfo(jnp.float32).tiny)
-  scale = jnp.where(amax > 0, jnp.maximum(amax / float(jnp.finfo(dtype).max), tiny), 1.0)
-  q = (w.astype(jnp.float32) / _full(scale, w.shape)).astype(dtype)
-  return q, scale
+
+  def fn(w):
+    blocks = jnp.abs(w.astype(jnp.float32)).reshape(g, a // ba, ba, b // bb, bb)
+    amax = blocks.max(axis=(2, 4))
+    tiny = float(jnp.finfo(jnp.float32).tiny)
+    scale = jnp.where(amax > 0, jnp.maximum(amax / float(jnp.finfo(dtype).max), tiny), 1.0)
+    return (w.astype(jnp.float32) / _full(scale, w.shape)).astype(dtype), scale
+
+  scale_shape = (g, a // ba, b // bb)
+  return _on_auto_axes(fn, w, lambda sh: (sh, _scale_sharding(sh, scale_shape)))(w)
