@@ -17,6 +17,16 @@ def positive_int(text: str) -> int:
   return value
 
 
+def nonnegative_int(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+  if value < 0:
+    raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+  return value
+
+
 def _float(text: str) -> float:
   try:
     value = float(text)
