@@ -318,8 +318,10 @@ def _scaled_jvp(primals, tangents, **params):
 
 
 def _scaled_transpose(ct, lhs, rhs, scale, group_sizes, *rest, **params):
-  """lhs's cotangent: the same scaled weights used transposed (dX); the JVP
-  puts rhs's and the scales' tangents through ``gmm``, so only lhs is linear."""
+  """lhs's cotangent: the same scaled weights used transposed (dX).  The JVP
+  puts rhs's and the scales' tangents through ``gmm``, so under ``jax.grad``
+  only lhs is linear; ``jax.linear_transpose`` in rhs or the scales goes to
+  ``_scaled_weights_transpose``."""
   params = tp.params_of(params)
   cts = [None] * (4 + len(rest))
   if tp.is_zero(ct):
