@@ -7,24 +7,22 @@ import argparse
 import re
 
 
-def positive_int(text: str) -> int:
+def _int(text: str, minimum: int) -> int:
   try:
     value = int(text)
   except ValueError:
     raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+  if value < minimum:
+    raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
   return value
+
+
+def positive_int(text: str) -> int:
+  return _int(text, 1)
 
 
 def nonnegative_int(text: str) -> int:
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-  if value < 0:
-    raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-  return value
+  return _int(text, 0)
 
 
 def _float(text: str) -> float:
