@@ -345,7 +345,6 @@ def _scaled_weights_transpose(ct, lhs, rhs, scale, group_sizes, go, cts, *, tran
   ``jax.grad`` goes through the JVP's ``gmm`` instead): the dequantized
   weights' cotangent (a dW), put back through the dequantization, which is
   linear in each of the two."""
-  del out_dtype
   if ad.is_undefined_primal(lhs) or (ad.is_undefined_primal(rhs)
                                      and ad.is_undefined_primal(scale)):
     raise ValueError("scaled_gmm is linear in one operand at a time")
@@ -355,7 +354,7 @@ def _scaled_weights_transpose(ct, lhs, rhs, scale, group_sizes, go, cts, *, tran
   weights = jax.core.ShapedArray(r.shape, dtype)
   w_ct = _transpose(gmm, ct, lhs, ad.UndefinedPrimal(weights), group_sizes,
                     *(() if go is None else (go,)), transpose_rhs=transpose_rhs,
-                    precision=precision, out_dtype=ct.dtype, implementation=implementation)[1]
+                    precision=precision, out_dtype=out_dtype, implementation=implementation)[1]
   _, pullback = jax.vjp(lambda r, s: scales.dequantize(r, s, dtype), r, s)
   r_ct, s_ct = pullback(w_ct)
   cts[1 if ad.is_undefined_primal(rhs) else 2] = (

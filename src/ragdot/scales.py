@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ragdot import sharded
 from ragdot import validate
 
 def check(lhs_dtype: Any, rhs: Any, scale: Any) -> None:
@@ -81,13 +82,10 @@ def _on_auto_axes(fn: Any, w: jax.Array, out_sharding: Any) -> Any:
 
 def _scale_sharding(sharding: Any, scale_shape: tuple[int, ...]) -> Any:
   """The weights' split, on the scales' dims it divides (others replicated)."""
-  mesh, spec = sharding.mesh, tuple(sharding.spec) + (None,) * len(scale_shape)
-  def size(entry):
-    names = entry if isinstance(entry, tuple) else (entry,)
-    return math.prod(mesh.shape[a] for a in names)
-  kept = [e if e is not None and n % size(e) == 0 else None
-          for e, n in zip(spec, scale_shape)]
-  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*kept))
+  mesh = sharding.mesh
+  kept = [axes if n % math.prod(mesh.shape[a] for a in axes) == 0 else ()
+          for axes, n in zip(sharded.spec_dims(sharding.spec, len(scale_shape)), scale_shape)]
+  return jax.sharding.NamedSharding(mesh, sharded.partition_spec(*kept))
 
 
 def kernel_scales(scale: jax.Array, rhs_shape: tuple[int, ...],
