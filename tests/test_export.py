@@ -122,3 +122,48 @@ def test_exported_moe_layer_takes_any_token_count():
   x = jax.random.normal(jax.random.key(3), (7, 32))
   for got, want in zip(jax.tree.leaves(exp.call(params, x)), jax.tree.leaves(grad(params, x))):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def pretend_h200(monkeypatch):
+  """The dispatcher believes it runs on an H200: automatic calls trace
+  compiled GPU kernels (which cannot lower for this CPU)."""
+  from ragdot import dispatch  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(dispatch, "current_device",
+                      lambda: dispatch.Device("gpu", "NVIDIA H200", "9.0"))
+  dispatch.clear_cache()
+  yield
+  dispatch.clear_cache()
+
+
+@pytest.mark.parametrize("platforms", [("cpu",), ("cpu", "cuda")])
+def test_export_of_concrete_shapes_lowers_the_portable_form(pretend_h200, platforms):
+  """An automatic call's exported artifact holds the XLA form, not the kernels
+  the exporting host chose: it serializes, and runs on this CPU (and would on
+  any GPU).  Its forward, dX and dW (through jax.grad), with a shard."""
+  del pretend_h200
+  x, w = oracle.random_inputs(jax.random.key(3), [(23, K), (3, K, N)], jnp.bfloat16)
+  gs = jnp.asarray(SIZES, jnp.int32)
+
+  def f(x, w):
+    return ragdot.ragged_dot(x, w, gs, group_offset=jnp.int32(1))
+
+  from ragdot import dispatch  # pylint: disable=g-import-not-at-top
+  assert dispatch.choose("gmm", None, **dispatch.facts(
+      "gmm", lhs=x, rhs=w, group_sizes=gs, group_offset=jnp.int32(1))).implementation in ("mosaic", "triton")
+  with pytest.raises(Exception):  # the kernel (compiled, for a GPU) does not lower here
+    jax.jit(f).lower(x, w).compile()
+  def loss(impl):
+    return lambda x, w: jnp.sum(ragdot.ragged_dot(
+        x, w, gs, group_offset=jnp.int32(1), implementation=impl).astype(jnp.float32) ** 2)
+
+  for fn, want in ((f, None), (jax.grad(loss(None), argnums=(0, 1)),
+                               jax.grad(loss("xla"), argnums=(0, 1))(x, w))):
+    exp = export.deserialize(export.export(jax.jit(fn), platforms=platforms)(x, w).serialize())
+    got = exp.call(x, w)
+    if want is None:
+      oracle.assert_close(got, oracle.ref_ragged_dot(x, w, SIZES, 1, False), jnp.bfloat16)
+      oracle.assert_zero_rows(got, SIZES, 1, 3)
+    else:
+      for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

@@ -263,10 +263,20 @@ def _reshard(x: Any, mesh: Any, axes: tuple[str, ...], batch: bool) -> Any:
   return jax.sharding.reshard(x, NamedSharding(mesh, sharded.partition_spec(*keep)))
 
 
+def _exported(params: dict[str, Any]) -> dict[str, Any]:
+  """The parameters an op is exported with (``jax.export``): an automatic
+  call's XLA form, which runs on whatever device loads the artifact (a kernel
+  the exporting host chose may not: Mosaic needs sm90, Pallas-Triton's custom
+  call is not among those JAX exports); a chosen implementation is kept."""
+  params = tp.params_of(params)
+  return {**params, "implementation": params["implementation"] or "xla"}
+
+
 def _define(name: str, op: Callable[..., jax.Array], op_name: str) -> Any:
   return tp.define(name, functools.partial(_make_fn, op_name),
                    jvp=functools.partial(_jvp, op), transpose=functools.partial(_transpose, op),
-                   batch=functools.partial(_batch, op), batch_takes_axis=True)
+                   batch=functools.partial(_batch, op), batch_takes_axis=True,
+                   portable=_exported)
 
 
 gmm_p = _define("ragdot_gmm", gmm, "gmm")
@@ -364,4 +374,5 @@ def _scaled_weights_transpose(ct, lhs, rhs, scale, group_sizes, go, cts, *, tran
 
 scaled_gmm_p = tp.define("ragdot_scaled_gmm", _make_scaled_fn, jvp=_scaled_jvp,
                          transpose=_scaled_transpose,
-                         batch=functools.partial(_batch, scaled_gmm), batch_takes_axis=True)
+                         batch=functools.partial(_batch, scaled_gmm), batch_takes_axis=True,
+                         portable=_exported)

@@ -7,11 +7,19 @@ into the ``jaxpr`` parameter, which gives the result's type and effects and is
 what the primitive lowers to.  With no tracer among the arguments (op by op)
 ``fn`` runs directly and nothing is bound.  Rules get the parameters with
 ``jaxpr`` among them; ``params_of`` drops it.
+
+Lowered for ``jax.export``, a primitive defined with ``portable`` lowers a new
+trace instead, of ``make_fn(portable(params))`` with ``exporting()`` true while
+it is traced: an exported artifact runs wherever it is loaded (another GPU, the
+CPU), not only on the device the bind's trace chose kernels for.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+import contextlib
+import functools
+import threading
+from typing import Any, Callable, Iterable, Iterator
 
 import jax
 from jax.extend import core as jex_core
@@ -21,19 +29,27 @@ from jax.interpreters import mlir
 
 MakeFn = Callable[[dict[str, Any]], Callable[..., jax.Array]]
 _FNS: dict[Any, MakeFn] = {}
+_PORTABLE: dict[Any, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+_EXPORT_TRACE = threading.local()
 
 
 def define(name: str, make_fn: MakeFn, *, jvp: Callable, transpose: Callable,
-           batch: Callable, batch_takes_axis: bool = False) -> jex_core.Primitive:
+           batch: Callable, batch_takes_axis: bool = False,
+           portable: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+           ) -> jex_core.Primitive:
   """A primitive computing ``make_fn(params)(*args)``, with the given JVP,
   transpose and batching rules (as ``ad.primitive_jvps`` etc. take them; with
   ``batch_takes_axis`` the batching rule takes vmap's axis data first, as
-  ``batching.fancy_primitive_batchers`` rules do)."""
+  ``batching.fancy_primitive_batchers`` rules do).  ``portable(params)``: the
+  parameters it is traced with again when lowered for ``jax.export`` (module
+  docstring); without it the bind's trace is exported."""
   prim = jex_core.Primitive(name)
   _FNS[prim] = make_fn
+  if portable is not None:
+    _PORTABLE[prim] = portable
   prim.def_impl(lambda *args, jaxpr, **params: make_fn(params)(*args))
   prim.def_effectful_abstract_eval(_abstract_eval)
-  mlir.register_lowering(prim, _lowering)
+  mlir.register_lowering(prim, functools.partial(_lowering, prim))
   ad.primitive_jvps[prim] = jvp
   ad.primitive_transposes[prim] = transpose
   if batch_takes_axis:
@@ -60,6 +76,21 @@ def bind(prim: jex_core.Primitive, *args: Any, **params: Any) -> jax.Array:
   return prim.bind(*args, jaxpr=jaxpr, **params)
 
 
+def exporting() -> bool:
+  """Whether the current trace is one for ``jax.export`` (module docstring)."""
+  return getattr(_EXPORT_TRACE, "on", False)
+
+
+@contextlib.contextmanager
+def _export_trace() -> Iterator[None]:
+  before = exporting()
+  _EXPORT_TRACE.on = True
+  try:
+    yield
+  finally:
+    _EXPORT_TRACE.on = before
+
+
 def is_eager(args: Iterable[Any]) -> bool:
   """Whether a call runs op by op: no argument is a tracer."""
   return not any(isinstance(a, jax.core.Tracer) for a in args)
@@ -76,7 +107,10 @@ def is_zero(t: Any) -> bool:
 
 
 def _struct(x: Any) -> jax.ShapeDtypeStruct:
-  aval = jax.typeof(x)
+  return _aval_struct(jax.typeof(x))
+
+
+def _aval_struct(aval: Any) -> jax.ShapeDtypeStruct:
   mat = getattr(aval, "mat", None)  # the shard_map axes it varies over
   kwargs = {} if mat is None else {"manual_axis_type": mat}
   return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=aval.sharding,
@@ -88,6 +122,10 @@ def _abstract_eval(*avals, jaxpr, **params):
   return jaxpr.out_avals[0], jaxpr.effects
 
 
-def _lowering(ctx, *args, jaxpr, **params):
-  del params
+def _lowering(prim, ctx, *args, jaxpr, **params):
+  portable = _PORTABLE.get(prim)
+  if portable is not None and ctx.module_context.lowering_parameters.for_export:
+    with _export_trace():
+      jaxpr = jax.make_jaxpr(_FNS[prim](portable(params)))(
+          *[_aval_struct(a) for a in ctx.avals_in])
   return mlir.lower_fun(jex_core.jaxpr_as_fun(jaxpr), multiple_results=True)(ctx, *args)

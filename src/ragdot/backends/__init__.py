@@ -28,6 +28,7 @@ from types import ModuleType
 import jax
 
 from ragdot import metadata
+from ragdot import traced_primitive
 
 IMPLEMENTATIONS = ("xla", "mosaic", "triton")
 
@@ -54,9 +55,10 @@ def schedule_kernels(interpret) -> ModuleType | None:
   Only compiled on a GPU backend: the Pallas interpreter cannot run them under
   ``shard_map`` (varying refs), Pallas-Triton lowering needs a local GPU's
   compute capability (lowering for CUDA on a machine without one must keep
-  working), and a JAX without Pallas-Triton must not break the Mosaic kernels.
+  working), and a JAX without Pallas-Triton must not break the Mosaic kernels;
+  not for ``jax.export`` either (it refuses Pallas-Triton's custom call).
   """
-  if interpret or jax.default_backend() != "gpu":
+  if interpret or jax.default_backend() != "gpu" or traced_primitive.exporting():
     return None
   try:
     return importlib.import_module("ragdot.backends.triton_schedule")
