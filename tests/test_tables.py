@@ -235,11 +235,13 @@ def test_a_simulated_device_takes_its_tables_compute_capability():
   assert dispatch.simulated_device("NVIDIA H200", "8.0").compute_capability == "8.0"
 
 
-def test_a_tuned_table_keeps_the_entries_its_kind_borrowed(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
+def test_a_tuned_table_keeps_the_entries_its_kind_borrowed(tmp_path, monkeypatch, kind):
   # ``ragdot tune`` on an H100 starts a table of its own; the H200 entries the
-  # H100 used stay in reach under the ones it measures.
-  kind = "NVIDIA H100 80GB HBM3"
+  # H100 used stay in reach under the ones it measures.  On an H200 the new
+  # table has the shipped one's name: it shadows it and inherits it.
   before = tables.lookup(kind, "gmm", "bfloat16", 512, 2048, 1536, 128)
+  h100 = tables.lookup("NVIDIA H100 80GB HBM3", "gmm", "bfloat16", 512, 2048, 1536, 128)
   table = tune.open_table(tmp_path / tables.slug(kind), kind)
   assert table.data["inherits"] == "nvidia_h200.json"
   assert table.data["compute_capability"] == "9.0"
@@ -255,6 +257,22 @@ def test_a_tuned_table_keeps_the_entries_its_kind_borrowed(tmp_path, monkeypatch
     assert (kept.backend, kept.config, kept.key) == (before.backend, before.config, before.key)
     assert "borrowed from nvidia_h200.json" in kept.reason
     assert "inherits" not in json.loads((tmp_path / tables.slug(kind)).read_text())["entries"]
+    also = tables.lookup("NVIDIA H100 80GB HBM3", "gmm", "bfloat16", 512, 2048, 1536, 128)
+    assert (also.backend, also.config) == (h100.backend, h100.config)
+  finally:
+    monkeypatch.delenv(tables.ENV_DIR)
+    tables.clear_cache()
+
+
+def test_tables_inheriting_each_other_are_refused(tmp_path, monkeypatch):
+  for name, parent in (("a.json", "b.json"), ("b.json", "a.json")):
+    (tmp_path / name).write_text(json.dumps(
+        {"format": tables.FORMAT, "device_kind": name, "inherits": parent, "entries": {}}))
+  try:
+    monkeypatch.setenv(tables.ENV_DIR, str(tmp_path))
+    tables.clear_cache()
+    with pytest.raises(ValueError, match="inherits it back"):
+      tables.all_tables()
   finally:
     monkeypatch.delenv(tables.ENV_DIR)
     tables.clear_cache()
@@ -264,10 +282,31 @@ def test_a_tuned_table_keeps_the_entries_its_kind_borrowed(tmp_path, monkeypatch
     ({"gmm/bfloat16/m1": {"backend": "xla"}}, "bad entry key"),
     ({"gmm/bfloat16/m1,k1,n1,g1": {"backend": "cuda"}}, "backend"),
     ({"gmm/bfloat16/m1,k1,n1,g1": {"backend": "xla", "config": 3}}, "config"),
+    ({"gmm/bfloat16/m1,k1,n1,g1": {"backend": "mosaic", "config": {"num_stages": 4.0}}},
+     "num_stages"),
+    ({"gmm/bfloat16/m1,k1,n1,g1": {"backend": "mosaic", "config": {"num_sms": [132]}}},
+     "num_sms"),
+    ({"gmm/bfloat16/m1,k1,n1,g1": {"backend": "xla", "shape": [1, 1, 1]}}, "shape"),
 ])
 def test_a_malformed_table_names_its_file_and_entry(tmp_path, entries, match):
   path = tmp_path / "x.json"
   path.write_text(json.dumps({"format": tables.FORMAT, "device_kind": "x", "entries": entries}))
+  with pytest.raises(ValueError, match=match) as e:
+    tables.load_file(path)
+  assert str(path) in str(e.value)
+
+
+@pytest.mark.parametrize("text, match", [
+    ('{"format": ', "not JSON"),
+    ('[1, 2]', "format"),
+    ('{"format": %s, "defaults": {"bfloat16": {"gmm": {"backend": "xla", "config": "x"}}}}',
+     "default bfloat16/gmm"),
+    ('{"format": %s, "dtype_aliases": ["float16"]}', "dtype_aliases"),
+    ('{"format": %s, "max_distance": "far"}', "max_distance"),
+])
+def test_a_malformed_table_file_names_itself(tmp_path, text, match):
+  path = tmp_path / "x.json"
+  path.write_text(text.replace("%s", json.dumps(tables.FORMAT)))
   with pytest.raises(ValueError, match=match) as e:
     tables.load_file(path)
   assert str(path) in str(e.value)
@@ -411,3 +450,20 @@ def test_tune_task_stops_at_a_device_fault(monkeypatch, message, fault, where):
     assert len(timed["routed"]) == 3 and len(timed["skewed"]) == (2 if where == "routed" else 3)
     errors = [r for r in rows if "error" in r or "skewed_error" in r]
     assert len(errors) == 1 and entry is not None
+
+
+def test_config_reprs_parse_back():
+  """``tune.parse_config_repr`` (``--import-sweep``) reads today's configs,
+  bool fields among them, back to the same config."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from ragdot.backends.mosaic_dw_config import MosaicDwConfig  # pylint: disable=g-import-not-at-top
+  from ragdot.backends.mosaic_fwd_config import MosaicFwdConfig  # pylint: disable=g-import-not-at-top
+  from ragdot.backends.triton import TritonConfig  # pylint: disable=g-import-not-at-top
+  fwd = MosaicFwdConfig()
+  assert any(isinstance(getattr(fwd, f.name), bool) for f in dataclasses.fields(fwd))
+  for config in (fwd, MosaicDwConfig(), TritonConfig()):
+    name, fields = tune.parse_config_repr(repr(config))
+    assert name == type(config).__name__
+    assert type(config)(**fields) == config
+  with pytest.raises(ValueError, match="block_m"):
+    tune.parse_config_repr("MosaicFwdConfig(block_m=1.5)")

@@ -203,9 +203,18 @@ class Table:
 _BACKENDS = ("xla", "mosaic", "triton")  # (ragdot.backends.IMPLEMENTATIONS; no JAX here)
 
 
-def _check(data: dict[str, Any], where: str) -> None:
-  if data.get("format") != FORMAT:
-    raise ValueError(f"{where}: format must be {FORMAT!r}, got {data.get('format')!r}")
+def _check(data: Any, where: str) -> None:
+  """Raises ValueError naming ``where`` and the item unless ``data`` has a
+  table's form (what dispatch reads from it cannot fail later)."""
+  if not isinstance(data, dict) or data.get("format") != FORMAT:
+    got = data.get("format") if isinstance(data, dict) else type(data).__name__
+    raise ValueError(f"{where}: format must be {FORMAT!r}, got {got!r}")
+  for field in ("entries", "defaults", "dtype_aliases", "also_for",
+                "also_for_compute_capability"):
+    if not isinstance(data.get(field, {}), dict):
+      raise ValueError(f"{where}: {field} must be an object")
+  if not _is_number(data.get("max_distance", 0.0)):
+    raise ValueError(f"{where}: max_distance must be a number")
   for text, entry in data.get("entries", {}).items():
     try:
       op, _, _ = parse_key(text)
@@ -215,17 +224,45 @@ def _check(data: dict[str, Any], where: str) -> None:
         or entry.get("backend") not in _BACKENDS):
       raise ValueError(f"{where}: bad entry {text!r}: op must be one of {OPS} and backend"
                        f" one of {_BACKENDS}")
-    if not isinstance(entry.get("config"), (dict, type(None))):
-      raise ValueError(f"{where}: entry {text!r}: config must be an object or null")
+    shape = entry.get("shape")
+    if shape is not None and not (isinstance(shape, list) and len(shape) == 4
+                                  and all(_is_int(v) for v in shape)):
+      raise ValueError(f"{where}: entry {text!r}: shape must be 4 integers [m, k, n, g]")
+    _check_config(entry.get("config"), f"{where}: entry {text!r}")
   for dt, ops in data.get("defaults", {}).items():
+    if not isinstance(ops, dict):
+      raise ValueError(f"{where}: defaults {dt!r} must be an object")
     for op, default in ops.items():
       if op not in OPS or not isinstance(default, dict) or default.get("backend") not in _BACKENDS:
         raise ValueError(f"{where}: bad default {dt}/{op}")
+      _check_config(default.get("config"), f"{where}: default {dt}/{op}")
+
+
+def _check_config(config: Any, where: str) -> None:
+  if config is None:
+    return
+  if not isinstance(config, dict):
+    raise ValueError(f"{where}: config must be an object or null")
+  for name, value in config.items():  # (block sizes, stages, flags: never 4.0)
+    if not (value is None or isinstance(value, bool) or _is_int(value)):
+      raise ValueError(f"{where}: config {name!r} must be an integer, true/false or null, "
+                       f"got {value!r}")
+
+
+def _is_int(v: Any) -> bool:
+  return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+  return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def load_file(path: str | os.PathLike) -> Table:
   path = Path(path)
-  data = json.loads(path.read_text())
+  try:
+    data = json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path}: not JSON: {e}") from None
   _check(data, str(path))
   return Table(name=path.name, data=data, path=path)
 
@@ -240,30 +277,33 @@ def table_dirs() -> list[Path]:
 
 @functools.cache
 def _all_tables(dirs: tuple[Path, ...]) -> tuple[Table, ...]:
-  seen, out = set(), []
-  for d in dirs:
-    if not d.is_dir():
-      continue
-    for path in sorted(d.glob("*.json")):
-      if path.name in seen:  # the first directory wins
-        continue
-      seen.add(path.name)
-      out.append(load_file(path))
-  by_name = {t.name: t for t in out}
-  return tuple(_with_inherited(t, by_name) for t in out)
+  layers = [{path.name: load_file(path) for path in sorted(d.glob("*.json"))}
+            for d in dirs if d.is_dir()]
+  out = {}
+  for level, layer in enumerate(layers):
+    for name, table in layer.items():
+      if name not in out:  # the first directory wins
+        out[name] = _with_inherited(table, level, layers)
+  return tuple(out.values())
 
 
-def _with_inherited(table: Table, by_name: dict[str, Table], chain: tuple[str, ...] = ()
-                    ) -> Table:
-  """``table`` with the entries of the table it ``inherits`` under its own (a
-  table ``ragdot tune`` started for a GPU that borrowed another's keeps them)."""
+def _with_inherited(table: Table, level: int, layers: list[dict[str, Table]],
+                    chain: tuple[tuple[int, str], ...] = ()) -> Table:
+  """``table`` (of directory ``layers[level]``) with the entries of the table it
+  ``inherits`` under its own (a table ``ragdot tune`` started for a GPU that
+  borrowed another's keeps them).  A table inheriting its own name extends the
+  one it shadows in a later directory (a user table started over a shipped one)."""
   parent_name = table.data.get("inherits")
   if not parent_name:
     return table
-  if parent_name not in by_name or parent_name in chain + (table.name,):
+  here = chain + ((level, table.name),)
+  start = level + 1 if parent_name == table.name else 0
+  found = next(((j, layer[parent_name]) for j, layer in enumerate(layers[start:], start)
+                if parent_name in layer), None)
+  if found is None or (found[0], parent_name) in here:
     raise ValueError(f"{table.path}: inherits {parent_name!r}, which is not a table of"
                      f" {', '.join(str(d) for d in table_dirs())} (or inherits it back)")
-  parent = _with_inherited(by_name[parent_name], by_name, chain + (table.name,))
+  parent = _with_inherited(found[1], found[0], layers, here)
   entries = {text: {**entry, "borrowed": parent.name} for text, entry in parent.entries.items()
              if text not in table.entries}
   return Table(table.name, {**table.data, "entries": {**entries, **table.entries}}, table.path)

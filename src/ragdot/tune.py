@@ -38,6 +38,7 @@ Without a GPU only ``--dry-run`` (list candidates and table keys) works.
 from __future__ import annotations
 
 import argparse
+import ast
 import concurrent.futures
 import dataclasses
 import datetime
@@ -306,8 +307,10 @@ def _rel_err(out, ref) -> float:
 
 def _new_table(device_kind: str) -> tables.Table:
   """An empty table for ``device_kind`` with the defaults of the table it uses
-  today, inheriting that table's entries (unless it is the unknown GPUs' default)."""
+  today, inheriting that table's entries (unless it is the unknown GPUs' default).
+  One of that table's own name (it will shadow it) also serves the kinds it did."""
   base, _ = tables.table_for(device_kind)
+  shadows = base.name == tables.slug(device_kind)
   data = {
       "format": tables.FORMAT,
       "device_kind": device_kind,
@@ -315,6 +318,8 @@ def _new_table(device_kind: str) -> tables.Table:
       **({"inherits": base.name} if base.name != tables.DEFAULT_TABLE else {}),
       **({"compute_capability": base.data["compute_capability"]}
          if "compute_capability" in base.data else {}),
+      **{field: dict(base.data[field]) for field in ("also_for", "also_for_compute_capability")
+         if shadows and field in base.data},
       "dtype_aliases": dict(base.data.get("dtype_aliases", {})),
       "max_distance": base.data.get("max_distance", tables.DEFAULT_MAX_DISTANCE),
       "defaults": json.loads(json.dumps(base.data.get("defaults", {}))),
@@ -531,8 +536,11 @@ def parse_config_repr(text: str) -> tuple[str, dict[str, Any]]:
   fields = {}
   for part in filter(None, (p.strip() for p in m.group(2).split(","))):
     name, value = part.split("=")
-    if value != "None":
-      fields[name] = int(value)
+    value = ast.literal_eval(value)
+    if value is not None:
+      if not isinstance(value, (bool, int)):
+        raise ValueError(f"{text!r}: {name} is not an integer or a bool")
+      fields[name] = value
   return m.group(1), fields
 
 
