@@ -246,3 +246,27 @@ def test_1k_token_dx_entries_take_six_stages_and_their_shards_the_four_stage_rin
     shard = dispatch.choose("gmm", None, dtype=jnp.bfloat16, device=H200, transpose_rhs=True,
                             has_offset=True, m=8192, k=k, n=n, g=16, num_groups=128)
     assert not shard.config.swap and shard.config.producer_zeros and shard.config.num_stages == 4
+
+
+def test_fp8_rows_with_a_triton_w8a16_entry_take_the_fp8_form(tmp_path, monkeypatch):
+  """fp8 x fp8 [g, k, n] borrows the W8A16 choice to widen its rows; a tuned
+  W8A16 entry naming Triton (which cannot widen rows) leaves it the fp8 form."""
+  import json  # pylint: disable=g-import-not-at-top
+  from ragdot import tables  # pylint: disable=g-import-not-at-top
+  data = json.loads((tables.TABLE_DIR / "nvidia_h200.json").read_text())
+  data["entries"]["gmm/bfloat16+float8_e4m3fn/m512,k2048,n1536,g128"] = {
+      "backend": "triton", "config": {"block_m": 64, "block_n": 128, "block_k": 64},
+      "measured": True, "shape": [512, 2048, 1536, 128]}
+  (tmp_path / "nvidia_h200.json").write_text(json.dumps(data))
+  monkeypatch.setenv(tables.ENV_DIR, str(tmp_path))
+  dispatch.clear_cache()
+  try:
+    shape = dict(m=512, k=2048, n=1536, g=128, num_groups=128, device=H200)
+    w8a16 = dispatch.choose("gmm", None, dtype=jnp.bfloat16, rhs_dtype=jnp.float8_e4m3fn,
+                            **shape)
+    assert w8a16.implementation == "triton"
+    fp8 = dispatch.choose("gmm", None, dtype=jnp.float8_e4m3fn, **shape)
+    assert fp8.implementation == "mosaic" and not fp8.config.widen_rows
+  finally:
+    monkeypatch.delenv(tables.ENV_DIR)
+    dispatch.clear_cache()

@@ -279,6 +279,8 @@ def _fp8_rows_widened(implementation, dtype, precision_ok, out_dtype, m, k, n, g
     return None
   choice = _weight_only("gmm", implementation, jnp.bfloat16, dtype, precision_ok, out, m, k, n,
                         g, num_groups, False, has_offset, device)
+  if not isinstance(choice.config, mosaic_fwd.MosaicFwdConfig):
+    return None  # (a table's W8A16 entry may name Triton, which cannot widen the rows)
   return dataclasses.replace(
       choice, config=dataclasses.replace(choice.config, widen_rows=True),
       reason=f"{_name(dtype)} rows widened to bf16 (weights [g, k, n] read as stored); "
