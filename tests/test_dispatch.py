@@ -270,3 +270,17 @@ def test_fp8_rows_with_a_triton_w8a16_entry_take_the_fp8_form(tmp_path, monkeypa
   finally:
     monkeypatch.delenv(tables.ENV_DIR)
     dispatch.clear_cache()
+
+
+@pytest.mark.parametrize("cc", ["8.0", "8.9", "10.0"])
+def test_mosaic_kernels_refuse_a_gpu_that_is_not_sm90(monkeypatch, cc):
+  """Explicit implementation="mosaic" on an A100 / L4 / B200: NotImplementedError
+  (which the automatic path falls back from), not a Mosaic compile error."""
+  from ragdot.backends import sm90  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(sm90, "gpu_compute_capability", lambda: cc)
+  x, w = jnp.ones((64, 128), jnp.bfloat16), jnp.ones((2, 128, 128), jnp.bfloat16)
+  gs = jnp.array([30, 34], jnp.int32)
+  with pytest.raises(NotImplementedError, match="sm90"):
+    mosaic_fwd.gmm(x, w, gs, None, transpose_rhs=False, out_dtype=jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="sm90"):
+    mosaic_dw.tgmm(x, x, gs, None, num_groups=2, out_dtype=jnp.bfloat16)

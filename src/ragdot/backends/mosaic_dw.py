@@ -747,6 +747,7 @@ def tgmm(
     NotImplementedError: for dtypes or shapes this kernel does not take.
   """
   del precision
+  sm90.check_device(interpret)
   _check_supported(lhs, rhs, out_dtype)
   m, k = lhs.shape
   n = rhs.shape[1]

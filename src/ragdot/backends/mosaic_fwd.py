@@ -642,6 +642,7 @@ def gmm(
     NotImplementedError: dtypes or alignments the TMA path cannot take.
   """
   del precision
+  sm90.check_device(interpret)
   _check_supported(lhs, rhs, out_dtype, transpose_rhs)
   scale_rows = scale_cols = None
   if rhs_scale is not None:

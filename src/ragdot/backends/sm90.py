@@ -13,6 +13,22 @@ _DRIVER_RESERVE = 1024  # the driver keeps 1 KiB per resident CTA
 H200_SMS = 132
 
 
+def gpu_compute_capability() -> str | None:
+  """The local GPU's compute capability ("9.0"), None without a GPU."""
+  if jax.default_backend() != "gpu":
+    return None
+  return str(getattr(jax.devices()[0], "compute_capability", "") or "")
+
+
+def check_device(interpret) -> None:
+  """NotImplementedError unless the kernels run on an sm90 GPU (their wgmma and
+  SMEM sizes are Hopper's), in interpret mode, or are only lowered (no GPU)."""
+  cc = None if interpret else gpu_compute_capability()
+  if cc is not None and not cc.startswith("9."):
+    raise NotImplementedError(
+        f"the Mosaic kernels need an sm90 (Hopper) GPU; this one is sm{cc.replace('.', '')}")
+
+
 def smem_budget(ctas_per_sm: int, reserve: int) -> int:
   """Dynamic SMEM one CTA may allocate when ``ctas_per_sm`` CTAs share an SM,
   minus ``reserve`` bytes the kernel keeps for barriers and alignment."""
