@@ -291,3 +291,18 @@ def test_no_tokens(ep):
     grads = jax.jit(jax.grad(lambda p, x: jnp.sum(fn(p, x)), (0, 1)))(params, x)
     assert grads[1].shape == x.shape
     assert all(float(jnp.abs(g).max()) == 0 for g in jax.tree.leaves(grads[0]) if g.size)
+
+
+@pytest.mark.parametrize("types", [("Explicit", "Auto"), ("Auto", "Explicit")])
+@pytest.mark.parametrize("manual", ["auto", "all", "ep"])
+def test_mesh_mixing_explicit_and_automatic_axes(types, manual):
+  """A (dp=2, ep=4) mesh with one explicit and one automatic axis, x unsplit:
+  loss and gradients match the reference (the shard_map operands are split
+  over the explicit axes their specs name, or the cotangents' types differ)."""
+  params, x, _ = _case(CFG, jnp.float32)
+  mesh = jax.make_mesh((2, 4), ("dp", "ep"), devices=jax.devices()[:8],
+                       axis_types=tuple(getattr(jax.sharding.AxisType, t) for t in types))
+  with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
+    got = _loss_and_grads(lambda p, x: F.moe_mlp(p, x, CFG, mesh=mesh, manual=manual),
+                          params, x)
+  _compare(got, _reference(CFG, jnp.float32), F32_TOL)

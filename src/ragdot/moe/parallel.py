@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from ragdot import sharded
 from ragdot.moe import routing as rt
 from ragdot.moe.config import MoEConfig
 from ragdot.moe.functional import expert_ffn
@@ -147,10 +148,17 @@ def sharded_moe_experts(x: jax.Array, routing: rt.Routing | rt.Assignment, exper
 
 
 def _placed(mesh: Any, specs: Any, args: Any) -> Any:
-  """``args`` resharded to ``specs`` on a mesh of explicit axes (whose
-  shard_map takes operands only as their types are split); as they are else."""
-  explicit = jax.sharding.AxisType.Explicit
-  if not all(t == explicit for t in getattr(mesh, "axis_types", ())):
+  """``args`` resharded to ``specs``' explicit mesh axes (a shard_map takes
+  operands over explicit axes only as their types are split; without this, a
+  mesh mixing explicit and automatic axes gave cotangents typed unlike their
+  primals); as they are on a mesh of automatic axes only."""
+  explicit = {name for name, t in zip(mesh.axis_names, getattr(mesh, "axis_types", ()))
+              if t == jax.sharding.AxisType.Explicit}
+  if not explicit:
     return args
-  return jax.tree.map(lambda spec, a: jax.sharding.reshard(a, NamedSharding(mesh, spec)),
-                      specs, args, is_leaf=lambda s: isinstance(s, P))
+
+  def place(spec: P, a: Any) -> Any:
+    dims = sharded.spec_dims(spec, a.ndim)
+    kept = sharded.partition_spec(*(tuple(n for n in d if n in explicit) for d in dims))
+    return jax.sharding.reshard(a, NamedSharding(mesh, kept))
+  return jax.tree.map(place, specs, args, is_leaf=lambda s: isinstance(s, P))
