@@ -35,6 +35,7 @@ def _mesh(n, name="ep", axis_type=jax.sharding.AxisType.Auto):
     (dict(scoring="deepseek", n_group=4, topk_group=1, top_k=3), ValueError, "top_k"),
     (dict(num_adapters=2, lora_targets="down"), TypeError, "lora_targets"),
     (dict(num_adapters=2, lora_targets=["gate"]), ValueError, "lora_targets"),
+    (dict(num_adapters=2, lora_targets=["down", "down"]), ValueError, "duplicates"),
 ])
 def test_bad_config_raises_naming_the_field(change, error, names):
   with pytest.raises(error, match=names):
@@ -76,6 +77,10 @@ def test_bad_call_inputs_raise_naming_them():
     F.moe_mlp(params, x, cfg, adapter_ids=ids, mesh=_mesh(2, "data"))
   with pytest.raises(TypeError, match="adapter_ids"):
     F.moe_mlp(params, x, cfg, adapter_ids=ids.astype(jnp.float32))
+  with pytest.raises(TypeError, match="dtype"):  # (its rows would all be 0)
+    F.moe_mlp(params, x.astype(jnp.int32), cfg, adapter_ids=ids)
+  with pytest.raises(TypeError, match="dtype"):
+    F.moe_mlp(params, x, cfg, adapter_ids=ids, dtype=jnp.int32)
 
 
 def test_adapter_ids_out_of_range():
@@ -91,6 +96,8 @@ def test_adapter_ids_out_of_range():
   got = jax.jit(lambda ids: F.moe_mlp(params, x, cfg, adapter_ids=ids))(ids)
   want = F.reference_moe_mlp(params, x, cfg, adapter_ids=jnp.clip(ids, 0, 1))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  ref = jax.jit(lambda ids: F.reference_moe_mlp(params, x, cfg, adapter_ids=ids))(ids)
+  np.testing.assert_allclose(ref, want, rtol=1e-6, atol=1e-6)  # (clipped there too)
 
 
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])  # Explicit: make_mesh's default
@@ -133,3 +140,26 @@ def test_update_router_bias_with_lora_adapters():
   nnx.jit(lambda m, x: m.update_router_bias(x, rate=0.01))(model, x)
   np.testing.assert_allclose(np.asarray(model.router_bias[...]) - before,
                              [0.0, -0.02, 0.0, 0.02], atol=1e-7)
+
+
+def test_block_on_an_explicit_mesh_with_the_tokens_split():
+  """A (dp=2, ep=2) mesh of explicit axes (make_mesh's default), x split over
+  dp, DeepSeek routing limited to 2 of 4 expert groups: the call (expert
+  parallel, one shard, and reference=True) and update_router_bias run and
+  agree with the unsplit call (no scatter or sort over the split tokens)."""
+  cfg = MoEConfig(hidden=16, intermediate=8, num_experts=8, top_k=2, scoring="deepseek",
+                  n_group=4, topk_group=2, implementation="xla")
+  x = jax.random.normal(jax.random.key(1), (8, 16))
+  mesh = jax.make_mesh((2, 2), ("dp", "ep"), devices=jax.devices()[:4],
+                       axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  alone = MoEMLP(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32)
+  want = alone(x, reference=True)
+  with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
+    model = MoEMLP(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32, mesh=mesh)
+    xs = jax.device_put(x, P("dp"))
+    for got in (model(xs), model(xs, mesh=None), model(xs, reference=True)):
+      np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    model.update_router_bias(xs, rate=0.01)
+  alone.update_router_bias(x, rate=0.01)
+  np.testing.assert_array_equal(np.asarray(model.router_bias[...]),
+                                np.asarray(alone.router_bias[...]))

@@ -64,6 +64,8 @@ class MoEConfig:
         raise TypeError(f"lora_targets must be a sequence of names, got {self.lora_targets!r}")
       # (a tuple keeps the config hashable, as a jit static argument must be)
       object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+      if len(set(self.lora_targets)) != len(self.lora_targets):
+        raise ValueError(f"lora_targets has duplicates: {self.lora_targets}")
     bad = set(self.targets) - set(self.projections)
     if bad:
       raise ValueError(f"lora_targets {sorted(bad)} not among projections {self.projections}")

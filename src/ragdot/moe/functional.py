@@ -228,6 +228,8 @@ def moe_mlp(params: dict, x: jax.Array, cfg: MoEConfig, *,
     check_ep_mesh(mesh, ep_axis, cfg.num_experts)
   lead = x.shape[:-1]
   dtype = jnp.dtype(dtype or x.dtype)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f"dtype must be a floating dtype (default: x's), got {dtype}")
   if mesh is not None and math.prod(lead) == 0:
     # No tokens: nothing to compute (XLA fails to compile a zero-size
     # shard_map operand: "expected ... GlobalToLocalShape", jax 0.11.2).
@@ -240,11 +242,22 @@ def moe_mlp(params: dict, x: jax.Array, cfg: MoEConfig, *,
     y = sharded_moe_experts(x2.astype(dtype), chosen, experts, cfg, mesh, ep_axis, manual,
                             token_axes=token_axes)
     return y.reshape(lead + y.shape[-1:])
+  x2, chosen = _gathered((x2, chosen))
   routing = rt.regroup(chosen)
   xs = rt.sort_tokens(x2.astype(dtype), routing, cfg.top_k)
   ys = expert_ffn(xs, routing.group_sizes, experts, cfg, ragged_dot_fn=ragged_dot_fn)
   y = rt.combine(ys, routing, cfg.top_k)
   return y.reshape(lead + y.shape[-1:])
+
+
+def _gathered(tree: Any) -> Any:
+  """``tree``'s arrays that are split over explicit mesh axes, unsplit: one
+  shard's sort runs over all the tokens."""
+  def gather(a):
+    if not any(sharded.split_dims(a)):
+      return a
+    return jax.sharding.reshard(a, jax.sharding.PartitionSpec())
+  return jax.tree.map(gather, tree)
 
 
 def quantize_experts(params: dict, cfg: MoEConfig, block: tuple[int, int] = (128, 128),
@@ -286,30 +299,28 @@ def reference_moe_mlp(params: dict, x: jax.Array, cfg: MoEConfig, *,
   hi = jax.lax.Precision.HIGHEST
   lead = x.shape[:-1]
   x2, ids = flat_tokens(x, adapter_ids)
-  routing = route(params, x2, cfg, ids)
+  chosen = assignment(params, x2, cfg, ids)  # (per token: no sort over split tokens)
   x2 = x2.astype(jnp.float32)
-  a_idx = jnp.zeros(x2.shape[0], jnp.int32) if ids is None or cfg.adapters == 1 else ids
+  a_idx = (jnp.zeros(x2.shape[0], jnp.int32) if ids is None or cfg.adapters == 1
+           else _checked_adapter_ids(ids, cfg.num_adapters))  # (clipped, as moe_mlp's)
   if cfg.freeze_base:
     params = dict(params)
-    params.update({p: jax.lax.stop_gradient(params[p]) for p in cfg.projections})
+    params.update({p: jax.lax.stop_gradient(params[p]) for p in params
+                   if p.removesuffix("_scale") in cfg.projections})  # (as expert_ffn)
 
-  def apply(name, h):  # h[tokens, k_in] -> [tokens, E, n] with each token's adapter
-    w = merged_weights(params, cfg, name)  # [E, A, k, n]
-    y = jnp.einsum("tk,eakn->tean", h, w, precision=hi)
-    return jnp.take_along_axis(y, a_idx[:, None, None, None], axis=2)[:, :, 0]
-
-  def apply_per_expert(name, h):  # h[tokens, E, k_in]
-    w = merged_weights(params, cfg, name)
-    y = jnp.einsum("tek,eakn->tean", h, w, precision=hi)
-    return jnp.take_along_axis(y, a_idx[:, None, None, None], axis=2)[:, :, 0]
+  def apply(name, h, spec):  # h[tokens, (E,) k_in] -> [tokens, E, n], each token's adapter
+    w = merged_weights(params, cfg, name)  # [E, A, k, n]; A = 1 without LoRA on it
+    y = jnp.einsum(spec, h, w, precision=hi)
+    idx = a_idx if w.shape[1] > 1 else jnp.zeros_like(a_idx)
+    return jnp.take_along_axis(y, idx[:, None, None, None], axis=2)[:, :, 0]
 
   if cfg.fused_gate_up:
-    gate, up = jnp.split(apply("gate_up", x2), 2, axis=-1)
+    gate, up = jnp.split(apply("gate_up", x2, "tk,eakn->tean"), 2, axis=-1)
   else:
-    gate, up = apply("gate", x2), apply("up", x2)
-  y_all = apply_per_expert("down", jax.nn.silu(gate) * up)  # [tokens, E, d]
+    gate, up = apply("gate", x2, "tk,eakn->tean"), apply("up", x2, "tk,eakn->tean")
+  y_all = apply("down", jax.nn.silu(gate) * up, "tek,eakn->tean")  # [tokens, E, d]
   # combine matrix: token t gives weight w_tj to expert e_tj.
-  comb = jnp.zeros((x2.shape[0], cfg.num_experts), jnp.float32)
-  comb = comb.at[jnp.arange(x2.shape[0])[:, None], routing.experts].add(routing.weights)
+  one_hot = chosen.experts[..., None] == jnp.arange(cfg.num_experts)  # [tokens, k, E]
+  comb = jnp.sum(jnp.where(one_hot, chosen.weights[..., None], 0.0), axis=1)
   y = jnp.einsum("te,ted->td", comb, y_all, precision=hi)
   return y.reshape(lead + y.shape[-1:])
