@@ -6,6 +6,7 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -83,3 +84,20 @@ def test_tiles_ordered_by_group_then_row(seed, m):
 def test_group_ends_saturate_without_overflow():
   sizes = jnp.array([2**30, 2**30, 2**30, 5], jnp.int32)
   np.testing.assert_array_equal(md.global_group_ends(sizes, 100), [100] * 4)
+
+
+def test_group_ends_past_2_to_the_30_rows_do_not_wrap():
+  """Sizes saturate at m without an int32 sum past 2**31 (m = 2**30 + 8 rows: a
+  k = 1 call of 2 GiB): every group's bounds stay in [0, m]."""
+  m = 2**30 + 8
+  for sizes, ends in (([m, m, 5], [m, m, m]), ([2**30] * 3, [2**30, m, m]),
+                      ([3, -2, 4, 2**31 - 1], [3, 3, 7, m])):
+    gs = jnp.asarray(sizes, jnp.int32)
+    np.testing.assert_array_equal(md.global_group_ends(gs, m), ends)
+    starts, got_ends = md.group_bounds(gs, m)
+    np.testing.assert_array_equal(got_ends, ends)
+    np.testing.assert_array_equal(starts, [0] + ends[:-1])
+  lo, hi = md.local_row_window(jnp.asarray([m, m, 5], jnp.int32), m)
+  assert (int(lo), int(hi)) == (0, m)
+  with pytest.raises(ValueError, match="rows"):
+    md.global_group_ends(jnp.ones((2,), jnp.int32), md.MAX_ROWS + 1)

@@ -29,14 +29,23 @@ import jax.numpy as jnp
 from jax import lax
 
 
+# Row arithmetic is int32: a tile's end (a row plus a block of up to 512 rows)
+# must not wrap.
+MAX_ROWS = 2**31 - 1024
+
+
 def _saturating_cumsum(sizes: jax.Array, cap: int) -> jax.Array:
-  """Inclusive cumsum of non-negative ``sizes`` clipped at ``cap`` (no overflow)."""
+  """Inclusive cumsum of non-negative ``sizes`` clipped at ``cap`` (no overflow:
+  ``a + min(b, cap - a)`` is ``min(a + b, cap)`` for a, b in [0, cap], and never
+  sums past cap, which ``a + b`` would for cap > 2**30)."""
   sizes = jnp.clip(sizes, 0, cap)
-  return lax.associative_scan(lambda a, b: jnp.minimum(a + b, cap), sizes)
+  return lax.associative_scan(lambda a, b: a + jnp.minimum(b, cap - a), sizes)
 
 
 def global_group_ends(group_sizes: jax.Array, m: int) -> jax.Array:
   """Exclusive end row of every group, int32[G]; negative sizes count as 0."""
+  if m > MAX_ROWS:
+    raise ValueError(f"lhs has {m} rows; ragdot takes at most {MAX_ROWS} (int32 row indices)")
   if group_sizes.shape[0] == 0:
     return jnp.zeros((0,), jnp.int32)
   return _saturating_cumsum(group_sizes.astype(jnp.int32), m)
