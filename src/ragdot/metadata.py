@@ -44,7 +44,7 @@ def _saturating_cumsum(sizes: jax.Array, cap: int) -> jax.Array:
 
 def global_group_ends(group_sizes: jax.Array, m: int) -> jax.Array:
   """Exclusive end row of every group, int32[G]; negative sizes count as 0."""
-  if m > MAX_ROWS:
+  if isinstance(m, int) and m > MAX_ROWS:  # (m may be a symbolic dimension: jax.export)
     raise ValueError(f"lhs has {m} rows; ragdot takes at most {MAX_ROWS} (int32 row indices)")
   if group_sizes.shape[0] == 0:
     return jnp.zeros((0,), jnp.int32)
