@@ -284,3 +284,22 @@ def test_mosaic_kernels_refuse_a_gpu_that_is_not_sm90(monkeypatch, cc):
     mosaic_fwd.gmm(x, w, gs, None, transpose_rhs=False, out_dtype=jnp.bfloat16)
   with pytest.raises(NotImplementedError, match="sm90"):
     mosaic_dw.tgmm(x, x, gs, None, num_groups=2, out_dtype=jnp.bfloat16)
+
+
+def test_table_config_values_must_match_their_fields():
+  """A float where the Config takes an int (``"num_stages": 4.0`` in a JSON
+  table) or a bool for an int is refused (dispatch then uses the default
+  config); ``shard_ring_above`` takes a float."""
+  for fields in ({"num_stages": 4.0}, {"block_m": True}, {"swap": 1}):
+    with pytest.raises(TypeError, match=next(iter(fields))):
+      dispatch.make_config("mosaic", "gmm", fields)
+  from ragdot import tables  # pylint: disable=g-import-not-at-top
+  table = tables.load_file(tables.TABLE_DIR / "nvidia_h200.json")
+  swap = next(dict(e["config"]) for t, e in table.entries.items()
+              if t.startswith("gmm/") and (e.get("config") or {}).get("swap"))
+  swap["shard_ring_above"] = 1.5
+  assert dispatch.make_config("mosaic", "gmm", swap).shard_ring_above == 1.5
+  assert dispatch.make_config("mosaic", "tgmm", {"num_stages": 3}).num_stages == 3
+  config, note = dispatch._built_config("mosaic", "gmm", (("num_stages", 4.0),), "bfloat16",
+                                        "bfloat16")
+  assert config is None and "rejected" in note

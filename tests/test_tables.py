@@ -282,8 +282,6 @@ def test_tables_inheriting_each_other_are_refused(tmp_path, monkeypatch):
     ({"gmm/bfloat16/m1": {"backend": "xla"}}, "bad entry key"),
     ({"gmm/bfloat16/m1,k1,n1,g1": {"backend": "cuda"}}, "backend"),
     ({"gmm/bfloat16/m1,k1,n1,g1": {"backend": "xla", "config": 3}}, "config"),
-    ({"gmm/bfloat16/m1,k1,n1,g1": {"backend": "mosaic", "config": {"num_stages": 4.0}}},
-     "num_stages"),
     ({"gmm/bfloat16/m1,k1,n1,g1": {"backend": "mosaic", "config": {"num_sms": [132]}}},
      "num_sms"),
     ({"gmm/bfloat16/m1,k1,n1,g1": {"backend": "xla", "shape": [1, 1, 1]}}, "shape"),

@@ -162,10 +162,19 @@ def config_class(backend: str, op: str) -> type:
 
 
 def make_config(backend: str, op: str, fields: dict[str, Any] | None) -> Any:
-  """Builds the backend's Config from table fields (None -> None)."""
+  """Builds the backend's Config from table fields (None -> None).  TypeError
+  for a value unlike its field's type (``"num_stages": 4.0`` from a JSON file
+  would reach the kernel's shapes)."""
   if fields is None:
     return None
-  return config_class(backend, op)(**fields)
+  cls = config_class(backend, op)
+  types = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+  for name, value in fields.items():
+    allowed = {"bool": (bool,), "int": (int,), "float": (int, float), "None": (type(None),)}
+    ok = tuple(t for part in types.get(name, "").split(" | ") for t in allowed.get(part, ()))
+    if ok and (not isinstance(value, ok) or (isinstance(value, bool) and bool not in ok)):
+      raise TypeError(f"{cls.__name__}.{name} takes {types[name]}, got {value!r}")
+  return cls(**fields)
 
 
 def _fit_smem(backend: str, op: str, config: Any, dtype: str, out_dtype: str) -> Any:

@@ -243,9 +243,9 @@ def _check_config(config: Any, where: str) -> None:
     return
   if not isinstance(config, dict):
     raise ValueError(f"{where}: config must be an object or null")
-  for name, value in config.items():  # (block sizes, stages, flags: never 4.0)
-    if not (value is None or isinstance(value, bool) or _is_int(value)):
-      raise ValueError(f"{where}: config {name!r} must be an integer, true/false or null, "
+  for name, value in config.items():  # (each field's own type: dispatch.make_config)
+    if not (value is None or isinstance(value, bool) or _is_number(value)):
+      raise ValueError(f"{where}: config {name!r} must be a number, true/false or null, "
                        f"got {value!r}")
 
 
