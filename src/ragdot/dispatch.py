@@ -169,8 +169,8 @@ def make_config(backend: str, op: str, fields: dict[str, Any] | None) -> Any:
     return None
   cls = config_class(backend, op)
   types = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+  allowed = {"bool": (bool,), "int": (int,), "float": (int, float), "None": (type(None),)}
   for name, value in fields.items():
-    allowed = {"bool": (bool,), "int": (int,), "float": (int, float), "None": (type(None),)}
     ok = tuple(t for part in types.get(name, "").split(" | ") for t in allowed.get(part, ()))
     if ok and (not isinstance(value, ok) or (isinstance(value, bool) and bool not in ok)):
       raise TypeError(f"{cls.__name__}.{name} takes {types[name]}, got {value!r}")

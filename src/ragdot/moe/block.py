@@ -158,8 +158,8 @@ class MoEMLP(nnx.Module):
     x2, _ = F.flat_tokens(x)
     _, experts = F.expert_choices(self.params(), x2, self.cfg)
     e = self.cfg.num_experts
-    # (a comparison, not bincount's scatter: tokens may be split over explicit axes)
-    count = jnp.sum(experts[..., None] == jnp.arange(e), axis=(0, 1), dtype=jnp.int32)
+    # (one_hot, not bincount's scatter: tokens may be split over explicit axes)
+    count = jnp.sum(jax.nn.one_hot(experts, e, dtype=jnp.int32), axis=(0, 1))
     # (integers: E * count equals the total exactly when the load is the mean)
     step = jnp.sign(count.sum() - e * count).astype(jnp.float32)
     self.router_bias[...] = self.router_bias[...] + rate * step

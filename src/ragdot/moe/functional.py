@@ -320,7 +320,7 @@ def reference_moe_mlp(params: dict, x: jax.Array, cfg: MoEConfig, *,
     gate, up = apply("gate", x2, "tk,eakn->tean"), apply("up", x2, "tk,eakn->tean")
   y_all = apply("down", jax.nn.silu(gate) * up, "tek,eakn->tean")  # [tokens, E, d]
   # combine matrix: token t gives weight w_tj to expert e_tj.
-  one_hot = chosen.experts[..., None] == jnp.arange(cfg.num_experts)  # [tokens, k, E]
-  comb = jnp.sum(jnp.where(one_hot, chosen.weights[..., None], 0.0), axis=1)
+  one_hot = jax.nn.one_hot(chosen.experts, cfg.num_experts)  # [tokens, k, E]
+  comb = jnp.einsum("tk,tke->te", chosen.weights, one_hot, precision=hi)
   y = jnp.einsum("te,ted->td", comb, y_all, precision=hi)
   return y.reshape(lead + y.shape[-1:])

@@ -116,8 +116,8 @@ def deepseek_top_k(logits: jax.Array, top_k: int, *, bias: jax.Array | None = No
     grouped = choice.reshape(tokens, n_group, per_group)
     best2 = jax.lax.top_k(grouped, min(2, per_group))[0].sum(-1)  # [tokens, n_group]
     _, keep = jax.lax.top_k(best2, topk_group)
-    # (a comparison, not a scatter: it keeps the tokens' split on an explicit mesh)
-    group_mask = jnp.any(keep[..., None] == jnp.arange(n_group), axis=-2)
+    # (one_hot compares, where a scatter would drop the tokens' split on an explicit mesh)
+    group_mask = jnp.any(jax.nn.one_hot(keep, n_group, dtype=bool), axis=-2)
     expert_mask = jnp.repeat(group_mask, per_group, axis=1)
     choice = jnp.where(expert_mask, choice, -jnp.inf)
   _, experts = jax.lax.top_k(choice, top_k)
