@@ -6,9 +6,12 @@ per-token dense f32 block with merged weights ``W + (alpha/r) A @ B`` per
 ``freeze_base`` zeroes base gradients; the NNX MoEMLP equals the pure function.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from ragdot.moe import functional as F
@@ -211,3 +214,22 @@ def test_reference_with_lora_on_some_projections_and_frozen_scales():
     for name in ("gate_up_scale", "down_scale", "gate_up", "router"):
       assert float(jnp.abs(grads[name].astype(jnp.float32)).max()) == 0, (fn.__name__, name)
     assert float(jnp.abs(grads["lora"]["down"]["a"]).max()) > 0
+
+
+def test_params_unlike_the_config_are_refused():
+  """A LoRA rank, a projection or a router unlike the config raises ValueError
+  naming the entry (a rank of 8 under a config of 4 used to run, scaled by
+  alpha / 4); a missing adapter raises KeyError, in both the block and the
+  reference."""
+  params, x, ids, _ = _data(CFG)
+  wider = F.init_params(jax.random.key(0), dataclasses.replace(CFG, lora_rank=8), jnp.float32)
+  for fn in (F.moe_mlp, F.reference_moe_mlp):
+    bad = dict(params, lora=wider["lora"])
+    with pytest.raises(ValueError, match="lora/gate_up/a"):
+      fn(bad, x, CFG, adapter_ids=ids)
+    with pytest.raises(ValueError, match="down"):
+      fn(dict(params, down=params["down"][:, :, :-1]), x, CFG, adapter_ids=ids)
+    with pytest.raises(ValueError, match="router"):
+      fn(dict(params, router=params["router"].T), x, CFG, adapter_ids=ids)
+    with pytest.raises(KeyError, match="lora/down"):
+      fn(dict(params, lora={"gate_up": params["lora"]["gate_up"]}), x, CFG, adapter_ids=ids)

@@ -194,6 +194,32 @@ def flat_tokens(x: jax.Array, adapter_ids: jax.Array | None = None
   return flat(x, 1), None if adapter_ids is None else flat(adapter_ids, 0)
 
 
+def check_params(params: dict, cfg: MoEConfig) -> None:
+  """Raise ValueError naming the first entry of ``params`` whose shape is not the
+  one ``cfg`` gives (module docstring), or KeyError naming a missing one: a LoRA
+  rank other than ``cfg.lora_rank`` would otherwise run, scaled by the config's
+  ``lora_alpha / lora_rank``."""
+  e, a, r = cfg.num_experts, cfg.num_adapters, cfg.lora_rank
+  want = {("router",): (cfg.hidden, e)}
+  if cfg.scoring == "deepseek":
+    want[("router_bias",)] = (e,)
+  for name in cfg.projections:
+    want[(name,)] = (e,) + cfg.proj_shape(name)
+  for name in cfg.targets:
+    k, n = cfg.proj_shape(name)
+    want[("lora", name, "a")] = (e, a, k, r)
+    want[("lora", name, "b")] = (e, a, r, n)
+  for path, shape in want.items():
+    leaf = params
+    for i, key in enumerate(path):
+      if not isinstance(leaf, dict) or key not in leaf:
+        raise KeyError(f"params lack {'/'.join(path[:i + 1])} (needed by the MoEConfig)")
+      leaf = leaf[key]
+    if tuple(np.shape(leaf)) != shape:
+      raise ValueError(f"params {'/'.join(path)} must have shape {shape} for the MoEConfig,"
+                       f" got {tuple(np.shape(leaf))}")
+
+
 def check_ep_mesh(mesh: Any, ep_axis: str, num_experts: int) -> None:
   """Raise ValueError unless ``mesh`` has axis ``ep_axis`` and its size divides
   ``num_experts`` (each shard holds the same number of experts)."""
@@ -226,6 +252,7 @@ def moe_mlp(params: dict, x: jax.Array, cfg: MoEConfig, *,
     raise ValueError("ragged_dot_fn is only supported without expert parallelism (mesh=None)")
   if mesh is not None:
     check_ep_mesh(mesh, ep_axis, cfg.num_experts)
+  check_params(params, cfg)
   lead = x.shape[:-1]
   dtype = jnp.dtype(dtype or x.dtype)
   if not jnp.issubdtype(dtype, jnp.floating):
@@ -296,6 +323,7 @@ def reference_moe_mlp(params: dict, x: jax.Array, cfg: MoEConfig, *,
                       adapter_ids: jax.Array | None = None) -> jax.Array:
   """Per-token dense f32 reference: every token through its k experts, with
   LoRA merged into the weights; same routing as ``moe_mlp``.  Returns f32."""
+  check_params(params, cfg)
   hi = jax.lax.Precision.HIGHEST
   lead = x.shape[:-1]
   x2, ids = flat_tokens(x, adapter_ids)
