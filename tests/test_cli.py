@@ -132,6 +132,11 @@ def test_bench_json_is_strict_and_reads_back_failed_rows(tmp_path, monkeypatch, 
 def test_bench_usage_errors_name_the_flag_before_any_work(tmp_path, capsys):
   assert cli.main(["bench", "--preset", "small", "--only", "no such shape", "--ops", "fwd"]) == 2
   assert "--only: no such shape" in capsys.readouterr().err
+  # --only picks among --shape shapes too (it used to search only the presets)
+  assert cli.main(["bench", "--shape", "64,16,16,4,2", "--only", "64,16,16,4,2", "--ops", "fwd",
+                   "--no-baselines", "--iterations", "1",
+                   "--json", str(tmp_path / "one.json")]) == 0
+  assert {r["shape"] for r in json.loads((tmp_path / "one.json").read_text())} == {"64,16,16,4,2"}
   assert cli.main(["bench", "--from-json", str(tmp_path / "missing.json")]) == 2
   assert "--from-json" in capsys.readouterr().err
   assert cli.main(["bench", "--shape", "256,64,64,4", "--no-baselines",
@@ -396,9 +401,9 @@ bench.main(["--shape", "256,64,64,4", "--shape", "256,64,128,4", "--ops", "fwd",
   p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                      env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=SRC))
   assert p.returncode == 3, p.stderr[-2000:]
-  assert "256,64,128,4 fwd ragdot ran for more than 10 s" in p.stderr
+  assert "256,64,128,4,4 fwd ragdot ran for more than 10 s" in p.stderr
   rows = json.loads(out.read_text())
-  assert rows and {r["shape"] for r in rows} == {"256,64,64,4"}
+  assert rows and {r["shape"] for r in rows} == {"256,64,64,4,4"}
   assert all(r["ms"] > 0 for r in rows)
 
 
@@ -487,10 +492,67 @@ def test_minimal_bytes_of_an_ep_shard_count_only_its_rows_and_experts():
   rows, experts = int(sizes[:2].sum()), int(np.count_nonzero(sizes[:2]))
   w = experts * 64 * 32 * 2
   assert bench.minimal_bytes("fwd", shard, sizes) == rows * 64 * 2 + w + 256 * 32 * 2
-  assert bench.minimal_bytes("dw", shard, sizes) == rows * (64 + 32) * 2 + w
+  # dW writes every local expert's gradient, an empty one's zeros too
+  assert bench.minimal_bytes("dw", shard, sizes) == rows * (64 + 32) * 2 + 2 * 64 * 32 * 2
   assert bench.minimal_bytes("dw", shard, sizes) < bench.minimal_bytes("dw", full, sizes)
-  assert bench.minimal_bytes("fwdbwd", full, sizes) == 3 * (
-      256 * 96 * 2 + int(np.count_nonzero(sizes)) * 64 * 32 * 2)
+  w_all = int(np.count_nonzero(sizes)) * 64 * 32 * 2
+  assert bench.minimal_bytes("fwdbwd", full, sizes) == (
+      3 * 256 * 96 * 2 + 2 * w_all + 8 * 64 * 32 * 2)
+
+
+def test_minimal_bytes_of_dw_count_the_empty_experts_output():
+  """One token over 8 of 128 experts: dW still returns [128, k, n] (the
+  floor used to count only the 8 non-empty experts' gradients, 16x low)."""
+  import ragdot  # pylint: disable=g-import-not-at-top
+  from ragdot import bench  # pylint: disable=g-import-not-at-top
+  s = bench.preset_shapes("one-token", ["qwen3-30b gate_up 1 token"])[0]
+  sizes = bench.routed_group_sizes(s)
+  assert np.count_nonzero(sizes) == 8
+  out = jax.eval_shape(lambda x, dy, gs: ragdot.trans_ragged_dot(x, dy, gs),
+                       *(jax.ShapeDtypeStruct(a, jnp.bfloat16) for a in ((s.m, s.k), (s.m, s.n))),
+                       jax.ShapeDtypeStruct((s.g,), jnp.int32))
+  assert bench.minimal_bytes("dw", s, sizes) == s.m * (s.k + s.n) * 2 + out.size * 2
+
+
+def test_shape_names_are_unique_across_the_presets():
+  """Every name means one shape in every preset (rows, ratios and the plot are
+  keyed by name: "mixtral gate_up decode" meant 256 rows in "decode" and 128
+  in "mixtral"); --shape names carry top_k."""
+  from ragdot import bench  # pylint: disable=g-import-not-at-top
+  every = bench.select_shapes([s for p in bench.PRESETS.values() for s in p])
+  assert len({s.name for s in every}) == len(every)
+  a, b = bench.parse_shape("64,16,16,4,2"), bench.parse_shape("64,16,16,4,4")
+  assert a.name != b.name and bench.parse_shape("64,16,16,4").name == "64,16,16,4,4"
+  with pytest.raises(ValueError, match="means two shapes"):
+    bench.select_shapes([a, dataclasses.replace(b, name=a.name)])
+
+
+def test_ep_rows_honour_the_baselines_and_local_rows_get_their_own_floor(monkeypatch):
+  """--no-baselines / --baselines without tokamax drop the EP shard's
+  tokamax-masked row; the local-rows row's TB/s is over its own bytes (its
+  rows over the local experts), not the shard's (which writes all m rows)."""
+  from ragdot import bench  # pylint: disable=g-import-not-at-top
+  s = bench.Shape("t ep", 256, 64, 32, 8, top_k=2, ep=4)
+  sizes = bench.routed_group_sizes(s)
+
+  class FakeTokamax:
+    ragged_dot = staticmethod(lambda x, w, gs: jax.lax.ragged_dot(x, w, gs))
+    ragged_dot_general = staticmethod(jax.lax.ragged_dot_general)
+
+  monkeypatch.setattr(bench, "_tokamax", lambda: FakeTokamax)
+  for op in bench.EP_OPS:
+    assert "tokamax-masked" in bench._ep_candidates(op, s, "xla", sizes)
+    assert "tokamax-masked" in bench._ep_candidates(op, s, "xla", sizes, ("tokamax",))
+    for baselines in (False, (), ("dense",)):
+      assert set(bench._ep_candidates(op, s, "xla", sizes, baselines)) == {
+          "ragdot", "masked", "local-rows"}
+  rows = bench.bench_shape(s, ["fwd"], "xla", iterations=1, baselines=False)
+  by = {r["impl"]: r for r in rows}
+  local, local_sizes = bench.local_rows_shape(s, sizes)
+  assert local.m == bench.local_rows8(s, sizes) and local.g == 2 and local.ep == 1
+  floor = bench.minimal_bytes("fwd", local, local_sizes)
+  assert floor < bench.minimal_bytes("fwd", s, sizes)
+  assert by["local-rows"]["tbps"] == pytest.approx(floor / (by["local-rows"]["ms"] * 1e-3) / 1e12)
 
 
 def test_skew_sets_how_many_rows_the_first_experts_get():

@@ -82,8 +82,11 @@ MODELS = {
 def model_shapes(model: str, decode_tokens: int = 64) -> list[Shape]:
   """Fused gate_up and down projections, training and decode token counts."""
   hidden, inter, experts, top_k, tokens = MODELS[model]
+  # (the decode preset's "mixtral gate_up decode" has twice the tokens, as its
+  # training shape: this one names its own count)
+  decode = " decode" if model != "mixtral" else f" decode {decode_tokens} tokens"
   out = []
-  for t, suffix in ((tokens, ""), (decode_tokens, " decode")):
+  for t, suffix in ((tokens, ""), (decode_tokens, decode)):
     m = t * top_k
     out.append(Shape(f"{model} gate_up{suffix}", m, hidden, 2 * inter, experts, top_k))
     out.append(Shape(f"{model} down{suffix}", m, inter, hidden, experts, top_k))
@@ -156,12 +159,22 @@ def preset_shapes(presets: str | list[str], names: Collection[str] | None = None
   (ValueError naming any that no preset holds: a mistyped name would
   otherwise measure nothing)."""
   shapes = [s for p in ([presets] if isinstance(presets, str) else presets) for s in PRESETS[p]]
+  return select_shapes(shapes, names)
+
+
+def select_shapes(shapes: list[Shape], names: Collection[str] | None = None) -> list[Shape]:
+  """``shapes`` once each, in order; with ``names``, only those (ValueError
+  naming any not among them).  ValueError too if one name means two different
+  shapes: the bench keys its results, ratios and plot by name."""
+  by_name: dict[str, Shape] = {}
+  for s in shapes:
+    if by_name.setdefault(s.name, s) != s:
+      raise ValueError(f"shape name {s.name!r} means two shapes: {by_name[s.name]} and {s}")
   if names:
-    unknown = set(names) - {s.name for s in shapes}
+    unknown = set(names) - set(by_name)
     if unknown:
-      raise ValueError(f"no such shape in the presets: {sorted(unknown)}")
-    shapes = [s for s in shapes if s.name in names]
-  return shapes
+      raise ValueError(f"no such shape among the presets and --shape: {sorted(unknown)}")
+  return [s for name, s in by_name.items() if not names or name in names]
 
 
 def parse_shape(text: str) -> Shape:
@@ -174,7 +187,8 @@ def parse_shape(text: str) -> Shape:
     raise argparse.ArgumentTypeError(f"shape must be m,k,n,g[,top_k] positive ints, got {text!r}")
   m, k, n, g = vals[:4]
   top_k = vals[4] if len(vals) == 5 else min(8, g)
-  return Shape(f"{m},{k},{n},{g}", m, k, n, g, top_k=min(top_k, g))
+  top_k = min(top_k, g)
+  return Shape(f"{m},{k},{n},{g},{top_k}", m, k, n, g, top_k=top_k)
 
 
 def routed_group_sizes(shape: Shape, seed: int = 0, skew: float | None = None) -> np.ndarray:
@@ -382,10 +396,12 @@ def peak_bytes(compiled: Any) -> int | None:
 EP_OPS = ("fwd", "dw", "fwdbwd")  # what the EP shard rows measure
 
 
-def _ep_candidates(op: str, shape: Shape, impl: str | None,
-                   sizes: np.ndarray) -> dict[str, Callable]:
+def _ep_candidates(op: str, shape: Shape, impl: str | None, sizes: np.ndarray,
+                   baselines: bool | Collection[str] = True) -> dict[str, Callable]:
   """Shard 0 of an EP split, for ``op`` in ``EP_OPS``: group_offset vs the
-  masked workaround vs the plain call over the local rows only.
+  masked workaround vs the plain call over the local rows only (always), and
+  tokamax's masked workaround when ``baselines`` (as ``_candidates``'s) takes
+  "tokamax".
 
   fwd: the shard's output rows (zeros outside the shard's rows).  dw: the
   local experts' weight gradients.  fwdbwd: value_and_grad of a loss through
@@ -417,7 +433,7 @@ def _ep_candidates(op: str, shape: Shape, impl: str | None,
     step = _value_and_grads(f)
     return lambda x, w, dy, gs: step(x[:n_rows], w[:local], dy[:n_rows], gs)
 
-  tk = _tokamax()
+  tk = _tokamax() if baselines is True or "tokamax" in (baselines or ()) else None
   if op == "fwd":
     fns = {"ragdot": lambda x, w, dy, gs: offset_fwd(x, w[:local], gs),
            "masked": lambda x, w, dy, gs: masked_fwd(x, w[:local], gs),
@@ -449,7 +465,9 @@ def _ep_candidates(op: str, shape: Shape, impl: str | None,
 
 def minimal_bytes(op: str, shape: Shape, sizes: np.ndarray) -> int:
   """Bytes ``op`` must move at least (bf16): the rows it reads, each non-empty
-  expert's weights once, and its output.
+  expert's weights once (forward, dX), and its output: all m rows (forward,
+  dX) or every expert's gradient, an empty expert's zeros too (dW).
+  fwdbwd: the sum of the three.
 
   An EP shape (shard 0) reads only the shard's rows and experts; its forward
   and dX still write all m output rows (zeros outside the shard), its dW only
@@ -461,10 +479,18 @@ def minimal_bytes(op: str, shape: Shape, sizes: np.ndarray) -> int:
   w = int(np.count_nonzero(sizes[:local])) * k * n * 2
   fwd = rows * k * 2 + w + m * n * 2
   dx = rows * n * 2 + w + m * k * 2
-  dw = rows * (k + n) * 2 + w
-  if shape.ep > 1:
-    return {"fwd": fwd, "dx": dx, "dw": dw, "fwdbwd": fwd + dx + dw}[op]
-  return {"fwd": fwd, "dx": dx, "dw": dw, "fwdbwd": 3 * (m * (k + n) * 2 + w)}[op]
+  dw = rows * (k + n) * 2 + local * k * n * 2
+  return {"fwd": fwd, "dx": dx, "dw": dw, "fwdbwd": fwd + dx + dw}[op]
+
+
+def local_rows_shape(shape: Shape, sizes: np.ndarray) -> tuple[Shape, np.ndarray]:
+  """The EP baseline "local-rows" as a plain shape and its group sizes: shard
+  0's rows (padded to ``local_rows8``) over its experts; its byte floor is this
+  shape's, not the shard's (which writes all m rows)."""
+  local = shape.g // shape.ep
+  plain = dataclasses.replace(shape, name=f"{shape.name} local rows",
+                              m=local_rows8(shape, sizes), g=local, ep=1)
+  return plain, sizes[:local]
 
 
 def shape_inputs(shape: Shape, seed: int = 0) -> tuple[np.ndarray, tuple[jax.Array, ...]]:
@@ -506,12 +532,14 @@ def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
   rows = []
   for op in ([o for o in ops if o in EP_OPS] if shape.ep > 1 else ops):
     if shape.ep > 1:
-      fns = _ep_candidates(op, shape, impl, sizes)
+      fns = _ep_candidates(op, shape, impl, sizes, baselines)
     else:
       fns = _candidates(op, shape, impl, impls, baselines)
     rows_done = int(sizes[: shape.g // shape.ep].sum()) if shape.ep > 1 else shape.m
     flops = 2 * rows_done * shape.k * shape.n * (3 if op == "fwdbwd" else 1)
     min_bytes = minimal_bytes(op, shape, sizes)
+    floors = {"local-rows": minimal_bytes(op, *local_rows_shape(shape, sizes))} \
+        if shape.ep > 1 else {}
     choice = auto_choice(op, shape) if impl is None and shape.ep == 1 else None
     # A "ragdot:<impl>" row that resolves to the automatic choice's kernels is
     # that row's timing, not a second sample of the same kernel (which would
@@ -554,6 +582,8 @@ def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
               ms, method = device_time_ms(exe, x, w, dy, gs, iterations=iterations,
                                           warmup_s=warmup_s)
             times[name].append(ms)
+            if sustained_s > 0:  # (its method names the clock and power: the last round's)
+              methods[name].clear()
             methods[name].add(method)
           except Exception as e:  # pylint: disable=broad-except
             errors[name] = f"error: {type(e).__name__}: {str(e)[:160]}"
@@ -577,7 +607,7 @@ def bench_shape(shape: Shape, ops: list[str], impl: str | None, iterations: int,
       row = dict(
           shape=shape.name, op=op, impl=name, m=shape.m, k=shape.k, n=shape.n,
           g=shape.g, ms=ms, tflops=flops / (ms * 1e-3) / 1e12 if ms == ms else float("nan"),
-          tbps=min_bytes / (ms * 1e-3) / 1e12 if ms == ms else float("nan"),
+          tbps=floors.get(name, min_bytes) / (ms * 1e-3) / 1e12 if ms == ms else float("nan"),
           vs_dense=_median(_ratios(base, ts)), vs_tokamax=_median(_ratios(tok, ts)),
           peak_mib=None if peak is None else peak / 2**20, compile_s=compile_s,
           method=method, routing="skewed" if shape.skewed else "routed")
@@ -866,10 +896,10 @@ def run(args: argparse.Namespace) -> int:
   if impls is None:
     impls = ["mosaic", "triton"] if jax.default_backend() == "gpu" else ["xla"]
   try:
-    shapes = preset_shapes(args.preset or ([] if args.shape else ["small"]), args.only)
+    shapes = select_shapes(preset_shapes(args.preset or ([] if args.shape else ["small"]))
+                           + list(args.shape), args.only)
   except ValueError as e:
-    return _usage_error(f"--only: {e}")
-  shapes += list(args.shape)
+    return _usage_error(f"--preset / --shape / --only: {e}")
   if args.json:
     try:  # before any timing: a bad path fails now, not after the first shape
       with open(args.json, "w") as f:

@@ -20,6 +20,7 @@ import json
 import jax
 import jax.numpy as jnp
 
+from ragdot import argtypes
 from ragdot.moe import functional as F
 from ragdot.moe.config import MoEConfig
 from ragdot.timing import SETTLE_S, device_time_ms
@@ -55,7 +56,7 @@ def make_step(cfg: MoEConfig, ragged_dot_fn):
 def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
-  parser.add_argument("--iterations", type=int, default=20)
+  parser.add_argument("--iterations", type=argtypes.positive_int, default=20)
   parser.add_argument("--implementation", default=None,
                       help="ragdot backend for the ragdot row (default: automatic)")
   parser.add_argument("--only", default=None, help="comma-separated subset of implementations")
@@ -76,6 +77,8 @@ def main(argv=None) -> list[dict]:
   fns = implementations()
   if args.only:
     keep = set(args.only.split(","))
+    if keep - set(fns):  # (a mistyped name would measure nothing)
+      parser.error(f"--only: {sorted(keep - set(fns))} not among the implementations {list(fns)}")
     fns = {k: v for k, v in fns.items() if k in keep}
   results = []
   for name, fn in fns.items():

@@ -39,6 +39,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from ragdot import argtypes  # noqa: E402
 from ragdot.moe import functional as F  # noqa: E402
 from ragdot.moe import parallel  # noqa: E402
 from ragdot.moe import routing as rt  # noqa: E402
@@ -160,12 +161,12 @@ def summary(rows: list[dict]) -> list[str]:
 def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--small", action="store_true")
-  parser.add_argument("--iterations", type=int, default=10)
+  parser.add_argument("--iterations", type=argtypes.positive_int, default=10)
   parser.add_argument("--json", default=None, help="rows so far are written after each ep")
   parser.add_argument("--plot", default=None, help="bar chart of the step times (PNG)")
   parser.add_argument("--from-json", default=None,
                       help="no run: summary (and --plot) of a JSON written by --json")
-  parser.add_argument("--ep", type=int, nargs="+", default=[1, 2, 4, 8],
+  parser.add_argument("--ep", type=argtypes.positive_int, nargs="+", default=[1, 2, 4, 8],
                       help="expert-parallel sizes, run in this order (those that fit)")
   args = parser.parse_args(argv)
   if args.from_json:
