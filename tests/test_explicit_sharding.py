@@ -235,3 +235,83 @@ def test_checked_calls_and_split_group_sizes():
                                                    implementation="xla"))(x, w, gs)
   np.testing.assert_allclose(out, ragdot.ragged_dot(x, w, SIZES, precision=HIGHEST,
                                                     implementation="xla"), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("types", ["explicit", "mixed"])
+def test_operands_placed_whole_on_an_explicit_mesh_without_set_mesh(types):
+  """Arrays placed unsplit (``P()``) on a mesh with explicit axes, called with no
+  mesh set: every op and its gradient run (the backends' zeros used to live on
+  no mesh: "dynamic_update_slice operand sharding must be equal to update
+  sharding"); on a mixed mesh the operands may also be split over the
+  automatic axis alone."""
+  axis_types = (AxisType.Explicit,) * 2 if types == "explicit" else (
+      AxisType.Explicit, AxisType.Auto)
+  mesh = jax.make_mesh((2, 4), ("dp", "ep"), axis_types=axis_types)
+  x, w, d = _operands()
+  gs = jnp.asarray(SIZES)
+  call = lambda x, w: ragdot.ragged_dot(x, w, gs, precision=HIGHEST, implementation="xla")
+  trans = lambda x, d: ragdot.trans_ragged_dot(x, d, gs, precision=HIGHEST, implementation="xla")
+  loss = lambda x, w: jnp.sum(call(x, w) * d)
+  want, want_t = call(x, w), trans(x, d)
+  want_grads = jax.grad(loss, (0, 1))(x, w)
+  specs = [(P(), P())] + ([(P(None, "ep"), P(None, "ep"))] if types == "mixed" else [])
+  for lspec, rspec in specs:
+    xs = jax.device_put(x, NamedSharding(mesh, lspec))
+    ws = jax.device_put(w, NamedSharding(mesh, rspec))
+    ds = jax.device_put(d, NamedSharding(mesh, P()))
+    np.testing.assert_allclose(jax.jit(call)(xs, ws), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(call(xs, ws), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(jax.jit(trans)(xs, ds), want_t, rtol=1e-5, atol=1e-5)
+    for got, exp in zip(jax.jit(jax.grad(loss, (0, 1)))(xs, ws), want_grads):
+      np.testing.assert_allclose(got, exp, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("types", ["explicit", "mixed-dp-explicit", "mixed-ep-explicit"])
+def test_inside_a_shard_map_over_some_axes_with_operands_split_over_others(types):
+  """ragdot inside a user's shard_map over "ep" (expert parallelism through
+  group_offset) with the tokens still split over an explicit "dp", and inside
+  one over "dp" with the contraction split over an explicit "ep": forward and
+  gradients match the unsplit op (a nested per-shard shard_map failed to lower
+  its transpose in jax 0.11.2; such calls now run on gathered operands)."""
+  axis_types = {"explicit": (AxisType.Explicit,) * 2,
+                "mixed-dp-explicit": (AxisType.Explicit, AxisType.Auto),
+                "mixed-ep-explicit": (AxisType.Auto, AxisType.Explicit)}[types]
+  mesh = jax.make_mesh((2, 4), ("dp", "ep"), axis_types=axis_types)
+  x, w, d = _operands()
+  gs = jnp.asarray(SIZES)
+  m = x.shape[0]
+  want = ragdot.ragged_dot(x, w, gs, precision=HIGHEST, implementation="xla")
+  want_grads = jax.grad(lambda x, w: jnp.sum(ragdot.ragged_dot(
+      x, w, gs, precision=HIGHEST, implementation="xla") * d), (0, 1))(x, w)
+  want_t = ragdot.trans_ragged_dot(x, d, gs, precision=HIGHEST, implementation="xla")
+
+  def per_ep(x, w):
+    off = jax.lax.axis_index("ep") * (G // 4)
+    return jax.lax.psum(ragdot.ragged_dot(x, w, gs, precision=HIGHEST, group_offset=off,
+                                          implementation="xla"), "ep")
+
+  def per_ep_trans(x, d):
+    off = jax.lax.axis_index("ep") * (G // 4)
+    return ragdot.trans_ragged_dot(x, d, gs, precision=HIGHEST, group_offset=off,
+                                   num_groups=G // 4, implementation="xla")
+
+  def per_dp(x, w):
+    rows = x.shape[0]
+    local = sharded.shard_sizes(gs, jax.lax.axis_index("dp") * rows, rows, m)
+    return ragdot.ragged_dot(x, w, local, precision=HIGHEST, implementation="xla")
+
+  with jax.set_mesh(mesh):
+    by_ep = jax.shard_map(per_ep, in_specs=(P(), P("ep")), out_specs=P(), axis_names={"ep"})
+    by_ep_t = jax.shard_map(per_ep_trans, in_specs=(P(), P()), out_specs=P("ep"),
+                            axis_names={"ep"})
+    by_dp = jax.shard_map(per_dp, in_specs=(P("dp"), P()), out_specs=P("dp"),
+                          axis_names={"dp"})
+    cases = [(by_ep, jax.device_put(x, P("dp")), jax.device_put(w, P("ep"))),
+             (by_dp, jax.device_put(x, P("dp", "ep")), jax.device_put(w, P(None, "ep")))]
+    for fn, xs, ws in cases:
+      np.testing.assert_allclose(jax.jit(fn)(xs, ws), want, rtol=1e-5, atol=1e-5)
+      grads = jax.jit(jax.grad(lambda x, w: jnp.sum(fn(x, w) * d), (0, 1)))(xs, ws)
+      for got, exp in zip(grads, want_grads):
+        np.testing.assert_allclose(got, exp, rtol=1e-5, atol=1e-5)
+    got_t = jax.jit(by_ep_t)(jax.device_put(x, P("dp")), jax.device_put(d, P("dp")))
+    np.testing.assert_allclose(got_t, want_t, rtol=1e-5, atol=1e-5)

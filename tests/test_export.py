@@ -167,3 +167,46 @@ def test_export_of_concrete_shapes_lowers_the_portable_form(pretend_h200, platfo
     else:
       for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+_SYMBOLIC_EXPLICIT = """
+import jax, jax.numpy as jnp, numpy as np
+from jax import export
+from jax.sharding import AxisType, PartitionSpec as P
+import ragdot
+mesh = jax.make_mesh((2, 4), ("dp", "ep"), axis_types=(AxisType.Explicit,) * 2)
+rng = np.random.default_rng(0)
+x = rng.standard_normal((64, 32), np.float32)
+w = rng.standard_normal((8, 32, 16), np.float32)
+gs = jnp.asarray([8, 0, 12, 4, 16, 8, 0, 10], jnp.int32)
+f = lambda x, w: ragdot.ragged_dot(x, w, gs, implementation="xla")
+with jax.set_mesh(mesh):
+  xs, ws = jax.device_put(x, P(None, "ep")), jax.device_put(w, P(None, "ep"))
+  (m,) = export.symbolic_shape("m")
+  exp = export.export(jax.jit(f))(
+      jax.ShapeDtypeStruct((m, 32), jnp.float32, sharding=xs.sharding),
+      jax.ShapeDtypeStruct(w.shape, jnp.float32, sharding=ws.sharding))
+  try:
+    out = exp.call(xs, ws)
+  except ValueError as e:  # as a plain jnp.dot's export fails here (jax 0.11.2)
+    print("refused:", str(e)[:80])
+  else:
+    want = jax.lax.ragged_dot(x, w, gs, precision="highest")
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-4, atol=1e-4)
+    print("ran")
+"""
+
+
+def test_symbolic_export_of_operands_split_over_explicit_axes_does_not_crash():
+  """A symbolic-shape export of a call whose contraction is split over
+  explicit axes: calling it crashed the process (segfault: the per-shard
+  shard_map with symbolic shapes).  Such calls now run on gathered operands,
+  so the call returns the product or raises ValueError as jax 0.11.2 does for
+  any symbolic export on an explicit mesh, a plain ``jnp.dot``'s too."""
+  import os, subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  done = subprocess.run([sys.executable, "-c", _SYMBOLIC_EXPLICIT], env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.startswith(("ran", "refused:")), done.stdout

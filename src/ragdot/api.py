@@ -293,7 +293,12 @@ def _scaled_call(lhs, rhs, scale, group_sizes, group_offset, transpose_rhs, prec
             implementation)
   layout = sharded.gmm_layout(lhs, rhs, transpose_rhs, gs, go, scale=scale)
   if layout is None:
-    out = _local_scaled_gmm(*static)(lhs, rhs, scale, gs, go)
+    with sharded.operands_mesh(lhs, rhs, scale):
+      out = _local_scaled_gmm(*static)(lhs, rhs, scale, gs, go)
+  elif sharded.runs_whole(lhs, rhs):
+    plain = sharded.gmm_layout(lhs, rhs, transpose_rhs, gs, go) or sharded.Layout(layout.mesh)
+    out = sharded.whole(layout, _local_scaled_gmm(*static), (plain.rows, plain.n),
+                        lhs, rhs, scale, gs, go)
   else:
     out = _scaled_per_shard(layout, *static)(lhs, rhs, scale, gs, go)
     # The result split as the plain call's would be (a split of rhs's n that the scale
@@ -386,8 +391,16 @@ def _gmm_sharded(lhs, rhs, group_sizes, group_offset, transpose_rhs, precision,
   local = _local_gmm(transpose_rhs, precision, out_dtype, implementation)
   layout = sharded.gmm_layout(lhs, rhs, transpose_rhs, group_sizes, group_offset)
   if layout is None:
-    return local(lhs, rhs, group_sizes, group_offset)
+    with sharded.operands_mesh(lhs, rhs):
+      return local(lhs, rhs, group_sizes, group_offset)
+  if sharded.runs_whole(lhs, rhs):
+    return sharded.whole(layout, local, (layout.rows, layout.n),
+                         lhs, rhs, group_sizes, group_offset)
   return sharded.gmm(lhs, rhs, group_sizes, group_offset, layout, transpose_rhs, local)
+
+
+def _with_num_groups(local, num_groups, lhs, rhs, group_sizes, group_offset):
+  return local(lhs, rhs, group_sizes, group_offset, num_groups)
 
 
 def _tgmm_sharded(lhs, rhs, group_sizes, group_offset, num_groups, precision,
@@ -397,7 +410,12 @@ def _tgmm_sharded(lhs, rhs, group_sizes, group_offset, num_groups, precision,
   local = _local_tgmm(precision, out_dtype, implementation)
   layout = sharded.tgmm_layout(lhs, rhs, group_sizes, group_offset)
   if layout is None:
-    return local(lhs, rhs, group_sizes, group_offset, num_groups)
+    with sharded.operands_mesh(lhs, rhs):
+      return local(lhs, rhs, group_sizes, group_offset, num_groups)
+  if sharded.runs_whole(lhs, rhs):
+    return sharded.whole(layout, functools.partial(_with_num_groups, local, num_groups),
+                         (layout.groups, layout.k, layout.n),
+                         lhs, rhs, group_sizes, group_offset)
   return sharded.tgmm(lhs, rhs, group_sizes, group_offset, num_groups, layout, local)
 
 

@@ -31,6 +31,7 @@ groups can be split too.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -62,6 +63,46 @@ def _mesh(*xs: Any) -> Any:
     if x is not None and any(split_dims(x)):
       return jax.typeof(x).sharding.mesh
   return None
+
+
+def operands_mesh(*xs: Any) -> Any:
+  """A context for a call whose operands are not split over explicit axes:
+  their mesh when no mesh is set (``jax.set_mesh``) and their types name one
+  with explicit axes (arrays placed whole on it), so that the arrays the
+  backends create (zeros, accumulators) live on the operands' mesh; else a
+  no-op.  (Without it XLA's backend failed: "dynamic_update_slice operand
+  sharding must be equal to update sharding", jax 0.11.2.)"""
+  if not jax.sharding.get_abstract_mesh().empty:
+    return contextlib.nullcontext()
+  for x in xs:
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None) \
+        if x is not None else None
+    if mesh is not None and not mesh.empty and any(
+        t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+      return jax.sharding.use_abstract_mesh(getattr(mesh, "abstract_mesh", mesh))
+  return contextlib.nullcontext()
+
+
+def runs_whole(*arrays: Any) -> bool:
+  """Whether a call split over explicit axes must run on gathered operands
+  (``whole``) rather than per shard, as JAX 0.11.2 fails the per-shard
+  shard_map: inside a ``shard_map`` (some mesh axes manual) the nested one's
+  transpose does not lower ("operand shape ... must match" / "axis already
+  bound"), and with symbolic dimensions (``jax.export``) calling the exported
+  program crashed the process."""
+  return bool(jax.sharding.get_abstract_mesh().manual_axes) or any(
+      jax.export.is_symbolic_dim(d) for a in arrays if a is not None for d in jnp.shape(a))
+
+
+def whole(layout: Layout, local: Callable[..., jax.Array], out_dims: tuple[Axes, ...],
+          *args: Any) -> jax.Array:
+  """``local(*args)`` on ``args`` gathered over their explicit axes (each
+  device computes the whole result), then split as the per-shard call's result
+  would be (``out_dims``, a slice): the form of a split call that ``runs_whole``."""
+  args = [a if a is None or not any(split_dims(a)) else jax.sharding.reshard(a, P())
+          for a in args]
+  out = local(*args)
+  return jax.sharding.reshard(out, partition_spec(*out_dims)) if any(out_dims) else out
 
 
 def _take(axes: Axes, size: int, mesh: Any, used: set[str]) -> Axes:

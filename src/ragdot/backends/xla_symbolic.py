@@ -28,6 +28,15 @@ def has_symbolic_dims(*arrays: Any) -> bool:
              for d in jnp.shape(a))
 
 
+def _unsplit() -> Any:
+  """``out_sharding`` for lax's ragged dot on unsplit operands: ``P()`` under a
+  mesh with explicit axes (lax cannot infer it there), else None.  (Operands
+  split over explicit axes reach this backend whole: ``sharded.runs_whole``.)"""
+  mesh = jax.sharding.get_abstract_mesh()
+  explicit = not mesh.empty and jax.sharding.AxisType.Explicit in mesh.axis_types
+  return jax.sharding.PartitionSpec() if explicit else None
+
+
 def _rotate(x: jax.Array, shift: jax.Array) -> jax.Array:
   """Rows ``[shift, shift + m)`` of ``x`` stacked twice: row i of the result
   is row ``(i + shift) % m`` of ``x``, for ``0 <= shift <= m``."""
@@ -62,7 +71,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
       lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
   out = lax.ragged_dot_general(
       _rotate(_in_window(lhs, lo, hi), lo), rhs, sizes, dims, precision=precision,
-      preferred_element_type=accumulation_dtype(lhs.dtype, out_dtype))
+      preferred_element_type=accumulation_dtype(lhs.dtype, out_dtype), out_sharding=_unsplit())
   return _in_window(cast_result(_rotate(out, m - lo), out_dtype), lo, hi)
 
 
@@ -79,5 +88,5 @@ def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
   acc = lax.ragged_dot_general(
       _rotate(_in_window(lhs, lo, hi), lo), _rotate(_in_window(rhs, lo, hi), lo), sizes,
       dims, precision=precision,
-      preferred_element_type=accumulation_dtype(lhs.dtype, out_dtype))
+      preferred_element_type=accumulation_dtype(lhs.dtype, out_dtype), out_sharding=_unsplit())
   return cast_result(acc, out_dtype)
