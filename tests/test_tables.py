@@ -465,3 +465,28 @@ def test_config_reprs_parse_back():
     assert type(config)(**fields) == config
   with pytest.raises(ValueError, match="block_m"):
     tune.parse_config_repr("MosaicFwdConfig(block_m=1.5)")
+
+
+def test_tune_writes_into_the_user_table_dir_when_one_is_set(tmp_path, monkeypatch):
+  """Without --table, ``ragdot tune`` writes the shipped table unless
+  RAGDOT_TABLE_DIR is set: then this kind's table there (it used to write into
+  the installed package even then)."""
+  from ragdot import tune  # pylint: disable=g-import-not-at-top
+  kind = "NVIDIA H200"
+  monkeypatch.delenv(tables.ENV_DIR, raising=False)
+  tables.clear_cache()
+  shipped = tune.default_table_path(kind)
+  assert shipped.parent == tables.TABLE_DIR and shipped.exists()
+  try:
+    monkeypatch.setenv(tables.ENV_DIR, str(tmp_path))
+    tables.clear_cache()
+    assert tune.default_table_path(kind) == tmp_path / tables.slug(kind)
+    table = tune.open_table(tune.default_table_path(kind), kind)
+    table.save()
+    tables.clear_cache()
+    assert tune.default_table_path(kind) == tmp_path / tables.slug(kind)
+    assert tune.default_table_path("NVIDIA A100-SXM4-80GB").parent == tmp_path
+  finally:
+    monkeypatch.delenv(tables.ENV_DIR)
+    tables.clear_cache()
+  assert tune.default_table_path(kind) == shipped

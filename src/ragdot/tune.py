@@ -337,11 +337,17 @@ def open_table(path: Path, device_kind: str) -> tables.Table:
 
 
 def default_table_path(device_kind: str) -> Path:
-  """The shipped table of this device kind (its own file, created if missing)."""
+  """Where ``ragdot tune`` writes without ``--table``: with ``RAGDOT_TABLE_DIR``
+  set, this device kind's table there (a new one inherits the table the kind
+  uses today); else its shipped table (created if missing), as a developer
+  tuning the package's own tables wants."""
+  user = os.environ.get(tables.ENV_DIR)
+  here = Path(user) if user else tables.TABLE_DIR
   for t in tables.all_tables():
-    if t.device_kind.lower() == device_kind.lower() and t.path is not None:
+    if (t.device_kind.lower() == device_kind.lower() and t.path is not None
+        and t.path.parent.resolve() == here.resolve()):
       return t.path
-  return tables.TABLE_DIR / tables.slug(device_kind)
+  return here / tables.slug(device_kind)
 
 
 def _done(table: tables.Table, task: Task, dtype_name: str) -> str | None:
@@ -651,7 +657,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            " fwd (both weight layouts) and dx; entries under"
                            " 'bfloat16+float8_e4m3fn'")
   parser.add_argument("--table", default=None,
-                      help="table file to merge into (default: this device's shipped table)")
+                      help="table file to merge into (default: this device's table in"
+                           " $RAGDOT_TABLE_DIR when set, else its shipped table)")
   parser.add_argument("--force", action="store_true", help="re-measure entries already measured")
   parser.add_argument("--dry-run", action="store_true", help="list candidates; run nothing")
   parser.add_argument("--budget-s", type=argtypes.positive_float, default=60.0, help="seconds per (op, shape)")
