@@ -297,7 +297,7 @@ def _scaled_call(lhs, rhs, scale, group_sizes, group_offset, transpose_rhs, prec
       out = _local_scaled_gmm(*static)(lhs, rhs, scale, gs, go)
   elif sharded.runs_whole(lhs, rhs):
     plain = sharded.gmm_layout(lhs, rhs, transpose_rhs, gs, go) or sharded.Layout(layout.mesh)
-    out = sharded.whole(layout, _local_scaled_gmm(*static), (plain.rows, plain.n),
+    out = sharded.whole(_local_scaled_gmm(*static), (plain.rows, plain.n),
                         lhs, rhs, scale, gs, go)
   else:
     out = _scaled_per_shard(layout, *static)(lhs, rhs, scale, gs, go)
@@ -394,13 +394,8 @@ def _gmm_sharded(lhs, rhs, group_sizes, group_offset, transpose_rhs, precision,
     with sharded.operands_mesh(lhs, rhs):
       return local(lhs, rhs, group_sizes, group_offset)
   if sharded.runs_whole(lhs, rhs):
-    return sharded.whole(layout, local, (layout.rows, layout.n),
-                         lhs, rhs, group_sizes, group_offset)
+    return sharded.whole(local, (layout.rows, layout.n), lhs, rhs, group_sizes, group_offset)
   return sharded.gmm(lhs, rhs, group_sizes, group_offset, layout, transpose_rhs, local)
-
-
-def _with_num_groups(local, num_groups, lhs, rhs, group_sizes, group_offset):
-  return local(lhs, rhs, group_sizes, group_offset, num_groups)
 
 
 def _tgmm_sharded(lhs, rhs, group_sizes, group_offset, num_groups, precision,
@@ -413,9 +408,8 @@ def _tgmm_sharded(lhs, rhs, group_sizes, group_offset, num_groups, precision,
     with sharded.operands_mesh(lhs, rhs):
       return local(lhs, rhs, group_sizes, group_offset, num_groups)
   if sharded.runs_whole(lhs, rhs):
-    return sharded.whole(layout, functools.partial(_with_num_groups, local, num_groups),
-                         (layout.groups, layout.k, layout.n),
-                         lhs, rhs, group_sizes, group_offset)
+    return sharded.whole(lambda *args: local(*args, num_groups),
+                         (layout.groups, layout.k, layout.n), lhs, rhs, group_sizes, group_offset)
   return sharded.tgmm(lhs, rhs, group_sizes, group_offset, num_groups, layout, local)
 
 

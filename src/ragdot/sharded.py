@@ -94,8 +94,7 @@ def runs_whole(*arrays: Any) -> bool:
       jax.export.is_symbolic_dim(d) for a in arrays if a is not None for d in jnp.shape(a))
 
 
-def whole(layout: Layout, local: Callable[..., jax.Array], out_dims: tuple[Axes, ...],
-          *args: Any) -> jax.Array:
+def whole(local: Callable[..., jax.Array], out_dims: tuple[Axes, ...], *args: Any) -> jax.Array:
   """``local(*args)`` on ``args`` gathered over their explicit axes (each
   device computes the whole result), then split as the per-shard call's result
   would be (``out_dims``, a slice): the form of a split call that ``runs_whole``."""
