@@ -264,6 +264,12 @@ def test_operands_placed_whole_on_an_explicit_mesh_without_set_mesh(types):
     np.testing.assert_allclose(jax.jit(trans)(xs, ds), want_t, rtol=1e-5, atol=1e-5)
     for got, exp in zip(jax.jit(jax.grad(loss, (0, 1)))(xs, ws), want_grads):
       np.testing.assert_allclose(got, exp, rtol=1e-5, atol=1e-5)
+  # the kernels too (interpret mode): the operands' mesh is entered by the XLA
+  # backend alone, so the custom partitioning of kernel calls stays on
+  xs = jax.device_put(x, NamedSharding(mesh, specs[-1][0]))
+  ws = jax.device_put(w, NamedSharding(mesh, specs[-1][1]))
+  got = jax.jit(lambda x, w: ragdot.ragged_dot(x, w, gs, implementation="triton"))(xs, ws)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("types", ["explicit", "mixed-dp-explicit", "mixed-ep-explicit"])
@@ -272,7 +278,8 @@ def test_inside_a_shard_map_over_some_axes_with_operands_split_over_others(types
   group_offset) with the tokens still split over an explicit "dp", and inside
   one over "dp" with the contraction split over an explicit "ep": forward and
   gradients match the unsplit op (a nested per-shard shard_map failed to lower
-  its transpose in jax 0.11.2; such calls now run on gathered operands)."""
+  its transpose in jax 0.11.2; such calls now take their tangents through the
+  op on gathered operands), and the forward gathers nothing."""
   axis_types = {"explicit": (AxisType.Explicit,) * 2,
                 "mixed-dp-explicit": (AxisType.Explicit, AxisType.Auto),
                 "mixed-ep-explicit": (AxisType.Auto, AxisType.Explicit)}[types]
@@ -310,6 +317,10 @@ def test_inside_a_shard_map_over_some_axes_with_operands_split_over_others(types
              (by_dp, jax.device_put(x, P("dp", "ep")), jax.device_put(w, P(None, "ep")))]
     for fn, xs, ws in cases:
       np.testing.assert_allclose(jax.jit(fn)(xs, ws), want, rtol=1e-5, atol=1e-5)
+      # the forward still runs per shard: nothing gathered (only the psum's all-reduce;
+      # rows over an automatic "dp" are XLA's to split, and it gathers them)
+      if types != "mixed-ep-explicit":
+        assert set(_collectives(fn, xs, ws)) <= {"all-reduce"}, _collectives(fn, xs, ws)
       grads = jax.jit(jax.grad(lambda x, w: jnp.sum(fn(x, w) * d), (0, 1)))(xs, ws)
       for got, exp in zip(grads, want_grads):
         np.testing.assert_allclose(got, exp, rtol=1e-5, atol=1e-5)

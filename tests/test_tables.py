@@ -482,6 +482,7 @@ def test_tune_writes_into_the_user_table_dir_when_one_is_set(tmp_path, monkeypat
     tables.clear_cache()
     assert tune.default_table_path(kind) == tmp_path / tables.slug(kind)
     table = tune.open_table(tune.default_table_path(kind), kind)
+    assert table.data["inherits"] == shipped.name  # (extends the table it shadows)
     table.save()
     tables.clear_cache()
     assert tune.default_table_path(kind) == tmp_path / tables.slug(kind)

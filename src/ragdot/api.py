@@ -293,11 +293,12 @@ def _scaled_call(lhs, rhs, scale, group_sizes, group_offset, transpose_rhs, prec
             implementation)
   layout = sharded.gmm_layout(lhs, rhs, transpose_rhs, gs, go, scale=scale)
   if layout is None:
-    with sharded.operands_mesh(lhs, rhs, scale):
-      out = _local_scaled_gmm(*static)(lhs, rhs, scale, gs, go)
-  elif sharded.runs_whole(lhs, rhs):
+    out = _local_scaled_gmm(*static)(lhs, rhs, scale, gs, go)
+  elif sharded.in_manual_region() or sharded.has_symbolic_dims(lhs, rhs):
+    # (the per-shard call's custom JVP splits its tangents per shard too: no
+    # transpose inside a shard_map; this one gathers the operands)
     plain = sharded.gmm_layout(lhs, rhs, transpose_rhs, gs, go) or sharded.Layout(layout.mesh)
-    out = sharded.whole(_local_scaled_gmm(*static), (plain.rows, plain.n),
+    out = sharded.whole(layout.mesh, _local_scaled_gmm(*static), (plain.rows, plain.n),
                         lhs, rhs, scale, gs, go)
   else:
     out = _scaled_per_shard(layout, *static)(lhs, rhs, scale, gs, go)
@@ -391,11 +392,21 @@ def _gmm_sharded(lhs, rhs, group_sizes, group_offset, transpose_rhs, precision,
   local = _local_gmm(transpose_rhs, precision, out_dtype, implementation)
   layout = sharded.gmm_layout(lhs, rhs, transpose_rhs, group_sizes, group_offset)
   if layout is None:
-    with sharded.operands_mesh(lhs, rhs):
-      return local(lhs, rhs, group_sizes, group_offset)
-  if sharded.runs_whole(lhs, rhs):
-    return sharded.whole(local, (layout.rows, layout.n), lhs, rhs, group_sizes, group_offset)
+    return local(lhs, rhs, group_sizes, group_offset)
+  if sharded.has_symbolic_dims(lhs, rhs):
+    return sharded.whole(layout.mesh, local, (layout.rows, layout.n),
+                         lhs, rhs, group_sizes, group_offset)
+  if sharded.in_manual_region():
+    return _nested_gmm(layout, transpose_rhs, local)(lhs, rhs, group_sizes, group_offset)
   return sharded.gmm(lhs, rhs, group_sizes, group_offset, layout, transpose_rhs, local)
+
+
+@functools.lru_cache(maxsize=256)
+def _nested_gmm(layout, transpose_rhs, local):
+  """The per-shard ``_gmm`` inside a shard_map (``sharded.bilinear_nested``)."""
+  return sharded.bilinear_nested(
+      lambda *args: sharded.gmm(*args, layout, transpose_rhs, local),
+      lambda *args: sharded.whole(layout.mesh, local, (layout.rows, layout.n), *args))
 
 
 def _tgmm_sharded(lhs, rhs, group_sizes, group_offset, num_groups, precision,
@@ -405,11 +416,15 @@ def _tgmm_sharded(lhs, rhs, group_sizes, group_offset, num_groups, precision,
   local = _local_tgmm(precision, out_dtype, implementation)
   layout = sharded.tgmm_layout(lhs, rhs, group_sizes, group_offset)
   if layout is None:
-    with sharded.operands_mesh(lhs, rhs):
-      return local(lhs, rhs, group_sizes, group_offset, num_groups)
-  if sharded.runs_whole(lhs, rhs):
-    return sharded.whole(lambda *args: local(*args, num_groups),
-                         (layout.groups, layout.k, layout.n), lhs, rhs, group_sizes, group_offset)
+    return local(lhs, rhs, group_sizes, group_offset, num_groups)
+  whole = lambda *args: sharded.whole(layout.mesh, lambda *a: local(*a, num_groups),
+                                      (layout.groups, layout.k, layout.n), *args)
+  if sharded.has_symbolic_dims(lhs, rhs):
+    return whole(lhs, rhs, group_sizes, group_offset)
+  if sharded.in_manual_region():
+    return sharded.bilinear_nested(
+        lambda *args: sharded.tgmm(*args, num_groups, layout, local), whole)(
+            lhs, rhs, group_sizes, group_offset)
   return sharded.tgmm(lhs, rhs, group_sizes, group_offset, num_groups, layout, local)
 
 

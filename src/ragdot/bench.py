@@ -839,7 +839,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--shape", action="append", default=[], type=parse_shape,
                       help="m,k,n,g[,top_k] (repeatable)")
   parser.add_argument("--only", nargs="+", default=None, metavar="NAME",
-                      help="of the presets' shapes, time only these (e.g. 'deepseek-v3 down')")
+                      help="of the presets' and --shape's shapes, time only these (e.g."
+                           " 'deepseek-v3 down'; a --shape is named m,k,n,g,top_k)")
   parser.add_argument("--ops", nargs="+", default=["fwd", "dx", "dw", "fwdbwd"],
                       choices=["fwd", "dx", "dw", "fwdbwd"])
   parser.add_argument("--implementation", default=None, choices=IMPLEMENTATIONS,

@@ -23,7 +23,10 @@ block, and the result's type keeps the split:
 
 An axis named in two roles keeps the first (rows, then columns, groups,
 contraction); the other operand is gathered along it, as is a dimension its
-axes do not divide.  Gradients flow through ``shard_map``: dX and dW run per shard too.
+axes do not divide.  Gradients flow through ``shard_map``: dX and dW run per shard too,
+except inside a user's shard_map, where the tangents run on gathered operands
+(``bilinear_nested``: JAX 0.11.2 cannot transpose the nested shard_map), and with
+symbolic shapes, where the whole call does (``has_symbolic_dims``).
 The per-shard bodies (``gmm_shard``, ``tgmm_shard``) also serve operands split
 over automatic axes (``ragdot.auto_sharding``), where a weight gradient's
 groups can be split too.
@@ -68,10 +71,12 @@ def _mesh(*xs: Any) -> Any:
 def operands_mesh(*xs: Any) -> Any:
   """A context for a call whose operands are not split over explicit axes:
   their mesh when no mesh is set (``jax.set_mesh``) and their types name one
-  with explicit axes (arrays placed whole on it), so that the arrays the
-  backends create (zeros, accumulators) live on the operands' mesh; else a
-  no-op.  (Without it XLA's backend failed: "dynamic_update_slice operand
-  sharding must be equal to update sharding", jax 0.11.2.)"""
+  with explicit axes (arrays placed whole on it), so that the arrays the XLA
+  backend creates (zeros, accumulators) live on the operands' mesh; else a
+  no-op.  (Without it that backend failed: "dynamic_update_slice operand
+  sharding must be equal to update sharding", jax 0.11.2.)  Only the XLA
+  backends enter it: around a whole call it would also turn off the custom
+  partitioning of kernel calls (``auto_sharding.enabled`` reads the mesh set)."""
   if not jax.sharding.get_abstract_mesh().empty:
     return contextlib.nullcontext()
   for x in xs:
@@ -83,25 +88,56 @@ def operands_mesh(*xs: Any) -> Any:
   return contextlib.nullcontext()
 
 
-def runs_whole(*arrays: Any) -> bool:
-  """Whether a call split over explicit axes must run on gathered operands
-  (``whole``) rather than per shard, as JAX 0.11.2 fails the per-shard
-  shard_map: inside a ``shard_map`` (some mesh axes manual) the nested one's
-  transpose does not lower ("operand shape ... must match" / "axis already
-  bound"), and with symbolic dimensions (``jax.export``) calling the exported
-  program crashed the process."""
-  return bool(jax.sharding.get_abstract_mesh().manual_axes) or any(
-      jax.export.is_symbolic_dim(d) for a in arrays if a is not None for d in jnp.shape(a))
+def in_manual_region() -> bool:
+  """Inside a ``shard_map`` (some mesh axes manual).  A per-shard call there
+  nests a second shard_map: its forward runs, but JAX 0.11.2 fails to lower its
+  transpose ("operand shape ... must match" / "axis already bound"), so such
+  calls take their tangents through ``whole`` (``bilinear_nested``)."""
+  return bool(jax.sharding.get_abstract_mesh().manual_axes)
 
 
-def whole(local: Callable[..., jax.Array], out_dims: tuple[Axes, ...], *args: Any) -> jax.Array:
-  """``local(*args)`` on ``args`` gathered over their explicit axes (each
-  device computes the whole result), then split as the per-shard call's result
-  would be (``out_dims``, a slice): the form of a split call that ``runs_whole``."""
-  args = [a if a is None or not any(split_dims(a)) else jax.sharding.reshard(a, P())
-          for a in args]
+def has_symbolic_dims(*arrays: Any) -> bool:
+  """Whether any of ``arrays`` has a symbolic dimension (``jax.export``).  A
+  per-shard shard_map of such operands crashed the process when the exported
+  program was called (jax 0.11.2): such calls run ``whole``."""
+  return any(jax.export.is_symbolic_dim(d) for a in arrays if a is not None
+             for d in jnp.shape(a))
+
+
+def whole(mesh: Any, local: Callable[..., jax.Array], out_dims: tuple[Axes, ...],
+          *args: Any) -> jax.Array:
+  """``local(*args)`` on ``args`` gathered over their explicit axes of ``mesh``
+  (each device computes the whole result), then split as the per-shard call's
+  result would be (``out_dims``, a slice of it)."""
+  args = [a if a is None or not any(split_dims(a))
+          else jax.sharding.reshard(a, NamedSharding(mesh, P())) for a in args]
   out = local(*args)
-  return jax.sharding.reshard(out, partition_spec(*out_dims)) if any(out_dims) else out
+  if not any(out_dims):
+    return out
+  return jax.sharding.reshard(out, NamedSharding(mesh, partition_spec(*out_dims)))
+
+
+def bilinear_nested(per_shard: Callable[..., jax.Array],
+                    gathered: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+  """``per_shard(lhs, rhs, *rest)``, an op linear in lhs and in rhs, for use
+  inside a shard_map (``in_manual_region``): its value per shard, its tangents
+  (hence, transposed, its gradients) through ``gathered`` (the same op on
+  gathered operands, ``whole``), whose transpose JAX lowers.  The forward stays
+  split; the backward computes whole products on every device."""
+  @jax.custom_jvp
+  def call(lhs, rhs, *rest):
+    return per_shard(lhs, rhs, *rest)
+
+  def jvp(primals, tangents):
+    lhs, rhs, *rest = primals
+    out = call(*primals)
+    zero = lambda t: isinstance(t, jax.custom_derivatives.SymbolicZero)
+    terms = ([] if zero(tangents[0]) else [gathered(tangents[0], rhs, *rest)]) + (
+        [] if zero(tangents[1]) else [gathered(lhs, tangents[1], *rest)])
+    return out, functools.reduce(jnp.add, terms) if terms else jnp.zeros_like(out)
+
+  call.defjvp(jvp, symbolic_zeros=True)
+  return call
 
 
 def _take(axes: Axes, size: int, mesh: Any, used: set[str]) -> Axes:

@@ -10,6 +10,7 @@ Memory stays O(m*k + g*k*n + m*n): unlike XLA's dense rewrite of
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ragdot import metadata as md
+from ragdot import sharded
 from ragdot.manual_axes import make_varying, varying_axes
 from ragdot.validate import accumulation_dtype
 
@@ -56,6 +58,18 @@ def _tile_rows(sched: md.TileSchedule, t: jax.Array, m: int, bm: int):
   return first, mask
 
 
+def on_operands_mesh(fn):
+  """``fn(lhs, rhs, ...)`` under the operands' mesh when none is set and they
+  sit whole on a mesh with explicit axes (``sharded.operands_mesh``): the
+  zeros it writes into must live on that mesh."""
+  @functools.wraps(fn)
+  def run(lhs, rhs, *args, **kwargs):
+    with sharded.operands_mesh(lhs, rhs):
+      return fn(lhs, rhs, *args, **kwargs)
+  return run
+
+
+@on_operands_mesh
 def gmm(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -106,6 +120,7 @@ def cast_result(acc: jax.Array, out_dtype: Any) -> jax.Array:
   return acc.astype(out_dtype)
 
 
+@on_operands_mesh
 def tgmm(
     lhs: jax.Array,
     rhs: jax.Array,

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import export, lax
 
 from ragdot import metadata as md
-from ragdot.backends.xla import cast_result
+from ragdot.backends.xla import on_operands_mesh, cast_result
 from ragdot.validate import accumulation_dtype
 
 
@@ -58,6 +58,7 @@ def _in_window(x: jax.Array, lo: jax.Array, hi: jax.Array) -> jax.Array:
   return jnp.where((rows >= lo) & (rows < hi), x, jnp.zeros((), x.dtype))
 
 
+@on_operands_mesh
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
         group_offset: jax.Array | None, *, transpose_rhs: bool, out_dtype: Any,
         precision: Any) -> jax.Array:
@@ -75,6 +76,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
   return _in_window(cast_result(_rotate(out, m - lo), out_dtype), lo, hi)
 
 
+@on_operands_mesh
 def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
          group_offset: jax.Array | None, *, num_groups: int, out_dtype: Any,
          precision: Any) -> jax.Array:
