@@ -38,7 +38,7 @@ _ARRAYS = ("lhs", "rhs", "group_sizes", "group_offset")
 
 
 def _run(op: dispatch.Op, implementation: str | None, **kwargs) -> jax.Array:
-  if xla_symbolic.has_symbolic_dims(kwargs["lhs"], kwargs["rhs"], kwargs["group_sizes"]):
+  if sharded.has_symbolic_dims(kwargs["lhs"], kwargs["rhs"], kwargs["group_sizes"]):
     return _run_symbolic(op, implementation, **kwargs)
   choice = dispatch.choose(op, implementation, **dispatch.facts(op, **kwargs))
   arrays = {name: kwargs.pop(name) for name in _ARRAYS if name in kwargs}

@@ -15,23 +15,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import export, lax
+from jax import lax
 
 from ragdot import metadata as md
-from ragdot.backends.xla import on_operands_mesh, cast_result
+from ragdot.backends.xla import cast_result, on_operands_mesh
 from ragdot.validate import accumulation_dtype
-
-
-def has_symbolic_dims(*arrays: Any) -> bool:
-  """Whether any of ``arrays`` (None skipped) has a symbolic dimension."""
-  return any(export.is_symbolic_dim(d) for a in arrays if a is not None
-             for d in jnp.shape(a))
 
 
 def _unsplit() -> Any:
   """``out_sharding`` for lax's ragged dot on unsplit operands: ``P()`` under a
   mesh with explicit axes (lax cannot infer it there), else None.  (Operands
-  split over explicit axes reach this backend whole: ``sharded.runs_whole``.)"""
+  split over explicit axes reach this backend whole: ``sharded.whole``.)"""
   mesh = jax.sharding.get_abstract_mesh()
   explicit = not mesh.empty and jax.sharding.AxisType.Explicit in mesh.axis_types
   return jax.sharding.PartitionSpec() if explicit else None
