@@ -393,20 +393,10 @@ def _gmm_sharded(lhs, rhs, group_sizes, group_offset, transpose_rhs, precision,
   layout = sharded.gmm_layout(lhs, rhs, transpose_rhs, group_sizes, group_offset)
   if layout is None:
     return local(lhs, rhs, group_sizes, group_offset)
-  if sharded.has_symbolic_dims(lhs, rhs):
-    return sharded.whole(layout.mesh, local, (layout.rows, layout.n),
-                         lhs, rhs, group_sizes, group_offset)
-  if sharded.in_manual_region():
-    return _nested_gmm(layout, transpose_rhs, local)(lhs, rhs, group_sizes, group_offset)
-  return sharded.gmm(lhs, rhs, group_sizes, group_offset, layout, transpose_rhs, local)
-
-
-@functools.lru_cache(maxsize=256)
-def _nested_gmm(layout, transpose_rhs, local):
-  """The per-shard ``_gmm`` inside a shard_map (``sharded.bilinear_nested``)."""
-  return sharded.bilinear_nested(
+  return sharded.split_call(
       lambda *args: sharded.gmm(*args, layout, transpose_rhs, local),
-      lambda *args: sharded.whole(layout.mesh, local, (layout.rows, layout.n), *args))
+      lambda *args: sharded.whole(layout.mesh, local, (layout.rows, layout.n), *args),
+      lhs, rhs, group_sizes, group_offset)
 
 
 def _tgmm_sharded(lhs, rhs, group_sizes, group_offset, num_groups, precision,
@@ -417,15 +407,11 @@ def _tgmm_sharded(lhs, rhs, group_sizes, group_offset, num_groups, precision,
   layout = sharded.tgmm_layout(lhs, rhs, group_sizes, group_offset)
   if layout is None:
     return local(lhs, rhs, group_sizes, group_offset, num_groups)
-  whole = lambda *args: sharded.whole(layout.mesh, lambda *a: local(*a, num_groups),
-                                      (layout.groups, layout.k, layout.n), *args)
-  if sharded.has_symbolic_dims(lhs, rhs):
-    return whole(lhs, rhs, group_sizes, group_offset)
-  if sharded.in_manual_region():
-    return sharded.bilinear_nested(
-        lambda *args: sharded.tgmm(*args, num_groups, layout, local), whole)(
-            lhs, rhs, group_sizes, group_offset)
-  return sharded.tgmm(lhs, rhs, group_sizes, group_offset, num_groups, layout, local)
+  return sharded.split_call(
+      lambda *args: sharded.tgmm(*args, num_groups, layout, local),
+      lambda *args: sharded.whole(layout.mesh, lambda *a: local(*a, num_groups),
+                                  (layout.groups, layout.k, layout.n), *args),
+      lhs, rhs, group_sizes, group_offset)
 
 
 # --- checked mode ---------------------------------------------------------------

@@ -273,6 +273,11 @@ def ragdot_names(impls: list[str] | None, impl: str | None) -> dict[str, str | N
   return names
 
 
+def _wanted(baselines: bool | Collection[str]) -> set[str]:
+  """The baseline names ``baselines`` (True: all of BASELINES; False: none) asks for."""
+  return set(BASELINES if baselines is True else baselines or ())
+
+
 def _candidates(op: str, shape: Shape, impl: str | None,
                 impls: list[str] | None = None,
                 baselines: bool | Collection[str] = True) -> dict[str, Callable]:
@@ -282,7 +287,7 @@ def _candidates(op: str, shape: Shape, impl: str | None,
   """
   fns: dict[str, Callable] = {
       name: _ragdot_fns(op, i) for name, i in ragdot_names(impls, impl).items()}
-  wanted = set(BASELINES if baselines is True else baselines or ())
+  wanted = _wanted(baselines)
   if not wanted:
     return fns
   tk = _tokamax() if "tokamax" in wanted else None
@@ -433,7 +438,7 @@ def _ep_candidates(op: str, shape: Shape, impl: str | None, sizes: np.ndarray,
     step = _value_and_grads(f)
     return lambda x, w, dy, gs: step(x[:n_rows], w[:local], dy[:n_rows], gs)
 
-  tk = _tokamax() if baselines is True or "tokamax" in (baselines or ()) else None
+  tk = _tokamax() if "tokamax" in _wanted(baselines) else None
   if op == "fwd":
     fns = {"ragdot": lambda x, w, dy, gs: offset_fwd(x, w[:local], gs),
            "masked": lambda x, w, dy, gs: masked_fwd(x, w[:local], gs),

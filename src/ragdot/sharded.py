@@ -140,6 +140,18 @@ def bilinear_nested(per_shard: Callable[..., jax.Array],
   return call
 
 
+def split_call(per_shard: Callable[..., jax.Array], gathered: Callable[..., jax.Array],
+               lhs: jax.Array, rhs: jax.Array, *rest: Any) -> jax.Array:
+  """A bilinear op on operands split over explicit axes: ``per_shard``, or
+  ``gathered`` (``whole``) with symbolic shapes, or the per-shard value with
+  gathered tangents inside a shard_map (``bilinear_nested``)."""
+  if has_symbolic_dims(lhs, rhs):
+    return gathered(lhs, rhs, *rest)
+  if in_manual_region():
+    return bilinear_nested(per_shard, gathered)(lhs, rhs, *rest)
+  return per_shard(lhs, rhs, *rest)
+
+
 def _take(axes: Axes, size: int, mesh: Any, used: set[str]) -> Axes:
   """``axes`` less those already used, or () if they do not divide ``size``."""
   axes = tuple(a for a in axes if a not in used)
