@@ -215,3 +215,29 @@ def test_symbolic_export_of_operands_split_over_explicit_axes_does_not_crash():
                         capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr[-2000:]
   assert done.stdout.startswith(("ran", "refused:")), done.stdout
+
+
+def test_exported_kernel_call_is_traced_again_while_exporting(pretend_h200, monkeypatch):
+  """An explicit Mosaic call, exported for CUDA: its kernel is traced again
+  with ``exporting()`` true, so that its schedule is built by XLA ops (the
+  GPU's Pallas-Triton schedule kernels do not export).  custom_partitioning
+  caches its trace per function, so the partitioned call would reuse the
+  bind's trace, built for the GPU (test_gpu's export_for_cuda[mosaic], 66a)."""
+  del pretend_h200
+  from ragdot import backends  # pylint: disable=g-import-not-at-top
+  from ragdot import traced_primitive  # pylint: disable=g-import-not-at-top
+  seen = []
+  kernels = backends.schedule_kernels
+
+  def spy(interpret):
+    seen.append(traced_primitive.exporting())
+    return kernels(interpret)
+
+  monkeypatch.setattr(backends, "schedule_kernels", spy)
+  x, w = oracle.random_inputs(jax.random.key(4), [(256, 64), (3, 64, 128)], jnp.bfloat16)
+  gs = jnp.asarray([70, 0, 130], jnp.int32)
+  f = lambda x, w: ragdot.ragged_dot(x, w, gs, group_offset=jnp.int32(1),
+                                     implementation="mosaic")
+  exp = export.export(jax.jit(f), platforms=("cuda",))(x, w)
+  assert "mosaic_gpu" in exp.mlir_module()
+  assert seen and not seen[0] and seen[-1], seen  # the bind's trace, then the export's

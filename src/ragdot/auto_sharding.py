@@ -101,8 +101,10 @@ def _call(op: tuple[str, bool, int | None], kernel: Kernel, static: Any,
   plain = _plain(kernel, static, op[2], fixed)
   # Eager on one device there is nothing to split, and the plain call compiles
   # its kernel once (``api._run``); a custom-partitioned one would trace anew.
-  if eager or not partition or _has_effects(kernel, static, op[2], fixed,
-                                            tuple((a.shape, a.dtype) for a in args)):
+  # In jax.export's trace the plain call too: custom_partitioning caches its trace
+  # per function, so it would reuse the bind's (whose schedule kernel export refuses).
+  if eager or not partition or tp.exporting() or _has_effects(
+      kernel, static, op[2], fixed, tuple((a.shape, a.dtype) for a in args)):
     return plain(*args)
   return _partitioned(op, kernel, static, len(args), fixed)(*args)
 
