@@ -36,6 +36,16 @@ def _mesh(n, name="ep", axis_type=jax.sharding.AxisType.Auto):
     (dict(num_adapters=2, lora_targets="down"), TypeError, "lora_targets"),
     (dict(num_adapters=2, lora_targets=["gate"]), ValueError, "lora_targets"),
     (dict(num_adapters=2, lora_targets=["down", "down"]), ValueError, "duplicates"),
+    (dict(routed_scaling_factor="2.5"), TypeError, "routed_scaling_factor"),
+    (dict(routed_scaling_factor=None), TypeError, "routed_scaling_factor"),
+    (dict(routed_scaling_factor=float("nan")), ValueError, "routed_scaling_factor"),
+    (dict(routed_scaling_factor=-1.0), ValueError, "routed_scaling_factor"),
+    (dict(renormalize="False"), TypeError, "renormalize"),
+    (dict(fused_gate_up=1), TypeError, "fused_gate_up"),
+    (dict(freeze_base=None), TypeError, "freeze_base"),
+    (dict(num_adapters=2, lora_alpha="x"), TypeError, "lora_alpha"),
+    (dict(implementation=3), ValueError, "implementation"),
+    (dict(implementation="cuda"), ValueError, "implementation"),
 ])
 def test_bad_config_raises_naming_the_field(change, error, names):
   with pytest.raises(error, match=names):

@@ -75,6 +75,12 @@ def test_deepseek_rejects_bad_groups():
     rt.deepseek_top_k(jnp.zeros((2, 10)), 2, n_group=3, topk_group=1)
   with pytest.raises(ValueError):
     rt.deepseek_top_k(jnp.zeros((2, 8)), 4, n_group=4, topk_group=1)
+  with pytest.raises(ValueError, match="n_group"):  # (not a ZeroDivisionError)
+    rt.deepseek_top_k(jnp.zeros((2, 8)), 2, n_group=0)
+  for top_k in (0, 9):
+    for fn in (rt.deepseek_top_k, rt.softmax_top_k):
+      with pytest.raises(ValueError, match="top_k"):
+        fn(jnp.zeros((2, 8)), top_k)
 
 
 def test_softmax_top_k_and_layout_with_adapters():

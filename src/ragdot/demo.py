@@ -181,7 +181,9 @@ def main(argv=None) -> None:
   parser.add_argument("--top-k", type=pos, default=2)
   parser.add_argument("--layers", type=pos, default=2, help="MoE layers")
   parser.add_argument("--lr", type=argtypes.positive_float, default=3e-3, help="peak rate")
-  parser.add_argument("--routing", choices=("softmax", "deepseek"), default="softmax")
+  parser.add_argument("--routing", choices=("softmax", "deepseek"), default="softmax",
+                      help="softmax top-k (Qwen3, Mixtral) or DeepSeek-V3's sigmoid top-k,"
+                           " here over 4 expert groups of which a token may use 2")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--dp", type=argtypes.nonnegative_int, default=0,
                       help="data-parallel ways: the batch is split over mesh axis \"dp\", the"

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
 
+from ragdot.backends import IMPLEMENTATIONS
 from ragdot.moe.routing import check_expert_groups
 
 
@@ -18,9 +20,13 @@ class MoEConfig:
   num_experts, top_k: E and k.
   scoring: "softmax" (Qwen3/Mixtral) or "deepseek" (sigmoid + bias, group-limited).
   n_group, topk_group: DeepSeek group-limited routing (ignored for softmax).
-  routed_scaling_factor: multiplies the combine weights; renormalize: make the
-    k weights of a token sum to 1 before scaling.
-  fused_gate_up: one [E, d, 2f] projection instead of gate and up [E, d, f].
+  routed_scaling_factor: multiplies the combine weights (finite, > 0); renormalize:
+    make the k weights of a token sum to 1 before scaling.  DeepSeek-V3's values:
+    ``scoring="deepseek", n_group=8, topk_group=4, routed_scaling_factor=2.5`` (its
+    shared expert is not part of this block: add it beside, as the model does).
+  fused_gate_up: one [E, d, 2f] projection instead of gate and up [E, d, f]; its
+    columns [:f] are the gate, [f:] the up projection (transformers' fused
+    ``gate_up_proj`` halves, transposed; gpt-oss interleaves them instead).
   num_adapters: LoRA adapters per expert (0: no LoRA); lora_rank, lora_alpha:
     LoRA rank r and scale alpha / r; lora_targets: projections with LoRA
     (names among "gate_up" or "gate", "up", and "down").
@@ -53,6 +59,16 @@ class MoEConfig:
     _check_int("num_adapters", self.num_adapters, minimum=0)
     if self.num_adapters:
       _check_int("lora_rank", self.lora_rank, minimum=1)
+      _check_finite("lora_alpha", self.lora_alpha)
+    _check_finite("routed_scaling_factor", self.routed_scaling_factor)
+    if not self.routed_scaling_factor > 0:
+      raise ValueError(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
+    for name in ("renormalize", "fused_gate_up", "freeze_base"):
+      if not isinstance(getattr(self, name), (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+    if self.implementation is not None and self.implementation not in IMPLEMENTATIONS:
+      raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, "
+                       f"got {self.implementation!r}")
     if self.scoring not in ("softmax", "deepseek"):
       raise ValueError(f"scoring must be 'softmax' or 'deepseek', got {self.scoring!r}")
     if not 1 <= self.top_k <= self.num_experts:
@@ -101,3 +117,11 @@ def _check_int(name: str, value: Any, *, minimum: int) -> None:
     raise TypeError(f"{name} must be an int, got {value!r}")
   if value < minimum:
     raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_finite(name: str, value: Any) -> None:
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
+                                                                   np.floating)):
+    raise TypeError(f"{name} must be a real number, got {value!r}")
+  if not math.isfinite(value):
+    raise ValueError(f"{name} must be finite, got {value}")

@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.interpreters import ad
+import numpy as np
 
 from ragdot import traced_primitive as tp
 from ragdot.manual_axes import make_varying, varying_axes
@@ -74,6 +75,7 @@ class Assignment:
 def softmax_top_k(logits: jax.Array, top_k: int, *, renormalize: bool = True,
                   routed_scaling_factor: float = 1.0) -> tuple[jax.Array, jax.Array]:
   """Softmax top-k of ``logits[tokens, E]`` in f32 -> (weights, experts)."""
+  _check_top_k(top_k, logits.shape[-1])
   probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
   weights, experts = jax.lax.top_k(probs, top_k)
   if renormalize:
@@ -81,10 +83,23 @@ def softmax_top_k(logits: jax.Array, top_k: int, *, renormalize: bool = True,
   return weights * routed_scaling_factor, experts.astype(jnp.int32)
 
 
+def _check_top_k(top_k: int, num_experts: int) -> None:
+  if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)):
+    raise TypeError(f"top_k must be an int, got {top_k!r}")
+  if not 1 <= top_k <= num_experts:
+    raise ValueError(f"need 1 <= top_k <= num_experts, got top_k={top_k}, E={num_experts}")
+
+
 def check_expert_groups(num_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
   """Raise ValueError unless DeepSeek's group-limited routing can choose ``top_k``
   of ``num_experts`` experts split into ``n_group`` groups, ``topk_group`` of them
   open to a token."""
+  _check_top_k(top_k, num_experts)
+  for name, value in (("n_group", n_group), ("topk_group", topk_group)):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+      raise TypeError(f"{name} must be an int, got {value!r}")
+  if n_group < 1:
+    raise ValueError(f"n_group must be >= 1, got {n_group}")
   if num_experts % n_group:
     raise ValueError(f"n_group={n_group} must divide num_experts={num_experts}")
   if not 1 <= topk_group <= n_group or top_k > topk_group * (num_experts // n_group):
