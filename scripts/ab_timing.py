@@ -1,6 +1,6 @@
 """A/B of the timing method itself: every timed iteration in one CUPTI
 measurement (before v18i: the profiler keeps all their outputs alive) against
-measurements split to keep at most ``timing.OUTPUT_BUDGET_BYTES`` of outputs
+measurements split to keep at most ``timing.output_budget_bytes()`` of outputs
 alive (since v18i).  GPU machine.
 
   python3 scripts/ab_timing.py OUT_DIR [--preset training] [--shapes NAME ...]
@@ -37,7 +37,7 @@ def main() -> None:
   p.add_argument("--iterations", type=int, default=20)
   args = p.parse_args()
   os.makedirs(args.out_dir, exist_ok=True)
-  split_budget = timing.OUTPUT_BUDGET_BYTES
+  split_budget = timing.output_budget_bytes()
   rows = []
   for s in bench.preset_shapes(args.preset, args.shapes):
     if s.ep > 1:
@@ -56,7 +56,7 @@ def main() -> None:
             timing.OUTPUT_BUDGET_BYTES = budget
             times[method].append(timing.device_time_ms(
                 f, *inputs, iterations=args.iterations, warmup_s=timing.SETTLE_S)[0])
-        timing.OUTPUT_BUDGET_BYTES = split_budget
+        timing.OUTPUT_BUDGET_BYTES = None
         med = {m: float(statistics.median(t)) for m, t in times.items()}
         row = dict(shape=s.name, op=op, name=name, output_mib=size / 2**20, **med,
                    split_over_whole=med["split"] / med["whole"],

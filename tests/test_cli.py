@@ -7,6 +7,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import jax
@@ -24,7 +26,7 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 def test_info(capsys, monkeypatch):
   assert cli.main(["info", "--preset", "small"]) == 0
   out = capsys.readouterr().out
-  assert "jax 0.11.2" in out and "platform cpu" in out and "xla" in out
+  assert f"jax {jax.__version__}" in out and "platform cpu" in out and "xla" in out
   assert "automatic sharding: per shard" in out
   monkeypatch.setenv("RAGDOT_AUTO_PARTITION", "0")
   assert cli.main(["info", "--preset", "small"]) == 0
@@ -423,9 +425,57 @@ print("not reached", flush=True)
   p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
   assert p.returncode == 3, p.stderr
   assert "survived" in p.stdout and "not reached" not in p.stdout
-  assert "candidate-x" in p.stderr and mark.read_text() == "candidate-x"
-  with pytest.raises(ValueError, match="limit_s"):
-    Watchdog(0)
+  assert "candidate-x ran for more than 0.4 s" in p.stderr and mark.read_text() == "candidate-x"
+  for bad, error in ((0, ValueError), (float("inf"), ValueError), ("5", TypeError),
+                     (None, TypeError), (True, TypeError)):
+    with pytest.raises(error, match="limit_s"):
+      Watchdog(bad)
+
+
+def test_watchdog_ends_the_process_even_when_its_hook_blocks():
+  code = """
+import threading, time
+from ragdot import watchdog
+watchdog.ON_HANG_S = 0.5
+w = watchdog.Watchdog(0.2, on_hang=lambda label: threading.Event().wait())
+w.arm("x"); time.sleep(20)
+"""
+  t = time.time()
+  p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+  assert p.returncode == 3 and time.time() - t < 15, p.stderr
+
+
+def test_a_closed_watchdog_stops_watching():
+  def watching():
+    return sum(t.name == "ragdot-watchdog" for t in threading.enumerate())
+
+  before = watching()
+  dogs = [Watchdog(0.1) for _ in range(5)]
+  assert watching() == before + 5
+  for d in dogs:
+    d.close()
+  with Watchdog(0.1) as d:
+    d.arm("closed before it fires")
+  deadline = time.time() + 5
+  while watching() > before and time.time() < deadline:
+    time.sleep(0.05)
+  assert watching() == before
+  time.sleep(0.3)  # (armed, but closed: the process lives on)
+
+
+def test_hang_limit_shorter_than_a_sustained_window_is_refused(capsys):
+  assert cli.main(["bench", "--shape", "256,64,64,4", "--ops", "fwd", "--no-baselines",
+                   "--sustained-s", "2", "--hang-s", "1.5"]) == 2
+  assert "--hang-s 1.5 must exceed --sustained-s 2" in capsys.readouterr().err
+  assert cli.main(["tune", "--dry-run", "--sustained-s", "2", "--hang-s", "2"]) == 2
+  assert "--hang-s 2 must exceed --sustained-s 2" in capsys.readouterr().err
+
+
+def test_info_refuses_an_empty_device_kind_before_printing(capsys):
+  assert cli.main(["info", "--device-kind", ""]) == 2
+  assert cli.main(["info", "--compute-capability", "9.0"]) == 2
+  captured = capsys.readouterr()
+  assert captured.out == "" and "--device-kind" in captured.err
 
 
 @pytest.mark.parametrize("op", ["fwd", "dw", "fwdbwd"])

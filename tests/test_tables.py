@@ -400,6 +400,7 @@ def test_tune_task_rearms_the_watchdog_for_each_sustained_window(monkeypatch):
   entry = tune.tune_task(task, jnp.bfloat16, time_mod.time() + 60, iterations=2, repeats=2,
                          jobs=1, sustained_s=0.6, watchdog=dog)
   time_mod.sleep(0.3)  # one more look by the watchdog after the last window
+  dog.close()
   assert entry["ms"] > 0 and exits == []
 
 

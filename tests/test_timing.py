@@ -136,3 +136,70 @@ def test_sustained_time_ms_real_calls():
   x = jnp.ones((128, 128), jnp.float32)
   ms, _ = timing.sustained_time_ms(jax.jit(lambda x: x @ x), x, seconds=0.2)
   assert 0 < ms < 200
+
+
+def test_sustained_time_ms_summarises_only_the_timed_half(monkeypatch):
+  """The power summary covers the samples between the timed half's start and
+  its last completion: not the settling half, not the queue's drain after it."""
+  clock = [0.0]
+  waits = []
+
+  def block(out):
+    clock[0] += 0.01
+    waits.append(clock[0])
+    return out
+
+  class FakeSampler:
+    def __init__(self, gpu=None):
+      self.samples = []
+
+    def __enter__(self):
+      return self
+
+    def __exit__(self, *exc):  # a sample every 5 ms of the fake wall clock, tagged by time
+      self.samples = [dict(t=1000 + i / 200, power=float(i), limit=700.0, sm=1500.0,
+                           temp=60.0, sw_power_cap=True, hw_slowdown=False)
+                      for i in range(int(clock[0] * 200) + 1)]
+
+    def since(self, t0, t1=None):
+      windows.append((t0, t1))
+      return [s for s in self.samples if s["t"] >= t0 and (t1 is None or s["t"] <= t1)]
+
+  windows = []
+  monkeypatch.setattr(timing, "PowerSampler", FakeSampler)
+  monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+  monkeypatch.setattr(timing.time, "time", lambda: 1000 + clock[0])
+  monkeypatch.setattr(timing.jax, "block_until_ready", block)
+  ms, power = timing.sustained_time_ms(lambda x: x, 0, seconds=1.0, depth=4)
+  assert ms == pytest.approx(10.0)
+  ((t0, t1),) = windows
+  drain_end = 1000 + waits[-1]
+  assert 1000.5 <= t0 < t1 < drain_end  # the second half, without the 4 calls drained after it
+  assert t1 == pytest.approx(drain_end - 4 * 0.01)
+  want = [i for i in range(int(clock[0] * 200) + 1) if t0 <= 1000 + i / 200 <= t1]
+  assert power["power_w"] == pytest.approx(sum(want) / len(want))
+  assert power["samples"] == len(want) and power["power_capped"] == 1.0
+
+
+@pytest.mark.parametrize("kw, error, name", [
+    (dict(seconds=float("nan")), ValueError, "seconds"),
+    (dict(seconds=0), ValueError, "seconds"),
+    (dict(seconds="2"), TypeError, "seconds"),
+    (dict(depth=0), ValueError, "depth"),
+    (dict(depth="4"), TypeError, "depth")])
+def test_sustained_time_ms_refuses_bad_arguments(kw, error, name):
+  with pytest.raises(error, match=name):
+    timing.sustained_time_ms(lambda x: x, 0, **kw)
+
+
+def test_output_budget_reads_the_environment_when_used(monkeypatch):
+  monkeypatch.setenv("RAGDOT_TIMING_OUTPUT_GIB", "inf")
+  assert timing.output_budget_bytes() == 2**62  # every iteration in one measurement
+  monkeypatch.setenv("RAGDOT_TIMING_OUTPUT_GIB", "0.5")
+  assert timing.output_budget_bytes() == 2**29
+  assert timing.iteration_chunks(10, 2**27) == [4, 4, 2]
+  monkeypatch.setenv("RAGDOT_TIMING_OUTPUT_GIB", "abc")
+  with pytest.raises(ValueError, match="RAGDOT_TIMING_OUTPUT_GIB"):
+    timing.output_budget_bytes()
+  monkeypatch.setattr(timing, "OUTPUT_BUDGET_BYTES", 1024)  # (an override wins)
+  assert timing.output_budget_bytes() == 1024

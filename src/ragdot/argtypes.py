@@ -54,3 +54,13 @@ def compute_capability(text: str) -> str:
   if not re.fullmatch(r"\d+\.\d+", text.strip()):
     raise argparse.ArgumentTypeError(f"expected MAJOR.MINOR (e.g. 9.0), got {text!r}")
   return text.strip()
+
+
+def hang_limit_error(hang_s: float, sustained_s: float) -> str | None:
+  """Why ``--hang-s`` cannot hold a ``--sustained-s`` window (each timed
+  window alone runs that long, so every candidate would read as hung), else
+  None; 0 turns either off."""
+  if hang_s > 0 and sustained_s > 0 and sustained_s >= hang_s:
+    return (f"--hang-s {hang_s:g} must exceed --sustained-s {sustained_s:g} (one timed window"
+            " alone runs that long), or be 0 (no watchdog)")
+  return None

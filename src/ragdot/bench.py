@@ -885,6 +885,8 @@ def _usage_error(message: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+  if error := argtypes.hang_limit_error(args.hang_s, args.sustained_s):
+    return _usage_error(error)
   if args.from_json:
     try:
       with open(args.from_json) as f:

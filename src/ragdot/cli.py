@@ -61,6 +61,12 @@ def run_info(args: argparse.Namespace) -> int:
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from ragdot import auto_sharding, bench, dispatch, tables  # pylint: disable=g-import-not-at-top
 
+  if args.device_kind is not None and not args.device_kind.strip():
+    print("--device-kind needs a GPU kind, e.g. 'NVIDIA H200'", file=sys.stderr)
+    return 2
+  if args.compute_capability and not args.device_kind:
+    print("--compute-capability needs --device-kind", file=sys.stderr)
+    return 2
   print("versions: " + "  ".join(f"{k} {v}" for k, v in _versions().items()))
   devs = jax.devices()
   cur = dispatch.current_device()
@@ -72,9 +78,6 @@ def run_info(args: argparse.Namespace) -> int:
     cc = (f", compute capability {device.compute_capability}" if device.compute_capability
           else ", compute capability unknown")
     print(f"explaining choices for: {args.device_kind}{cc} (simulated, --device-kind)")
-  elif args.compute_capability:
-    print("--compute-capability needs --device-kind", file=sys.stderr)
-    return 2
   if device.platform == "gpu":
     table, why = tables.table_for(device.kind, device.compute_capability)
     counts = sum(bool(e.get("measured")) for e in table.entries.values())

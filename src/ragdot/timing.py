@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import jax
 
-from ragdot.gpu_power import PowerSampler, summarise
+from ragdot.gpu_power import PowerSampler, smi_id, summarise
 
 
 def _num_devices(out: Any) -> int:
@@ -99,13 +99,21 @@ def sustained_time_ms(fn: Callable[..., Any], *args: Any, seconds: float = 2.0,
   calls, ~0.1 ms and under), and the power summary (``ragdot.gpu_power``) of
   the timed half (none without ``nvidia-smi``).
   """
+  if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+    raise TypeError(f"seconds must be a number, got {seconds!r}")
+  if not 0 < seconds < float("inf"):
+    raise ValueError(f"seconds must be finite and > 0, got {seconds}")
+  if isinstance(depth, bool) or not isinstance(depth, int):
+    raise TypeError(f"depth must be an int, got {depth!r}")
+  if depth < 1:
+    raise ValueError(f"depth must be >= 1, got {depth}")
   jax.block_until_ready(fn(*args))
   queue: collections.deque = collections.deque()
   t0, t0_wall, done = None, 0.0, 0
   enqueue_s = 0.0  # host time spent issuing the timed calls
   # The sampler runs through the whole window (its start-up is not in the
   # timed half); only the timed half's samples are kept.
-  with PowerSampler() as sampler:
+  with PowerSampler(gpu=_sampled_gpu()) as sampler:
     try:
       start = time.perf_counter()
       while True:
@@ -123,12 +131,20 @@ def sustained_time_ms(fn: Callable[..., Any], *args: Any, seconds: float = 2.0,
         else:
           done += 1
           if now - start >= seconds and done >= 3:
+            t1_wall = time.time()
             break
     finally:
       while queue:  # (also on an error: no call left running past the window)
         jax.block_until_ready(queue.popleft())
-  power = summarise(sampler.since(t0_wall))
+  power = summarise(sampler.since(t0_wall, t1_wall))
   return (now - t0) * 1e3 / done, dict(power, dispatch_ms=enqueue_s * 1e3 / done)
+
+
+def _sampled_gpu() -> str:
+  """nvidia-smi's id of the GPU of JAX's default device (where an
+  unplaced call runs); its first GPU when JAX has none."""
+  device = jax.devices()[0]
+  return smi_id(device.local_hardware_id if device.platform == "gpu" else 0)
 
 
 def sustained_method(seconds: float, power: dict[str, float]) -> str:
@@ -175,19 +191,26 @@ def kernel_time_sum_ms(fn: Callable[..., Any], *args: Any,
 # ends; past this many bytes of them the iterations are split over several
 # measurements.  (A DeepSeek-V3 dW output is 7.5 GB: 20 of them made XLA's
 # allocator retry for minutes, H200 2026-11-30.)  RAGDOT_TIMING_OUTPUT_GIB sets
-# it (e.g. very large: every iteration in one measurement, as before v18).
-def _output_budget_gib() -> float:
+# it (e.g. inf: every iteration in one measurement, as before v18), read when a
+# measurement needs it; OUTPUT_BUDGET_BYTES, when set, overrides it.
+OUTPUT_BUDGET_BYTES: int | None = None
+_NO_LIMIT = 2**62
+
+
+def output_budget_bytes() -> int:
+  """The output budget of one measurement in bytes (OUTPUT_BUDGET_BYTES, else
+  RAGDOT_TIMING_OUTPUT_GIB, 4 GiB by default)."""
+  if OUTPUT_BUDGET_BYTES is not None:
+    return OUTPUT_BUDGET_BYTES
   text = os.environ.get("RAGDOT_TIMING_OUTPUT_GIB", "4")
   try:
     gib = float(text)
   except ValueError:
     gib = -1.0
-  if not gib > 0:
-    raise ValueError(f"RAGDOT_TIMING_OUTPUT_GIB must be a positive number of GiB, got {text!r}")
-  return gib
-
-
-OUTPUT_BUDGET_BYTES = int(_output_budget_gib() * 2**30)
+  if not gib > 0:  # (NaN too)
+    raise ValueError(f"RAGDOT_TIMING_OUTPUT_GIB must be a positive number of GiB (or inf),"
+                     f" got {text!r}")
+  return _NO_LIMIT if gib * 2**30 >= _NO_LIMIT else int(gib * 2**30)
 
 
 def output_bytes(out: Any) -> int:
@@ -198,11 +221,11 @@ def output_bytes(out: Any) -> int:
 
 def iteration_chunks(iterations: int, out_bytes: int, budget: int | None = None) -> list[int]:
   """``iterations`` (>= 1) split into measurements whose outputs stay within
-  ``budget`` bytes together (default ``OUTPUT_BUDGET_BYTES``), each of at least
-  one iteration."""
+  ``budget`` bytes together (default ``output_budget_bytes()``), each of at
+  least one iteration."""
   if iterations < 1:
     raise ValueError(f"iterations must be >= 1, got {iterations}")
-  budget = OUTPUT_BUDGET_BYTES if budget is None else budget
+  budget = output_budget_bytes() if budget is None else budget
   per = max(1, min(iterations, budget // max(out_bytes, 1)))
   full, rest = divmod(iterations, per)
   return [per] * full + ([rest] if rest else [])

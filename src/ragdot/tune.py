@@ -675,8 +675,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            " at 4 a 30 s budget left all 10 m-4096 forward / dX sweeps of"
                            " docs/performance.md v42a-b unfinished)")
   parser.add_argument("--hang-s", type=argtypes.nonnegative_float, default=60.0,
-                      help="a candidate whose device runs (check + timing) take longer than"
-                           " this in all ends the run with exit status 3; 0: no watchdog")
+                      help="a candidate whose accuracy check, or any one of its timings,"
+                           " takes longer than this ends the run with exit status 3; 0: no"
+                           " watchdog")
   parser.add_argument("--log", default=None,
                       help="append every timed candidate to this JSONL file")
   parser.add_argument("--import-sweep", default=None,
@@ -704,6 +705,9 @@ def run(args: argparse.Namespace) -> int:
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from ragdot import bench  # pylint: disable=g-import-not-at-top
 
+  if error := argtypes.hang_limit_error(args.hang_s, args.sustained_s):
+    print(f"ragdot tune: {error}", file=sys.stderr)
+    return 2
   on_gpu = jax.default_backend() == "gpu"
   kind = args.device_kind or (jax.devices()[0].device_kind if on_gpu else "NVIDIA H200")
   path = Path(args.table) if args.table else default_table_path(kind)

@@ -7,27 +7,44 @@ interrupted from Python, and waiting on it would spend a whole device call;
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
 import time
 from typing import Any, Callable
 
+# Run before the watchdog ends the process (``os._exit`` skips ``finally`` blocks
+# and ``atexit``): e.g. stopping the power sampler's nvidia-smi.
+_EXIT_HOOKS: list[Callable[[], None]] = []
+ON_HANG_S = 30.0  # how long ``on_hang`` may take before the process ends anyway
+
+
+def add_exit_hook(hook: Callable[[], None]) -> None:
+  """Call ``hook()`` before any watchdog ends the process."""
+  if hook not in _EXIT_HOOKS:
+    _EXIT_HOOKS.append(hook)
+
 
 class Watchdog:
   """Ends the process (exit status ``HANG_EXIT``) when one armed stretch runs
-  longer than ``limit_s``, after calling ``on_hang(label)``."""
+  longer than ``limit_s``, after calling ``on_hang(label)`` (given at most
+  ``ON_HANG_S`` seconds) and the exit hooks.  ``close()`` (or leaving a
+  ``with`` block) stops watching for good."""
 
   HANG_EXIT = 3
 
   def __init__(self, limit_s: float, name: str = "ragdot",
                on_hang: Callable[[Any], None] | None = None):
-    if not limit_s > 0:
-      raise ValueError(f"limit_s must be > 0, got {limit_s}")
+    if isinstance(limit_s, bool) or not isinstance(limit_s, (int, float)):
+      raise TypeError(f"limit_s must be a number of seconds, got {limit_s!r}")
+    if not (limit_s > 0 and math.isfinite(limit_s)):
+      raise ValueError(f"limit_s must be > 0 and finite, got {limit_s}")
     self.limit_s, self.name, self.on_hang = limit_s, name, on_hang
     self._label, self._since = None, 0.0
     self._lock = threading.Lock()
-    threading.Thread(target=self._watch, daemon=True).start()
+    self._closed = threading.Event()
+    threading.Thread(target=self._watch, name="ragdot-watchdog", daemon=True).start()
 
   def arm(self, label: Any) -> None:
     with self._lock:
@@ -37,16 +54,34 @@ class Watchdog:
     with self._lock:
       self._label = None
 
+  def close(self) -> None:
+    self._closed.set()
+
+  def __enter__(self) -> "Watchdog":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
   def _watch(self) -> None:
-    while True:
-      time.sleep(min(1.0, self.limit_s / 4))
+    while not self._closed.wait(min(1.0, self.limit_s / 4)):
       with self._lock:
         label, since = self._label, self._since
       if label is not None and time.monotonic() - since > self.limit_s:
+        self._end(label)
+
+  def _end(self, label: Any) -> None:
+    try:
+      print(f"{self.name}: {label} ran for more than {self.limit_s:g} s (hung?); stopping",
+            file=sys.stderr, flush=True)
+      if self.on_hang is not None:  # (in a thread: one that blocks cannot keep us alive)
+        done = threading.Thread(target=self.on_hang, args=(label,), daemon=True)
+        done.start()
+        done.join(ON_HANG_S)
+      for hook in _EXIT_HOOKS:
         try:
-          print(f"{self.name}: {label} ran for more than {self.limit_s:.0f} s (hung?);"
-                " stopping", file=sys.stderr, flush=True)
-          if self.on_hang is not None:
-            self.on_hang(label)
-        finally:
-          os._exit(self.HANG_EXIT)
+          hook()
+        except Exception:  # pylint: disable=broad-except
+          pass
+    finally:
+      os._exit(self.HANG_EXIT)
