@@ -19,6 +19,7 @@
 #          not run since v48); TESTS_WORKERS / TESTS_MEM_FRACTION: xdist processes and
 #          each one's share of GPU memory (an H100's 80 GB: 4 x 0.22); cases that run
 #          out of it run again alone at TESTS_RETRY_MEM_FRACTION (0.9), TESTS_RETRY_TIMEOUT
+#          (default: what is left of 590 s since the script started)
 #   tune   ragdot tune into $OUT/nvidia_h200.json (copy of the shipped table) TUNE_ARGS
 #          (USE_TUNED=1: the stages after it use that table)
 #   bench  ragdot bench table + JSON + PNG                                 BENCH_ARGS
@@ -77,18 +78,25 @@ for stage in $STAGES; do
       fi
       # (each failure's traceback as it happens: a timeout kills pytest before its summary)
       export RAGDOT_FAILURES="$OUT/tests_failures.txt"
+      rm -f "$RAGDOT_FAILURES"  # (reports are appended: none from an earlier run)
       run tests "${TESTS_TIMEOUT:-540}" python3 -m pytest -m gpu -v --tb=short --maxfail=${TESTS_MAXFAIL:-10} -p no:cacheprovider $par $targets ${TESTS_ARGS:-}
       # Cases that ran out of their worker's slice of GPU memory (the largest shapes
       # on an H100), again on one worker with most of it (scripts/oom_failures.py).
+      # By default the rerun gets what is left of a 600 s device call.
       if [ -n "$par" ]; then
-        python3 scripts/oom_failures.py "$RAGDOT_FAILURES" > "$OUT/tests_oom.txt"
+        python3 scripts/oom_failures.py "$RAGDOT_FAILURES" | grep . > "$OUT/tests_oom.txt"
         if [ -s "$OUT/tests_oom.txt" ]; then
           mapfile -t oom < "$OUT/tests_oom.txt"
-          echo "=== ${#oom[@]} out-of-memory failures, again on one worker"
-          XLA_PYTHON_CLIENT_MEM_FRACTION=${TESTS_RETRY_MEM_FRACTION:-0.9} \
-          RAGDOT_FAILURES="$OUT/tests_retry_failures.txt" \
-            run tests_retry "${TESTS_RETRY_TIMEOUT:-240}" python3 -m pytest -m gpu -v --tb=short \
-            -p no:cacheprovider "${oom[@]}"
+          limit=${TESTS_RETRY_TIMEOUT:-$((590 - SECONDS))}
+          if [ "$limit" -ge 30 ]; then
+            echo "=== ${#oom[@]} out-of-memory failures, again on one worker"
+            XLA_PYTHON_CLIENT_MEM_FRACTION=${TESTS_RETRY_MEM_FRACTION:-0.9} \
+            RAGDOT_FAILURES="$OUT/tests_retry_failures.txt" \
+              run tests_retry "$limit" python3 -m pytest -m gpu -v --tb=short \
+              -p no:cacheprovider "${oom[@]}" ${TESTS_ARGS:-}
+          else
+            echo "=== ${#oom[@]} out-of-memory failures, no time left to rerun them ($OUT/tests_oom.txt)"
+          fi
         fi
       fi
       unset XLA_PYTHON_CLIENT_MEM_FRACTION ;;

@@ -10,6 +10,7 @@ references' XLA autotuning (66c).
 
 from __future__ import annotations
 
+import re
 import sys
 
 _OOM = ("RESOURCE_EXHAUSTED", "Out of memory")
@@ -19,7 +20,7 @@ def oom_ids(text: str) -> list[str]:
   """The ids of the reports in ``text`` whose failure is a memory exhaustion,
   in order of first failure, each once (a test may fail in call and teardown)."""
   ids: list[str] = []
-  for block in text.split("===== ")[1:]:
+  for block in re.split(r"^===== ", text, flags=re.M)[1:]:
     head, _, body = block.partition("\n")
     nodeid = head.rsplit(" (", 1)[0]
     if any(s in body for s in _OOM) and nodeid not in ids:
@@ -36,7 +37,8 @@ def main(argv: list[str]) -> int:
       text = f.read()
   except FileNotFoundError:  # no test failed
     return 0
-  print("\n".join(oom_ids(text)))
+  for nodeid in oom_ids(text):
+    print(nodeid)
   return 0
 
 

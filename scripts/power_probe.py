@@ -32,7 +32,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from ragdot import backends, bench, dispatch, timing
+from ragdot import backends, bench, dispatch, gpu_power, timing
 from ragdot.backends import mosaic_fwd
 
 from ab_fwd import parse_fields  # this folder (the script's sys.path[0])
@@ -41,12 +41,12 @@ from ab_fwd import parse_fields  # this folder (the script's sys.path[0])
 def _phase(name: str, fn, args, seconds: float) -> dict:
   ms, power = timing.sustained_time_ms(fn, *args, seconds=seconds)
   ph = dict(name=name, ms_per_call=ms, **power)
-  if "sm_mhz" in ph:
-    print(f"{name:44s} {ms:.4f} ms/call  {ph['power_w']:6.1f} W "
-          f"(limit {ph['power_limit_w']:.0f})  SM {ph['sm_mhz']:6.0f} MHz  "
-          f"power-capped {100 * ph['power_capped']:5.1f}%  hw slowdown "
-          f"{100 * ph['hw_slowdown']:4.1f}%  max {ph['temp_c']:.0f} C  ({ph['samples']} samples)"
-          f"  dispatch {1e3 * ph['dispatch_ms']:.0f} us", flush=True)
+  if "samples" in ph:
+    extra = [f"{label} {fmt.format(ph[key])}" for key, label, fmt in (
+        ("power_limit_w", "limit", "{:.0f} W"), ("hw_slowdown", "hw slowdown", "{:.1%}"),
+        ("temp_c", "max", "{:.0f} C")) if key in ph]
+    print(f"{name:44s} {ms:.4f} ms/call  {gpu_power.describe(ph)}  {'  '.join(extra)}  "
+          f"({ph['samples']} samples)  dispatch {1e3 * ph['dispatch_ms']:.0f} us", flush=True)
   else:
     print(f"{name:44s} {ms:.4f} ms/call (no nvidia-smi)", flush=True)
   return ph

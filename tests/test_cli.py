@@ -430,13 +430,15 @@ print("not reached", flush=True)
                      (None, TypeError), (True, TypeError)):
     with pytest.raises(error, match="limit_s"):
       Watchdog(bad)
+  Watchdog(np.float32(5)).close()
 
 
-def test_watchdog_ends_the_process_even_when_its_hook_blocks():
+def test_watchdog_ends_the_process_even_when_its_hooks_block():
   code = """
 import threading, time
 from ragdot import watchdog
-watchdog.ON_HANG_S = 0.5
+watchdog.ON_HANG_S = watchdog.EXIT_HOOKS_S = 0.5
+watchdog.add_exit_hook(lambda: threading.Event().wait())
 w = watchdog.Watchdog(0.2, on_hang=lambda label: threading.Event().wait())
 w.arm("x"); time.sleep(20)
 """
@@ -463,10 +465,17 @@ def test_a_closed_watchdog_stops_watching():
   time.sleep(0.3)  # (armed, but closed: the process lives on)
 
 
-def test_hang_limit_shorter_than_a_sustained_window_is_refused(capsys):
+def test_hang_limit_shorter_than_a_sustained_window_is_refused(capsys, tmp_path, monkeypatch):
   assert cli.main(["bench", "--shape", "256,64,64,4", "--ops", "fwd", "--no-baselines",
                    "--sustained-s", "2", "--hang-s", "1.5"]) == 2
   assert "--hang-s 1.5 must exceed --sustained-s 2" in capsys.readouterr().err
+  saved = tmp_path / "rows.json"
+  saved.write_text("[]")  # (re-printing saved rows times nothing: no check)
+  assert cli.main(["bench", "--from-json", str(saved), "--sustained-s", "200"]) == 0
+  monkeypatch.setenv("RAGDOT_TIMING_OUTPUT_GIB", "abc")
+  assert cli.main(["bench", "--shape", "256,64,64,4", "--ops", "fwd", "--no-baselines"]) == 2
+  assert "RAGDOT_TIMING_OUTPUT_GIB" in capsys.readouterr().err
+  monkeypatch.delenv("RAGDOT_TIMING_OUTPUT_GIB")
   assert cli.main(["tune", "--dry-run", "--sustained-s", "2", "--hang-s", "2"]) == 2
   assert "--hang-s 2 must exceed --sustained-s 2" in capsys.readouterr().err
 

@@ -80,16 +80,17 @@ def test_sampler_with_an_nvidia_smi_that_cannot_run_is_empty(tmp_path, monkeypat
   assert p.samples == [] and p.summary() == {}
 
 
-def _fake_smi(tmp_path: Path, instant: bool = True) -> Path:
-  """A stand-in nvidia-smi: the probe of power.draw.instant answers (or fails);
-  a sampling run writes its pid and arguments, the header, then one sample
-  every 20 ms until stopped."""
+def _fake_smi(tmp_path: Path, instant: str = "650.00 W", setup: str = "") -> Path:
+  """A stand-in nvidia-smi: the probe of power.draw.instant answers ``instant``
+  (None: fails as an old driver would); a sampling run runs ``setup``, writes
+  its pid and arguments, the header, then one sample every 20 ms until stopped."""
   fake = tmp_path / "nvidia-smi"
   fake.write_text(
       "#!/usr/bin/env bash\n"
       "if [[ \"$*\" == *noheader* ]]; then\n"
-      + ("  echo '650.00 W'; exit 0\n" if instant else "  echo 'not a valid field'; exit 2\n")
-      + "fi\n"
+      + (f"  echo '{instant}'; exit 0\n" if instant else
+         "  echo 'not a valid field'; exit 2\n")
+      + "fi\n" + setup +
       f"echo $$ > {tmp_path}/pid; echo \"$*\" > {tmp_path}/args\n"
       "echo 'timestamp, power.draw.instant [W], power.limit [W], clocks.current.sm [MHz], "
       "temperature.gpu, clocks_event_reasons.sw_power_cap, clocks_event_reasons.hw_slowdown'\n"
@@ -120,7 +121,7 @@ def _gone_within(pid: int, seconds: float) -> bool:
   return not _alive(pid)
 
 
-@pytest.mark.parametrize("instant", [True, False])
+@pytest.mark.parametrize("instant", ["650.00 W", "[N/A]", None])
 def test_sampler_runs_a_sampling_process_keeps_its_window_and_stops_it(tmp_path, monkeypatch,
                                                                       instant):
   fake = _fake_smi(tmp_path, instant)
@@ -136,7 +137,8 @@ def test_sampler_runs_a_sampling_process_keeps_its_window_and_stops_it(tmp_path,
   assert not _alive(pid)  # stopped (and reaped) on exit
   args = (tmp_path / "args").read_text()
   assert "--id=GPU-1234" in args
-  assert ("power.draw.instant," in args) == instant and "power.draw" in args
+  # (instant power only where the driver reports a number for it)
+  assert ("power.draw.instant," in args) == (instant == "650.00 W") and "power.draw" in args
   assert len(p.samples) >= 5
   s = p.summary()
   assert s["power_w"] == 650.0 and s["sm_mhz"] == 1500.0 and s["power_capped"] == 1.0
@@ -148,8 +150,9 @@ def test_sampler_runs_a_sampling_process_keeps_its_window_and_stops_it(tmp_path,
 
 def test_sampler_stops_when_a_watchdog_ends_the_process(tmp_path):
   """The watchdog ends the process with os._exit, which skips the sampler's
-  exit: its exit hook (and, failing that, the closed pipe) stops nvidia-smi."""
-  fake = _fake_smi(tmp_path)
+  exit: its exit hook stops nvidia-smi (this one ignores SIGPIPE, so the closed
+  pipe alone would not)."""
+  fake = _fake_smi(tmp_path, setup="trap '' PIPE\n")
   code = f"""
 import time
 from ragdot import gpu_power
@@ -182,3 +185,33 @@ os._exit(0)
   env = dict(os.environ, PYTHONPATH=_SRC, JAX_PLATFORMS="cpu")
   subprocess.run([sys.executable, "-c", code], timeout=60, env=env, check=True)
   assert _gone_within(int((tmp_path / "pid").read_text()), 2.0)
+
+
+def test_a_child_holding_the_pipe_does_not_hold_up_the_exit(tmp_path, monkeypatch):
+  """nvidia-smi stopped while something it started still holds its output
+  (as one stuck in the driver might): the sampler's exit returns at once."""
+  fake = _fake_smi(tmp_path, setup="sleep 20 &\n")
+  monkeypatch.setattr(gpu_power.shutil, "which", lambda name: str(fake))
+  gpu_power.power_field.cache_clear()
+  with gpu_power.PowerSampler() as p:
+    time.sleep(0.3)
+  t = time.time()
+  p.__exit__(None, None, None)  # (a second exit: nothing left to stop)
+  with gpu_power.PowerSampler() as q:
+    time.sleep(0.3)
+  assert time.time() - t < 5 and len(p.samples) >= 3 and len(q.samples) >= 3
+  subprocess.run(["pkill", "-f", "sleep 20"], check=False)
+
+
+def test_describe_names_what_the_samples_reported():
+  rows = gpu_power.parse_samples(_CSV)
+  assert gpu_power.describe(gpu_power.summarise(rows)) == "1600 MHz, 648 W, power-capped 50%"
+  assert gpu_power.describe(gpu_power.summarise(rows[2:])) == "1500 MHz"
+  assert gpu_power.describe({}) == ""
+
+
+def test_numpy_scalars_are_taken():
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  p = gpu_power.PowerSampler(period_ms=np.int64(20), gpu=np.int64(1))
+  assert p.period_ms == 20 and p.gpu == 1 and type(p.gpu) is int
+  assert gpu_power.smi_id(0, "MIG-1234") == "0"  # (nvidia-smi --id cannot take a MIG uuid)

@@ -41,7 +41,7 @@ def _mesh(n, name="ep", axis_type=jax.sharding.AxisType.Auto):
     (dict(routed_scaling_factor=float("nan")), ValueError, "routed_scaling_factor"),
     (dict(routed_scaling_factor=-1.0), ValueError, "routed_scaling_factor"),
     (dict(renormalize="False"), TypeError, "renormalize"),
-    (dict(fused_gate_up=1), TypeError, "fused_gate_up"),
+    (dict(fused_gate_up=2), TypeError, "fused_gate_up"),
     (dict(freeze_base=None), TypeError, "freeze_base"),
     (dict(num_adapters=2, lora_alpha="x"), TypeError, "lora_alpha"),
     (dict(implementation=3), ValueError, "implementation"),
@@ -50,6 +50,15 @@ def _mesh(n, name="ep", axis_type=jax.sharding.AxisType.Auto):
 def test_bad_config_raises_naming_the_field(change, error, names):
   with pytest.raises(error, match=names):
     MoEConfig(**{**BASE, **change})
+
+
+def test_numpy_and_jax_scalars_are_stored_as_python_values():
+  cfg = MoEConfig(**BASE, routed_scaling_factor=jnp.float32(2.5), renormalize=np.bool_(False),
+                  fused_gate_up=1, num_adapters=2, lora_alpha=np.float32(8))
+  assert cfg.routed_scaling_factor == 2.5 and type(cfg.routed_scaling_factor) is float
+  assert cfg.renormalize is False and cfg.fused_gate_up is True and cfg.lora_scale == 1.0
+  assert hash(cfg) == hash(MoEConfig(**BASE, routed_scaling_factor=2.5, renormalize=False,
+                                     num_adapters=2, lora_alpha=8.0))
 
 
 def test_lora_targets_list_keeps_the_config_hashable():

@@ -31,3 +31,14 @@ def test_no_file_means_no_failures(tmp_path, capsys):
   assert capsys.readouterr().out.split("\n")[:2] == ["tests/test_gpu.py::test_a[x-1]",
                                                       "tests/test_gpu.py::test_c[(1, 2)]"]
   assert oom_failures.main([]) == 2
+
+
+def test_no_memory_failure_prints_nothing_and_bodies_may_hold_the_marker(tmp_path, capsys):
+  path = tmp_path / "f.txt"
+  path.write_text("===== tests/test_gpu.py::t (call)\nE   assert '===== x' == 'y'\n"
+                  "E   AssertionError\n")
+  assert oom_failures.main([str(path)]) == 0
+  assert capsys.readouterr().out == ""  # (a blank line would rerun the whole suite)
+  path.write_text("===== tests/test_gpu.py::t (call)\nlog: ===== tests/test_gpu.py::u (call)"
+                  " RESOURCE_EXHAUSTED\n")
+  assert oom_failures.oom_ids(path.read_text()) == ["tests/test_gpu.py::t"]

@@ -203,3 +203,19 @@ def test_output_budget_reads_the_environment_when_used(monkeypatch):
     timing.output_budget_bytes()
   monkeypatch.setattr(timing, "OUTPUT_BUDGET_BYTES", 1024)  # (an override wins)
   assert timing.output_budget_bytes() == 1024
+
+
+def test_sustained_method_names_what_was_sampled():
+  assert timing.sustained_method(2, {"dispatch_ms": 0.02}) == "sustained 2 s, wall; dispatch 20 us"
+  # a GPU that reports its clock but not its power or throttle reasons
+  partial = {"dispatch_ms": 0.02, "sm_mhz": 1500.0, "samples": 9}
+  assert timing.sustained_method(2, partial).endswith("; 1500 MHz")
+
+
+def test_sustained_time_ms_takes_numpy_scalars(monkeypatch):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from ragdot import gpu_power  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(gpu_power.shutil, "which", lambda name: None)
+  ms, _ = timing.sustained_time_ms(lambda x: x + 1, jnp.ones(4), seconds=np.float32(0.05),
+                                   depth=np.int64(2))
+  assert ms > 0

@@ -31,7 +31,7 @@ import numpy as np
 from jax import lax
 
 import ragdot
-from ragdot import argtypes
+from ragdot import argtypes, timing
 from ragdot.backends import IMPLEMENTATIONS
 from ragdot.timing import SETTLE_S, device_time_ms, sustained_method, sustained_time_ms
 from ragdot.watchdog import Watchdog
@@ -885,8 +885,6 @@ def _usage_error(message: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-  if error := argtypes.hang_limit_error(args.hang_s, args.sustained_s):
-    return _usage_error(error)
   if args.from_json:
     try:
       with open(args.from_json) as f:
@@ -900,6 +898,12 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
       plot(rows, args.plot)
     return 0
+  if error := argtypes.hang_limit_error(args.hang_s, args.sustained_s):
+    return _usage_error(error)
+  try:  # (read when a timing needs it: a bad value fails here, not in every row)
+    timing.output_budget_bytes()
+  except ValueError as e:
+    return _usage_error(str(e))
   impls = args.impls
   if impls is None:
     impls = ["mosaic", "triton"] if jax.default_backend() == "gpu" else ["xla"]

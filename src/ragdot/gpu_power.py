@@ -18,6 +18,7 @@ from __future__ import annotations
 import csv
 import functools
 import io
+import numbers
 import os
 import shutil
 import subprocess
@@ -92,15 +93,31 @@ def summarise(samples: list[dict[str, Any]]) -> dict[str, float]:
   return out
 
 
+def describe(summary: dict[str, float]) -> str:
+  """The clock, power and power-capped share of a ``summarise`` result, as far
+  as its samples reported them ("" without any)."""
+  parts = []
+  if "sm_mhz" in summary:
+    parts.append(f"{summary['sm_mhz']:.0f} MHz")
+  if "power_w" in summary:
+    parts.append(f"{summary['power_w']:.0f} W")
+  if "power_capped" in summary:
+    parts.append(f"power-capped {100 * summary['power_capped']:.0f}%")
+  return ", ".join(parts)
+
+
 def smi_id(local_id: int, visible: str | None = None) -> str:
   """nvidia-smi's ``--id`` of the GPU a process numbers ``local_id`` (a JAX
   device's ``local_hardware_id``): nvidia-smi ignores ``CUDA_VISIBLE_DEVICES``
-  (``visible``; default: the environment's), whose entries (indices or UUIDs)
-  name the process's GPUs in order."""
+  (``visible``; default: the environment's), whose entries (indices or GPU
+  UUIDs) name the process's GPUs in order.  An entry nvidia-smi's ``--id``
+  cannot take (a MIG instance's UUID) leaves ``local_id`` itself."""
   visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
   names = [v.strip() for v in (visible or "").split(",") if v.strip()]
   if names and 0 <= local_id < len(names):
-    return names[local_id]
+    name = names[local_id]
+    if name.isdigit() or name.startswith("GPU-"):
+      return name
   return str(local_id)
 
 
@@ -115,7 +132,10 @@ def power_field(exe: str, gpu: int | str) -> str:
                            timeout=10, stdin=subprocess.DEVNULL)
   except (OSError, subprocess.TimeoutExpired):
     return "power.draw"
-  return "power.draw.instant" if probe.returncode == 0 else "power.draw"
+  answers = [_number(line) for line in probe.stdout.splitlines() if line.strip()]
+  # (a driver may know the field yet answer "[N/A]": then the average is better than nothing)
+  ok = probe.returncode == 0 and answers and all(a is not None for a in answers)
+  return "power.draw.instant" if ok else "power.draw"
 
 
 _LIVE: "weakref.WeakSet[PowerSampler]" = weakref.WeakSet()
@@ -144,16 +164,17 @@ class PowerSampler:
   """
 
   def __init__(self, period_ms: int = 20, gpu: int | str | None = None):
-    if isinstance(period_ms, bool) or not isinstance(period_ms, int) or period_ms < 1:
+    if isinstance(period_ms, bool) or not isinstance(period_ms, numbers.Integral) or (
+        period_ms < 1):
       raise ValueError(f"period_ms must be an int >= 1, got {period_ms!r}")
     if gpu is None:
       gpu = smi_id(0)
-    if isinstance(gpu, bool) or not isinstance(gpu, (int, str)) or (
-        isinstance(gpu, int) and gpu < 0) or (isinstance(gpu, str) and (
+    if isinstance(gpu, bool) or not isinstance(gpu, (numbers.Integral, str)) or (
+        isinstance(gpu, numbers.Integral) and gpu < 0) or (isinstance(gpu, str) and (
             not gpu.strip() or "," in gpu)):
       raise ValueError(f"gpu must name one GPU (an index >= 0, a UUID or a bus id), got {gpu!r}")
-    self.period_ms = period_ms
-    self.gpu = gpu
+    self.period_ms = int(period_ms)
+    self.gpu = gpu if isinstance(gpu, str) else int(gpu)
     self._proc: subprocess.Popen | None = None
     self._reader: threading.Thread | None = None
     self._lines: list[str] = []
@@ -200,6 +221,8 @@ class PowerSampler:
         pass
     if self._reader is not None:
       self._reader.join(timeout=1)
+      if self._reader.is_alive():  # a child of nvidia-smi still holds the pipe: leave it
+        return                     # to the (daemon) reader; closing would wait on it
     proc.stdout.close()
 
   def __exit__(self, *exc) -> None:

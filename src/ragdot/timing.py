@@ -15,6 +15,7 @@ lower clock than in the short bursts ``device_time_ms`` measures.
 from __future__ import annotations
 
 import collections
+import numbers
 import os
 import statistics
 import time
@@ -22,7 +23,7 @@ from typing import Any, Callable
 
 import jax
 
-from ragdot.gpu_power import PowerSampler, smi_id, summarise
+from ragdot.gpu_power import PowerSampler, describe, smi_id, summarise
 
 
 def _num_devices(out: Any) -> int:
@@ -99,11 +100,11 @@ def sustained_time_ms(fn: Callable[..., Any], *args: Any, seconds: float = 2.0,
   calls, ~0.1 ms and under), and the power summary (``ragdot.gpu_power``) of
   the timed half (none without ``nvidia-smi``).
   """
-  if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+  if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
     raise TypeError(f"seconds must be a number, got {seconds!r}")
   if not 0 < seconds < float("inf"):
     raise ValueError(f"seconds must be finite and > 0, got {seconds}")
-  if isinstance(depth, bool) or not isinstance(depth, int):
+  if isinstance(depth, bool) or not isinstance(depth, numbers.Integral):
     raise TypeError(f"depth must be an int, got {depth!r}")
   if depth < 1:
     raise ValueError(f"depth must be >= 1, got {depth}")
@@ -154,9 +155,8 @@ def sustained_method(seconds: float, power: dict[str, float]) -> str:
   method = f"sustained {seconds:g} s, wall"
   if "dispatch_ms" in power:
     method += f"; dispatch {1e3 * power['dispatch_ms']:.0f} us"
-  if "sm_mhz" in power:
-    method += (f"; {power['sm_mhz']:.0f} MHz, {power['power_w']:.0f} W, power-capped "
-               f"{100 * power['power_capped']:.0f}%")
+  if described := describe(power):
+    method += f"; {described}"
   return method
 
 

@@ -8,6 +8,7 @@ interrupted from Python, and waiting on it would spend a whole device call;
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import sys
 import threading
@@ -18,6 +19,15 @@ from typing import Any, Callable
 # and ``atexit``): e.g. stopping the power sampler's nvidia-smi.
 _EXIT_HOOKS: list[Callable[[], None]] = []
 ON_HANG_S = 30.0  # how long ``on_hang`` may take before the process ends anyway
+EXIT_HOOKS_S = 10.0  # and the exit hooks, all together
+
+
+def _run_hooks() -> None:
+  for hook in _EXIT_HOOKS:
+    try:
+      hook()
+    except Exception:  # pylint: disable=broad-except
+      pass
 
 
 def add_exit_hook(hook: Callable[[], None]) -> None:
@@ -29,14 +39,14 @@ def add_exit_hook(hook: Callable[[], None]) -> None:
 class Watchdog:
   """Ends the process (exit status ``HANG_EXIT``) when one armed stretch runs
   longer than ``limit_s``, after calling ``on_hang(label)`` (given at most
-  ``ON_HANG_S`` seconds) and the exit hooks.  ``close()`` (or leaving a
+  ``ON_HANG_S`` seconds) and the exit hooks (``EXIT_HOOKS_S``).  ``close()`` (or leaving a
   ``with`` block) stops watching for good."""
 
   HANG_EXIT = 3
 
   def __init__(self, limit_s: float, name: str = "ragdot",
                on_hang: Callable[[Any], None] | None = None):
-    if isinstance(limit_s, bool) or not isinstance(limit_s, (int, float)):
+    if isinstance(limit_s, bool) or not isinstance(limit_s, numbers.Real):
       raise TypeError(f"limit_s must be a number of seconds, got {limit_s!r}")
     if not (limit_s > 0 and math.isfinite(limit_s)):
       raise ValueError(f"limit_s must be > 0 and finite, got {limit_s}")
@@ -78,10 +88,8 @@ class Watchdog:
         done = threading.Thread(target=self.on_hang, args=(label,), daemon=True)
         done.start()
         done.join(ON_HANG_S)
-      for hook in _EXIT_HOOKS:
-        try:
-          hook()
-        except Exception:  # pylint: disable=broad-except
-          pass
+      hooks = threading.Thread(target=_run_hooks, daemon=True)
+      hooks.start()
+      hooks.join(EXIT_HOOKS_S)
     finally:
       os._exit(self.HANG_EXIT)

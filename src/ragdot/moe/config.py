@@ -59,13 +59,13 @@ class MoEConfig:
     _check_int("num_adapters", self.num_adapters, minimum=0)
     if self.num_adapters:
       _check_int("lora_rank", self.lora_rank, minimum=1)
-      _check_finite("lora_alpha", self.lora_alpha)
-    _check_finite("routed_scaling_factor", self.routed_scaling_factor)
+    # (stored as Python floats and bools: the config stays hashable with numpy or jax scalars)
+    for name in ("lora_alpha", "routed_scaling_factor"):
+      object.__setattr__(self, name, _finite(name, getattr(self, name)))
     if not self.routed_scaling_factor > 0:
       raise ValueError(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
     for name in ("renormalize", "fused_gate_up", "freeze_base"):
-      if not isinstance(getattr(self, name), (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+      object.__setattr__(self, name, _flag(name, getattr(self, name)))
     if self.implementation is not None and self.implementation not in IMPLEMENTATIONS:
       raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, "
                        f"got {self.implementation!r}")
@@ -119,9 +119,20 @@ def _check_int(name: str, value: Any, *, minimum: int) -> None:
     raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
-def _check_finite(name: str, value: Any) -> None:
-  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
-                                                                   np.floating)):
+def _finite(name: str, value: Any) -> float:
+  """``value`` as a finite Python float: a real number or a 0-d real array."""
+  kind = np.asarray(value).dtype.kind if np.ndim(value) == 0 else None
+  if isinstance(value, (bool, np.bool_, str)) or kind not in ("i", "u", "f"):
     raise TypeError(f"{name} must be a real number, got {value!r}")
+  value = float(value)
   if not math.isfinite(value):
     raise ValueError(f"{name} must be finite, got {value}")
+  return value
+
+
+def _flag(name: str, value: Any) -> bool:
+  """``value`` as a Python bool: a bool (numpy's too) or the int 0 or 1."""
+  if isinstance(value, (bool, np.bool_)) or (
+      isinstance(value, (int, np.integer)) and value in (0, 1)):
+    return bool(value)
+  raise TypeError(f"{name} must be a bool, got {value!r}")
