@@ -1254,6 +1254,39 @@ def test_dw_release_each_step_real_size(shape, shard):
   assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(again).view(np.uint16))
 
 
+@pytest.mark.parametrize("shape,shard", [((32768, 2048, 1536, 128), None),
+                                         ((32768, 768, 2048, 128), (8, 64)),
+                                         ((4096, 1088, 1024, 16), None)],
+                         ids=["qwen30b_gate_up", "qwen30b_down_shard", "k_cut"])
+def test_dw_lsu_store_real_size(shape, shard):
+  """The dispatcher's dW ring with ``lsu_store`` (epilogue chunks stored by the
+  consumer's threads; the last case's 128-row chunks cut at k keep TMA): bitwise the
+  table config's result, against the oracle, NaN-poisoned memory."""
+  from ragdot.backends import mosaic_dw  # pylint: disable=g-import-not-at-top
+  m, k, n, g = shape
+  offset, local = (None, g) if shard is None else shard
+  sizes = _sizes(m, g, "routed")
+  choice = dispatch_choice("dw", Shape("t", m, k, n, g))
+  assert choice.implementation == "mosaic" and choice.config.num_compute_wgs == 2
+  base = choice.config
+  if k % 128:  # whole 128-row chunks (the table's 64-row ones are never cut at k)
+    base = dataclasses.replace(base, block_k=128, block_n=128, epilogue_rows=None,
+                               epilogue_split=2, mask_warpgroup=False, side_rows=False,
+                               num_stages=3, epilogue_buffers=1)
+  x, dy = oracle.random_inputs(jax.random.key(m + k + n + 1), [(m, k), (m, n)], jnp.bfloat16)
+  go = None if offset is None else jnp.int32(offset)
+  outs = []
+  for lsu in (False, True):
+    cfg = dataclasses.replace(base, lsu_store=lsu)
+    fn = jax.jit(lambda x, d, gs, cfg=cfg: mosaic_dw.tgmm(x, d, gs, go, num_groups=local,
+                                                        out_dtype=jnp.bfloat16, config=cfg))
+    _poison(4 * g * k * n)
+    outs.append(np.asarray(fn(x, dy, jnp.asarray(sizes))).view(np.uint16))
+  oracle.assert_close(outs[1].view(jnp.bfloat16), oracle.np_trans_ragged_dot(
+      x, dy, sizes, go, local), jnp.bfloat16)
+  assert np.array_equal(outs[0], outs[1])
+
+
 _GPT_OSS = [s for p in ("gpt-oss-120b", "gpt-oss-20b") for s in PRESETS[p] if s.m > 1024]
 
 

@@ -862,3 +862,29 @@ def test_prefetch_boxes_cover_a_group_inside_the_arrays(m, k, n, g):
           covered[op][row:row + rows, col:col + widths[op]] = True
     for cov in covered:
       assert cov[start:end].all(), (start, end)
+
+
+# The tables' Qwen3-30B gate_up and down dW configs (128 x 192 / 192 x 128 pingpong rings).
+_QWEN_DW = (dataclasses.replace(SIDE, num_sms=None, num_stages=4, block_n=192, epilogue_split=3,
+                                epilogue_rows=64, epilogue_buffers=2),
+            dataclasses.replace(SIDE, num_sms=None, num_stages=4, block_k=192, block_n=128,
+                                epilogue_split=2, epilogue_rows=64, epilogue_buffers=2))
+
+
+@pytest.mark.parametrize("shape, config", [
+    ((32768, 2048, 1536, 128), _QWEN_DW[0]), ((32768, 768, 2048, 128), _QWEN_DW[1]),
+    ((4096, 1088, 1024, 16), dataclasses.replace(PINGPONG, num_sms=None)),  # chunks cut at k
+    ((4096, 1024, 1024, 16), dataclasses.replace(TWO_WG, lsu_store=True))])
+def test_lsu_store_lowers_for_sm90(shape, config):
+  """``lsu_store``'s epilogue (Mosaic GPU's tiled copy through inline_mgpu,
+  at traced offsets) lowers for sm90 beside the TMA stores it replaces."""
+  lower_for_sm90(*shape, dataclasses.replace(config, lsu_store=True))
+
+
+def test_lsu_store_in_interpret_mode_takes_the_tma_store():
+  cfg = dataclasses.replace(_QWEN_DW[0], lsu_store=True)
+  out, ref = run(296, 128, 192, [17, 0, 160, 10, 90, 3], config=cfg, out_dtype=jnp.bfloat16,
+                 interpret=True, seed=21)
+  check(out, ref, jnp.bfloat16)
+  with pytest.raises(ValueError, match="lsu_store"):
+    MosaicDwConfig(lsu_store=True)  # one warpgroup: no epilogue chunks to store

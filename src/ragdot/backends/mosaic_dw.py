@@ -36,6 +36,7 @@ sweep and fitting live in ``mosaic_dw_config`` (re-exported here).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -43,6 +44,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ragdot.manual_axes import make_varying, match_varying, out_struct, varying_axes
@@ -283,11 +286,13 @@ def _mask_bands(tiles, wg, num_wgs: int, row0, start, end) -> None:
       i += 1
 
 
-def _store_consumer_half(acc, my_smem, out_gmem, j, row, col) -> None:
+def _store_consumer_half(acc, my_smem, out_gmem, j, row, col, lsu: bool = False) -> None:
   """A consumer's epilogue: its f32 accumulator through its own SMEM buffers
-  (``my_smem``: [buffers, rows, cols]) to output tile j at (row, col)."""
+  (``my_smem``: [buffers, rows, cols]) to output tile j at (row, col); with
+  ``lsu``, chunks wholly inside the output leave by the warpgroup's stores
+  (``MosaicDwConfig.lsu_store``)."""
   nbuf, rm, cn = my_smem.shape
-  t, stored = 0, None  # chunk count; whether the previous chunk was stored
+  t, stored = 0, None  # chunk count; whether the previous chunk was stored (by TMA)
   for r in range(0, acc.shape[0], rm):  # epilogue_rows chunks
     rows = acc if rm == acc.shape[0] else acc[r:r + rm]
     for c in range(acc.shape[1] // cn):  # epilogue_split chunks
@@ -303,22 +308,44 @@ def _store_consumer_half(acc, my_smem, out_gmem, j, row, col) -> None:
       buf = my_smem.at[t % nbuf]
       buf[...] = sm90.column_chunk(rows, c, cn).astype(buf.dtype)
       plgpu.commit_smem()
-      stored = _store_half(buf, out_gmem, j, row + r, col + c * cn)
+      stored = _store_half(buf, out_gmem, j, row + r, col + c * cn, lsu)
       t += 1
 
 
-def _store_half(src_smem, out_gmem, j, row, col):
+def _store_half(src_smem, out_gmem, j, row, col, lsu: bool = False):
   """One consumer's (epilogue_m, epilogue_n) chunk of output tile j at (row, col).
 
   Skipped when it lies wholly past k (a k tile wider than k's remainder) or n
   (an epilogue chunk of the last n tile): a TMA box entirely out of bounds is
-  not left to the hardware to drop.  Returns whether it was stored.
+  not left to the hardware to drop.  With ``lsu`` a chunk wholly inside is
+  stored by the warpgroup's threads.  Returns whether a TMA store was issued.
   """
   hk, bn = src_smem.shape
   inside = (row < out_gmem.shape[1]) & (col < out_gmem.shape[2])
-  pl.when(inside)(lambda: plgpu.copy_smem_to_gmem(
-      src_smem, out_gmem.at[j, pl.ds(row, hk), pl.ds(col, bn)]))
+  dst = lambda: out_gmem.at[j, pl.ds(row, hk), pl.ds(col, bn)]
+  if lsu:
+    whole = (row + hk <= out_gmem.shape[1]) & (col + bn <= out_gmem.shape[2])
+    pl.when(whole)(lambda: _lsu_copy(src_smem, dst()))
+    inside = inside & ~whole
+  pl.when(inside)(lambda: plgpu.copy_smem_to_gmem(src_smem, dst()))
   return inside
+
+
+def _lsu_copy(src_smem, dst_gmem) -> None:
+  """``dst_gmem[...] = src_smem[...]`` by the warpgroup's threads: 16-byte
+  loads from the swizzled tile, then stores of whole 128-byte lines (Mosaic
+  GPU's tiled SMEM-to-GMEM copy, which Pallas does not expose)."""
+  transforms = sm90.swizzled(src_smem.shape[-1], src_smem.dtype)  # (the buffers' own)
+  swizzle = transforms[1].swizzle
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms=transforms), plgpu.RefType()))
+  def copy(ctx, smem, gmem):
+    del ctx
+    mgpu.warpgroup_barrier()  # every thread's part of the chunk is in SMEM
+    mgpu_fa.copy_tiled(smem, gmem, swizzle)
+    mgpu.warpgroup_barrier()  # and read, before the buffer takes the next chunk
+
+  copy(src_smem, dst_gmem)
 
 
 def _body_2wg(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gmem,
@@ -401,7 +428,8 @@ def _body_2wg(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gm
           eval_pipeline(acc_ref)
           acc = acc_ref[...]  # waits for the last wgmma
           pl.when(nblocks > 0)(lambda: plgpu.barrier_arrive(done_barrier))
-          _store_consumer_half(acc, o_smem.at[wg], out_gmem, j, ki * bk + wg * hk, ni * bn)
+          _store_consumer_half(acc, o_smem.at[wg], out_gmem, j, ki * bk + wg * hk, ni * bn,
+                               config.lsu_store)
 
       # Items of empty groups run a zero-step pipeline: the consumers store
       # the zero-initialized accumulator, the producer loads nothing.
@@ -700,7 +728,7 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
 
         acc = pl.run_scoped(acc_scope, plgpu.ACC((hk, bn), jnp.float32))
         row = ki * bk if pingpong else ki * bk + wg * hk
-        _store_consumer_half(acc, o_smem.at[wg], out_gmem, j, row, ni * bn)
+        _store_consumer_half(acc, o_smem.at[wg], out_gmem, j, row, ni * bn, config.lsu_store)
 
       def item(it, carry):
         step0, q = carry
@@ -756,6 +784,8 @@ def tgmm(
     return jnp.zeros((num_groups, k, n), out_dtype)
   if config is None:
     config = default_config(m, k, n, num_groups, lhs.dtype, out_dtype)
+  if config.lsu_store and interpret:  # (the interpreter cannot run Mosaic GPU code)
+    config = dataclasses.replace(config, lsu_store=False)
   if 0 < m < config.block_m:
     # A TMA box may not be taller than the array it reads (the GPU returns wrong
     # rows; interpret mode does not model it): pad to one block of zero rows.  A

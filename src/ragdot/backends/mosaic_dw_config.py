@@ -149,6 +149,13 @@ class MosaicDwConfig:
       (docs/performance.md v57, H100: 1.06x / 1.10x the time on Qwen3-30B
       gate_up / down), so off.  Prefetching instead the rows of the CTA's
       own item 1 or 2 items later (v58, removed) measured 1.12-1.23x.
+    lsu_store: with 2 warpgroups, each epilogue chunk leaves its SMEM buffer
+      through the warpgroup's own 16-byte stores (coalesced, whole 128-byte
+      lines) instead of a TMA store, where the chunk lies wholly inside the
+      output (a chunk cut at k or n keeps the TMA store, which clips).  The
+      question it asks (docs/performance.md v67): whether TMA stores that L2
+      backs up delay the TMA loads queued behind them.  Compiled kernels only
+      (interpret mode cannot run the Mosaic GPU code; it takes the TMA store).
   """
 
   block_m: int = 64
@@ -170,6 +177,7 @@ class MosaicDwConfig:
   schedule_kernel: bool = True
   delay_release: int = 1
   l2_prefetch_ahead: int = 0
+  lsu_store: bool = False
 
   def __post_init__(self):
     if self.block_m <= 0 or self.block_m % 64:
@@ -245,6 +253,8 @@ class MosaicDwConfig:
                                       and not self.pipeline_across_items):
       raise ValueError("l2_prefetch_ahead must be 0, or > 0 with pipeline_across_items,"
                        f" got {self}")
+    if self.lsu_store and self.num_compute_wgs != 2:
+      raise ValueError(f"lsu_store needs num_compute_wgs=2, got {self}")
     if self.epilogue_rows is not None and (
         self.num_compute_wgs != 2 or self.epilogue_rows <= 0 or self.epilogue_rows % 64
         or self.consumer_rows % self.epilogue_rows
