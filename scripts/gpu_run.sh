@@ -11,7 +11,8 @@
 #
 # stages (each with its own timeout, <NAME>_TIMEOUT seconds):
 #   tests  GPU-marked tests (kernels at real sizes, NaN-poisoned memory)    TESTS_ARGS
-#          (*_ARGS are split on spaces: a -k expression must have none, e.g. -k schedule)
+#          (*_ARGS are split on spaces: a -k expression must have none, e.g. -k schedule;
+#          no -n there: TESTS_WORKERS sets the processes, and the rerun is on one)
 #          TESTS_PART=i/k: only every k-th collected test from the i-th (1-based), so a
 #          suite longer than one device call (10 min) runs in k calls
 #          TESTS_LIST=FILE: the test ids in FILE (one a line) instead; with TESTS_PART, its

@@ -190,17 +190,17 @@ os._exit(0)
 def test_a_child_holding_the_pipe_does_not_hold_up_the_exit(tmp_path, monkeypatch):
   """nvidia-smi stopped while something it started still holds its output
   (as one stuck in the driver might): the sampler's exit returns at once."""
-  fake = _fake_smi(tmp_path, setup="sleep 20 &\n")
+  fake = _fake_smi(tmp_path, setup=f"sleep 20 & echo $! > {tmp_path}/child\n")
   monkeypatch.setattr(gpu_power.shutil, "which", lambda name: str(fake))
   gpu_power.power_field.cache_clear()
-  with gpu_power.PowerSampler() as p:
-    time.sleep(0.3)
-  t = time.time()
-  p.__exit__(None, None, None)  # (a second exit: nothing left to stop)
-  with gpu_power.PowerSampler() as q:
-    time.sleep(0.3)
-  assert time.time() - t < 5 and len(p.samples) >= 3 and len(q.samples) >= 3
-  subprocess.run(["pkill", "-f", "sleep 20"], check=False)
+  try:
+    t = time.time()
+    with gpu_power.PowerSampler() as p:
+      time.sleep(0.3)
+    p.__exit__(None, None, None)  # (a second exit: nothing left to stop)
+    assert time.time() - t < 5 and len(p.samples) >= 3
+  finally:
+    os.kill(int((tmp_path / "child").read_text()), 9)
 
 
 def test_describe_names_what_the_samples_reported():

@@ -53,6 +53,7 @@ def test_bad_config_raises_naming_the_field(change, error, names):
 
 
 def test_numpy_and_jax_scalars_are_stored_as_python_values():
+  assert MoEConfig(**BASE, renormalize=jnp.bool_(False), lora_alpha=None).renormalize is False
   cfg = MoEConfig(**BASE, routed_scaling_factor=jnp.float32(2.5), renormalize=np.bool_(False),
                   fused_gate_up=1, num_adapters=2, lora_alpha=np.float32(8))
   assert cfg.routed_scaling_factor == 2.5 and type(cfg.routed_scaling_factor) is float

@@ -874,11 +874,19 @@ _QWEN_DW = (dataclasses.replace(SIDE, num_sms=None, num_stages=4, block_n=192, e
 @pytest.mark.parametrize("shape, config", [
     ((32768, 2048, 1536, 128), _QWEN_DW[0]), ((32768, 768, 2048, 128), _QWEN_DW[1]),
     ((4096, 1088, 1024, 16), dataclasses.replace(PINGPONG, num_sms=None)),  # chunks cut at k
-    ((4096, 1024, 1024, 16), dataclasses.replace(TWO_WG, lsu_store=True))])
-def test_lsu_store_lowers_for_sm90(shape, config):
+    ((4096, 1024, 1024, 16), TWO_WG)])
+def test_lsu_store_lowers_for_sm90(shape, config, monkeypatch):
   """``lsu_store``'s epilogue (Mosaic GPU's tiled copy through inline_mgpu,
-  at traced offsets) lowers for sm90 beside the TMA stores it replaces."""
+  at traced offsets) lowers for sm90 beside the TMA stores it replaces, and is
+  there: once per chunk shape's store site, not without the flag."""
+  copies = []
+  lsu_copy = mosaic_dw._lsu_copy  # pylint: disable=protected-access
+  monkeypatch.setattr(mosaic_dw, "_lsu_copy", lambda *a: copies.append(a) or lsu_copy(*a))
   lower_for_sm90(*shape, dataclasses.replace(config, lsu_store=True))
+  assert copies
+  copies.clear()
+  lower_for_sm90(*shape, config)
+  assert not copies
 
 
 def test_lsu_store_in_interpret_mode_takes_the_tma_store():

@@ -44,7 +44,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -338,12 +337,13 @@ def _lsu_copy(src_smem, dst_gmem) -> None:
   transforms = sm90.swizzled(src_smem.shape[-1], src_smem.dtype)  # (the buffers' own)
   swizzle = transforms[1].swizzle
 
+  # No barrier of its own: the caller's commit_smem() ends with a warpgroup
+  # barrier (every thread's part of the chunk is in SMEM), and under Warpgroup
+  # semantics the next chunk's SMEM store begins with one (all reads done).
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms=transforms), plgpu.RefType()))
   def copy(ctx, smem, gmem):
     del ctx
-    mgpu.warpgroup_barrier()  # every thread's part of the chunk is in SMEM
     mgpu_fa.copy_tiled(smem, gmem, swizzle)
-    mgpu.warpgroup_barrier()  # and read, before the buffer takes the next chunk
 
   copy(src_smem, dst_gmem)
 

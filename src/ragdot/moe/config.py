@@ -60,7 +60,7 @@ class MoEConfig:
     if self.num_adapters:
       _check_int("lora_rank", self.lora_rank, minimum=1)
     # (stored as Python floats and bools: the config stays hashable with numpy or jax scalars)
-    for name in ("lora_alpha", "routed_scaling_factor"):
+    for name in ("lora_alpha",) * bool(self.num_adapters) + ("routed_scaling_factor",):
       object.__setattr__(self, name, _finite(name, getattr(self, name)))
     if not self.routed_scaling_factor > 0:
       raise ValueError(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
@@ -131,8 +131,9 @@ def _finite(name: str, value: Any) -> float:
 
 
 def _flag(name: str, value: Any) -> bool:
-  """``value`` as a Python bool: a bool (numpy's too) or the int 0 or 1."""
-  if isinstance(value, (bool, np.bool_)) or (
-      isinstance(value, (int, np.integer)) and value in (0, 1)):
+  """``value`` as a Python bool: a bool (numpy's or a 0-d jax one too) or the
+  int 0 or 1."""
+  kind = np.asarray(value).dtype.kind if np.ndim(value) == 0 else None
+  if kind == "b" or (kind in ("i", "u") and not isinstance(value, str) and value in (0, 1)):
     return bool(value)
   raise TypeError(f"{name} must be a bool, got {value!r}")
