@@ -60,7 +60,9 @@ class MoEConfig:
     if self.num_adapters:
       _check_int("lora_rank", self.lora_rank, minimum=1)
     # (stored as Python floats and bools: the config stays hashable with numpy or jax scalars)
-    for name in ("lora_alpha",) * bool(self.num_adapters) + ("routed_scaling_factor",):
+    reals = ("routed_scaling_factor", "lora_alpha") if self.num_adapters else (
+        "routed_scaling_factor",)
+    for name in reals:
       object.__setattr__(self, name, _finite(name, getattr(self, name)))
     if not self.routed_scaling_factor > 0:
       raise ValueError(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
