@@ -112,10 +112,10 @@ def stores_traced_out(into_group0: bool = False):
   as they are); ``into_group0``: stored, but every group's into group 0's."""
   real = mosaic_dw._store_half
   if into_group0:
-    mosaic_dw._store_half = lambda src_smem, out_gmem, j, row, col: real(
-        src_smem, out_gmem, jnp.int32(0), row, col)
+    mosaic_dw._store_half = lambda src_smem, out_gmem, j, row, col, *rest: real(
+        src_smem, out_gmem, jnp.int32(0), row, col, *rest)
   else:
-    mosaic_dw._store_half = lambda src_smem, out_gmem, j, row, col: jnp.bool_(True)
+    mosaic_dw._store_half = lambda src_smem, out_gmem, j, row, col, *rest: jnp.bool_(True)
   try:
     yield
   finally:
