@@ -30,10 +30,7 @@ import os
 from typing import Any, Callable
 
 import jax
-from jax._src import core
-from jax._src import custom_partitioning as custom_partitioning_impl
 from jax._src import sharding_impls
-from jax._src.interpreters import mlir
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -101,8 +98,9 @@ def _call(op: tuple[str, bool, int | None], kernel: Kernel, static: Any,
   plain = _plain(kernel, static, op[2], fixed)
   # Eager on one device there is nothing to split, and the plain call compiles
   # its kernel once (``api._run``); a custom-partitioned one would trace anew.
-  # In jax.export's trace the plain call too: custom_partitioning caches its trace
-  # per function, so it would reuse the bind's (whose schedule kernel export refuses).
+  # In jax.export's trace (tp.exporting) the plain call too: export cannot serialize
+  # the partitioner's callback, and custom_partitioning caches its trace per
+  # function, so it would reuse the bind's (whose schedule kernel export refuses).
   if eager or not partition or tp.exporting() or _has_effects(
       kernel, static, op[2], fixed, tuple((a.shape, a.dtype) for a in args)):
     return plain(*args)
@@ -185,7 +183,6 @@ def _partitioned(op: tuple[str, bool, int | None], kernel: Kernel, static: Any,
     return (mesh, body, NamedSharding(mesh, out_spec),
             tuple(NamedSharding(mesh, s) for s in in_specs))
 
-  partition.inline_for_export = True  # see _lower_for_export
   wrapped = custom_partitioning(_plain(kernel, static, num_groups, fixed))
   offset = ", " if num_args > fixed else ""
   # decode_shardings=False: JAX's own decoding asserts on a split over part of
@@ -196,25 +193,6 @@ def _partitioned(op: tuple[str, bool, int | None], kernel: Kernel, static: Any,
   return wrapped
 
 
-def _lower_for_export() -> None:
-  """Make ``jax.export`` inline ragdot's custom-partitioned calls (the plain
-  call, as with ``RAGDOT_AUTO_PARTITION=0``): a custom-partitioned call lowers
-  to a custom call holding a Python callback, which export cannot serialize
-  (jax 0.11.2: "serialization of host_callbacks is not yet implemented").
-  Other libraries' custom-partitioned calls keep JAX's own lowering."""
-  primitive = custom_partitioning_impl.custom_partitioning_p
-  jax_rule = mlir._lowerings[primitive].rule  # pylint: disable=protected-access
-
-  def rule(ctx, *values, call, partition, **params):
-    if (getattr(partition, "inline_for_export", False)
-        and ctx.module_context.lowering_parameters.for_export):
-      return mlir.lower_fun(core.jaxpr_as_fun(call), multiple_results=True)(ctx, *values)
-    return jax_rule(ctx, *values, call=call, partition=partition, **params)
-
-  mlir.register_lowering(primitive, rule)
-
-
-_lower_for_export()
 
 
 def _split_dims(mesh: Any, shape: Any) -> tuple[sharded.Axes, ...]:
