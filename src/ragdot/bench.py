@@ -31,9 +31,10 @@ import numpy as np
 from jax import lax
 
 import ragdot
-from ragdot import argtypes, timing
+from ragdot import argtypes
 from ragdot.backends import IMPLEMENTATIONS
-from ragdot.timing import SETTLE_S, device_time_ms, sustained_method, sustained_time_ms
+from ragdot.timing import (SETTLE_S, device_time_ms, output_budget_bytes, sustained_method,
+                           sustained_time_ms)
 from ragdot.watchdog import Watchdog
 
 BASELINES = ("dense", "lax", "tokamax")  # what ragdot is timed against
@@ -901,7 +902,7 @@ def run(args: argparse.Namespace) -> int:
   if error := argtypes.hang_limit_error(args.hang_s, args.sustained_s):
     return _usage_error(error)
   try:  # (read when a timing needs it: a bad value fails here, not in every row)
-    timing.output_budget_bytes()
+    output_budget_bytes()
   except ValueError as e:
     return _usage_error(str(e))
   impls = args.impls

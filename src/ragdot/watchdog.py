@@ -22,6 +22,14 @@ ON_HANG_S = 30.0  # how long ``on_hang`` may take before the process ends anyway
 EXIT_HOOKS_S = 10.0  # and the exit hooks, all together
 
 
+def _within(seconds: float, fn: Callable[..., None], *args: Any) -> None:
+  """``fn(*args)`` in a daemon thread, waited for at most ``seconds``: one that
+  blocks cannot keep the process alive."""
+  thread = threading.Thread(target=fn, args=args, daemon=True)
+  thread.start()
+  thread.join(seconds)
+
+
 def _run_hooks() -> None:
   for hook in _EXIT_HOOKS:
     try:
@@ -84,12 +92,8 @@ class Watchdog:
     try:
       print(f"{self.name}: {label} ran for more than {self.limit_s:g} s (hung?); stopping",
             file=sys.stderr, flush=True)
-      if self.on_hang is not None:  # (in a thread: one that blocks cannot keep us alive)
-        done = threading.Thread(target=self.on_hang, args=(label,), daemon=True)
-        done.start()
-        done.join(ON_HANG_S)
-      hooks = threading.Thread(target=_run_hooks, daemon=True)
-      hooks.start()
-      hooks.join(EXIT_HOOKS_S)
+      if self.on_hang is not None:
+        _within(ON_HANG_S, self.on_hang, label)
+      _within(EXIT_HOOKS_S, _run_hooks)
     finally:
       os._exit(self.HANG_EXIT)

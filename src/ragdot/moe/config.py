@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from ragdot.backends import IMPLEMENTATIONS
-from ragdot.moe.routing import check_expert_groups
+from ragdot.moe.routing import check_expert_groups, check_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,10 +55,10 @@ class MoEConfig:
 
   def __post_init__(self):
     for name in ("hidden", "intermediate", "num_experts", "top_k", "n_group", "topk_group"):
-      _check_int(name, getattr(self, name), minimum=1)
-    _check_int("num_adapters", self.num_adapters, minimum=0)
+      check_int(name, getattr(self, name), minimum=1)
+    check_int("num_adapters", self.num_adapters, minimum=0)
     if self.num_adapters:
-      _check_int("lora_rank", self.lora_rank, minimum=1)
+      check_int("lora_rank", self.lora_rank, minimum=1)
     # (stored as Python floats and bools: the config stays hashable with numpy or jax scalars)
     reals = ("routed_scaling_factor", "lora_alpha") if self.num_adapters else (
         "routed_scaling_factor",)
@@ -112,13 +112,6 @@ class MoEConfig:
     """(k, n) of one expert's matrix for projection ``name``."""
     d, f = self.hidden, self.intermediate
     return {"gate_up": (d, 2 * f), "gate": (d, f), "up": (d, f), "down": (f, d)}[name]
-
-
-def _check_int(name: str, value: Any, *, minimum: int) -> None:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise TypeError(f"{name} must be an int, got {value!r}")
-  if value < minimum:
-    raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 def _finite(name: str, value: Any) -> float:

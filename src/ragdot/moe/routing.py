@@ -83,10 +83,18 @@ def softmax_top_k(logits: jax.Array, top_k: int, *, renormalize: bool = True,
   return weights * routed_scaling_factor, experts.astype(jnp.int32)
 
 
+def check_int(name: str, value: Any, *, minimum: int) -> None:
+  """Raise TypeError unless ``value`` is an int (numpy's too; not a bool),
+  ValueError if it is below ``minimum``; both name ``name``."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"{name} must be an int, got {value!r}")
+  if value < minimum:
+    raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
 def _check_top_k(top_k: int, num_experts: int) -> None:
-  if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)):
-    raise TypeError(f"top_k must be an int, got {top_k!r}")
-  if not 1 <= top_k <= num_experts:
+  check_int("top_k", top_k, minimum=1)
+  if top_k > num_experts:
     raise ValueError(f"need 1 <= top_k <= num_experts, got top_k={top_k}, E={num_experts}")
 
 
@@ -95,11 +103,8 @@ def check_expert_groups(num_experts: int, top_k: int, n_group: int, topk_group: 
   of ``num_experts`` experts split into ``n_group`` groups, ``topk_group`` of them
   open to a token."""
   _check_top_k(top_k, num_experts)
-  for name, value in (("n_group", n_group), ("topk_group", topk_group)):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-      raise TypeError(f"{name} must be an int, got {value!r}")
-  if n_group < 1:
-    raise ValueError(f"n_group must be >= 1, got {n_group}")
+  check_int("n_group", n_group, minimum=1)
+  check_int("topk_group", topk_group, minimum=1)
   if num_experts % n_group:
     raise ValueError(f"n_group={n_group} must divide num_experts={num_experts}")
   if not 1 <= topk_group <= n_group or top_k > topk_group * (num_experts // n_group):
