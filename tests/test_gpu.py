@@ -1258,10 +1258,13 @@ def test_dw_release_each_step_real_size(shape, shard):
                                          ((32768, 768, 2048, 128), (8, 64)),
                                          ((4096, 1088, 1024, 16), None)],
                          ids=["qwen30b_gate_up", "qwen30b_down_shard", "k_cut"])
-def test_dw_lsu_store_real_size(shape, shard):
+@pytest.mark.parametrize("variant", [dict(lsu_store=True), dict(group_interleave=2)],
+                         ids=["lsu_store", "group_interleave"])
+def test_dw_variant_real_size(shape, shard, variant):
   """The dispatcher's dW ring with ``lsu_store`` (epilogue chunks stored by the
-  consumer's threads; the last case's 128-row chunks cut at k keep TMA): bitwise the
-  table config's result, against the oracle, NaN-poisoned memory."""
+  consumer's threads; the last case's 128-row chunks cut at k keep TMA) or with its
+  items dealt two groups at a time: bitwise the table config's result, against the
+  oracle, NaN-poisoned memory."""
   from ragdot.backends import mosaic_dw  # pylint: disable=g-import-not-at-top
   m, k, n, g = shape
   offset, local = (None, g) if shard is None else shard
@@ -1276,8 +1279,7 @@ def test_dw_lsu_store_real_size(shape, shard):
   x, dy = oracle.random_inputs(jax.random.key(m + k + n + 1), [(m, k), (m, n)], jnp.bfloat16)
   go = None if offset is None else jnp.int32(offset)
   outs = []
-  for lsu in (False, True):
-    cfg = dataclasses.replace(base, lsu_store=lsu)
+  for cfg in (base, dataclasses.replace(base, **variant)):
     fn = jax.jit(lambda x, d, gs, cfg=cfg: mosaic_dw.tgmm(x, d, gs, go, num_groups=local,
                                                         out_dtype=jnp.bfloat16, config=cfg))
     _poison(4 * g * k * n)

@@ -896,3 +896,36 @@ def test_lsu_store_in_interpret_mode_takes_the_tma_store():
   check(out, ref, jnp.bfloat16)
   with pytest.raises(ValueError, match="lsu_store"):
     MosaicDwConfig(lsu_store=True)  # one warpgroup: no epilogue chunks to store
+
+
+@pytest.mark.parametrize("num_groups, per_group, teams",
+                         [(1, 5, 2), (7, 3, 2), (8, 4, 4), (10, 6, 4), (9, 1, 8), (5, 7, 1)])
+def test_interleave_groups_is_a_permutation_that_spans_teams(num_groups, per_group, teams):
+  j, w = np.divmod(np.arange(num_groups * per_group, dtype=np.int32), per_group)
+  g, t = (np.asarray(a) for a in mosaic_dw.interleave_groups(
+      jnp.asarray(j), jnp.asarray(w), num_groups, per_group, teams))
+  assert ((0 <= g) & (g < num_groups) & (0 <= t) & (t < per_group)).all()
+  assert len(set(zip(g.tolist(), t.tolist()))) == num_groups * per_group
+  # a group's tiles keep their order, and each run of `teams` groups deals in turn
+  for x in range(num_groups):
+    assert (np.diff(t[g == x]) > 0).all()
+  whole = (num_groups // teams) * teams
+  if teams > 1 and whole:
+    first = g[:teams * per_group].reshape(per_group, teams)
+    assert (first == np.arange(teams)).all()
+
+
+@pytest.mark.parametrize("config", [TWO_WG, FLAT3_BANDED, SIDE], ids=["per_item", "flat", "side"])
+def test_group_interleave(config):
+  """Items dealt across 3 groups at a time (3 CTAs, 7 groups: a last run of 1):
+  every tile still written once, empty groups zero."""
+  cfg = dataclasses.replace(config, group_interleave=3)
+  out, ref = run(400, 128, 128, [17, 0, 160, 10, 90, 3, 120], config=cfg,
+                 out_dtype=jnp.bfloat16, seed=22)
+  check(out, ref, jnp.bfloat16)
+  with pytest.raises(ValueError, match="group_interleave"):
+    MosaicDwConfig(group_interleave=0)
+
+
+def test_group_interleave_lowers_for_sm90():
+  lower_for_sm90(32768, 2048, 1536, 128, dataclasses.replace(_QWEN_DW[0], group_interleave=2))

@@ -160,12 +160,30 @@ class WorkItem(NamedTuple):
   nblocks: jax.Array  # row block steps
 
 
+def interleave_groups(j, w, num_groups: int, per_group: int, teams: int):
+  """Item ``(j, w)`` of the plain order (group ``j``'s ``w``-th tile) remapped so
+  that each run of ``teams`` groups deals its items in turn: position ``w`` of
+  group ``j`` in the plain order holds, within its run of groups, group
+  ``base + o % t``'s tile ``o // t`` (``o`` the position in the run, ``t`` the
+  run's groups: ``teams``, fewer in the last run).  A permutation of the items,
+  so consecutive CTAs of the persistent grid work on ``teams`` groups at once.
+  Returns ``(group, tile)``; int32 scalars or arrays."""
+  if teams == 1:
+    return j, w
+  base = j - lax.rem(j, teams)
+  t = jnp.minimum(teams, num_groups - base)
+  o = (j - base) * per_group + w
+  return base + lax.rem(o, t), lax.div(o, t)
+
+
 def _work_item(info, grid_k: int, grid_n: int, config: MosaicDwConfig,
-               starts_gmem, ends_gmem, first_gmem, nblocks_gmem) -> WorkItem:
+               starts_gmem, ends_gmem, first_gmem, nblocks_gmem,
+               num_groups: int) -> WorkItem:
   """Item ``info`` of the CTA's loop; with ``side_rows`` its rows come from
   ``split_rows`` (the interior's first row and steps)."""
-  j = info.index[0]
-  ki, ni = plgpu.planar_snake(info.index[1], (grid_k, grid_n), 1, config.grid_tile_width)
+  j, w = interleave_groups(info.index[0], info.index[1], num_groups, grid_k * grid_n,
+                           config.group_interleave)
+  ki, ni = plgpu.planar_snake(w, (grid_k, grid_n), 1, config.grid_tile_width)
   start, end = starts_gmem[j], ends_gmem[j]
   if config.side_rows:
     split = split_rows(start, end)
@@ -408,7 +426,8 @@ def _body_2wg(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gm
     @plgpu.nd_loop((num_groups, grid_k * grid_n), collective_axes="sm")
     def _item(info: plgpu.NDLoopInfo):
       j, ki, ni, start, end, first, _, nblocks = _work_item(
-          info, grid_k, grid_n, config, starts_gmem, ends_gmem, first_gmem, nblocks_gmem)
+          info, grid_k, grid_n, config, starts_gmem, ends_gmem, first_gmem, nblocks_gmem,
+          num_groups)
 
       def step(idx, lhs_smem, rhs_smem, acc_ref):
         row0 = first + idx[0] * bm
@@ -556,7 +575,7 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
     @plgpu.nd_loop((num_groups, grid_k * grid_n), collective_axes="sm", init_carry=init)
     def steps(info: plgpu.NDLoopInfo, carry):
       item = _work_item(info, grid_k, grid_n, config, starts_gmem, ends_gmem, first_gmem,
-                        nblocks_gmem)
+                        nblocks_gmem, num_groups)
       return body(item, carry)
     return steps
 
@@ -820,7 +839,8 @@ def tgmm(
     @plgpu.nd_loop((num_groups, grid_k * grid_n), collective_axes="sm")
     def _item(info: plgpu.NDLoopInfo):
       j, ki, ni, start, end, first, _, nblocks = _work_item(
-          info, grid_k, grid_n, config, starts_gmem, ends_gmem, first_gmem, nblocks_gmem)
+          info, grid_k, grid_n, config, starts_gmem, ends_gmem, first_gmem, nblocks_gmem,
+          num_groups)
 
       def acc_scope(acc_ref):
         def step(idx, lhs_smem, rhs_smem):

@@ -156,6 +156,13 @@ class MosaicDwConfig:
       question it asks (docs/performance.md v67): whether TMA stores that L2
       backs up delay the TMA loads queued behind them.  Compiled kernels only
       (interpret mode cannot run the Mosaic GPU code; it takes the TMA store).
+    group_interleave: 1 to 8 groups whose items the persistent grid deals in
+      turn (``mosaic_dw.interleave_groups``): with 1, the CTAs walk one group's
+      items after another, so on a shape of about one group's items per SM
+      count (Qwen3-30B: 128) they all start a group, and store their tiles, at
+      once; with T, each round of items spans T groups of different sizes, so
+      the CTAs drift apart and their stores spread out.  The question it asks
+      (docs/performance.md v68): whether those bursts of stores slow the loads.
   """
 
   block_m: int = 64
@@ -178,6 +185,7 @@ class MosaicDwConfig:
   delay_release: int = 1
   l2_prefetch_ahead: int = 0
   lsu_store: bool = False
+  group_interleave: int = 1
 
   def __post_init__(self):
     if self.block_m <= 0 or self.block_m % 64:
@@ -253,6 +261,8 @@ class MosaicDwConfig:
                                       and not self.pipeline_across_items):
       raise ValueError("l2_prefetch_ahead must be 0, or > 0 with pipeline_across_items,"
                        f" got {self}")
+    if not 1 <= self.group_interleave <= 8:
+      raise ValueError(f"group_interleave must be in [1, 8], got {self.group_interleave}")
     if self.lsu_store and self.num_compute_wgs != 2:
       raise ValueError(f"lsu_store needs num_compute_wgs=2, got {self}")
     if self.epilogue_rows is not None and (
