@@ -41,15 +41,17 @@ def gmm_inputs(s: bench.Shape, call, key) -> tuple[jax.Array, jax.Array]:
   return x, (jax.random.normal(kw, shape, jnp.float32) / 32).astype(jnp.bfloat16)
 
 
-def dw_case(s: bench.Shape, key) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
-  """(group sizes, lhs x[m, k], rhs dy[m, n], the dispatcher's Choice) of
-  preset shape ``s``'s dW call: routed sizes, fresh bf16 operands."""
+def dw_case(s: bench.Shape, key, out_dtype: Any = None
+            ) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
+  """(group sizes, lhs x[m, k], rhs dy[m, n], the dispatcher's Choice for a dW
+  of ``out_dtype`` (None: bf16)) of preset shape ``s``'s dW call: routed sizes,
+  fresh bf16 operands."""
   gs = jnp.asarray(bench.routed_group_sizes(s))
   kx, ky = jax.random.split(key)
   x = jax.random.normal(kx, (s.m, s.k), jnp.bfloat16)
   dy = jax.random.normal(ky, (s.m, s.n), jnp.bfloat16)
-  choice = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, m=s.m, k=s.k, n=s.n, g=s.g,
-                           num_groups=s.g)
+  choice = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, out_dtype=out_dtype, m=s.m,
+                           k=s.k, n=s.n, g=s.g, num_groups=s.g)
   return gs, x, dy, choice
 
 

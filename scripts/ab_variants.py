@@ -116,7 +116,8 @@ def main() -> None:
       for v in args.variants:
         try:
           cfg = dataclasses.replace(base, **fields[v])
-        except ValueError as e:  # e.g. this shape's base folds tails the variant cannot take
+        except (ValueError, TypeError) as e:  # e.g. a base whose tails the variant cannot
+          # take, or a field the config does not have
           print(f"  skip {v} on {s.name} {op}: {e}", flush=True)
           continue
         if cfg.smem_bytes(jnp.bfloat16, jnp.bfloat16) > cfg.smem_budget():
@@ -124,11 +125,12 @@ def main() -> None:
           continue
         configs[v] = cfg
         cases[v] = run(mosaic_fwd, cfg)
-      ref = cases["table" if args.base == "table" else "mosaic"](x, w, gs)
+      ref = cases["table" if base is choice.config else "mosaic"](x, w, gs)  # the variants' base
       equal = {name: bool(jnp.array_equal(ref, f(x, w, gs))) for name, f in cases.items()}
       med = timing.interleaved_median_ms({name: (f, (x, w, gs)) for name, f in cases.items()},
                                          rounds=args.rounds, iterations=args.iterations)
-      rows += case_rows(s.name, op, choice, med, equal, configs, 2 * s.m * call.k * call.n,
+      rows_used = min(s.m, int(gs.sum()))  # (--group-rows: the rows past g x R are no work)
+      rows += case_rows(s.name, op, choice, med, equal, configs, 2 * rows_used * call.k * call.n,
                         "bitwise_equal_base")
       # After every (shape, op): a run cut short keeps what it measured.
       with open(os.path.join(args.out_dir, "ab_variants.json"), "w") as f:

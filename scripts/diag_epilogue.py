@@ -88,7 +88,7 @@ def main() -> None:
         mosaic_fwd._store_rows, sm90.stage = real_store, real_stage
       cases[case] = (f, (x, w, gs))
     med = timing.interleaved_median_ms(cases, rounds=args.rounds, iterations=args.iterations)
-    label = f"{name} {op}" + (" (swap split)" if override else "")
+    label = f"{name} {op}" + (" (gate_up's config)" if override else "")
     print(f"{label}: {cfg}", flush=True)
     for case in cases:
       print(f"  {case}  {med[case]:.4f} ms  x A {med[case] / med['A']:.3f}", flush=True)

@@ -67,7 +67,7 @@ def main() -> None:
   p.add_argument("--tag", default="")
   args = p.parse_args()
   os.makedirs(args.out_dir, exist_ok=True)
-  rows = []
+  rows, configs_of = [], {}
   for s in bench.preset_shapes("training", args.shapes):
     if not args.shapes and (s.g != 128 or s.top_k != 8):
       continue
@@ -92,6 +92,7 @@ def main() -> None:
         fn = jax.jit(lambda x, w, gs, cfg=cfg: mosaic_fwd.gmm(
             x, w, gs, None, transpose_rhs=False, out_dtype=jnp.bfloat16, config=cfg))
         cases[f"{lay} {name}"] = (fn, (xs, w, jnp.asarray(sizes)), rows_used)
+    configs_of[s.name] = {k: dataclasses.asdict(v) for k, v in configs.items()}
     cases["dense"] = (jax.jit(jnp.dot), (x, w[0]), s.m)
     med = timing.interleaved_median_ms({k: v[:2] for k, v in cases.items()},
                                        rounds=args.rounds, iterations=args.iterations)
@@ -105,7 +106,7 @@ def main() -> None:
     out = os.path.join(args.out_dir, f"diag_tails{'_' + args.tag if args.tag else ''}.json")
     with open(out, "w") as f:
       json.dump(dict(device=jax.devices()[0].device_kind, rows=rows,
-                     configs={k: dataclasses.asdict(v) for k, v in configs.items()}), f, indent=1)
+                     configs=configs_of), f, indent=1)
 
 
 if __name__ == "__main__":
