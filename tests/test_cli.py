@@ -322,6 +322,27 @@ def test_tune_tries_todays_choice_right_after_the_defaults():
   assert tune.incumbent_choice(task, jnp.bfloat16, dispatch.Device("cpu", "cpu")) is None
 
 
+def test_tune_tries_todays_dw_choice_dealt_two_groups_at_a_time():
+  # v68: Qwen3-30B down's dW ran 0.962-0.966x its table time with group_interleave=2
+  # (an H100); the tuner times that variant of today's choice right after it.
+  from ragdot import dispatch, tune  # pylint: disable=g-import-not-at-top
+  h200 = dispatch.Device("gpu", "NVIDIA H200", "9.0")
+  task = tune.Task("dw", "qwen3-30b down", 32768, 768, 2048, 128, 8)
+  today = tune.incumbent_choice(task, jnp.bfloat16, h200)
+  assert today[0] == "mosaic" and today[1].group_interleave == 1
+  cands = tune.candidates(task, jnp.bfloat16, today)
+  at = cands.index(today)
+  assert cands[at + 1] == ("mosaic", dataclasses.replace(today[1], group_interleave=2))
+  assert all(c.group_interleave == 1 for b, c in cands if b == "mosaic" and c is not None
+             and c != cands[at + 1][1])
+  # Forward tasks, and a call with no Mosaic choice today, get no such variant.
+  fwd = tune.Task("fwd", "qwen3-30b down", 32768, 768, 2048, 128, 8)
+  assert all(getattr(c, "group_interleave", 1) == 1 for _, c in tune.candidates(
+      fwd, jnp.bfloat16, tune.incumbent_choice(fwd, jnp.bfloat16, h200)))
+  assert all(getattr(c, "group_interleave", 1) == 1
+             for _, c in tune.candidates(task, jnp.bfloat16, None))
+
+
 def test_tune_fp8_times_the_native_forward_on_mosaic_configs(tmp_path, capsys):
   """``--dtype float8_e4m3fn``: the forward on rhs [g, n, k] (table op gmm_t,
   the forward's own k and n), Mosaic candidates only (k steps of 128 and 64

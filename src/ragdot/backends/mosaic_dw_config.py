@@ -156,13 +156,17 @@ class MosaicDwConfig:
       question it asks (docs/performance.md v67): whether TMA stores that L2
       backs up delay the TMA loads queued behind them.  Compiled kernels only
       (interpret mode cannot run the Mosaic GPU code; it takes the TMA store).
+      Measured on an H100 (docs/performance.md v68): 0.997x the table's time on
+      Qwen3-30B gate_up, 1.013x on down, so no.
     group_interleave: 1 to 8 groups whose items the persistent grid deals in
       turn (``mosaic_dw.interleave_groups``): with 1, the CTAs walk one group's
       items after another, so on a shape of about one group's items per SM
       count (Qwen3-30B: 128) they all start a group, and store their tiles, at
       once; with T, each round of items spans T groups of different sizes, so
-      the CTAs drift apart and their stores spread out.  The question it asks
-      (docs/performance.md v68): whether those bursts of stores slow the loads.
+      the CTAs drift apart and their stores spread out.  Measured on an H100
+      (docs/performance.md v68), T = 2: 0.962-0.966x the table's time on
+      Qwen3-30B down (64 items a group), 1.02x on its gate_up, 1.06x on
+      DeepSeek-V3 down, 1.17x on Mixtral gate_up; ``ragdot tune`` tries it.
   """
 
   block_m: int = 64
