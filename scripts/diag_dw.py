@@ -183,9 +183,10 @@ def main() -> None:
     if default.side_rows and {"B", "E", "R"} & set(cases_here):
       # side_rows masks nothing (B and E would time A's kernel again), and its piece
       # barriers are not scaled by extra_arrivals (R would hang).
+      skipped = [c for c in cases_here if c in "BER"]
       cases_here = "".join(c for c in cases_here if c not in "BER")
-      print(f"{s.name}: cases B, E and R skipped: they need a masking ring, the config"
-            " has side_rows (--base side_rows=False runs them)", flush=True)
+      print(f"{s.name}: case(s) {', '.join(skipped)} skipped: they need a masking ring, the"
+            " config has side_rows (--base side_rows=False runs them)", flush=True)
 
     def make(config=default):
       return jax.jit(lambda x, dy, gs: mosaic_dw.tgmm(

@@ -140,8 +140,8 @@ def candidates(task: Task, dtype, incumbent: tuple[str, Any] | None = None
                ) -> list[tuple[str, Any]]:
   """(backend, Config) pairs to try: the Mosaic default first, then the first
   four Triton configs, ``incumbent`` (the config the dispatcher runs for the call
-  today: ``incumbent_choice``), the Mosaic sweep, and (for small problems) the
-  xla backend."""
+  today: ``incumbent_choice``; for a Mosaic dW, also it with ``group_interleave=2``),
+  the Mosaic sweep, and (for small problems) the xla backend."""
   from ragdot.backends import mosaic_dw, mosaic_fwd, triton, xla  # pylint: disable=g-import-not-at-top
 
   if task.weights is not None:

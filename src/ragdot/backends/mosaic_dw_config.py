@@ -138,7 +138,9 @@ class MosaicDwConfig:
       item); on the pingpong rings 0.99-1.01x on routed Qwen sizes, 1.05-1.07x
       under skew and 1.17x on Mixtral (a consumer owning whole items then has
       no wgmma queued behind its own).
-    l2_prefetch_ahead: with ``pipeline_across_items``, > 0: at each item's
+    l2_prefetch_ahead: (its distance assumes ``group_interleave=1``; with more,
+      it prefetches other groups than intended, still only a hint.)  With
+      ``pipeline_across_items``, > 0: at each item's
       first step the producer prefetches into L2 up to 4 (64 rows, 256
       columns) boxes of a later group's rows of lhs or rhs (which: the item's
       place in its group; ``mosaic_dw.prefetch_boxes``), that group being
@@ -165,7 +167,8 @@ class MosaicDwConfig:
       once; with T, each round of items spans T groups of different sizes, so
       the CTAs drift apart and their stores spread out.  Measured on an H100
       (docs/performance.md v68), T = 2: 0.962-0.966x the table's time on
-      Qwen3-30B down (64 items a group), 1.02x on its gate_up, 1.06x on
+      Qwen3-30B down (64 items a group), 0.988x on Qwen3-235B gate_up (one
+      run), 1.02x on Qwen3-30B gate_up, 1.06x on
       DeepSeek-V3 down, 1.17x on Mixtral gate_up; ``ragdot tune`` tries it.
   """
 
