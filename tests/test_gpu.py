@@ -1289,6 +1289,43 @@ def test_dw_variant_real_size(shape, shard, variant):
   assert np.array_equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("shape,shard,layout", [
+    ((32768, 2048, 1536, 128), None, "routed"), ((32768, 768, 2048, 128), (8, 64), "routed"),
+    ((32768, 2048, 1536, 128), None, "skewed"), ((8192, 768, 2048, 128), None, "under")],
+    ids=["qwen30b_gate_up", "qwen30b_down_shard", "qwen30b_gate_up_skewed", "rows_past_groups"])
+def test_dw_side_gather_kernel_real_size(shape, shard, layout, monkeypatch):
+  """The side buffers from the Pallas-Triton kernel (``side_gather_kernel``) equal
+  the XLA gathers bitwise, and the dispatcher's dW ring with them gives the table
+  config's result bitwise, against the oracle, on NaN-poisoned memory."""
+  from ragdot.backends import mosaic_dw, triton_side_rows  # pylint: disable=g-import-not-at-top
+  m, k, n, g = shape
+  offset, local = (None, g) if shard is None else shard
+  sizes = _sizes(m, g, layout)
+  choice = dispatch_choice("dw", Shape("t", m, k, n, g))
+  assert choice.implementation == "mosaic" and choice.config.side_rows
+  x, dy = oracle.random_inputs(jax.random.key(m + k + n + 2), [(m, k), (m, n)], jnp.bfloat16)
+  ends = np.minimum(np.cumsum(sizes), m).astype(np.int32)
+  starts = np.concatenate([[0], ends[:-1]]).astype(np.int32)
+  want = jax.jit(mosaic_dw.side_buffers)(x, dy, starts, ends)
+  got = jax.jit(triton_side_rows.gather)(x, dy, starts, ends)
+  for a, b in zip(want, got):
+    assert np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+  calls = []
+  real = triton_side_rows.gather
+  monkeypatch.setattr(triton_side_rows, "gather", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+  go = None if offset is None else jnp.int32(offset)
+  outs = []
+  for cfg in (choice.config, dataclasses.replace(choice.config, side_gather_kernel=True)):
+    fn = jax.jit(lambda x, d, gs, cfg=cfg: mosaic_dw.tgmm(x, d, gs, go, num_groups=local,
+                                                        out_dtype=jnp.bfloat16, config=cfg))
+    _poison(4 * g * k * n)
+    outs.append(np.asarray(fn(x, dy, jnp.asarray(sizes))).view(np.uint16))
+  assert calls == [1]  # traced once, by the second config's call
+  oracle.assert_close(outs[1].view(jnp.bfloat16), oracle.np_trans_ragged_dot(
+      x, dy, sizes, go, local), jnp.bfloat16)
+  assert np.array_equal(outs[0], outs[1])
+
+
 _GPT_OSS = [s for p in ("gpt-oss-120b", "gpt-oss-20b") for s in PRESETS[p] if s.m > 1024]
 
 

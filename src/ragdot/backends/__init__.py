@@ -66,6 +66,15 @@ def schedule_kernels(interpret) -> ModuleType | None:
     return None
 
 
+def side_rows_kernel(interpret) -> ModuleType | None:
+  """``ragdot.backends.triton_side_rows`` where its kernel can serve this call
+  (the same conditions as ``schedule_kernels``), else None (the caller gathers
+  the side rows with XLA ops)."""
+  if schedule_kernels(interpret) is None:
+    return None
+  return importlib.import_module("ragdot.backends.triton_side_rows")
+
+
 def _kernels_for(use_kernel: bool, interpret, m: int, num_groups: int, num_local: int):
   kernels = schedule_kernels(interpret) if use_kernel else None
   if kernels is not None and kernels.supported(m, num_groups, num_local):

@@ -897,7 +897,9 @@ def tgmm(
   i32 = lambda x: x.astype(jnp.int32)
   side = ()
   if config.side_rows:
-    side = side_buffers(lhs, rhs, i32(starts[:num_groups]), i32(ends[:num_groups]))
+    local = i32(starts[:num_groups]), i32(ends[:num_groups])
+    gather = backends.side_rows_kernel(interpret) if config.side_gather_kernel else None
+    side = gather.gather(lhs, rhs, *local) if gather else side_buffers(lhs, rhs, *local)
   args = match_varying(i32(starts), i32(ends), i32(first_row), i32(num_blocks), lhs, rhs,
                        *side)
   lhs = args[4]

@@ -160,6 +160,11 @@ class MosaicDwConfig:
       (interpret mode cannot run the Mosaic GPU code; it takes the TMA store).
       Measured on an H100 (docs/performance.md v68): 0.997x the table's time on
       Qwen3-30B gate_up, 1.013x on down, so no.
+    side_gather_kernel: with ``side_rows``, the side buffers come from one
+      Pallas-Triton kernel (``triton_side_rows.gather``, compiled GPU calls)
+      instead of an index computation and two XLA gathers (3.0% of Qwen3-30B
+      gate_up's dW time, 4.6% of down's on the H200, docs/performance.md v30e);
+      the same values either way.
     group_interleave: 1 to 8 groups whose items the persistent grid deals in
       turn (``mosaic_dw.interleave_groups``): with 1, the CTAs walk one group's
       items after another, so on a shape of about one group's items per SM
@@ -193,6 +198,7 @@ class MosaicDwConfig:
   l2_prefetch_ahead: int = 0
   lsu_store: bool = False
   group_interleave: int = 1
+  side_gather_kernel: bool = False
 
   def __post_init__(self):
     if self.block_m <= 0 or self.block_m % 64:
@@ -268,6 +274,8 @@ class MosaicDwConfig:
                                       and not self.pipeline_across_items):
       raise ValueError("l2_prefetch_ahead must be 0, or > 0 with pipeline_across_items,"
                        f" got {self}")
+    if self.side_gather_kernel and not self.side_rows:
+      raise ValueError(f"side_gather_kernel needs side_rows, got {self}")
     if not 1 <= self.group_interleave <= 8:
       raise ValueError(f"group_interleave must be in [1, 8], got {self.group_interleave}")
     if self.lsu_store and self.num_compute_wgs != 2:
