@@ -4,6 +4,7 @@ entry for entry (Pallas-Triton interpret mode on CPU)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 
 import jax
@@ -219,3 +220,15 @@ def test_build_many_equals_the_xla_builders(layout, tiles):
   assert len(many) == len(tiles)
   for (block_m, tail_rows), (got_tiles, got_scalars) in zip(tiles, many):
     _check_against_xla(got_tiles, got_scalars, sizes, go, m, num_local, block_m, tail_rows)
+
+
+@pytest.mark.parametrize("with_offset", [False, True], ids=["all", "shard"])
+def test_schedule_kernels_lower_to_triton_ir_for_sm90(with_offset, monkeypatch):
+  from triton_lowering import lower_for_sm90  # pylint: disable=g-import-not-at-top
+  s = jax.ShapeDtypeStruct
+  offset = s((), jnp.int32) if with_offset else None
+  local = 16 if with_offset else 128
+  for fn in (functools.partial(ts.build, m=32768, num_local=local, block_m=128),
+             functools.partial(ts.build_bounds, m=32768, num_local=local, block_m=64)):
+    (out,) = lower_for_sm90(monkeypatch, fn, s((128,), jnp.int32), offset)
+    assert "tt.store" in out.module.operation.get_asm()

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import strategies as rst
+from triton_lowering import lower_for_sm90
 from ragdot import backends
 from ragdot.backends import mosaic_dw
 from ragdot.backends import triton_side_rows as tsr
@@ -84,3 +85,13 @@ def test_the_flag_needs_side_rows_and_keeps_xla_off_the_gpu(monkeypatch):
                  out_dtype=jnp.bfloat16, seed=23)
   check(out, ref, jnp.bfloat16)
   assert not calls
+
+
+@pytest.mark.parametrize("m, k, n, g", [(32768, 2048, 1536, 128), (96, 2048, 64, 13),
+                                        (200, 64, 320, 6), (64, 192, 128, 2)])
+def test_gather_lowers_to_triton_ir_for_sm90(m, k, n, g, monkeypatch):
+  s = jax.ShapeDtypeStruct
+  (out,) = lower_for_sm90(monkeypatch, tsr.gather, s((m, k), jnp.bfloat16),
+                          s((m, n), jnp.bfloat16), s((g,), jnp.int32), s((g,), jnp.int32))
+  asm = out.module.operation.get_asm()
+  assert asm.count("tt.store") == 2 and asm.count("tt.load") >= 6  # 2 scalars + 2 x 2 windows
