@@ -21,7 +21,6 @@ calls only).
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 from jax import lax
