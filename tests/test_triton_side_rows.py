@@ -59,8 +59,7 @@ def test_gather_equals_the_xla_side_buffers_on_any_layout(data):
 
 
 def test_gather_checks_its_arguments():
-  # The dW kernel's own constants, which the kernel repeats (it is Triton-only).
-  assert (tsr.SIDE_ROWS, tsr._ALIGN) == (mosaic_dw._SIDE_ROWS, mosaic_dw._ROW_ALIGN)  # pylint: disable=protected-access
+  assert tsr.SIDE_ROWS == mosaic_dw._SIDE_ROWS  # pylint: disable=protected-access
   x = jnp.zeros((8, 64), jnp.bfloat16)
   s = jnp.zeros((2,), jnp.int32)
   with pytest.raises(ValueError, match="at least 16"):

@@ -126,13 +126,22 @@ def split_rows(start, end) -> RowSplit:
   return RowSplit(first, full, rest, full + tail_steps)
 
 
+def side_runs(start, end):
+  """``(heads, tail_start, tails)``: the side rows of rows ``[start, end)`` are
+  its first ``heads`` rows (up to ``split_rows``' 8-aligned ``first``) and the
+  ``tails`` rows from ``tail_start`` (the unaligned end, not overlapping the
+  head).  int32 scalars or arrays: the XLA gather and the Pallas-Triton one
+  (``triton_side_rows``) use this arithmetic."""
+  head_end = jnp.minimum(split_rows(start, end).first, end)
+  tail_start = jnp.maximum(lax.div(end, _ROW_ALIGN) * _ROW_ALIGN, head_end)
+  return head_end - start, tail_start, end - tail_start
+
+
 def side_row_index(starts: jax.Array, ends: jax.Array, m: int) -> jax.Array:
   """int32[g * 16]: for each group (``starts``/``ends``: int32[g]) the rows
   of lhs/rhs its side buffer rows copy, ``m`` (zeros) past its side rows."""
-  first = split_rows(starts, ends).first
-  head_end = jnp.minimum(first, ends)
-  tail_start = jnp.maximum(ends // _ROW_ALIGN * _ROW_ALIGN, head_end)
-  heads, tails = (head_end - starts)[:, None], (ends - tail_start)[:, None]
+  heads, tail_start, tails = side_runs(starts, ends)
+  heads, tails = heads[:, None], tails[:, None]
   t = jnp.arange(_SIDE_ROWS, dtype=jnp.int32)[None]
   index = jnp.where(t < heads, starts[:, None] + t,
                     jnp.where(t < heads + tails, tail_start[:, None] + t - heads, m))

@@ -27,10 +27,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ragdot.backends import mosaic_dw
 from ragdot.manual_axes import match_varying, out_struct
 
-SIDE_ROWS = 16  # rows per group in the side buffers (mosaic_dw._SIDE_ROWS)
-_ALIGN = 8  # the interior's row alignment (mosaic_dw._ROW_ALIGN)
+SIDE_ROWS = mosaic_dw._SIDE_ROWS  # rows per group in the side buffers  # pylint: disable=protected-access
 _MAX_COLS = 256  # columns per program
 
 
@@ -46,10 +46,7 @@ def _kernel(starts_ref, ends_ref, lhs_ref, rhs_ref, side_lhs_ref, side_rhs_ref):
   j, c = pl.program_id(0), pl.program_id(1)
   start = plgpu.load(starts_ref.at[j])
   end = plgpu.load(ends_ref.at[j])
-  first = lax.div(start + (_ALIGN - 1), _ALIGN) * _ALIGN
-  head_end = jnp.minimum(first, end)
-  tail_start = jnp.maximum(lax.div(end, _ALIGN) * _ALIGN, head_end)
-  heads, tails = head_end - start, end - tail_start
+  heads, tail_start, tails = mosaic_dw.side_runs(start, end)
   t = lax.broadcasted_iota(jnp.int32, (SIDE_ROWS, 1), 0)
   in_head = t < heads
   in_tail = (t >= heads) & (t < heads + tails)
