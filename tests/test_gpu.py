@@ -1254,6 +1254,24 @@ def test_dw_release_each_step_real_size(shape, shard):
   assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(again).view(np.uint16))
 
 
+def _assert_dw_variant_bitwise(x, dy, sizes, shard, g, base, variant) -> None:
+  """``mosaic_dw.tgmm`` with config ``variant`` gives ``base``'s result bitwise and
+  matches the f32 oracle (each call on NaN-poisoned memory); ``shard``: None or
+  (group_offset, local groups)."""
+  from ragdot.backends import mosaic_dw  # pylint: disable=g-import-not-at-top
+  offset, local = (None, g) if shard is None else shard
+  go = None if offset is None else jnp.int32(offset)
+  outs = []
+  for cfg in (base, variant):
+    fn = jax.jit(lambda x, d, gs, cfg=cfg: mosaic_dw.tgmm(x, d, gs, go, num_groups=local,
+                                                        out_dtype=jnp.bfloat16, config=cfg))
+    _poison(4 * g * x.shape[1] * dy.shape[1])
+    outs.append(np.asarray(fn(x, dy, jnp.asarray(sizes))).view(np.uint16))
+  oracle.assert_close(outs[1].view(jnp.bfloat16), oracle.np_trans_ragged_dot(
+      x, dy, sizes, go, local), jnp.bfloat16)
+  assert np.array_equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("shape,shard", [((32768, 2048, 1536, 128), None),
                                          ((32768, 768, 2048, 128), (8, 64)),
                                          ((4096, 1088, 1024, 16), None)],
@@ -1265,9 +1283,7 @@ def test_dw_variant_real_size(shape, shard, variant):
   consumer's threads; the last case's 128-row chunks cut at k keep TMA) or with its
   items dealt two groups at a time: bitwise the table config's result, against the
   oracle, NaN-poisoned memory."""
-  from ragdot.backends import mosaic_dw  # pylint: disable=g-import-not-at-top
   m, k, n, g = shape
-  offset, local = (None, g) if shard is None else shard
   sizes = _sizes(m, g, "routed")
   choice = dispatch_choice("dw", Shape("t", m, k, n, g))
   assert choice.implementation == "mosaic" and choice.config.num_compute_wgs == 2
@@ -1277,16 +1293,7 @@ def test_dw_variant_real_size(shape, shard, variant):
                                epilogue_split=2, mask_warpgroup=False, side_rows=False,
                                num_stages=3, epilogue_buffers=1)
   x, dy = oracle.random_inputs(jax.random.key(m + k + n + 1), [(m, k), (m, n)], jnp.bfloat16)
-  go = None if offset is None else jnp.int32(offset)
-  outs = []
-  for cfg in (base, dataclasses.replace(base, **variant)):
-    fn = jax.jit(lambda x, d, gs, cfg=cfg: mosaic_dw.tgmm(x, d, gs, go, num_groups=local,
-                                                        out_dtype=jnp.bfloat16, config=cfg))
-    _poison(4 * g * k * n)
-    outs.append(np.asarray(fn(x, dy, jnp.asarray(sizes))).view(np.uint16))
-  oracle.assert_close(outs[1].view(jnp.bfloat16), oracle.np_trans_ragged_dot(
-      x, dy, sizes, go, local), jnp.bfloat16)
-  assert np.array_equal(outs[0], outs[1])
+  _assert_dw_variant_bitwise(x, dy, sizes, shard, g, base, dataclasses.replace(base, **variant))
 
 
 @pytest.mark.parametrize("shape,shard,layout", [
@@ -1299,7 +1306,6 @@ def test_dw_side_gather_kernel_real_size(shape, shard, layout, monkeypatch):
   config's result bitwise, against the oracle, on NaN-poisoned memory."""
   from ragdot.backends import mosaic_dw, triton_side_rows  # pylint: disable=g-import-not-at-top
   m, k, n, g = shape
-  offset, local = (None, g) if shard is None else shard
   sizes = _sizes(m, g, layout)
   choice = dispatch_choice("dw", Shape("t", m, k, n, g))
   assert choice.implementation == "mosaic" and choice.config.side_rows
@@ -1313,17 +1319,9 @@ def test_dw_side_gather_kernel_real_size(shape, shard, layout, monkeypatch):
   calls = []
   real = triton_side_rows.gather
   monkeypatch.setattr(triton_side_rows, "gather", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-  go = None if offset is None else jnp.int32(offset)
-  outs = []
-  for cfg in (choice.config, dataclasses.replace(choice.config, side_gather_kernel=True)):
-    fn = jax.jit(lambda x, d, gs, cfg=cfg: mosaic_dw.tgmm(x, d, gs, go, num_groups=local,
-                                                        out_dtype=jnp.bfloat16, config=cfg))
-    _poison(4 * g * k * n)
-    outs.append(np.asarray(fn(x, dy, jnp.asarray(sizes))).view(np.uint16))
+  _assert_dw_variant_bitwise(x, dy, sizes, shard, g, choice.config,
+                             dataclasses.replace(choice.config, side_gather_kernel=True))
   assert calls == [1]  # traced once, by the second config's call
-  oracle.assert_close(outs[1].view(jnp.bfloat16), oracle.np_trans_ragged_dot(
-      x, dy, sizes, go, local), jnp.bfloat16)
-  assert np.array_equal(outs[0], outs[1])
 
 
 _GPT_OSS = [s for p in ("gpt-oss-120b", "gpt-oss-20b") for s in PRESETS[p] if s.m > 1024]
