@@ -682,7 +682,8 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
               num_groups=num_groups, grid_n=grid_n, items_per_group=grid_k * grid_n,
               num_sms=num_sms))
         # The slot's previous use (step - stages) must be consumed first.
-        pl.when(step >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
+        with jax.named_scope("free"):  # (profile ranges: sm90.profiling)
+          pl.when(step >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
 
         def whole_block():
           rows = pl.ds(pl.multiple_of(first + i * bm, _ROW_ALIGN), bm)
@@ -691,12 +692,13 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
           plgpu.copy_gmem_to_smem(rhs_gmem.at[rows, pl.ds(ni * bn, bn)],
                                   rhs_smem.at[slot], produced.at[owner + slot])
 
-        if side:
-          in_pieces = i >= full
-          pl.when(~in_pieces)(whole_block)
-          pl.when(in_pieces)(lambda: load_pieces(it, i, slot, pieces_in.at[owner + slot]))
-        else:
-          whole_block()
+        with jax.named_scope("load"):
+          if side:
+            in_pieces = i >= full
+            pl.when(~in_pieces)(whole_block)
+            pl.when(in_pieces)(lambda: load_pieces(it, i, slot, pieces_in.at[owner + slot]))
+          else:
+            whole_block()
 
       total = ring_steps(load)
 
@@ -721,12 +723,13 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
             lhs_t, rhs_t = lhs_smem.at[slot], rhs_smem.at[slot]
             ready = masked if masker else produced
             mine = (wg * stages if pingpong else 0) + slot
-            if side:
-              in_pieces = i >= full
-              pl.when(~in_pieces)(lambda: plgpu.barrier_wait(ready.at[mine]))
-              pl.when(in_pieces)(lambda: plgpu.barrier_wait(pieces_in.at[mine]))
-            else:
-              plgpu.barrier_wait(ready.at[mine])
+            with jax.named_scope("wait"):
+              if side:
+                in_pieces = i >= full
+                pl.when(~in_pieces)(lambda: plgpu.barrier_wait(ready.at[mine]))
+                pl.when(in_pieces)(lambda: plgpu.barrier_wait(pieces_in.at[mine]))
+              else:
+                plgpu.barrier_wait(ready.at[mine])
             row0 = first + i * bm
             # (side_rows: the stage holds only the group's rows and zeros.)
             if pingpong and not (masker or side):  # this consumer's own stage
@@ -737,18 +740,20 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
                   config.banded_mask))
 
             lhs_rows = lhs_t if pingpong else lhs_t.at[:, pl.ds(wg * hk, hk)]
-            plgpu.wgmma(acc_ref, lhs_rows.T, rhs_t)
-            if config.delay_release:
-              plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release it
-              pl.when(i > 0)(lambda: plgpu.barrier_arrive(
-                  consumed.at[lax.rem(step + stages - 1, stages)]))
-            else:  # this step's wgmma is done: release its slot at once
-              plgpu.wgmma_wait(0)
-              plgpu.barrier_arrive(consumed.at[slot])
+            with jax.named_scope("mma"):
+              plgpu.wgmma(acc_ref, lhs_rows.T, rhs_t)
+              if config.delay_release:
+                plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release it
+                pl.when(i > 0)(lambda: plgpu.barrier_arrive(
+                    consumed.at[lax.rem(step + stages - 1, stages)]))
+              else:  # this step's wgmma is done: release its slot at once
+                plgpu.wgmma_wait(0)
+                plgpu.barrier_arrive(consumed.at[slot])
             return step + 1
 
           step = lax.fori_loop(0, nblocks, mma, step0)
-          acc = acc_ref[...]  # waits for the last wgmma
+          with jax.named_scope("last_mma"):
+            acc = acc_ref[...]  # waits for the last wgmma
           if config.delay_release:
             pl.when(nblocks > 0)(lambda: plgpu.barrier_arrive(
                 consumed.at[lax.rem(step + stages - 1, stages)]))
@@ -756,7 +761,9 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
 
         acc = pl.run_scoped(acc_scope, plgpu.ACC((hk, bn), jnp.float32))
         row = ki * bk if pingpong else ki * bk + wg * hk
-        _store_consumer_half(acc, o_smem.at[wg], out_gmem, j, row, ni * bn, config.lsu_store)
+        with jax.named_scope("store"):
+          _store_consumer_half(acc, o_smem.at[wg], out_gmem, j, row, ni * bn,
+                               config.lsu_store)
 
       def item(it, carry):
         step0, q = carry
@@ -822,10 +829,14 @@ def tgmm(
     return tgmm(jnp.pad(lhs, pad), jnp.pad(rhs, pad), group_sizes, group_offset,
                 num_groups=num_groups, out_dtype=out_dtype, interpret=interpret,
                 config=config)
-  if smem_bytes(config, lhs.dtype, out_dtype) > config.smem_budget():
+  need = smem_bytes(config, lhs.dtype, out_dtype)
+  if (profile := sm90.active_profile()) is not None and not interpret:
+    need += profile.smem_bytes(_warpgroups(config))
+  if need > config.smem_budget():
     raise NotImplementedError(
-        f"{config} needs {smem_bytes(config, lhs.dtype, out_dtype)} bytes of"
-        f" SMEM for {lhs.dtype} -> {out_dtype}; the budget is {config.smem_budget()}"
+        f"{config} needs {need} bytes of SMEM for {lhs.dtype} -> {out_dtype}"
+        f"{' with its profile buffer' if profile else ''}; the budget is"
+        f" {config.smem_budget()}"
     )
   if num_groups == 0 or m == 0:
     return jnp.zeros((num_groups, k, n), out_dtype)
@@ -898,7 +909,7 @@ def tgmm(
         in_transforms_rhs=in_transforms_rhs, out_transforms=out_transforms, **flat,
     )
     scratch_types = []
-    extra = dict(num_threads=4 if config.mask_warpgroup else 3, thread_name="wg")
+    extra = dict(num_threads=_warpgroups(config), thread_name="wg")
   else:
     scratch_types = [plgpu.SMEM((bk, bn), out_dtype, transforms=out_transforms)]
     extra = {}
@@ -918,14 +929,19 @@ def tgmm(
       scratch_types=scratch_types,
       grid=(num_sms,),
       grid_names=("sm",),
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup
-      ),
+      compiler_params=sm90.compiler_params(interpret),
       interpret=_interpret_params(interpret),
       **extra,
   )
   # plgpu.kernel drops the shard_map axis type of out_type: restore it.
   return make_varying(kernel(*args), varying_axes(lhs))
+
+
+def _warpgroups(config: MosaicDwConfig) -> int:
+  """Warpgroups of a CTA: the producer, the consumers, the masker if any."""
+  if config.num_compute_wgs == 1:
+    return 1
+  return 4 if config.mask_warpgroup else 3
 
 
 def _interpret_params(interpret):

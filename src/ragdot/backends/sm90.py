@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -18,6 +23,54 @@ def gpu_compute_capability() -> str | None:
   if jax.default_backend() != "gpu":
     return None
   return str(getattr(jax.devices()[0], "compute_capability", "") or "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+  """Mosaic GPU's on-device profiler: each warpgroup records up to ``space``
+  named ranges (the kernels' ``jax.named_scope`` regions; later ones are
+  dropped) in SMEM, and a trace JSON per call lands in ``directory``."""
+  directory: str
+  space: int
+
+  def smem_bytes(self, warpgroups: int) -> int:
+    """SMEM the profile buffer takes in a CTA of ``warpgroups`` warpgroups
+    (two events of two 4-byte entries per range, 3 header entries)."""
+    return warpgroups * 4 * (4 * self.space)
+
+
+_profile: Profile | None = None
+
+
+@contextlib.contextmanager
+def profiling(directory: str, space: int = 256) -> Iterator[Profile]:
+  """Kernels traced inside this context record a Mosaic profile (``Profile``);
+  jit caches by shapes, so trace a fresh function in it.  Outside it the
+  kernels' named scopes cost nothing (they only name MLIR locations)."""
+  global _profile
+  if space < 1:
+    raise ValueError(f"space must be >= 1, got {space}")
+  os.makedirs(directory, exist_ok=True)
+  saved, _profile = _profile, Profile(directory, space)
+  try:
+    yield _profile
+  finally:
+    _profile = saved
+
+
+def active_profile() -> Profile | None:
+  """The ``profiling`` context's settings, None outside one."""
+  return _profile
+
+
+def compiler_params(interpret=False) -> plgpu.CompilerParams:
+  """Warpgroup-semantics compiler params, with the active ``profiling``
+  context's profiler (not in interpret mode, which has none)."""
+  extra = {}
+  if _profile is not None and not interpret:
+    extra = dict(profile_space=_profile.space, profile_dir=_profile.directory,
+                 profile_bounds_check=True)
+  return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **extra)
 
 
 def check_device(interpret) -> None:

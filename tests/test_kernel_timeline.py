@@ -1,0 +1,100 @@
+"""kernel_timeline's trace summaries, and the dW kernel with Mosaic's profiler on
+(``sm90.profiling``): it lowers for sm90 and its profile buffer counts in the
+SMEM check."""
+
+import dataclasses
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from ragdot import kernel_timeline
+from ragdot.backends import mosaic_dw, sm90
+from test_mosaic_dw import PINGPONG
+
+
+def _events(tid, ranges, start=5000.0):
+  """Trace events of one tid: ``ranges`` = [(name, begin, end)] in cycles."""
+  out = []
+  for name, begin, end in ranges:
+    out.append(dict(name=name, ph="B", ts=(start + begin) / 1e3, pid=1, tid=tid))
+    out.append(dict(name=name, ph="E", ts=(start + end) / 1e3, pid=1, tid=tid))
+  return out
+
+
+def test_summarize_folds_ctas_per_role_and_counts_outermost_ranges():
+  # 2 warpgroups a CTA, 2 CTAs: tids 1, 2 (CTA 0) and 3, 4 (CTA 1).
+  events = (_events(1, [("wait", 0, 10), ("mma", 10, 50), ("store", 60, 100)])
+            + _events(3, [("wait", 0, 30), ("mma", 30, 70), ("store", 70, 100)])
+            + _events(2, [("load", 0, 20), ("load", 40, 60)], start=9000.0)
+            + _events(4, [("load", 0, 40)]))
+  # A range nested in another counts only through its parent.
+  events += [dict(name="outer", ph="B", ts=0.0, pid=2, tid=6),
+             dict(name="inner", ph="B", ts=0.01, pid=2, tid=6),
+             dict(name="inner", ph="E", ts=0.02, pid=2, tid=6),
+             dict(name="outer", ph="E", ts=0.04, pid=2, tid=6)]
+  s = kernel_timeline.summarize(events, 2, {0: "consumer"})
+  c = s["consumer"]
+  assert c["traces"] == 2 and c["span"] == pytest.approx(100)
+  assert c["ranges"]["wait"]["cycles"] == pytest.approx(20)  # (10 + 30) / 2
+  assert c["ranges"]["mma"]["share"] == pytest.approx(0.4)
+  assert c["ranges"]["store"]["count"] == pytest.approx(1)
+  assert c["ranges"]["other"]["cycles"] == pytest.approx(5)  # CTA 0 has 50..60 uncovered
+  w = s["wg1"]
+  assert w["traces"] == 3 and "inner" not in w["ranges"]
+  assert w["span"] == pytest.approx((60 + 40 + 40) / 3)
+  assert w["ranges"]["load"]["count"] == pytest.approx(1)  # (2 + 1 + 0) / 3
+  text = kernel_timeline.format_summary(s)
+  assert "consumer: 2 CTAs" in text and "mma" in text
+
+
+def test_unbalanced_trace_and_bad_arguments_raise():
+  bad = [dict(name="a", ph="B", ts=0.0, tid=1), dict(name="b", ph="E", ts=1.0, tid=1)]
+  with pytest.raises(ValueError, match="does not close"):
+    kernel_timeline.ranges_by_trace(bad)
+  with pytest.raises(ValueError, match="phase"):
+    kernel_timeline.ranges_by_trace([dict(name="a", ph="X", ts=0.0, tid=1)])
+  with pytest.raises(ValueError, match="warpgroups"):
+    kernel_timeline.summarize([], 0)
+  with pytest.raises(ValueError, match="space"):
+    with sm90.profiling("/tmp/unused", 0):
+      pass
+
+
+def test_load_reads_a_trace_file(tmp_path):
+  path = tmp_path / "k-1-trace.json"
+  events = _events(1, [("mma", 0, 5)])
+  path.write_text(json.dumps(dict(displayTimeUnit="ns", traceEvents=events)))
+  assert kernel_timeline.load(str(path)) == events
+
+
+def _lower_dw(config, m=4096, k=2048, n=1536, g=16):
+  f = jax.jit(functools.partial(mosaic_dw.tgmm, num_groups=g, out_dtype=jnp.bfloat16,
+                                precision=None, interpret=False, config=config))
+  args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
+          jax.ShapeDtypeStruct((g,), jnp.int32), None)
+  return f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_profiled_dw_lowers_and_its_buffer_counts_in_smem(monkeypatch, tmp_path):
+  # The trace is written by a host callback, which cannot lower for CUDA on a
+  # CPU machine: stand it in with nothing (the kernel itself lowers first).
+  monkeypatch.setattr(jax.debug, "callback", lambda *a, **k: None)
+  cfg = dataclasses.replace(PINGPONG, num_sms=None, num_stages=4, block_n=192,
+                            epilogue_split=3, epilogue_rows=64, epilogue_buffers=2,
+                            side_rows=True)
+  plain = _lower_dw(cfg)
+  with sm90.profiling(str(tmp_path), 128) as profile:
+    assert sm90.active_profile() is profile
+    assert sm90.compiler_params().profile_space == 128
+    assert sm90.compiler_params(interpret=True).profile_space == 0
+    profiled = _lower_dw(cfg)
+  assert sm90.active_profile() is None and sm90.compiler_params().profile_space == 0
+  assert "mosaic_gpu" in profiled and profiled != plain
+  free = cfg.smem_budget() - mosaic_dw.smem_bytes(cfg, jnp.bfloat16, jnp.bfloat16)
+  too_many = free // sm90.Profile("", 1).smem_bytes(3) + 1
+  with sm90.profiling(str(tmp_path), too_many):
+    with pytest.raises(NotImplementedError, match="profile buffer"):
+      _lower_dw(cfg)
