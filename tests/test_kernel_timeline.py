@@ -4,14 +4,17 @@ SMEM check."""
 
 import dataclasses
 import functools
+import gzip
 import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from ragdot import kernel_timeline
-from ragdot.backends import mosaic_dw, sm90
+from ragdot.backends import mosaic_dw, mosaic_fwd, sm90
+from sm90_lowering import assert_gmm_lowers
 from test_mosaic_dw import PINGPONG
 
 
@@ -68,6 +71,10 @@ def test_load_reads_a_trace_file(tmp_path):
   events = _events(1, [("mma", 0, 5)])
   path.write_text(json.dumps(dict(displayTimeUnit="ns", traceEvents=events)))
   assert kernel_timeline.load(str(path)) == events
+  packed = tmp_path / "k-1-trace.json.gz"
+  with gzip.open(packed, "wt") as f:
+    json.dump(dict(traceEvents=events), f)
+  assert kernel_timeline.load(str(packed)) == events
 
 
 def _lower_dw(config, m=4096, k=2048, n=1536, g=16):
@@ -98,3 +105,72 @@ def test_profiled_dw_lowers_and_its_buffer_counts_in_smem(monkeypatch, tmp_path)
   with sm90.profiling(str(tmp_path), too_many):
     with pytest.raises(NotImplementedError, match="profile buffer"):
       _lower_dw(cfg)
+
+
+def test_profiled_swap_ring_lowers(monkeypatch, tmp_path):
+  # (the table's 4-stage swap ring leaves ~3 KB of SMEM: 3 stages leave room)
+  monkeypatch.setattr(jax.debug, "callback", lambda *a, **k: None)
+  cfg = mosaic_fwd.MosaicFwdConfig(
+      block_m=128, block_n=128, block_k=64, num_stages=3, num_compute_wgs=2,
+      epilogue_split=2, delay_release=0, ring=True, tail_rows=32, swap=True,
+      tail_split=True, swizzle_staging=True, short_tile_rows=64, share_rows=True)
+  with sm90.profiling(str(tmp_path), 512):
+    assert_gmm_lowers(cfg, m=4096, k=768, n=2048, g=16, transpose_rhs=False)
+
+
+def _raw_trace(path, per_trace, names, base=1000):
+  """A ``raw_dumps`` file of one CTA of len(per_trace) warpgroups:
+  per_trace[t] = [(name, begin, end)] in cycles from ``base``."""
+  ids = {n: i for i, n in enumerate(names)}
+  width = 3 + 4 * max(len(r) for r in per_trace)
+  buf = np.zeros((len(per_trace), width), np.uint32)
+  for t, ranges in enumerate(per_trace):
+    body = []
+    for name, b, e in ranges:
+      body += [ids[name], (base + b) % 2**32, ids[name] | 1 << 31, (base + e) % 2**32]
+    buf[t, :3] = (7, 40 + t, len(body))
+    buf[t, 3:3 + len(body)] = body
+  np.savez_compressed(path, buffer=buf.reshape(-1), grid=np.asarray([1]),
+                      block=np.asarray([128 * len(per_trace)]), names=np.asarray(names))
+
+
+@pytest.mark.parametrize("base", [1000, 2**32 - 120])  # the 32-bit clock wraps mid-CTA
+def test_raw_trace_and_ring_latency_of_alternating_consumers(tmp_path, base):
+  names = ["wait", "mma", "store", "free", "load"]
+  consumer0 = [("wait", 5, 110), ("mma", 110, 115), ("store", 120, 130),  # item 0: step 0
+               ("wait", 135, 250), ("mma", 250, 255)]  # item 2 (step 2), cut off
+  consumer1 = [("wait", 15, 180), ("mma", 180, 185), ("store", 190, 200)]  # item 1: step 1
+  producer = [("free", 0, 1), ("load", 1, 10), ("load", 20, 30), ("load", 40, 50)]
+  path = str(tmp_path / "t.npz")
+  _raw_trace(path, [consumer0, consumer1, producer], names, base)
+  events = kernel_timeline.load_raw(path)
+  assert {e["pid"] for e in events} == {41, 42, 43} and {e["tid"] for e in events} == {1, 2, 3}
+  ranges = kernel_timeline.ranges_by_trace(events, per_trace_origin=False)
+  assert ranges[2][0] == ("wait", 15, 180, 0)  # cycles from the CTA's first event
+  lat = kernel_timeline.ring_latency(events, 3, producer=2, alternate=True)
+  assert lat["steps"] == 3 and lat["waited_share"] == 1.0
+  assert lat["latency"]["n"] == 3 and lat["latency"]["p50"] == pytest.approx(150)  # 100, 150, 200
+  # Both consumers waiting for every step (the forward ring): steps 0-1 for
+  # consumer 0's two waits, step 0 for consumer 1's one.
+  both = kernel_timeline.ring_latency(events, 3, producer=2, alternate=False, min_wait=110)
+  assert both["steps"] == 3 and both["latency"]["n"] == 2  # waits of 105 cycles do not count
+  s = kernel_timeline.summarize(events, 3, {2: "producer"})
+  assert s["producer"]["ranges"]["load"]["count"] == 3
+
+
+def test_raw_dumps_saves_the_buffer_beside_the_json(tmp_path):
+  from jax.experimental.mosaic.gpu import profiler as mgpu_profiler
+  spec = mgpu_profiler.ProfilerSpec(8, dump_path=str(tmp_path))
+  spec.intern_name("mma")
+  buf = np.zeros(2 * 8, np.uint32)
+  buf[0:3], buf[3:7] = (1, 2, 4), (0, 100, 1 << 31, 160)
+  path = tmp_path / "k-trace.json"
+  own = mgpu_profiler.ProfilerSpec.dump
+  with kernel_timeline.raw_dumps():
+    assert mgpu_profiler.ProfilerSpec.dump is not own
+    with open(path, "x") as f:
+      spec.dump(buf, f, grid=(1,), block=(256,))
+  assert mgpu_profiler.ProfilerSpec.dump is own
+  assert kernel_timeline.load(str(path))[0]["name"] == "mma"
+  events = kernel_timeline.load_raw(str(path) + ".npz")
+  assert [(e["ph"], e["ts"] * 1e3) for e in events] == [("B", 0), ("E", 60)]

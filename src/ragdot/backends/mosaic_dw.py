@@ -583,8 +583,9 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
     final carry."""
     @plgpu.nd_loop((num_groups, grid_k * grid_n), collective_axes="sm", init_carry=init)
     def steps(info: plgpu.NDLoopInfo, carry):
-      item = _work_item(info, grid_k, grid_n, config, starts_gmem, ends_gmem, first_gmem,
-                        nblocks_gmem, num_groups)
+      with jax.named_scope("item"):  # (its rows: loads from GMEM)
+        item = _work_item(info, grid_k, grid_n, config, starts_gmem, ends_gmem, first_gmem,
+                          nblocks_gmem, num_groups)
       return body(item, carry)
     return steps
 

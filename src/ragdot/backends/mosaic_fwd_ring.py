@@ -214,7 +214,8 @@ def for_each_item(my_items, cta, num_ctas: int, k_steps, body) -> None:
 def free_slot(consumed, step, stages: int):
   """The producer's slot for ring step ``step``, once both consumers released it."""
   slot = lax.rem(step, stages)
-  pl.when(step >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
+  with jax.named_scope("free"):  # (profile ranges: sm90.profiling)
+    pl.when(step >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
   return slot
 
 
@@ -246,19 +247,22 @@ def consume_item(produced, consumed, step0, k_steps, stages: int, mma, in_flight
   def _(kk):
     step = step0 + kk
     slot = lax.rem(step, stages)
-    plgpu.barrier_wait(produced.at[slot])
-    mma(slot, kk)
-    if delay_release:
-      plgpu.wgmma_wait(in_flight)  # the previous step's are done
-      pl.when(kk > 0)(lambda: plgpu.barrier_arrive(
-          consumed.at[lax.rem(step + stages - 1, stages)]))
-    else:
-      plgpu.wgmma_wait(0)
-      plgpu.barrier_arrive(consumed.at[slot])
+    with jax.named_scope("wait"):
+      plgpu.barrier_wait(produced.at[slot])
+    with jax.named_scope("mma"):
+      mma(slot, kk)
+      if delay_release:
+        plgpu.wgmma_wait(in_flight)  # the previous step's are done
+        pl.when(kk > 0)(lambda: plgpu.barrier_arrive(
+            consumed.at[lax.rem(step + stages - 1, stages)]))
+      else:
+        plgpu.wgmma_wait(0)
+        plgpu.barrier_arrive(consumed.at[slot])
 
   if delay_release:
-    plgpu.wgmma_wait(0)
-    plgpu.barrier_arrive(consumed.at[lax.rem(step0 + k_steps - 1, stages)])
+    with jax.named_scope("last_mma"):
+      plgpu.wgmma_wait(0)
+      plgpu.barrier_arrive(consumed.at[lax.rem(step0 + k_steps - 1, stages)])
 
 
 def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int, n: int,
@@ -459,7 +463,7 @@ def launch(body, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
     inputs += match_varying(rhs_scale, lhs)[:1]
     body = functools.partial(_scale_last, body)
   mesh = dict(grid=(num_ctas,), grid_names=("sm",), **cluster, num_threads=3, thread_name="wg")
-  params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+  params = sm90.compiler_params(interpret)
   if into is not None:
     *inputs, into = match_varying(*inputs, into)
     out = _in_place(body, mesh, params, interpret or None)(*inputs, into)

@@ -171,7 +171,9 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
 
     def tile_of(w):
       """(n tile, group, row0, row_start, row_end) of work item w (row-major)."""
-      ni, *rest = mf._work_item(tiles_gmem, w, num_tiles, max_tiles, pl.cdiv(grid_n, pair), cfg)
+      with jax.named_scope("item"):  # (profile range: its loads from GMEM)
+        ni, *rest = mf._work_item(tiles_gmem, w, num_tiles, max_tiles, pl.cdiv(grid_n, pair),
+                                  cfg)
       return (ni * pair + rank, *rest)
 
     works = functools.partial(ring.for_each_item, my_items, cta, num_ctas, k_steps)
@@ -220,17 +222,19 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
 
           # The weight block first: it comes from DRAM, the rows mostly from L2
           # (docs/performance.md v34d-e: 0.993-0.998x the time of rows first).
-          plgpu.copy_gmem_to_smem(ring.rhs_block(rhs_gmem, grp, ni_in, cols, bn, transpose_rhs),
-                                  w_smem.at[slot], produced.at[slot])
-          if per_block:
-            for c, value in enumerate(held):
-              s_smem[slot, c] = value
-            plgpu.barrier_arrive(produced.at[slot])
-          elif scaled:
+          with jax.named_scope("load"):
             plgpu.copy_gmem_to_smem(
-                scale_gmem.at[grp, lax.div(kk * bk, scale_rows), pl.ds(ni_in * bn, bn)],
-                s_smem.at[slot], produced.at[slot])
-          _per_layout(layouts, rows)
+                ring.rhs_block(rhs_gmem, grp, ni_in, cols, bn, transpose_rhs),
+                w_smem.at[slot], produced.at[slot])
+            if per_block:
+              for c, value in enumerate(held):
+                s_smem[slot, c] = value
+              plgpu.barrier_arrive(produced.at[slot])
+            elif scaled:
+              plgpu.copy_gmem_to_smem(
+                  scale_gmem.at[grp, lax.div(kk * bk, scale_rows), pl.ds(ni_in * bn, bn)],
+                  s_smem.at[slot], produced.at[slot])
+            _per_layout(layouts, rows)
           return ahead
 
         first = tuple(scales_of(kk) for kk in range(_SCALES_AHEAD)) if per_block else ()
@@ -293,11 +297,12 @@ def _body(tiles_gmem, scal_gmem, lhs_gmem, rhs_gmem, out_gmem, *, m: int, k: int
 
           def store(chunk, buf, hs, s, rows, col, transposed):
             """Registers -> buf -> out rows [s, s + rows) (buf's row 0 is row hs)."""
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            sm90.stage(buf, chunk, transposed)
-            plgpu.commit_smem()
-            mf._store_rows(buf, out_gmem, s - hs, s, rows, col, max_rows=buf.shape[0],
-                           width=_COLS)
+            with jax.named_scope("store"):
+              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+              sm90.stage(buf, chunk, transposed)
+              plgpu.commit_smem()
+              mf._store_rows(buf, out_gmem, s - hs, s, rows, col, max_rows=buf.shape[0],
+                             width=_COLS)
 
           @pl.when(col < n)
           def _store():
