@@ -929,3 +929,23 @@ def test_group_interleave(config):
 
 def test_group_interleave_lowers_for_sm90():
   lower_for_sm90(32768, 2048, 1536, 128, dataclasses.replace(_QWEN_DW[0], group_interleave=2))
+
+
+@pytest.mark.parametrize("interleave", [1, 3])
+def test_prefetch_rows(interleave):
+  """The next item's group bounds loaded a loop iteration early: bitwise the
+  same as loading them per item (3 CTAs, 7 groups, empty ones among them; the
+  CTAs' last prefetch reads past the last item, clamped)."""
+  cfg = dataclasses.replace(SIDE, group_interleave=interleave)
+  args = (400, 128, 128, [17, 0, 160, 10, 90, 3, 120])
+  base, ref = run(*args, config=cfg, out_dtype=jnp.bfloat16, seed=24)
+  out, _ = run(*args, config=dataclasses.replace(cfg, prefetch_rows=True),
+               out_dtype=jnp.bfloat16, seed=24)
+  check(out, ref, jnp.bfloat16)
+  np.testing.assert_array_equal(out, base)
+  with pytest.raises(ValueError, match="prefetch_rows"):
+    dataclasses.replace(PINGPONG, prefetch_rows=True)
+
+
+def test_prefetch_rows_lowers_for_sm90():
+  lower_for_sm90(32768, 2048, 1536, 128, dataclasses.replace(_QWEN_DW[0], prefetch_rows=True))

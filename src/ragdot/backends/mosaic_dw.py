@@ -187,13 +187,14 @@ def interleave_groups(j, w, num_groups: int, per_group: int, teams: int):
 
 def _work_item(info, grid_k: int, grid_n: int, config: MosaicDwConfig,
                starts_gmem, ends_gmem, first_gmem, nblocks_gmem,
-               num_groups: int) -> WorkItem:
+               num_groups: int, rows=None) -> WorkItem:
   """Item ``info`` of the CTA's loop; with ``side_rows`` its rows come from
-  ``split_rows`` (the interior's first row and steps)."""
+  ``split_rows`` (the interior's first row and steps).  ``rows``: its group's
+  ``(start, end)``, loaded already (``prefetch_rows``)."""
   j, w = interleave_groups(info.index[0], info.index[1], num_groups, grid_k * grid_n,
                            config.group_interleave)
   ki, ni = plgpu.planar_snake(w, (grid_k, grid_n), 1, config.grid_tile_width)
-  start, end = starts_gmem[j], ends_gmem[j]
+  start, end = rows if rows is not None else (starts_gmem[j], ends_gmem[j])
   if config.side_rows:
     split = split_rows(start, end)
     return WorkItem(j, ki, ni, start, end, pl.multiple_of(split.first, _ROW_ALIGN),
@@ -578,16 +579,40 @@ def _body_2wg_flat(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, r
   stages = config.num_stages
   regs_producer, regs_consumer, regs_masker = register_split(masker, hk * bn)
 
+  per_group = grid_k * grid_n
+
+  def group_rows(item):
+    """(start, end) of the group of this CTA's item number ``item`` in the
+    loop's row-major order (clamped to the last item)."""
+    item = jnp.minimum(item, num_groups * per_group - 1)
+    j, _ = interleave_groups(lax.div(item, per_group), lax.rem(item, per_group), num_groups,
+                             per_group, config.group_interleave)
+    return starts_gmem[j], ends_gmem[j]
+
   def items(body, init):
     """Runs ``body(item, carry) -> carry`` over this CTA's items in order; the
     final carry."""
-    @plgpu.nd_loop((num_groups, grid_k * grid_n), collective_axes="sm", init_carry=init)
-    def steps(info: plgpu.NDLoopInfo, carry):
-      with jax.named_scope("item"):  # (its rows: loads from GMEM)
+    if not config.prefetch_rows:
+      @plgpu.nd_loop((num_groups, per_group), collective_axes="sm", init_carry=init)
+      def steps(info: plgpu.NDLoopInfo, carry):
+        with jax.named_scope("item"):  # (its rows: loads from GMEM)
+          item = _work_item(info, grid_k, grid_n, config, starts_gmem, ends_gmem, first_gmem,
+                            nblocks_gmem, num_groups)
+        return body(item, carry)
+      return steps
+
+    # prefetch_rows: the loads for the CTA's next item (this one + the grid)
+    # are issued before this item's work and carried over.
+    @plgpu.nd_loop((num_groups, per_group), collective_axes="sm",
+                   init_carry=(init, group_rows(lax.axis_index("sm"))))
+    def prefetched(info: plgpu.NDLoopInfo, carry):
+      inner, rows = carry
+      ahead = group_rows(info.index[0] * per_group + info.index[1] + lax.axis_size("sm"))
+      with jax.named_scope("item"):
         item = _work_item(info, grid_k, grid_n, config, starts_gmem, ends_gmem, first_gmem,
-                          nblocks_gmem, num_groups)
-      return body(item, carry)
-    return steps
+                          nblocks_gmem, num_groups, rows=rows)
+      return body(item, inner), ahead
+    return prefetched[0]
 
   def ring_steps(per_step):
     """Calls ``per_step(item, i, step, slot, owner)`` for row block ``i`` of

@@ -175,6 +175,10 @@ class MosaicDwConfig:
       Qwen3-30B down (64 items a group), 0.988x on Qwen3-235B gate_up (one
       run), 1.02x on Qwen3-30B gate_up, 1.06x on
       DeepSeek-V3 down, 1.17x on Mixtral gate_up; ``ragdot tune`` tries it.
+    prefetch_rows: with ``side_rows``, each warpgroup loads the next item's
+      group bounds (two GMEM scalars) while it works on the current one, and
+      carries them to the next iteration, instead of loading them at the top
+      of each item (docs/performance.md v69: the profile's ``item`` range).
   """
 
   block_m: int = 64
@@ -199,6 +203,7 @@ class MosaicDwConfig:
   lsu_store: bool = False
   group_interleave: int = 1
   side_gather_kernel: bool = False
+  prefetch_rows: bool = False
 
   def __post_init__(self):
     if self.block_m <= 0 or self.block_m % 64:
@@ -276,6 +281,8 @@ class MosaicDwConfig:
                        f" got {self}")
     if self.side_gather_kernel and not self.side_rows:
       raise ValueError(f"side_gather_kernel needs side_rows, got {self}")
+    if self.prefetch_rows and not (self.side_rows and self.pipeline_across_items):
+      raise ValueError(f"prefetch_rows needs side_rows (a flat ring), got {self}")
     if not 1 <= self.group_interleave <= 8:
       raise ValueError(f"group_interleave must be in [1, 8], got {self.group_interleave}")
     if self.lsu_store and self.num_compute_wgs != 2:
