@@ -8,7 +8,7 @@ Per shape and op: the dispatcher's config (``--set``: with those fields
 replaced; dW's flat ring or the forward / dX swap ring) compiled with the
 profiler on (``sm90.profiling``); one call to warm up, then a second whose
 trace's raw buffer is kept (``OUT_DIR/<shape>_<op>.npz``: ``kernel_timeline.load_raw``).  Each warpgroup records its first
-``--space`` ranges (the rest are dropped; fewer when SMEM is short):
+``--space`` - 1 ranges (the rest are dropped; fewer when SMEM is short):
   consumers  wait (a step's stage barrier), mma (issue the step's wgmmas and
              wait for the ones before), last_mma (the item's last wgmmas), store
              (the epilogue: registers -> SMEM -> TMA store, with its waits)
@@ -83,9 +83,11 @@ def gmm_call(s: bench.Shape, op: str, changes: dict):
 
 
 def step_floor_cycles(config: mosaic_dw.MosaicDwConfig) -> float:
-  """Tensor-core cycles of one ring step's wgmma (bm x bk x bn, all of a
-  pingpong consumer's item tile; half of bk per consumer otherwise)."""
-  return config.block_m * config.block_k * config.block_n / _FMA_PER_CYCLE
+  """Tensor-core cycles of one consumer's wgmma in a ring step (bm x bk x bn:
+  a pingpong consumer's whole item tile; half of bk per consumer otherwise,
+  where both consumers wait for every step)."""
+  rows = config.block_k if config.pingpong else config.block_k // 2
+  return config.block_m * rows * config.block_n / _FMA_PER_CYCLE
 
 
 def profile_one(s: bench.Shape, op: str, args) -> dict | None:
@@ -100,16 +102,14 @@ def profile_one(s: bench.Shape, op: str, args) -> dict | None:
   where = os.path.join(args.out_dir, f"{s.name.replace(' ', '_')}_{op}")
   with sm90.profiling(where, space), kernel_timeline.raw_dumps():
     f = jax.jit(f)
-    for _ in range(2):
-      # (a call's trace file is named when it compiles: the warm-up call's goes
-      # first, so that the second one's can be written)
-      for old in glob.glob(os.path.join(where, "*-trace.json")):
-        os.remove(old)
+    for _ in range(2):  # the warm-up call's trace (and raw buffer) go before the second
+      for stale in glob.glob(os.path.join(where, "*-trace.json*")):
+        os.remove(stale)
       jax.block_until_ready(f(*call_args))
       jax.effects_barrier()  # (the trace is written by a host callback)
   traces = glob.glob(os.path.join(where, "*-trace.json.npz"))
-  if not traces:
-    print(f"{s.name} {op}: no trace written in {where}")
+  if len(traces) != 1:
+    print(f"{s.name} {op}: {len(traces)} traces written in {where}, expected 1")
     return None
   kept = f"{where}.npz"  # (beside the folder: the device returns 2 levels of $OUT)
   shutil.move(traces[0], kept)
@@ -124,7 +124,7 @@ def profile_one(s: bench.Shape, op: str, args) -> dict | None:
   span = max(c["span"] for c in consumers) if consumers else 0.0
   tensor = steps * floor / span if span else 0.0
   print(f"== {s.name} {op}: {cfg}\n  space {space} ranges a warpgroup; {steps:.0f} steps a"
-        f" CTA recorded" + (f", floor {floor:.0f} cycles a step: tensor cores busy >= "
+        f" CTA recorded (consumers' waits, summed)" + (f", floor {floor:.0f} cycles a step: tensor cores busy >= "
                             f"{100 * tensor:.0f}% of the consumers' span" if floor else ""))
   print(kernel_timeline.format_summary(summary))
   print(f"  ring steps: latency (load issued -> landed, steps a consumer waited for)"

@@ -934,10 +934,10 @@ def test_group_interleave_lowers_for_sm90():
 @pytest.mark.parametrize("interleave", [1, 3])
 def test_prefetch_rows(interleave):
   """The next item's group bounds loaded a loop iteration early: bitwise the
-  same as loading them per item (3 CTAs, 7 groups, empty ones among them; the
-  CTAs' last prefetch reads past the last item, clamped)."""
+  same as loading them per item (3 CTAs, 7 groups of two items, empty ones
+  among them; the CTAs' last prefetch reads past the last item, clamped)."""
   cfg = dataclasses.replace(SIDE, group_interleave=interleave)
-  args = (400, 128, 128, [17, 0, 160, 10, 90, 3, 120])
+  args = (400, 128, 256, [17, 0, 160, 10, 90, 3, 120])  # two items a group
   base, ref = run(*args, config=cfg, out_dtype=jnp.bfloat16, seed=24)
   out, _ = run(*args, config=dataclasses.replace(cfg, prefetch_rows=True),
                out_dtype=jnp.bfloat16, seed=24)

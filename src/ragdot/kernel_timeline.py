@@ -166,7 +166,8 @@ def ring_latency(events: Sequence[Mapping[str, Any]], warpgroups: int, producer:
   whole (its items end with a ``store``), else both wait for every step.  A
   wait of at least ``min_wait`` cycles ended when its step landed, so
   ``landed - issued`` (the load range's end) is the step's latency under the
-  kernel's own traffic.  Returns the latency's and the waits' p10/p50/p90 (in
+  kernel's own traffic (with a ``mask_warpgroup`` the consumers wait for the
+  masker, so the masking's time is in it too).  Returns the latency's and the waits' p10/p50/p90 (in
   cycles) and the share of steps a consumer waited for."""
   lat, waits, waited, steps = [], [], 0, 0
   by_tid = ranges_by_trace(events, per_trace_origin=False)
@@ -188,7 +189,9 @@ def ring_latency(events: Sequence[Mapping[str, Any]], warpgroups: int, producer:
           elif d == 0 and n == "store":
             items.append(current)
             current = []
-        per_item.append(items + ([current] if current else []))
+        # (a last item without its store was cut off by the profile buffer:
+        # dropped, and the ring ends before it)
+        per_item.append(items)
       ring = []
       for q in range(2 * max(len(x) for x in per_item)):
         mine = per_item[q % 2]

@@ -27,15 +27,16 @@ def gpu_compute_capability() -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class Profile:
-  """Mosaic GPU's on-device profiler: each warpgroup records up to ``space``
-  named ranges (the kernels' ``jax.named_scope`` regions; later ones are
-  dropped) in SMEM, and a trace JSON per call lands in ``directory``."""
+  """Mosaic GPU's on-device profiler: each warpgroup records up to ``space`` - 1
+  named ranges (the kernels' ``jax.named_scope`` regions, nested ones counted
+  too; later ones are dropped) in SMEM, and a trace JSON per call lands in
+  ``directory``."""
   directory: str
   space: int
 
   def smem_bytes(self, warpgroups: int) -> int:
     """SMEM the profile buffer takes in a CTA of ``warpgroups`` warpgroups
-    (two events of two 4-byte entries per range, 3 header entries)."""
+    (4 * space 4-byte entries each: two per event, a 3-entry header among them)."""
     return warpgroups * 4 * (4 * self.space)
 
 
