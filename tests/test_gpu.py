@@ -1084,7 +1084,10 @@ def _fields(words):
       "pingpong epilogue_split=2 epilogue_rows=64 epilogue_buffers=2 side_rows"),
      # ... 128 x 192 the same way (the tuner's Qwen3-30B / 235B gate_up entries, v35b)
      (64, 128, 192, 4, 768, jnp.bfloat16,
-      "pingpong epilogue_split=3 epilogue_rows=64 epilogue_buffers=2 side_rows")],
+      "pingpong epilogue_split=3 epilogue_rows=64 epilogue_buffers=2 side_rows"),
+     # ... in 5 stages with one buffer (the H100 table's entries, v69)
+     (64, 128, 192, 5, 768, jnp.bfloat16, "pingpong epilogue_split=3 epilogue_rows=64 side_rows"),
+     (64, 192, 128, 5, 768, jnp.bfloat16, "pingpong epilogue_split=2 epilogue_rows=64 side_rows")],
     ids=["default", "whole_tile_mask", "256x128", "f32_2_stages",
          "bm128_banded", "partial_k", "bn64_banded", "bn192_banded", "256x192",
          "f32_split_3_stages",
@@ -1093,7 +1096,8 @@ def _fields(words):
          "pingpong_128x192_2_buffers", "pingpong_masker_128x192",
          "pingpong_128x192_side_rows", "pingpong_side_rows", "shared_side_rows_f32",
          "pingpong_192x128_side_rows", "pingpong_192x128_side_rows_f32",
-         "pingpong_128x192_rows64_2_buffers_side_rows"])
+         "pingpong_128x192_rows64_2_buffers_side_rows",
+         "pingpong_128x192_5_stages_side_rows", "pingpong_192x128_5_stages_side_rows"])
 def test_mosaic_dw_ring_across_items_real_size(bm, bk, bn, stages, k, out_dtype, mask):
   """The warp-specialized dW with one ring of stages across items, on hardware:
   every group's tile written (NaN-poisoned memory), empty groups zero, a shard,
@@ -1301,9 +1305,10 @@ def test_dw_variant_real_size(shape, shard, variant):
     ((32768, 2048, 1536, 128), None, "skewed"), ((8192, 768, 2048, 128), None, "under")],
     ids=["qwen30b_gate_up", "qwen30b_down_shard", "qwen30b_gate_up_skewed", "rows_past_groups"])
 def test_dw_side_gather_kernel_real_size(shape, shard, layout, monkeypatch):
-  """The side buffers from the Pallas-Triton kernel (``side_gather_kernel``) equal
-  the XLA gathers bitwise, and the dispatcher's dW ring with them gives the table
-  config's result bitwise, against the oracle, on NaN-poisoned memory."""
+  """The side buffers from the Pallas-Triton kernel (``side_gather_kernel``, on by
+  default) equal the XLA gathers bitwise, and the dispatcher's dW ring with them
+  gives the result of the ring with XLA's gathers bitwise, against the oracle, on
+  NaN-poisoned memory."""
   from ragdot.backends import mosaic_dw, triton_side_rows  # pylint: disable=g-import-not-at-top
   m, k, n, g = shape
   sizes = _sizes(m, g, layout)
@@ -1319,8 +1324,10 @@ def test_dw_side_gather_kernel_real_size(shape, shard, layout, monkeypatch):
   calls = []
   real = triton_side_rows.gather
   monkeypatch.setattr(triton_side_rows, "gather", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-  _assert_dw_variant_bitwise(x, dy, sizes, shard, g, choice.config,
-                             dataclasses.replace(choice.config, side_gather_kernel=True))
+  assert choice.config.side_gather_kernel
+  _assert_dw_variant_bitwise(x, dy, sizes, shard, g,
+                             dataclasses.replace(choice.config, side_gather_kernel=False),
+                             choice.config)
   assert calls == [1]  # traced once, by the second config's call
 
 

@@ -73,9 +73,8 @@ def test_gather_checks_its_arguments():
   assert [tsr.column_block(w) for w in (64, 192, 256, 320, 7168)] == [64, 128, 256, 256, 256]
 
 
-def test_the_flag_needs_side_rows_and_keeps_xla_off_the_gpu(monkeypatch):
-  with pytest.raises(ValueError, match="side_gather_kernel"):
-    MosaicDwConfig(block_m=64, num_compute_wgs=2, side_gather_kernel=True)
+def test_the_flag_is_on_by_default_and_keeps_xla_off_the_gpu(monkeypatch):
+  assert MosaicDwConfig().side_gather_kernel
   # Interpret mode (and any call off a GPU) gathers with XLA: same result as without.
   assert backends.side_rows_kernel(True) is None
   calls = []
