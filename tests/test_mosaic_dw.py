@@ -9,6 +9,7 @@ dialect lowering run in Python; only the LLVM/PTX steps need the GPU).
 from __future__ import annotations
 
 import dataclasses
+import os
 import functools
 
 import jax
@@ -949,3 +950,17 @@ def test_prefetch_rows(interleave):
 
 def test_prefetch_rows_lowers_for_sm90():
   lower_for_sm90(32768, 2048, 1536, 128, dataclasses.replace(_QWEN_DW[0], prefetch_rows=True))
+
+
+@pytest.mark.parametrize("key", ["tgmm/bfloat16/m32768,k2048,n1536,g128",
+                                 "tgmm/bfloat16/m32768,k768,n2048,g128",
+                                 "tgmm/bfloat16/m32768,k4096,n3072,g128"])
+def test_h100_table_dw_entries_lower_for_sm90(key):
+  """The H100 table's own dW entries (5-stage rings with one epilogue buffer,
+  v69) lower for sm90 at their shapes (as shards: lower_for_sm90 passes an offset)."""
+  entry = tables.load_file(os.path.join(os.path.dirname(tables.__file__), "tables",
+                                        "nvidia_h100_80gb_hbm3.json")).entries[key]
+  config = MosaicDwConfig(**entry["config"])
+  assert config.num_stages == 5 and config.epilogue_buffers == 1 and config.side_gather_kernel
+  m, k, n, g = entry["shape"]
+  lower_for_sm90(m, k, n, g, config)

@@ -186,8 +186,13 @@ def test_dtypes_and_devices():
   f16 = tables.lookup("NVIDIA H200", "gmm", "float16", 32768, 2048, 1536, 128)
   assert f16.measured and "as bfloat16" in f16.reason
   assert tables.lookup("NVIDIA H200", "gmm", "float32", 32768, 2048, 1536, 128) is None
+  # The H100's own table holds what was measured there and inherits the rest.
   h100 = tables.lookup("NVIDIA H100 80GB HBM3", "gmm", "bfloat16", 32768, 2048, 1536, 128)
-  assert h100.backend == "mosaic" and "reuses the H200" in h100.reason
+  assert h100.backend == "mosaic" and "borrowed from nvidia_h200.json" in h100.reason
+  h100_dw = tables.lookup("NVIDIA H100 80GB HBM3", "tgmm", "bfloat16", 32768, 2048, 1536, 128)
+  assert h100_dw.table == "nvidia_h100_80gb_hbm3.json" and h100_dw.config["num_stages"] == 5
+  h800 = tables.lookup("NVIDIA H800", "gmm", "bfloat16", 32768, 2048, 1536, 128)
+  assert h800.backend == "mosaic" and "reused" in h800.reason
   sm90 = tables.table_for("NVIDIA H123", "9.0")[0]
   assert sm90.name == "nvidia_h200.json"
   for kind in ("NVIDIA A100-SXM4-80GB", "NVIDIA A100-SXM4-40GB", "NVIDIA A100 80GB PCIe"):
@@ -237,13 +242,13 @@ def test_a_simulated_device_takes_its_tables_compute_capability():
 
 @pytest.mark.parametrize("kind", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
 def test_a_tuned_table_keeps_the_entries_its_kind_borrowed(tmp_path, monkeypatch, kind):
-  # ``ragdot tune`` on an H100 starts a table of its own; the H200 entries the
-  # H100 used stay in reach under the ones it measures.  On an H200 the new
-  # table has the shipped one's name: it shadows it and inherits it.
+  # ``ragdot tune`` starts a table with the shipped one's name (the H100's own
+  # inherits the H200's): it shadows it and inherits it, so the entries the kind
+  # used (the H200's among them) stay in reach under the ones it measures.
   before = tables.lookup(kind, "gmm", "bfloat16", 512, 2048, 1536, 128)
   h100 = tables.lookup("NVIDIA H100 80GB HBM3", "gmm", "bfloat16", 512, 2048, 1536, 128)
   table = tune.open_table(tmp_path / tables.slug(kind), kind)
-  assert table.data["inherits"] == "nvidia_h200.json"
+  assert table.data["inherits"] == tables.slug(kind)  # the shipped table it shadows
   assert table.data["compute_capability"] == "9.0"
   table.put("gmm", "bfloat16", 32768, 2048, 1536, 128,
             {"backend": "triton", "config": None, "measured": True})

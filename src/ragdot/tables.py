@@ -304,8 +304,9 @@ def _with_inherited(table: Table, level: int, layers: list[dict[str, Table]],
     raise ValueError(f"{table.path}: inherits {parent_name!r}, which is not a table of"
                      f" {', '.join(str(d) for d in table_dirs())} (or inherits it back)")
   parent = _with_inherited(found[1], found[0], layers, here)
-  entries = {text: {**entry, "borrowed": parent.name} for text, entry in parent.entries.items()
-             if text not in table.entries}
+  # (an entry the parent borrowed in turn keeps the name of the table it came from)
+  entries = {text: {**entry, "borrowed": entry.get("borrowed", parent.name)}
+             for text, entry in parent.entries.items() if text not in table.entries}
   return Table(table.name, {**table.data, "entries": {**entries, **table.entries}}, table.path)
 
 
