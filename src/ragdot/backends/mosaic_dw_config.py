@@ -121,7 +121,8 @@ class MosaicDwConfig:
       ``mask_warpgroup``), no stage is ever masked.  A group's rows are split
       into its 8-aligned interior ``[ceil8(start), floor8(end))``, loaded in
       whole 64-row blocks, and its <= 14 unaligned end rows, gathered
-      beforehand (XLA) into a zero-padded side buffer of 16 rows per group.
+      beforehand (``side_gather_kernel``: a Pallas-Triton kernel on a GPU,
+      else XLA) into a zero-padded side buffer of 16 rows per group.
       The interior's last < 64 rows and the side rows share the item's last
       step (two steps when 56 rows are left): that stage is loaded in four
       pieces per operand (16 side rows, then 24, 16 and 8 interior rows, each
