@@ -116,6 +116,10 @@ def test_profiled_swap_ring_lowers(monkeypatch, tmp_path):
       tail_split=True, swizzle_staging=True, short_tile_rows=64, share_rows=True)
   with sm90.profiling(str(tmp_path), 512):
     assert_gmm_lowers(cfg, m=4096, k=768, n=2048, g=16, transpose_rhs=False)
+  free = cfg.smem_budget() - cfg.smem_bytes(jnp.bfloat16, jnp.bfloat16)
+  with sm90.profiling(str(tmp_path), free // sm90.Profile("", 1).smem_bytes(3) + 1):
+    with pytest.raises(NotImplementedError, match="profile buffer"):
+      assert_gmm_lowers(cfg, m=4096, k=768, n=2048, g=16, transpose_rhs=False)
 
 
 def _raw_trace(path, per_trace, names, base=1000):
