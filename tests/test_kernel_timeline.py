@@ -94,11 +94,13 @@ def test_profiled_dw_lowers_and_its_buffer_counts_in_smem(monkeypatch, tmp_path)
                             side_rows=True)
   plain = _lower_dw(cfg)
   with sm90.profiling(str(tmp_path), 128) as profile:
-    assert sm90.active_profile() is profile
+    assert sm90.active_profile() is profile and sm90.active_profile(interpret=True) is None
+    assert sm90.profile_smem_bytes(3) == 3 * 16 * 128 and sm90.profile_smem_bytes(3, True) == 0
     assert sm90.compiler_params().profile_space == 128
     assert sm90.compiler_params(interpret=True).profile_space == 0
     profiled = _lower_dw(cfg)
   assert sm90.active_profile() is None and sm90.compiler_params().profile_space == 0
+  assert sm90.profile_smem_bytes(3) == 0
   assert "mosaic_gpu" in profiled and profiled != plain
   free = cfg.smem_budget() - mosaic_dw.smem_bytes(cfg, jnp.bfloat16, jnp.bfloat16)
   too_many = free // sm90.Profile("", 1).smem_bytes(3) + 1

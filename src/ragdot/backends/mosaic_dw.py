@@ -855,9 +855,8 @@ def tgmm(
     return tgmm(jnp.pad(lhs, pad), jnp.pad(rhs, pad), group_sizes, group_offset,
                 num_groups=num_groups, out_dtype=out_dtype, interpret=interpret,
                 config=config)
-  need = smem_bytes(config, lhs.dtype, out_dtype)
-  if (profile := sm90.active_profile()) is not None and not interpret:
-    need += profile.smem_bytes(_warpgroups(config))
+  profile = sm90.profile_smem_bytes(_warpgroups(config), interpret)
+  need = smem_bytes(config, lhs.dtype, out_dtype) + profile
   if need > config.smem_budget():
     raise NotImplementedError(
         f"{config} needs {need} bytes of SMEM for {lhs.dtype} -> {out_dtype}"

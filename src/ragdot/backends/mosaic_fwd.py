@@ -697,9 +697,9 @@ def gmm(
         f" for {lhs.dtype}")
   smem = config.smem_bytes(lhs.dtype, out_dtype, rhs.dtype,
                            0 if rhs_scale is None else stage_scales(config.block_n, scale_cols))
-  profile = sm90.active_profile() if config.ring and not interpret else None
-  if profile is not None:  # (the ring kernels' 3 warpgroups each keep a profile buffer)
-    smem += profile.smem_bytes(3)
+  # (only the ring kernels are profiled: their 3 warpgroups each keep a buffer)
+  profile = sm90.profile_smem_bytes(3, interpret) if config.ring else 0
+  smem += profile
   if smem > config.smem_budget():
     raise NotImplementedError(f"config {config} needs {smem} bytes of SMEM"
                               f"{' with its profile buffer' if profile else ''}")

@@ -59,17 +59,25 @@ def profiling(directory: str, space: int = 256) -> Iterator[Profile]:
     _profile = saved
 
 
-def active_profile() -> Profile | None:
-  """The ``profiling`` context's settings, None outside one."""
-  return _profile
+def active_profile(interpret=False) -> Profile | None:
+  """The ``profiling`` context's settings, None outside one and in interpret
+  mode (which has no profiler)."""
+  return None if interpret else _profile
+
+
+def profile_smem_bytes(warpgroups: int, interpret=False) -> int:
+  """SMEM the active profile buffer adds to a CTA of ``warpgroups`` warpgroups
+  (0 when ``active_profile`` is None): for the kernels' SMEM checks."""
+  profile = active_profile(interpret)
+  return 0 if profile is None else profile.smem_bytes(warpgroups)
 
 
 def compiler_params(interpret=False) -> plgpu.CompilerParams:
   """Warpgroup-semantics compiler params, with the active ``profiling``
-  context's profiler (not in interpret mode, which has none)."""
+  context's profiler (``active_profile``)."""
   extra = {}
-  if _profile is not None and not interpret:
-    extra = dict(profile_space=_profile.space, profile_dir=_profile.directory,
+  if (profile := active_profile(interpret)) is not None:
+    extra = dict(profile_space=profile.space, profile_dir=profile.directory,
                  profile_bounds_check=True)
   return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **extra)
 
