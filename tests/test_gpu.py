@@ -1087,7 +1087,15 @@ def _fields(words):
       "pingpong epilogue_split=3 epilogue_rows=64 epilogue_buffers=2 side_rows"),
      # ... in 5 stages with one buffer (the H100 table's entries, v69)
      (64, 128, 192, 5, 768, jnp.bfloat16, "pingpong epilogue_split=3 epilogue_rows=64 side_rows"),
-     (64, 192, 128, 5, 768, jnp.bfloat16, "pingpong epilogue_split=2 epilogue_rows=64 side_rows")],
+     (64, 192, 128, 5, 768, jnp.bfloat16, "pingpong epilogue_split=2 epilogue_rows=64 side_rows"),
+     # ... in 5 stages beside two buffers of 64 x 32 chunks (64-byte swizzle), and 32-column
+     # chunks of an f32 output (128-byte swizzle) in 4 stages
+     (64, 128, 192, 5, 768, jnp.bfloat16,
+      "pingpong epilogue_split=6 epilogue_rows=64 epilogue_buffers=2 side_rows"),
+     (64, 192, 128, 5, 768, jnp.bfloat16,
+      "pingpong epilogue_split=4 epilogue_rows=64 epilogue_buffers=2 side_rows"),
+     (64, 128, 192, 4, 768, jnp.float32,
+      "pingpong epilogue_split=6 epilogue_rows=64 epilogue_buffers=2 side_rows")],
     ids=["default", "whole_tile_mask", "256x128", "f32_2_stages",
          "bm128_banded", "partial_k", "bn64_banded", "bn192_banded", "256x192",
          "f32_split_3_stages",
@@ -1097,7 +1105,9 @@ def _fields(words):
          "pingpong_128x192_side_rows", "pingpong_side_rows", "shared_side_rows_f32",
          "pingpong_192x128_side_rows", "pingpong_192x128_side_rows_f32",
          "pingpong_128x192_rows64_2_buffers_side_rows",
-         "pingpong_128x192_5_stages_side_rows", "pingpong_192x128_5_stages_side_rows"])
+         "pingpong_128x192_5_stages_side_rows", "pingpong_192x128_5_stages_side_rows",
+         "pingpong_128x192_5_stages_32_columns", "pingpong_192x128_5_stages_32_columns",
+         "pingpong_128x192_32_columns_f32"])
 def test_mosaic_dw_ring_across_items_real_size(bm, bk, bn, stages, k, out_dtype, mask):
   """The warp-specialized dW with one ring of stages across items, on hardware:
   every group's tile written (NaN-poisoned memory), empty groups zero, a shard,

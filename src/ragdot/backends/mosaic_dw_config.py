@@ -14,6 +14,7 @@ from ragdot.backends import sm90
 
 _SMEM_RESERVE = 2048  # barriers and alignment
 _PIECE_ROWS = 64  # block_m of a side_rows ring
+_NARROW_CHUNK_COLS = 32  # the one epilogue chunk width below 64: a 64-byte swizzle (16-bit)
 _PRODUCER_REGISTERS = 40  # per thread of the TMA warpgroup (warp-specialized bodies)
 # A CTA of 3 warpgroups launches with 168 registers per thread (65536 / 384,
 # rounded down to 8); setmaxnreg only moves registers within that allocation,
@@ -80,10 +81,11 @@ class MosaicDwConfig:
       boundary cuts or excludes, instead of reading and rewriting whole tiles.
     epilogue_split: with 2 warpgroups, each consumer stages its result
       ((block_k / 2, block_n), or (block_k, block_n) with ``pingpong``) through
-      SMEM in this many (1 to 4) column chunks (of a multiple of 64 columns),
-      each waiting until the previous chunk's store has read the buffer: a
-      smaller staging buffer, which leaves SMEM for more stages with an f32
-      output.
+      SMEM in this many (1 to 6) column chunks (of a multiple of 64 columns, or
+      of 32, which a 16-bit output stores with a 64-byte swizzle), each
+      waiting until the previous chunk's store has read the buffer: a smaller
+      staging buffer, which leaves SMEM for more stages with an f32 output,
+      or for a fifth stage beside two buffers (128 x 192 in 64 x 32 chunks).
     epilogue_rows: with 2 warpgroups, rows per epilogue chunk (a multiple of
       64 dividing the consumer's accumulator rows; None: all of them): the
       staging buffer shrinks to epilogue_rows x epilogue_n, and the chunks
@@ -253,12 +255,15 @@ class MosaicDwConfig:
     sm90.check_ctas_per_sm(self.ctas_per_sm, self.num_compute_wgs)
     if self.pipeline_across_items and self.num_compute_wgs != 2:
       raise ValueError("pipeline_across_items needs num_compute_wgs=2")
-    if (self.epilogue_split not in (1, 2, 3, 4) or self.block_n % (64 * self.epilogue_split)
+    chunk = self.block_n // max(self.epilogue_split, 1)
+    if (not 1 <= self.epilogue_split <= 6 or self.block_n % self.epilogue_split
+        or (chunk % 64 and chunk != _NARROW_CHUNK_COLS)
         or (self.epilogue_split > 1 and self.num_compute_wgs != 2)):
       raise ValueError(
-          "epilogue_split must be 1 to 4, leave chunks of a multiple of 64 columns and"
-          f" (when > 1) have num_compute_wgs=2, got {self.epilogue_split}"
-          f" (block_n={self.block_n}, num_compute_wgs={self.num_compute_wgs})")
+          "epilogue_split must be 1 to 6, leave chunks of a multiple of 64 columns or of"
+          f" {_NARROW_CHUNK_COLS}, and (when > 1) have num_compute_wgs=2, got"
+          f" {self.epilogue_split} (block_n={self.block_n},"
+          f" num_compute_wgs={self.num_compute_wgs})")
 
     if self.epilogue_buffers not in (1, 2) or (self.epilogue_buffers == 2
                                                 and self.num_compute_wgs != 2):
@@ -411,7 +416,8 @@ def gpu_sweep_configs(
   when it splits the epilogue (f32 output: 2 stages instead of 3); the
   ``pingpong`` rings (128 x 128 in 6 stages and 64 x 256 in 4; 128 x 192 and
   192 x 128 where those pad k and n little, in 4 stages, in 5 with 64 x 64
-  epilogue chunks, and in 4 with two buffers of 64 x 64 chunks), each with
+  epilogue chunks, in 5 with two buffers of 64 x 32 chunks, and in 4 with two
+  buffers of 64 x 64 chunks), each with
   ``side_rows``, masking by bands, and (128 x 128
   and 64 x 256) with a masking warpgroup; four warp-specialized configs with
   one ring of stages across items, two with two resident CTAs per SM, four
@@ -447,11 +453,16 @@ def gpu_sweep_configs(
   # 128 x 192 / 192 x 128 tiles (where they pad k and n little): 19% fewer L2 ->
   # SMEM bytes per FLOP than 128 x 128, in 4 stages of 40 KiB, or 5 with the
   # epilogue in 64 x 64 chunks, or 4 with two buffers of them (192 x 128 on
-  # Qwen3-30B down: 0.956x the 5-stage 128 x 192 ring, H200 2026-12-02).
-  for bk, bn in ((128, 192), (192, 128)):
-    if _pads_little(bk, k) and _pads_little(bn, n):
-      pingpongs += [(bk, bn, 4, bn // 64, None, 1), (bk, bn, 5, bn // 64, 64, 1),
-                    (bk, bn, 4, bn // 64, 64, 2)]
+  # Qwen3-30B down: 0.956x the 5-stage 128 x 192 ring, H200 2026-12-02); after
+  # those, 5 with two buffers of 64 x 32 chunks (H100: 0.93-0.95x the 4-stage ring
+  # where a group's rows make 4-8 steps an item, 0.98-1.0x the 5-stage one-buffer
+  # ring; 1.11-1.13x the 4-stage ring at 2 steps an item; docs/performance.md v70).
+  wide = [(bk, bn) for bk, bn in ((128, 192), (192, 128))
+          if _pads_little(bk, k) and _pads_little(bn, n)]
+  for bk, bn in wide:
+    pingpongs += [(bk, bn, 4, bn // 64, None, 1), (bk, bn, 5, bn // 64, 64, 1),
+                  (bk, bn, 4, bn // 64, 64, 2)]
+  pingpongs += [(bk, bn, 5, bn // 32, 64, 2) for bk, bn in wide]
   for bk, bn, stages, split, rows, buffers in pingpongs:
     config = fit_config(MosaicDwConfig(
         block_m=64, block_k=bk, block_n=bn, num_stages=stages, num_compute_wgs=2,
