@@ -270,7 +270,12 @@ def test_mask_warpgroup(block_m, block_k, block_n, stages, k, n, sizes):
     # ... in 64 x 64 chunks, the second k tile's lower half past k
     (dict(pingpong=True, block_n=192, epilogue_split=3, epilogue_rows=64), 192, 320),
     # the shared ring's 64 x 128 halves in two 64-column chunks each
-    (dict(epilogue_split=2), 256, 384)], ids=["128x192", "rows64", "shared"])
+    (dict(epilogue_split=2), 256, 384),
+    # 64 x 32 chunks (a 64-byte swizzle), the last n tile's last four past n
+    (dict(pingpong=True, block_n=192, epilogue_split=6, epilogue_rows=64), 192, 320),
+    # 192 x 128 in 64 x 32 chunks
+    (dict(pingpong=True, block_k=192, block_n=128, epilogue_split=4, epilogue_rows=64), 192,
+     256)], ids=["128x192", "rows64", "shared", "columns32", "192x128_columns32"])
 def test_two_epilogue_buffers(fields, k, n):
   # Consecutive epilogue chunks alternate between two staging buffers; a chunk
   # stored nothing (wholly out of bounds) must not let the next one overwrite
@@ -564,7 +569,9 @@ def test_config_validation():
                    block_m=128),  # the pieces fill 64-row stages
               dict(num_compute_wgs=2, pipeline_across_items=True, pingpong=True,
                    banded_mask=True, mask_warpgroup=True, side_rows=True),  # nothing to mask
-              dict(num_compute_wgs=2, block_n=64, epilogue_split=2),  # 32-column chunks
+              dict(num_compute_wgs=2, block_n=64, epilogue_split=4),  # 16-column chunks
+              dict(num_compute_wgs=2, block_n=256, epilogue_split=8),
+              dict(num_compute_wgs=2, block_n=192, epilogue_split=4),  # 48-column chunks
               dict(num_compute_wgs=2, block_n=192, epilogue_split=2),
               dict(num_compute_wgs=2, epilogue_split=3),
               dict(pingpong=True),  # one warpgroup
@@ -952,15 +959,45 @@ def test_prefetch_rows_lowers_for_sm90():
   lower_for_sm90(32768, 2048, 1536, 128, dataclasses.replace(_QWEN_DW[0], prefetch_rows=True))
 
 
-@pytest.mark.parametrize("key", ["tgmm/bfloat16/m32768,k2048,n1536,g128",
-                                 "tgmm/bfloat16/m32768,k768,n2048,g128",
-                                 "tgmm/bfloat16/m32768,k4096,n3072,g128"])
+_H100_DW = {  # the H100 table's own dW entries: 5-stage rings (v69-v70), epilogue buffers
+    "tgmm/bfloat16/m32768,k2048,n1536,g128": 1,
+    "tgmm/bfloat16/m32768,k768,n2048,g128": 1,
+    "tgmm/bfloat16/m32768,k4096,n3072,g128": 1,
+    "tgmm/bfloat16/m4096,k2048,n1536,g16": 2,  # two of 64 x 32 chunks
+    "tgmm/bfloat16/m4096,k4096,n3072,g16": 2,
+    "tgmm/bfloat16/m16384,k3072,n6144,g32": 2,
+    "tgmm/bfloat16/m16384,k3072,n3072,g32": 2}
+
+
+@pytest.mark.parametrize("key", sorted(_H100_DW))
 def test_h100_table_dw_entries_lower_for_sm90(key):
-  """The H100 table's own dW entries (5-stage rings with one epilogue buffer,
-  v69) lower for sm90 at their shapes (as shards: lower_for_sm90 passes an offset)."""
-  entry = tables.load_file(os.path.join(os.path.dirname(tables.__file__), "tables",
-                                        "nvidia_h100_80gb_hbm3.json")).entries[key]
-  config = MosaicDwConfig(**entry["config"])
-  assert config.num_stages == 5 and config.epilogue_buffers == 1 and config.side_gather_kernel
-  m, k, n, g = entry["shape"]
+  """The H100 table's own dW entries (5-stage rings beside one epilogue buffer,
+  v69, or two of 32-column chunks, v70) lower for sm90 at their shapes (as
+  shards: lower_for_sm90 passes an offset)."""
+  table = tables.load_file(os.path.join(os.path.dirname(tables.__file__), "tables",
+                                        "nvidia_h100_80gb_hbm3.json"))
+  assert sorted(k for k in table.entries if k.startswith("tgmm/")) == sorted(_H100_DW)
+  config = MosaicDwConfig(**table.entries[key]["config"])
+  assert config.num_stages == 5 and config.side_gather_kernel
+  assert config.epilogue_buffers == _H100_DW[key]
+  assert config.epilogue_n == (32 if _H100_DW[key] == 2 else 64)
+  m, k, n, g = table.entries[key]["shape"]
   lower_for_sm90(m, k, n, g, config)
+
+
+@pytest.mark.parametrize("block_k, block_n, split, k, n", [(128, 192, 6, 2048, 1536),
+                                                          (192, 128, 4, 768, 2048)])
+def test_fifth_stage_beside_two_buffers_of_32_column_chunks(block_k, block_n, split, k, n):
+  """64 x 32 epilogue chunks make room for two staging buffers beside a fifth
+  40 KB stage (one buffer of 64 x 64 chunks before); the ring lowers for sm90."""
+  five = MosaicDwConfig(block_m=64, block_k=block_k, block_n=block_n, num_stages=5,
+                        num_compute_wgs=2, pipeline_across_items=True, banded_mask=True,
+                        pingpong=True, epilogue_split=block_n // 64, epilogue_rows=64,
+                        side_rows=True)
+  size = lambda c: mosaic_dw.smem_bytes(c, jnp.bfloat16, jnp.bfloat16)
+  assert size(dataclasses.replace(five, epilogue_buffers=2)) > five.smem_budget()
+  narrow = dataclasses.replace(five, epilogue_split=split, epilogue_buffers=2)
+  assert narrow.epilogue_n == 32
+  assert size(narrow) == size(five) == 5 * 40 * 1024 + 2 * 2 * 64 * 32 * 2
+  assert narrow in mosaic_dw.gpu_sweep_configs(32768, k, n, 128)  # the tuner offers it
+  lower_for_sm90(32768, k, n, 128, narrow)
