@@ -21,7 +21,9 @@
 #          each one's share of GPU memory (an H100's 80 GB: 4 x 0.22); cases that run
 #          out of it run again alone at TESTS_RETRY_MEM_FRACTION (0.9), TESTS_RETRY_TIMEOUT
 #          (default: what is left of 590 s since the script started)
-#   tune   ragdot tune into $OUT/nvidia_h200.json (copy of the shipped table) TUNE_ARGS
+#   tune   ragdot tune into $OUT/<this GPU's table>.json (a copy of the shipped table the
+#          tuner writes for this device kind: nvidia_h200.json on an H200, the H100's own
+#          on an H100)                                                     TUNE_ARGS
 #          (USE_TUNED=1: the stages after it use that table)
 #   bench  ragdot bench table + JSON + PNG                                 BENCH_ARGS
 #   moe    one MoE block fwd+bwd: ragdot vs lax vs tokamax
@@ -102,11 +104,14 @@ for stage in $STAGES; do
       fi
       unset XLA_PYTHON_CLIENT_MEM_FRACTION ;;
     tune)
-      cp src/ragdot/tables/nvidia_h200.json "$OUT/nvidia_h200.json"
-      run tune "${TUNE_TIMEOUT:-300}" python3 -m ragdot tune --table "$OUT/nvidia_h200.json" \
+      shipped=$(python3 -c 'import jax; from ragdot import tune
+print(tune.default_table_path(jax.devices()[0].device_kind))')
+      tuned="$OUT/$(basename "$shipped")"
+      if [ -f "$shipped" ]; then cp "$shipped" "$tuned"; else rm -f "$tuned"; fi
+      run tune "${TUNE_TIMEOUT:-300}" python3 -m ragdot tune --table "$tuned" \
         --log "$OUT/tune_candidates.jsonl" ${TUNE_ARGS:---preset training}
       # USE_TUNED=1: later stages of this call run with the table just tuned.
-      [ "${USE_TUNED:-0}" = 1 ] && cp "$OUT/nvidia_h200.json" src/ragdot/tables/nvidia_h200.json ;;
+      [ "${USE_TUNED:-0}" = 1 ] && cp "$tuned" "$shipped" ;;
     bench) run bench "${BENCH_TIMEOUT:-400}" python3 -m ragdot bench --json "$OUT/bench.json" --plot "$OUT/bench.png" ${BENCH_ARGS:---preset training decode ep skewed} ;;
     floors) run floors "${FLOORS_TIMEOUT:-240}" python3 scripts/dw_floors.py "$OUT/floors" ${FLOORS_ARGS:-} ;;
     regular) run regular "${REGULAR_TIMEOUT:-300}" python3 scripts/regular_form.py "$OUT/regular" ${REGULAR_ARGS:-} ;;
