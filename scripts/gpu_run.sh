@@ -106,6 +106,7 @@ for stage in $STAGES; do
     tune)
       shipped=$(python3 -c 'import jax; from ragdot import tune
 print(tune.default_table_path(jax.devices()[0].device_kind))')
+      [ -n "$shipped" ] || { echo "=== tune: no device kind (jax found no GPU?)"; continue; }
       tuned="$OUT/$(basename "$shipped")"
       if [ -f "$shipped" ]; then cp "$shipped" "$tuned"; else rm -f "$tuned"; fi
       run tune "${TUNE_TIMEOUT:-300}" python3 -m ragdot tune --table "$tuned" \

@@ -8,14 +8,16 @@ latency grew with the slots.  This asks what the hardware gives with nothing
 else running: one warpgroup per SM (a persistent grid of one CTA per SM) keeps
 ``stages`` slots of TMA loads in flight, the dW ring's step (a 64 x 128 and a
 64 x 192 bf16 box, 40 KB, 128-byte swizzle), and re-issues each slot as soon as
-its loads land.  No math and no stores.
+its loads land.  No math and no stores.  Every CTA allocates 5 slots (200 KB)
+whatever ``stages`` it uses, so no two CTAs share an SM.
 
 Sources: ``l2``, 64 blocks (2.6 MB) that every SM cycles through, so L2 serves
-them; ``hbm``, a 2.6 GB array each block of which is read once, so HBM does.
-Prints the loads' rate over all SMs (TB/s) and per SM per cycle at the SM clock
-sampled by nvidia-smi during the run.  If the l2 rate at 3-5 stages is well
-above the dW ring's (~6.5 TB/s on the H100, 69d), its limit is not the SMs'
-intake; if near it, a 128 x 192 tile cannot be fed faster.
+them; ``hbm``, a 2.7 GB array whose blocks are each read 8 times, 2.7 GB of
+loads apart (so never from L2).  Prints the loads' rate over all SMs (TB/s) and
+per SM per cycle at the median SM clock nvidia-smi sampled while the timed
+calls ran.  If the l2 rate at 3-5 stages is well above the dW ring's (~6.5 TB/s
+of loads on the H100: 2.7 GB in 0.41 ms), its limit is not the SMs' intake; if
+near it, a 128 x 192 tile cannot be fed faster.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ragdot.backends import sm90
 
 _ROWS, _COLS_A, _COLS_B = 64, 128, 192  # the dW ring's step: lhs and rhs row blocks
 _STEP_BYTES = _ROWS * (_COLS_A + _COLS_B) * 2
+_SLOTS = 5  # allocated per CTA: 200 KB, so one CTA per SM at any ``stages``
 
 
 def ingress_kernel(num_blocks: int, steps: int, stages: int, num_sms: int, *,
@@ -72,8 +75,10 @@ def ingress_kernel(num_blocks: int, steps: int, stages: int, num_sms: int, *,
       body,
       out_type=jax.ShapeDtypeStruct((num_sms, _ROWS, _COLS_A), dtype),
       scratch_types=[
-          plgpu.SMEM((stages, _ROWS, _COLS_A), dtype, transforms=sm90.swizzled(_COLS_A, dtype)),
-          plgpu.SMEM((stages, _ROWS, _COLS_B), dtype, transforms=sm90.swizzled(_COLS_B, dtype)),
+          plgpu.SMEM((max(stages, _SLOTS), _ROWS, _COLS_A), dtype,
+                     transforms=sm90.swizzled(_COLS_A, dtype)),
+          plgpu.SMEM((max(stages, _SLOTS), _ROWS, _COLS_B), dtype,
+                     transforms=sm90.swizzled(_COLS_B, dtype)),
           plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       ],
       grid=(num_sms,), grid_names=("sm",),
@@ -82,13 +87,23 @@ def ingress_kernel(num_blocks: int, steps: int, stages: int, num_sms: int, *,
   return jax.jit(kernel)
 
 
-def _sm_clock_mhz() -> float | None:
+def _timed_with_clock(fn, *args) -> tuple[float, str, float | None]:
+  """``timing.device_time_ms(fn, *args)`` and the median SM clock (MHz) that
+  nvidia-smi sampled every 20 ms meanwhile (None without nvidia-smi)."""
+  jax.block_until_ready(fn(*args))  # compiled before the clock is sampled
   try:
-    text = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"],
-                          capture_output=True, text=True, timeout=10).stdout
-    return float(text.split()[0])
-  except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
-    return None
+    sampler = subprocess.Popen(
+        ["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits", "-lms", "20"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+  except OSError:
+    sampler = None
+  ms, method = timing.device_time_ms(fn, *args, iterations=10, warmup_s=0.3)
+  if sampler is None:
+    return ms, method, None
+  sampler.terminate()
+  text, _ = sampler.communicate()
+  mhz = sorted(float(v) for v in text.split() if v.replace(".", "", 1).isdigit())
+  return ms, method, (mhz[len(mhz) // 2] if mhz else None)
 
 
 def main() -> None:
@@ -109,8 +124,7 @@ def main() -> None:
     # pass between two reads of a block, so none is still in the 50 MB L2.
     for stages in args.stages:
       fn = ingress_kernel(num_blocks, args.steps, stages, num_sms, stream=source == "hbm")
-      ms, method = timing.device_time_ms(fn, a, b, iterations=10, warmup_s=0.3)
-      mhz = _sm_clock_mhz()
+      ms, method, mhz = _timed_with_clock(fn, a, b)
       total = num_sms * args.steps * _STEP_BYTES
       tbps = total / (ms * 1e-3) / 1e12
       per_cycle = total / num_sms / (ms * 1e-3 * mhz * 1e6) if mhz else float("nan")

@@ -203,22 +203,23 @@ def test_backend_call_maps_user_ops():
     dispatch.backend_call("bwd", 1, 1)
 
 
-def test_f32_weight_gradient_keeps_three_stages_with_a_split_epilogue():
+def test_f32_weight_gradient_keeps_the_table_ring_in_32_column_chunks():
   # The table's dW configs are measured with bf16 output.  Mixtral's (the
-  # 128 x 192 pingpong ring, 5 stages) does not fit an f32 staging tile
-  # without losing stages, so the f32 default (shared ring) runs instead: its
-  # staging tile does not fit beside 3 stages either, so its epilogue is split
-  # (measured faster than dropping to 2 stages, H200 2026-11-30).
+  # 128 x 192 pingpong ring, 5 stages, one buffer of 64 x 64 chunks) keeps its
+  # stages with an f32 output by staging it in 32-column chunks (v70).
   mixtral = dict(m=16384, k=4096, n=28672, g=8, num_groups=8)
   bf16 = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, device=H200, **mixtral)
   f32 = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, out_dtype=jnp.float32, device=H200,
                         **mixtral)
-  assert f32.implementation == "mosaic"
-  cfg = f32.config if f32.config is not None else mosaic_dw.default_config(
-      mixtral["m"], mixtral["k"], mixtral["n"], mixtral["g"], jnp.bfloat16, jnp.float32)
+  assert f32.implementation == "mosaic" and bf16.config.pingpong
+  assert f32.config == dataclasses.replace(bf16.config, epilogue_split=6)
+  assert "refitted" in f32.reason
+  # The shared ring (the f32 default where no table config fits) does not fit its
+  # staging tile beside 3 stages either, so its epilogue is split (measured faster
+  # than dropping to 2 stages, H200 2026-11-30).
+  cfg = mosaic_dw.default_config(mixtral["m"], mixtral["k"], mixtral["n"], mixtral["g"],
+                                 jnp.bfloat16, jnp.float32)
   assert cfg.num_compute_wgs == 2 and cfg.epilogue_split == 2 and cfg.num_stages == 3
-  assert bf16.config is not None and bf16.config.pingpong and not cfg.pingpong
-  assert "default used" in f32.reason
   # Qwen3-30B down's 192 x 128 ring (4 stages, two buffers of 64 x 64 chunks)
   # keeps its config with f32 staging (2 x 2 x 64 x 64 x 4 bytes beside 160 KiB).
   f32 = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, out_dtype=jnp.float32, device=H200,

@@ -271,20 +271,23 @@ def test_mask_warpgroup(block_m, block_k, block_n, stages, k, n, sizes):
     (dict(pingpong=True, block_n=192, epilogue_split=3, epilogue_rows=64), 192, 320),
     # the shared ring's 64 x 128 halves in two 64-column chunks each
     (dict(epilogue_split=2), 256, 384),
-    # 64 x 32 chunks (a 64-byte swizzle), the last n tile's last four past n
+    # 64 x 32 chunks (a 64-byte swizzle): the last n tile's last two chunks of each
+    # 64-row band past n, and the second k tile's lower band past k
     (dict(pingpong=True, block_n=192, epilogue_split=6, epilogue_rows=64), 192, 320),
-    # 192 x 128 in 64 x 32 chunks
+    # 192 x 128 in 64 x 32 chunks of an f32 output (no chunk past k or n)
     (dict(pingpong=True, block_k=192, block_n=128, epilogue_split=4, epilogue_rows=64), 192,
-     256)], ids=["128x192", "rows64", "shared", "columns32", "192x128_columns32"])
+     256)], ids=["128x192", "rows64", "shared", "columns32", "192x128_columns32_f32"])
 def test_two_epilogue_buffers(fields, k, n):
   # Consecutive epilogue chunks alternate between two staging buffers; a chunk
   # stored nothing (wholly out of bounds) must not let the next one overwrite
   # a buffer a store is still reading (race detection).
   cfg = dataclasses.replace(FLAT3_BANDED, num_sms=2, num_stages=2, epilogue_buffers=2, **fields)
   params = plgpu.InterpretGPUParams(detect_races=True)
+  # (an f32 output's 32-column chunks take a 128-byte swizzle, a bf16 one's 64)
+  out_dtype = jnp.float32 if cfg.epilogue_n == 32 and k == 192 and n == 256 else jnp.bfloat16
   out, ref = run(296, k, n, [17, 0, 160, 10, 90, 3], config=cfg, interpret=params,
-                 out_dtype=jnp.bfloat16, seed=13)
-  check(out, ref, jnp.bfloat16)
+                 out_dtype=out_dtype, seed=13)
+  check(out, ref, out_dtype)
   assert not interpret_pallas_call.get_races().races_found
 
 
@@ -692,10 +695,16 @@ def test_fit_config_drops_stages_for_a_bigger_staging_tile():
   assert mosaic_dw.fit_config(cfg, jnp.bfloat16, jnp.float32) == dataclasses.replace(
       cfg, epilogue_split=2)
   # A pingpong ring is not cut to fewer stages (it measured slower than the
-  # shared ring with fewer).
+  # shared ring with fewer): an f32 output's staging goes to 32-column chunks
+  # (6 x 32 KiB + 2 x 128 x 32 x 4 bytes), and where even those do not fit, the
+  # ring is left out.
   ping = dataclasses.replace(PINGPONG, num_sms=None, num_stages=6, epilogue_split=2)
   assert mosaic_dw.fit_config(ping, jnp.bfloat16, jnp.bfloat16) == ping
-  assert mosaic_dw.fit_config(ping, jnp.bfloat16, jnp.float32) is None
+  assert mosaic_dw.fit_config(ping, jnp.bfloat16, jnp.float32) == dataclasses.replace(
+      ping, epilogue_split=4)
+  assert mosaic_dw.fit_config(ping, jnp.bfloat16, jnp.float32, split=False) is None
+  assert mosaic_dw.fit_config(dataclasses.replace(ping, num_stages=7), jnp.bfloat16,
+                              jnp.float32) is None
   # The split is tried at every stage count: 4 stages whole or split and 3
   # whole do not fit an f32 staging tile, 3 split do.
   four = dataclasses.replace(cfg, num_stages=4)
@@ -723,12 +732,14 @@ def test_f32_default_splits_its_epilogue_and_the_sweep_offers_the_whole_tile():
   assert dataclasses.replace(default, num_stages=2, epilogue_split=1) in sweep
   bf16 = mosaic_dw.gpu_sweep_configs(m, k, n, g, out_dtype=jnp.bfloat16)
   assert all(c.epilogue_split == 1 for c in bf16 if not c.pingpong)  # bf16: 3 stages fit
-  # The pingpong candidates: all three tiles for bf16; for f32 the 6-stage
-  # 128 x 128 ring does not fit and is left out rather than cut.
+  # The pingpong candidates: all three tiles, for bf16 and f32 (the 6-stage
+  # 128 x 128 ring with an f32 output in 32-column chunks; 128 x 192 in 4 stages
+  # of 40 KiB: 160 + 64 KiB of f32 staging fit).
   assert {(c.block_k, c.block_n, c.num_stages) for c in bf16 if c.pingpong} == {
       (128, 128, 6), (64, 256, 4), (128, 192, 4), (128, 192, 5)}  # 192 x 128: k % 192 != 0
-  # (128 x 192 in 4 stages of 40 KiB: 160 + 64 KiB of f32 staging fit.)
-  assert {(c.block_k, c.block_n) for c in sweep if c.pingpong} == {(64, 256), (128, 192)}
+  f32_pingpongs = {(c.block_k, c.block_n, c.num_stages, c.epilogue_n) for c in sweep
+                   if c.pingpong}
+  assert {(128, 128, 6, 32), (64, 256, 4, 128), (128, 192, 4, 64)} <= f32_pingpongs
 
 
 def test_default_is_the_ring_across_items():
@@ -1001,3 +1012,18 @@ def test_fifth_stage_beside_two_buffers_of_32_column_chunks(block_k, block_n, sp
   assert size(narrow) == size(five) == 5 * 40 * 1024 + 2 * 2 * 64 * 32 * 2
   assert narrow in mosaic_dw.gpu_sweep_configs(32768, k, n, 128)  # the tuner offers it
   lower_for_sm90(32768, k, n, 128, narrow)
+  # An f32 output: the ring keeps its 5 stages in one buffer of 32-column chunks.
+  f32 = mosaic_dw.fit_config(narrow, jnp.bfloat16, jnp.float32)
+  assert f32 == dataclasses.replace(narrow, epilogue_buffers=1)
+  one_wide = mosaic_dw.fit_config(five, jnp.bfloat16, jnp.float32)  # (v69's H100 entries)
+  assert one_wide == dataclasses.replace(five, epilogue_split=split)
+  lower_for_sm90(32768, k, n, 128, f32, out_dtype=jnp.float32)
+
+
+def test_sweep_offers_the_narrow_buffers_where_both_wide_tiles_pad_little():
+  # gpt-oss (k, n = 2880, 5760): 128 x 192 and 192 x 128 both qualify, and the
+  # list's cap of 16 must still hold the 5-stage ring in 64 x 32 chunks.
+  sweep = mosaic_dw.gpu_sweep_configs(16384, 2880, 5760, 32)
+  assert any(c.pingpong and c.num_stages == 5 and c.epilogue_n == 32
+             and c.epilogue_buffers == 2 and c.side_rows for c in sweep)
+  assert {(128, 192), (192, 128)} <= {(c.block_k, c.block_n) for c in sweep if c.pingpong}

@@ -360,8 +360,9 @@ def _store_half(src_smem, out_gmem, j, row, col, lsu: bool = False):
 
 def _lsu_copy(src_smem, dst_gmem) -> None:
   """``dst_gmem[...] = src_smem[...]`` by the warpgroup's threads: 16-byte
-  loads from the swizzled tile, then stores of whole 128-byte lines (Mosaic
-  GPU's tiled SMEM-to-GMEM copy, which Pallas does not expose)."""
+  loads from the swizzled tile, then stores of each row's bytes: whole 128-byte
+  lines, or 64-byte halves of one for a 32-column 16-bit chunk (Mosaic GPU's
+  tiled SMEM-to-GMEM copy, which Pallas does not expose)."""
   transforms = sm90.swizzled(src_smem.shape[-1], src_smem.dtype)  # (the buffers' own)
   swizzle = transforms[1].swizzle
 

@@ -15,6 +15,7 @@ from ragdot.backends import sm90
 _SMEM_RESERVE = 2048  # barriers and alignment
 _PIECE_ROWS = 64  # block_m of a side_rows ring
 _NARROW_CHUNK_COLS = 32  # the one epilogue chunk width below 64: a 64-byte swizzle (16-bit)
+_MAX_EPILOGUE_SPLIT = 6
 _PRODUCER_REGISTERS = 40  # per thread of the TMA warpgroup (warp-specialized bodies)
 # A CTA of 3 warpgroups launches with 168 registers per thread (65536 / 384,
 # rounded down to 8); setmaxnreg only moves registers within that allocation,
@@ -155,8 +156,9 @@ class MosaicDwConfig:
       gate_up / down), so off.  Prefetching instead the rows of the CTA's
       own item 1 or 2 items later (v58, removed) measured 1.12-1.23x.
     lsu_store: with 2 warpgroups, each epilogue chunk leaves its SMEM buffer
-      through the warpgroup's own 16-byte stores (coalesced, whole 128-byte
-      lines) instead of a TMA store, where the chunk lies wholly inside the
+      through the warpgroup's own 16-byte stores (coalesced: each row of the
+      chunk in whole 128-byte lines, or 64-byte halves of one for 32 columns
+      of a 16-bit output) instead of a TMA store, where the chunk lies wholly inside the
       output (a chunk cut at k or n keeps the TMA store, which clips).  The
       question it asks (docs/performance.md v67): whether TMA stores that L2
       backs up delay the TMA loads queued behind them.  Compiled kernels only
@@ -256,12 +258,12 @@ class MosaicDwConfig:
     if self.pipeline_across_items and self.num_compute_wgs != 2:
       raise ValueError("pipeline_across_items needs num_compute_wgs=2")
     chunk = self.block_n // max(self.epilogue_split, 1)
-    if (not 1 <= self.epilogue_split <= 6 or self.block_n % self.epilogue_split
+    if (not 1 <= self.epilogue_split <= _MAX_EPILOGUE_SPLIT or self.block_n % self.epilogue_split
         or (chunk % 64 and chunk != _NARROW_CHUNK_COLS)
         or (self.epilogue_split > 1 and self.num_compute_wgs != 2)):
       raise ValueError(
-          "epilogue_split must be 1 to 6, leave chunks of a multiple of 64 columns or of"
-          f" {_NARROW_CHUNK_COLS}, and (when > 1) have num_compute_wgs=2, got"
+          f"epilogue_split must be 1 to {_MAX_EPILOGUE_SPLIT}, leave chunks of a multiple of 64"
+          f" columns or of exactly {_NARROW_CHUNK_COLS}, and (when > 1) have num_compute_wgs=2, got"
           f" {self.epilogue_split} (block_n={self.block_n},"
           f" num_compute_wgs={self.num_compute_wgs})")
 
@@ -360,14 +362,29 @@ def fit_config(config: MosaicDwConfig, dtype, out_dtype,
   f32 output (3 stages split vs 2 whole, H200, 2026-11-30).  A pingpong ring
   keeps its stages: on the Qwen shapes it took 0.92-0.96x the shared ring's
   time with 6 stages, and in its first version 0.96-0.98x with 5 and
-  1.09-1.16x with 4 (H200, 2026-11-30).
+  1.09-1.16x with 4 (H200, 2026-11-30).  Where its staging does not fit (an f32
+  output), it tries in turn: a whole tile split in two, one staging buffer, 32-column
+  chunks, then 32-column chunks in one buffer.  ``split=False`` allows only the
+  one buffer.
   """
   def fits(c):
     return smem_bytes(c, dtype, out_dtype) <= c.smem_budget()
 
   can_split = (split and config.num_compute_wgs == 2 and config.epilogue_split == 1
                and config.block_n % 128 == 0)
-  lowest = config.num_stages if config.pingpong else min(2, config.num_stages)
+  if config.pingpong:
+    # Its stages stay; a bigger output (f32) splits a whole staging tile in two,
+    # else gives up the second staging buffer, then stages in 32-column chunks.
+    candidates = [config]
+    if can_split:
+      candidates.append(dataclasses.replace(config, epilogue_split=2))
+    candidates.append(dataclasses.replace(config, epilogue_buffers=1))
+    narrow = config.block_n // _NARROW_CHUNK_COLS
+    if split and narrow <= _MAX_EPILOGUE_SPLIT and config.epilogue_n > _NARROW_CHUNK_COLS:
+      candidates += [dataclasses.replace(config, epilogue_split=narrow, epilogue_buffers=b)
+                     for b in (config.epilogue_buffers, 1)]
+    return next((c for c in candidates if fits(c)), None)
+  lowest = min(2, config.num_stages)
   for stages in range(config.num_stages, lowest - 1, -1):
     candidate = dataclasses.replace(config, num_stages=stages)
     if fits(candidate):
@@ -416,8 +433,8 @@ def gpu_sweep_configs(
   when it splits the epilogue (f32 output: 2 stages instead of 3); the
   ``pingpong`` rings (128 x 128 in 6 stages and 64 x 256 in 4; 128 x 192 and
   192 x 128 where those pad k and n little, in 4 stages, in 5 with 64 x 64
-  epilogue chunks, in 5 with two buffers of 64 x 32 chunks, and in 4 with two
-  buffers of 64 x 64 chunks), each with
+  epilogue chunks, in 5 with two buffers of 64 x 32 chunks (side_rows only), and
+  in 4 with two buffers of 64 x 64 chunks), each with
   ``side_rows``, masking by bands, and (128 x 128
   and 64 x 256) with a masking warpgroup; four warp-specialized configs with
   one ring of stages across items, two with two resident CTAs per SM, four
@@ -449,27 +466,27 @@ def gpu_sweep_configs(
   for bk, bn, stages in ((128, 128, 6), (64, 256, 4)):
     bk, bn = min(bk, _fit(256, k)), min(bn, _fit(256, n))
     if bn % 128 == 0 and bk * bn <= 128 * 128:
-      pingpongs.append((bk, bn, stages, 2, None, 1))
+      pingpongs.append((bk, bn, stages, 2, None, 1, True))
   # 128 x 192 / 192 x 128 tiles (where they pad k and n little): 19% fewer L2 ->
   # SMEM bytes per FLOP than 128 x 128, in 4 stages of 40 KiB, or 5 with the
-  # epilogue in 64 x 64 chunks, or 4 with two buffers of them (192 x 128 on
-  # Qwen3-30B down: 0.956x the 5-stage 128 x 192 ring, H200 2026-12-02); after
-  # those, 5 with two buffers of 64 x 32 chunks (H100: 0.93-0.95x the 4-stage ring
-  # where a group's rows make 4-8 steps an item, 0.98-1.0x the 5-stage one-buffer
-  # ring; 1.11-1.13x the 4-stage ring at 2 steps an item; docs/performance.md v70).
-  wide = [(bk, bn) for bk, bn in ((128, 192), (192, 128))
-          if _pads_little(bk, k) and _pads_little(bn, n)]
-  for bk, bn in wide:
-    pingpongs += [(bk, bn, 4, bn // 64, None, 1), (bk, bn, 5, bn // 64, 64, 1),
-                  (bk, bn, 4, bn // 64, 64, 2)]
-  pingpongs += [(bk, bn, 5, bn // 32, 64, 2) for bk, bn in wide]
-  for bk, bn, stages, split, rows, buffers in pingpongs:
+  # epilogue in 64 x 64 chunks, or 5 with two buffers of 64 x 32 chunks (H100:
+  # 0.93-0.98x the 4-stage ring where a group's rows make 4-8 steps an item,
+  # 0.98-1.0x the 5-stage one-buffer ring; 1.11-1.13x the 4-stage ring at 2 steps
+  # an item; docs/performance.md v70; with side_rows only, which every measured
+  # ring of these tiles took), or 4 with two buffers of 64 x 64 chunks (192 x 128
+  # on Qwen3-30B down: 0.956x the 5-stage 128 x 192 ring, H200 2026-12-02).
+  for bk, bn in ((128, 192), (192, 128)):
+    if _pads_little(bk, k) and _pads_little(bn, n):
+      pingpongs += [(bk, bn, 4, bn // 64, None, 1, True), (bk, bn, 5, bn // 64, 64, 1, True),
+                    (bk, bn, 5, bn // 32, 64, 2, False), (bk, bn, 4, bn // 64, 64, 2, True)]
+  for bk, bn, stages, split, rows, buffers, plain in pingpongs:
     config = fit_config(MosaicDwConfig(
         block_m=64, block_k=bk, block_n=bn, num_stages=stages, num_compute_wgs=2,
         pipeline_across_items=True, banded_mask=True, pingpong=True, epilogue_split=split,
         epilogue_rows=rows, epilogue_buffers=buffers), dtype, out_dtype)
     if config is not None and config not in out:
-      out += [dataclasses.replace(config, side_rows=True), config]
+      # (``plain``: also the same ring masking its boundary blocks)
+      out += [dataclasses.replace(config, side_rows=True)] + [config] * plain
       # A masking warpgroup beside 128 x 128 accumulators (0.96-0.97x the time
       # on the Qwen shapes, H200 2026-11-30; beside 128 x 192 ones it measured
       # 1.03-1.06x, so the list leaves that out).
