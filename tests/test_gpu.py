@@ -1095,7 +1095,11 @@ def _fields(words):
      (64, 192, 128, 5, 768, jnp.bfloat16,
       "pingpong epilogue_split=4 epilogue_rows=64 epilogue_buffers=2 side_rows"),
      (64, 128, 192, 4, 768, jnp.float32,
-      "pingpong epilogue_split=6 epilogue_rows=64 epilogue_buffers=2 side_rows")],
+      "pingpong epilogue_split=6 epilogue_rows=64 epilogue_buffers=2 side_rows"),
+     # ... what fit_config makes of 5- and 6-stage table rings for an f32 output (v70)
+     (64, 128, 192, 5, 768, jnp.float32, "pingpong epilogue_split=6 epilogue_rows=64 side_rows"),
+     (64, 192, 128, 5, 768, jnp.float32, "pingpong epilogue_split=4 epilogue_rows=64 side_rows"),
+     (64, 128, 128, 6, 1024, jnp.float32, "banded_mask pingpong epilogue_split=4 mask_warpgroup")],
     ids=["default", "whole_tile_mask", "256x128", "f32_2_stages",
          "bm128_banded", "partial_k", "bn64_banded", "bn192_banded", "256x192",
          "f32_split_3_stages",
@@ -1107,7 +1111,8 @@ def _fields(words):
          "pingpong_128x192_rows64_2_buffers_side_rows",
          "pingpong_128x192_5_stages_side_rows", "pingpong_192x128_5_stages_side_rows",
          "pingpong_128x192_5_stages_32_columns", "pingpong_192x128_5_stages_32_columns",
-         "pingpong_128x192_32_columns_f32"])
+         "pingpong_128x192_32_columns_f32", "pingpong_128x192_5_stages_32_columns_f32",
+         "pingpong_192x128_5_stages_32_columns_f32", "pingpong_masker_6_stages_32_columns_f32"])
 def test_mosaic_dw_ring_across_items_real_size(bm, bk, bn, stages, k, out_dtype, mask):
   """The warp-specialized dW with one ring of stages across items, on hardware:
   every group's tile written (NaN-poisoned memory), empty groups zero, a shard,

@@ -674,7 +674,8 @@ def test_lowers_for_sm90(out_dtype, shape):
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
 def test_table_dw_configs_lower_for_sm90(out_dtype):
   # Every shipped H200 dW entry, as the dispatcher hands it out for either
-  # output dtype (its own config where it fits, else the default).
+  # output dtype (its own config, refitted to SMEM for f32: narrower epilogue
+  # chunks or one buffer; the default where nothing fits).
   from ragdot import dispatch  # pylint: disable=g-import-not-at-top
   h200 = dispatch.Device("gpu", "NVIDIA H200", "9.0")
   table, _ = tables.table_for(h200.kind, h200.compute_capability)

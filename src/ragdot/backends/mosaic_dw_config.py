@@ -257,9 +257,7 @@ class MosaicDwConfig:
     sm90.check_ctas_per_sm(self.ctas_per_sm, self.num_compute_wgs)
     if self.pipeline_across_items and self.num_compute_wgs != 2:
       raise ValueError("pipeline_across_items needs num_compute_wgs=2")
-    chunk = self.block_n // max(self.epilogue_split, 1)
-    if (not 1 <= self.epilogue_split <= _MAX_EPILOGUE_SPLIT or self.block_n % self.epilogue_split
-        or (chunk % 64 and chunk != _NARROW_CHUNK_COLS)
+    if (not _valid_chunks(self.block_n, self.epilogue_split)
         or (self.epilogue_split > 1 and self.num_compute_wgs != 2)):
       raise ValueError(
           f"epilogue_split must be 1 to {_MAX_EPILOGUE_SPLIT}, leave chunks of a multiple of 64"
@@ -324,6 +322,15 @@ class MosaicDwConfig:
     return sm90.smem_budget(self.ctas_per_sm, _SMEM_RESERVE)
 
 
+def _valid_chunks(block_n: int, split: int) -> bool:
+  """Whether ``split`` epilogue chunks of a ``block_n``-wide tile are allowed:
+  1 to 6 of them, each a multiple of 64 columns or exactly 32."""
+  if not 1 <= split <= _MAX_EPILOGUE_SPLIT or block_n % split:
+    return False
+  chunk = block_n // split
+  return chunk % 64 == 0 or chunk == _NARROW_CHUNK_COLS
+
+
 def smem_bytes(config: MosaicDwConfig, dtype, out_dtype) -> int:
   """SMEM the kernel allocates: pipeline buffers plus the output staging
   (the whole tile with one warpgroup; else one epilogue chunk of
@@ -353,7 +360,7 @@ def _fit(block: int, dim: int) -> int:
 def fit_config(config: MosaicDwConfig, dtype, out_dtype,
                split: bool = True) -> MosaicDwConfig | None:
   """``config`` made to fit SMEM; None when even 2 stages do not fit (a
-  ``pingpong`` config: when it does not fit with its own stage count).
+  ``pingpong`` config: when no staging below fits beside its own stages).
 
   At each stage count, from the config's own down to 2, the whole staging tile
   is tried first, then (``split``, 2 warpgroups, whole tile, block_n a
@@ -363,9 +370,9 @@ def fit_config(config: MosaicDwConfig, dtype, out_dtype,
   keeps its stages: on the Qwen shapes it took 0.92-0.96x the shared ring's
   time with 6 stages, and in its first version 0.96-0.98x with 5 and
   1.09-1.16x with 4 (H200, 2026-11-30).  Where its staging does not fit (an f32
-  output), it tries in turn: a whole tile split in two, one staging buffer, 32-column
-  chunks, then 32-column chunks in one buffer.  ``split=False`` allows only the
-  one buffer.
+  output), it tries narrower epilogue chunks, widest first (multiples of 64
+  columns, then 32), each with the config's buffers and then with one; None when
+  none fits.  ``split=False`` allows only the one buffer.
   """
   def fits(c):
     return smem_bytes(c, dtype, out_dtype) <= c.smem_budget()
@@ -373,16 +380,14 @@ def fit_config(config: MosaicDwConfig, dtype, out_dtype,
   can_split = (split and config.num_compute_wgs == 2 and config.epilogue_split == 1
                and config.block_n % 128 == 0)
   if config.pingpong:
-    # Its stages stay; a bigger output (f32) splits a whole staging tile in two,
-    # else gives up the second staging buffer, then stages in 32-column chunks.
-    candidates = [config]
-    if can_split:
-      candidates.append(dataclasses.replace(config, epilogue_split=2))
-    candidates.append(dataclasses.replace(config, epilogue_buffers=1))
-    narrow = config.block_n // _NARROW_CHUNK_COLS
-    if split and narrow <= _MAX_EPILOGUE_SPLIT and config.epilogue_n > _NARROW_CHUNK_COLS:
-      candidates += [dataclasses.replace(config, epilogue_split=narrow, epilogue_buffers=b)
-                     for b in (config.epilogue_buffers, 1)]
+    # Its stages stay; a bigger output (f32) stages in narrower chunks, widest
+    # first, each with the config's buffers and then one.
+    splits = [config.epilogue_split]
+    if split:
+      splits += [s for s in range(config.epilogue_split + 1, _MAX_EPILOGUE_SPLIT + 1)
+                 if _valid_chunks(config.block_n, s)]
+    candidates = (dataclasses.replace(config, epilogue_split=s, epilogue_buffers=b)
+                  for s in splits for b in dict.fromkeys((config.epilogue_buffers, 1)))
     return next((c for c in candidates if fits(c)), None)
   lowest = min(2, config.num_stages)
   for stages in range(config.num_stages, lowest - 1, -1):
