@@ -264,27 +264,28 @@ def test_mask_warpgroup(block_m, block_k, block_n, stages, k, n, sizes):
   assert not interpret_pallas_call.get_races().races_found
 
 
-@pytest.mark.parametrize("fields, k, n", [
+@pytest.mark.parametrize("fields, k, n, out_dtype", [
     # 128 x 192 pingpong: the third 64-column chunk of the last n tile is past n
-    (dict(pingpong=True, block_n=192, epilogue_split=3), 256, 320),
+    (dict(pingpong=True, block_n=192, epilogue_split=3), 256, 320, jnp.bfloat16),
     # ... in 64 x 64 chunks, the second k tile's lower half past k
-    (dict(pingpong=True, block_n=192, epilogue_split=3, epilogue_rows=64), 192, 320),
+    (dict(pingpong=True, block_n=192, epilogue_split=3, epilogue_rows=64), 192, 320,
+     jnp.bfloat16),
     # the shared ring's 64 x 128 halves in two 64-column chunks each
-    (dict(epilogue_split=2), 256, 384),
+    (dict(epilogue_split=2), 256, 384, jnp.bfloat16),
     # 64 x 32 chunks (a 64-byte swizzle): the last n tile's last two chunks of each
     # 64-row band past n, and the second k tile's lower band past k
-    (dict(pingpong=True, block_n=192, epilogue_split=6, epilogue_rows=64), 192, 320),
-    # 192 x 128 in 64 x 32 chunks of an f32 output (no chunk past k or n)
+    (dict(pingpong=True, block_n=192, epilogue_split=6, epilogue_rows=64), 192, 320,
+     jnp.bfloat16),
+    # 192 x 128 in 64 x 32 chunks of an f32 output (a 128-byte swizzle; no chunk
+    # past k or n)
     (dict(pingpong=True, block_k=192, block_n=128, epilogue_split=4, epilogue_rows=64), 192,
-     256)], ids=["128x192", "rows64", "shared", "columns32", "192x128_columns32_f32"])
-def test_two_epilogue_buffers(fields, k, n):
+     256, jnp.float32)], ids=["128x192", "rows64", "shared", "columns32", "192x128_columns32_f32"])
+def test_two_epilogue_buffers(fields, k, n, out_dtype):
   # Consecutive epilogue chunks alternate between two staging buffers; a chunk
   # stored nothing (wholly out of bounds) must not let the next one overwrite
   # a buffer a store is still reading (race detection).
   cfg = dataclasses.replace(FLAT3_BANDED, num_sms=2, num_stages=2, epilogue_buffers=2, **fields)
   params = plgpu.InterpretGPUParams(detect_races=True)
-  # (an f32 output's 32-column chunks take a 128-byte swizzle, a bf16 one's 64)
-  out_dtype = jnp.float32 if cfg.epilogue_n == 32 and k == 192 and n == 256 else jnp.bfloat16
   out, ref = run(296, k, n, [17, 0, 160, 10, 90, 3], config=cfg, interpret=params,
                  out_dtype=out_dtype, seed=13)
   check(out, ref, out_dtype)
@@ -735,12 +736,14 @@ def test_f32_default_splits_its_epilogue_and_the_sweep_offers_the_whole_tile():
   assert all(c.epilogue_split == 1 for c in bf16 if not c.pingpong)  # bf16: 3 stages fit
   # The pingpong candidates: all three tiles, for bf16 and f32 (the 6-stage
   # 128 x 128 ring with an f32 output in 32-column chunks; 128 x 192 in 4 stages
-  # of 40 KiB: 160 + 64 KiB of f32 staging fit).
+  # of 40 KiB beside one or two 64 x 64 f32 chunks; its 5-stage forms keep their
+  # stages in one buffer of 64 x 32 chunks).
   assert {(c.block_k, c.block_n, c.num_stages) for c in bf16 if c.pingpong} == {
       (128, 128, 6), (64, 256, 4), (128, 192, 4), (128, 192, 5)}  # 192 x 128: k % 192 != 0
-  f32_pingpongs = {(c.block_k, c.block_n, c.num_stages, c.epilogue_n) for c in sweep
-                   if c.pingpong}
-  assert {(128, 128, 6, 32), (64, 256, 4, 128), (128, 192, 4, 64)} <= f32_pingpongs
+  f32_pingpongs = {(c.block_k, c.block_n, c.num_stages, c.epilogue_n, c.epilogue_buffers)
+                   for c in sweep if c.pingpong}
+  assert f32_pingpongs == {(128, 128, 6, 32, 1), (64, 256, 4, 128, 1), (128, 192, 4, 64, 1),
+                           (128, 192, 4, 64, 2), (128, 192, 5, 32, 1)}
 
 
 def test_default_is_the_ring_across_items():

@@ -83,7 +83,7 @@ class MosaicDwConfig:
     epilogue_split: with 2 warpgroups, each consumer stages its result
       ((block_k / 2, block_n), or (block_k, block_n) with ``pingpong``) through
       SMEM in this many (1 to 6) column chunks (of a multiple of 64 columns, or
-      of 32, which a 16-bit output stores with a 64-byte swizzle), each
+      of exactly 32, which a 16-bit output stores with a 64-byte swizzle), each
       waiting until the previous chunk's store has read the buffer: a smaller
       staging buffer, which leaves SMEM for more stages with an f32 output,
       or for a fifth stage beside two buffers (128 x 192 in 64 x 32 chunks).
