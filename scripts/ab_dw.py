@@ -3,10 +3,13 @@ side on the training shapes (GPU machine).
 
   python3 scripts/ab_dw.py OUT_DIR [--shapes NAME ...]
       [--variants "num_stages=5,epilogue_rows=64" "epilogue_buffers=2" ...] [--rounds 3]
+      [--out-dtype float32] [--with-default]
 
 Per shape: "table" = the shipped table's dW choice, and one case per variant:
 the table's Mosaic config with the variant's comma-separated FIELD=VALUE
-changes (Python literals).  Interleaved CUPTI timing on one set of fresh
+changes (Python literals); with ``--with-default``, "default" = the heuristic
+default config fitted to the output dtype (what the dispatcher fell back to
+where a table ring did not fit).  Interleaved CUPTI timing on one set of fresh
 random inputs; prints each case's time over the table's and whether its
 output is bitwise equal to the table's; writes OUT_DIR/ab_dw.json.
 """
@@ -36,30 +39,37 @@ def main() -> None:
   p.add_argument("--iterations", type=int, default=10)
   p.add_argument("--preset", default="training", choices=sorted(bench.PRESETS),
                  help="e.g. training-skewed (shape names then end in ' skewed')")
+  p.add_argument("--out-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+  p.add_argument("--with-default", action="store_true",
+                 help="also time the heuristic default config (fitted to --out-dtype)")
   args = p.parse_args()
   os.makedirs(args.out_dir, exist_ok=True)
+  out_dtype = jnp.dtype(args.out_dtype)
   rows = []
   for s in bench.preset_shapes(args.preset, args.shapes):
-    gs, x, dy, choice = dw_case(s, jax.random.key(len(rows) + 3))
+    gs, x, dy, choice = dw_case(s, jax.random.key(len(rows) + 3), out_dtype)
     mod = backends.get_backend(choice.implementation)
 
     def run(module, config):
       return jax.jit(lambda x, dy, gs: module.tgmm(
-          x, dy, gs, None, num_groups=s.g, out_dtype=jnp.bfloat16, precision=None,
+          x, dy, gs, None, num_groups=s.g, out_dtype=out_dtype, precision=None,
           config=config))
 
     cases = {"table": run(mod, choice.config)}
     configs = {"table": choice.config}
     base = choice.config
     if choice.implementation != "mosaic" or base is None:
-      base = mosaic_dw.default_config(s.m, s.k, s.n, s.g, jnp.bfloat16, jnp.bfloat16)
+      base = mosaic_dw.default_config(s.m, s.k, s.n, s.g, jnp.bfloat16, out_dtype)
+    if args.with_default:
+      configs["default"] = mosaic_dw.default_config(s.m, s.k, s.n, s.g, jnp.bfloat16, out_dtype)
+      cases["default"] = run(mosaic_dw, configs["default"])
     for v in args.variants:
       try:
         cfg = dataclasses.replace(base, **parse_fields([kv for kv in v.split(",") if kv]))
       except (TypeError, ValueError) as e:  # an unknown field, a rejected value
         print(f"  skip {v}: {e}", flush=True)
         continue
-      if mosaic_dw.smem_bytes(cfg, jnp.bfloat16, jnp.bfloat16) > cfg.smem_budget():
+      if mosaic_dw.smem_bytes(cfg, jnp.bfloat16, out_dtype) > cfg.smem_budget():
         print(f"  skip {v}: SMEM", flush=True)
         continue
       configs[v] = cfg
