@@ -3,7 +3,7 @@ side on the training shapes (GPU machine).
 
   python3 scripts/ab_dw.py OUT_DIR [--shapes NAME ...]
       [--variants "num_stages=5,epilogue_rows=64" "epilogue_buffers=2" ...] [--rounds 3]
-      [--out-dtype float32] [--with-default]
+      [--out-dtype float32] [--with-default] [--shape m,k,n,g ...] [--skewed]
 
 Per shape: "table" = the shipped table's dW choice, and one case per variant:
 the table's Mosaic config with the variant's comma-separated FIELD=VALUE
@@ -30,10 +30,25 @@ from ragdot.backends import mosaic_dw
 from ab_fwd import case_rows, dw_case, parse_fields  # this folder (the script's sys.path[0])
 
 
-def main() -> None:
+def shapes(args: argparse.Namespace) -> list[bench.Shape]:
+  """``--shape``'s shapes, else the preset's (``--shapes`` picks some), each
+  skewed with ``--skewed`` (its name then ends in ' skewed')."""
+  chosen = (bench.select_shapes(args.shape, args.shapes) if args.shape
+            else bench.preset_shapes(args.preset, args.shapes))
+  if args.skewed:
+    chosen = [s if s.skewed else dataclasses.replace(s, name=f"{s.name} skewed", skewed=True)
+              for s in chosen]
+  return chosen
+
+
+def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser()
   p.add_argument("out_dir")
   p.add_argument("--shapes", nargs="+", default=None, help="preset names (default: all)")
+  p.add_argument("--shape", action="append", default=[], type=bench.parse_shape,
+                 help="m,k,n,g[,top_k] (repeatable): these shapes instead of the preset's")
+  p.add_argument("--skewed", action="store_true",
+                 help="route every shape with the skewed routing (a few hot experts)")
   p.add_argument("--variants", nargs="+", default=[], metavar="F=V,F=V")
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--iterations", type=int, default=10)
@@ -42,11 +57,15 @@ def main() -> None:
   p.add_argument("--out-dtype", default="bfloat16", choices=["bfloat16", "float32"])
   p.add_argument("--with-default", action="store_true",
                  help="also time the heuristic default config (fitted to --out-dtype)")
-  args = p.parse_args()
+  return p
+
+
+def main() -> None:
+  args = parser().parse_args()
   os.makedirs(args.out_dir, exist_ok=True)
   out_dtype = jnp.dtype(args.out_dtype)
   rows = []
-  for s in bench.preset_shapes(args.preset, args.shapes):
+  for s in shapes(args):
     gs, x, dy, choice = dw_case(s, jax.random.key(len(rows) + 3), out_dtype)
     mod = backends.get_backend(choice.implementation)
 
