@@ -1,6 +1,7 @@
 """How fast can every SM pull TMA loads into SMEM? (GPU machine; a probe)
 
-  python3 scripts/probe_l2_ingress.py [--steps 4000] [--stages 2 3 4 5] [--json OUT]
+  python3 scripts/probe_l2_ingress.py [--steps 4000] [--stages 2 3 4 5] [--sm-counts 132 66]
+      [--json OUT]
 
 The dW ring's profile (docs/performance.md v70, 69d) showed each SM receiving
 ~33 B a cycle of loads whether 2 or 3 of its 40 KB slots were in flight: the
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import subprocess
 
@@ -111,27 +113,30 @@ def main() -> None:
   p.add_argument("--steps", type=int, default=4000, help="40 KB steps per SM")
   p.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4, 5])
   p.add_argument("--sources", nargs="+", default=["l2", "hbm"], choices=["l2", "hbm"])
+  p.add_argument("--sm-counts", type=int, nargs="+", default=None,
+                 help="CTAs (one an SM) to run with, e.g. all and half: an intake that"
+                      " rises per SM with fewer SMs is capped by L2, not by the SM")
   p.add_argument("--json", default=None)
   args = p.parse_args()
-  num_sms = sm90.device_sm_count()
+  device_sms = sm90.device_sm_count()
   rows = []
   for source in args.sources:
-    num_blocks = 64 if source == "l2" else args.steps * num_sms // 8  # hbm: 1/8 of the steps
+    num_blocks = 64 if source == "l2" else args.steps * device_sms // 8  # hbm: 1/8 of the steps
     ka, kb = jax.random.split(jax.random.key(0))
     a = jax.random.normal(ka, (num_blocks * _ROWS, _COLS_A), jnp.float32).astype(jnp.bfloat16)
     b = jax.random.normal(kb, (num_blocks * _ROWS, _COLS_B), jnp.float32).astype(jnp.bfloat16)
     # hbm: each SM reads its 1/num_sms of the array 8 times over; 2.7 GB of loads
     # pass between two reads of a block, so none is still in the 50 MB L2.
-    for stages in args.stages:
+    for num_sms, stages in itertools.product(args.sm_counts or [device_sms], args.stages):
       fn = ingress_kernel(num_blocks, args.steps, stages, num_sms, stream=source == "hbm")
       ms, method, mhz = _timed_with_clock(fn, a, b)
       total = num_sms * args.steps * _STEP_BYTES
       tbps = total / (ms * 1e-3) / 1e12
       per_cycle = total / num_sms / (ms * 1e-3 * mhz * 1e6) if mhz else float("nan")
-      rows.append(dict(source=source, stages=stages, ms=ms, tbps=tbps, sm_mhz=mhz,
+      rows.append(dict(source=source, stages=stages, num_sms=num_sms, ms=ms, tbps=tbps, sm_mhz=mhz,
                        bytes_per_sm_cycle=per_cycle, method=method, steps=args.steps,
                        device=jax.devices()[0].device_kind))
-      print(f"{source:3s} {stages} stages of 40 KB: {ms:.4f} ms  {tbps:5.2f} TB/s  "
+      print(f"{source:3s} {num_sms:3d} SMs, {stages} stages of 40 KB: {ms:.4f} ms  {tbps:5.2f} TB/s  "
             f"{per_cycle:5.1f} B / SM cycle (SM {mhz} MHz)", flush=True)
   if args.json:
     with open(args.json, "w") as f:
