@@ -24,7 +24,6 @@ near it, a 128 x 192 tile cannot be fed faster.
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import json
 import subprocess
