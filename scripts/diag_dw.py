@@ -173,10 +173,15 @@ def main() -> None:
         continue
       default = choice.config
     if args.base:
-      default = mosaic_dw.fit_config(
-          dataclasses.replace(default, **parse_fields(args.base)), jnp.bfloat16, out_dtype)
+      asked = dataclasses.replace(default, **parse_fields(args.base))
+      default = mosaic_dw.fit_config(asked, jnp.bfloat16, out_dtype)
       if default is None:
         raise SystemExit(f"--base {' '.join(args.base)} does not fit SMEM for {out_dtype}")
+      if default != asked:  # say so: the timed kernel is not quite the one asked for
+        changed = {f.name: getattr(default, f.name) for f in dataclasses.fields(default)
+                   if getattr(default, f.name) != getattr(asked, f.name)}
+        print(f"{s.name}: --base refitted to SMEM for {jnp.dtype(out_dtype).name}: {changed}",
+              flush=True)
     # B patches the two-warpgroup bodies' masking; the one-warpgroup body masks inline.
     assert default.num_compute_wgs == 2, default
     cases_here = args.cases

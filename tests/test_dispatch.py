@@ -304,3 +304,22 @@ def test_table_config_values_must_match_their_fields():
   config, note = dispatch._built_config("mosaic", "gmm", (("num_stages", 4.0),), "bfloat16",
                                         "bfloat16")
   assert config is None and "rejected" in note
+
+
+def test_a_refit_the_config_refuses_falls_back_to_the_default(monkeypatch):
+  """A ValueError from the kernel's own SMEM refit (a refit its Config
+  validation refuses) leaves the table config out, with a note, like a config
+  that cannot fit at all: the call runs the default instead of failing."""
+  from ragdot.backends import mosaic_dw  # pylint: disable=g-import-not-at-top
+
+  def refuses(config, dtype, out_dtype, split=True):
+    raise ValueError("epilogue_split must be 1 to 6")
+
+  dispatch._built_config.cache_clear()
+  monkeypatch.setattr(mosaic_dw, "fit_config", refuses)
+  try:
+    config, note = dispatch._built_config("mosaic", "tgmm", (("num_stages", 3),), "bfloat16",
+                                          "float32")
+  finally:
+    dispatch._built_config.cache_clear()
+  assert config is None and "not refittable" in note and "epilogue_split" in note

@@ -195,7 +195,10 @@ def _built_config(backend: str, op: str, items: tuple | None, dtype: str,
     config = make_config(backend, op, dict(items))
   except (TypeError, ValueError) as e:  # the kernel's Config changed under the table
     return None, f"; table config rejected ({e}), backend default used"
-  fitted = _fit_smem(backend, op, config, dtype, out_dtype)
+  try:
+    fitted = _fit_smem(backend, op, config, dtype, out_dtype)
+  except ValueError as e:  # a refit the Config refuses: the default, not an error
+    return None, f"; table config not refittable for {dtype}->{out_dtype} ({e}), default used"
   if fitted is None:
     return None, f"; table config exceeds SMEM for {dtype}->{out_dtype}, default used"
   if fitted != config:
