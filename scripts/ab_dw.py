@@ -8,8 +8,10 @@ side on the training shapes (GPU machine).
 Per shape: "table" = the shipped table's dW choice, and one case per variant:
 the table's Mosaic config with the variant's comma-separated FIELD=VALUE
 changes (Python literals); with ``--with-default``, "default" = the heuristic
-default config fitted to the output dtype (what the dispatcher fell back to
-where a table ring did not fit).  Interleaved CUPTI timing on one set of fresh
+default config fitted to the output dtype (what the dispatcher runs when a
+table config cannot be refitted to that dtype; before v71 it ran it for the
+pingpong rings' f32 outputs).  Shapes the Mosaic dW refuses (misaligned
+``--shape``) time only the table's choice.  Interleaved CUPTI timing on one set of fresh
 random inputs; prints each case's time over the table's and whether its
 output is bitwise equal to the table's; writes OUT_DIR/ab_dw.json.
 """
@@ -44,7 +46,9 @@ def shapes(args: argparse.Namespace) -> list[bench.Shape]:
 def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser()
   p.add_argument("out_dir")
-  p.add_argument("--shapes", nargs="+", default=None, help="preset names (default: all)")
+  p.add_argument("--shapes", nargs="+", default=None,
+                 help="of the preset's shapes (or --shape's, named m,k,n,g,top_k) time only"
+                      " these, named as before --skewed (default: all)")
   p.add_argument("--shape", action="append", default=[], type=bench.parse_shape,
                  help="m,k,n,g[,top_k] (repeatable): these shapes instead of the preset's")
   p.add_argument("--skewed", action="store_true",
@@ -65,8 +69,8 @@ def main() -> None:
   os.makedirs(args.out_dir, exist_ok=True)
   out_dtype = jnp.dtype(args.out_dtype)
   rows = []
-  for s in shapes(args):
-    gs, x, dy, choice = dw_case(s, jax.random.key(len(rows) + 3), out_dtype)
+  for i, s in enumerate(shapes(args)):
+    gs, x, dy, choice = dw_case(s, jax.random.key(i + 3), out_dtype)
     mod = backends.get_backend(choice.implementation)
 
     def run(module, config):
@@ -79,10 +83,14 @@ def main() -> None:
     base = choice.config
     if choice.implementation != "mosaic" or base is None:
       base = mosaic_dw.default_config(s.m, s.k, s.n, s.g, jnp.bfloat16, out_dtype)
-    if args.with_default:
+    refused = mosaic_dw.unsupported_shape(s.m, s.k, s.n)
+    if refused and (args.with_default or args.variants):
+      print(f"  {s.name}: the Mosaic dW refuses it ({refused}); only the table's choice",
+            flush=True)
+    elif args.with_default:
       configs["default"] = mosaic_dw.default_config(s.m, s.k, s.n, s.g, jnp.bfloat16, out_dtype)
       cases["default"] = run(mosaic_dw, configs["default"])
-    for v in args.variants:
+    for v in [] if refused else args.variants:
       try:
         cfg = dataclasses.replace(base, **parse_fields([kv for kv in v.split(",") if kv]))
       except (TypeError, ValueError) as e:  # an unknown field, a rejected value

@@ -13,8 +13,8 @@ its loads land.  No math and no stores.  Every CTA allocates 5 slots (200 KB)
 whatever ``stages`` it uses, so no two CTAs share an SM.
 
 Sources: ``l2``, 64 blocks (2.6 MB) that every SM cycles through, so L2 serves
-them; ``hbm``, a 2.7 GB array whose blocks are each read 8 times, 2.7 GB of
-loads apart (so never from L2).  Prints the loads' rate over all SMs (TB/s) and
+them; ``hbm``, a 2.7 GB array whose blocks are each read 8 times (fewer with
+``--sm-counts`` below the device's), 2.7 GB of loads apart (so never from L2).  Prints the loads' rate over all SMs (TB/s) and
 per SM per cycle at the median SM clock nvidia-smi sampled while the timed
 calls ran.  If the l2 rate at 3-5 stages is well above the dW ring's (~6.5 TB/s
 of loads on the H100: 2.7 GB in 0.41 ms), its limit is not the SMs' intake; if
@@ -113,19 +113,23 @@ def main() -> None:
   p.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4, 5])
   p.add_argument("--sources", nargs="+", default=["l2", "hbm"], choices=["l2", "hbm"])
   p.add_argument("--sm-counts", type=int, nargs="+", default=None,
-                 help="CTAs (one an SM) to run with, e.g. all and half: an intake that"
-                      " rises per SM with fewer SMs is capped by L2, not by the SM")
+                 help="CTAs (one an SM, 1 to the device's SMs) to run with, e.g. all and"
+                      " half: an l2 intake that rises per SM with fewer SMs is capped by L2"
+                      " (an hbm one, by HBM), not by the SM")
   p.add_argument("--json", default=None)
   args = p.parse_args()
   device_sms = sm90.device_sm_count()
+  if any(not 1 <= c <= device_sms for c in args.sm_counts or []):
+    p.error(f"--sm-counts must be 1 to {device_sms} (more CTAs than SMs run in waves)")
   rows = []
   for source in args.sources:
     num_blocks = 64 if source == "l2" else args.steps * device_sms // 8  # hbm: 1/8 of the steps
     ka, kb = jax.random.split(jax.random.key(0))
     a = jax.random.normal(ka, (num_blocks * _ROWS, _COLS_A), jnp.float32).astype(jnp.bfloat16)
     b = jax.random.normal(kb, (num_blocks * _ROWS, _COLS_B), jnp.float32).astype(jnp.bfloat16)
-    # hbm: each SM reads its 1/num_sms of the array 8 times over; 2.7 GB of loads
-    # pass between two reads of a block, so none is still in the 50 MB L2.
+    # hbm: all SMs together read the array 8 times over (8 x num_sms / device_sms
+    # with fewer SMs); 2.7 GB of loads pass between two reads of a block, so none
+    # is still in the 50 MB L2.
     for num_sms, stages in itertools.product(args.sm_counts or [device_sms], args.stages):
       fn = ingress_kernel(num_blocks, args.steps, stages, num_sms, stream=source == "hbm")
       ms, method, mhz = _timed_with_clock(fn, a, b)
