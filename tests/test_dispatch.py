@@ -220,18 +220,19 @@ def test_f32_weight_gradient_keeps_the_table_ring_in_32_column_chunks():
   cfg = mosaic_dw.default_config(mixtral["m"], mixtral["k"], mixtral["n"], mixtral["g"],
                                  jnp.bfloat16, jnp.float32)
   assert cfg.num_compute_wgs == 2 and cfg.epilogue_split == 2 and cfg.num_stages == 3
-  # Qwen3-30B down's 192 x 128 ring (4 stages, two buffers of 64 x 64 chunks)
-  # keeps its config with f32 staging (2 x 2 x 64 x 64 x 4 bytes beside 160 KiB).
-  f32 = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, out_dtype=jnp.float32, device=H200,
-                        **dict(GATE_UP, k=768, n=2048))
-  assert f32.config is not None and f32.config.pingpong and f32.config.block_k == 192
-  assert f32.config.num_stages == 4 and f32.config.epilogue_buffers == 2
-  # Qwen3-30B gate_up's 128 x 192 ring (4 stages of 40 KiB) keeps its config
-  # with f32 staging (2 x 128 x 64 x 4 bytes).
-  f32 = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, out_dtype=jnp.float32, device=H200,
-                        **GATE_UP)
-  assert f32.config is not None and f32.config.pingpong and f32.config.block_n == 192
-  assert f32.config.num_stages == 4
+  # Qwen3-30B down's 192 x 128 ring (4 stages, two buffers of 64 x 64 chunks) and
+  # gate_up's 128 x 192 one (4 stages of 40 KiB) would keep their configs with f32
+  # staging, but over ~256-row groups an f32 dW runs the shared-ring default
+  # instead (pingpong_pays: measured faster, v71 70c).
+  for shape, tile in ((dict(GATE_UP, k=768, n=2048), (192, 128)), (GATE_UP, (128, 192))):
+    bf16 = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, device=H200, **shape)
+    f32 = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, out_dtype=jnp.float32,
+                          device=H200, **shape)
+    assert (bf16.config.block_k, bf16.config.block_n) == tile and bf16.config.pingpong
+    assert f32.implementation == "mosaic" and f32.config is None
+    assert "shared-ring default" in f32.reason
+    fitted = mosaic_dw.fit_config(bf16.config, jnp.bfloat16, jnp.float32)
+    assert fitted == bf16.config and fitted.num_stages == 4
 
 
 def test_1k_token_dx_entries_take_six_stages_and_their_shards_the_four_stage_ring():
@@ -323,3 +324,29 @@ def test_a_refit_the_config_refuses_falls_back_to_the_default(monkeypatch):
   finally:
     dispatch._built_config.cache_clear()
   assert config is None and "not refittable" in note and "epilogue_split" in note
+
+
+@pytest.mark.parametrize("kind", ["NVIDIA H200", "NVIDIA H100 80GB HBM3"])
+def test_f32_dw_over_small_groups_runs_the_default_not_the_pingpong_ring(kind):
+  """The tables' dW entries are pingpong rings on Qwen3-30B gate_up and Mixtral
+  gate_up.  An f32 output over ~256-row groups gets the kernel's default (the
+  shared ring, measured faster there: v71 70b-c), over ~2048-row groups the
+  table's ring refitted to SMEM; a bf16 output keeps the table's ring, and an
+  EP shard judges by the full call's rows per group."""
+  device = dispatch.simulated_device(kind)
+
+  def choose(out_dtype, m, k, n, g, num_groups=None, has_offset=False):
+    return dispatch.choose("tgmm", None, dtype=jnp.bfloat16, out_dtype=out_dtype, m=m, k=k,
+                           n=n, g=g, num_groups=num_groups or g, has_offset=has_offset,
+                           device=device)
+
+  qwen = (32768, 2048, 1536, 128)
+  assert choose(jnp.bfloat16, *qwen).config.pingpong
+  small = choose(jnp.float32, *qwen)
+  assert small.implementation == "mosaic" and small.config is None
+  assert "shared-ring default" in small.reason and "256 rows per group" in small.reason
+  mixtral = choose(jnp.float32, 16384, 4096, 28672, 8)
+  assert mixtral.config.pingpong and mixtral.config.epilogue_n == 32  # refitted, kept
+  # A shard of 16 of Qwen's 128 experts: the full call's 256 rows a group.
+  shard = choose(jnp.float32, 32768, 2048, 1536, 16, num_groups=128, has_offset=True)
+  assert shard.config is None and "256 rows per group" in shard.reason

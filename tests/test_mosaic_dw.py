@@ -676,7 +676,8 @@ def test_lowers_for_sm90(out_dtype, shape):
 def test_table_dw_configs_lower_for_sm90(out_dtype):
   # Every shipped H200 dW entry, as the dispatcher hands it out for either
   # output dtype (its own config, refitted to SMEM for f32: narrower epilogue
-  # chunks or one buffer; the default where nothing fits).
+  # chunks or one buffer; the default where nothing fits, and for an f32 output
+  # over small groups, see pingpong_pays).
   from ragdot import dispatch  # pylint: disable=g-import-not-at-top
   h200 = dispatch.Device("gpu", "NVIDIA H200", "9.0")
   table, _ = tables.table_for(h200.kind, h200.compute_capability)
@@ -1031,3 +1032,19 @@ def test_sweep_offers_the_narrow_buffers_where_both_wide_tiles_pad_little():
   assert any(c.pingpong and c.num_stages == 5 and c.epilogue_n == 32
              and c.epilogue_buffers == 2 and c.side_rows for c in sweep)
   assert {(128, 192), (192, 128)} <= {(c.block_k, c.block_n) for c in sweep if c.pingpong}
+
+
+def test_pingpong_pays_only_f32_outputs_over_small_groups_fall_back():
+  # Measured on the H100 (docs/performance.md v71 70b-c): with an f32 output the
+  # shared-ring default beat the pingpong rings over 256-row groups (Qwen) and
+  # lost over 2048-row ones (Mixtral).
+  ring = dataclasses.replace(PINGPONG, num_sms=None, num_stages=5, block_n=192,
+                             epilogue_split=6, epilogue_rows=64)
+  assert not mosaic_dw.pingpong_pays(ring, jnp.float32, 32768, 128)   # 256 rows a group
+  assert mosaic_dw.pingpong_pays(ring, jnp.float32, 16384, 8)         # 2048
+  assert mosaic_dw.pingpong_pays(ring, jnp.float32, 1024 * 16, 16)    # the threshold
+  assert not mosaic_dw.pingpong_pays(ring, jnp.float32, 1024 * 16 - 8, 16)
+  for out_dtype in (jnp.bfloat16, jnp.float16):  # 2-byte outputs keep the ring
+    assert mosaic_dw.pingpong_pays(ring, out_dtype, 32768, 128)
+  shared = mosaic_dw.default_config(32768, 2048, 1536, 128, jnp.bfloat16, jnp.float32)
+  assert not shared.pingpong and mosaic_dw.pingpong_pays(shared, jnp.float32, 32768, 128)

@@ -502,6 +502,13 @@ def _automatic(top, dtype, precision_ok, out_dtype, m, k, n, g, num_groups,
       # kernel refuses it): 64 columns, which every k Mosaic takes divides.
       config = dataclasses.replace(config, block_k=64)
       note += f"; k step 64 (k = {k})"
+  if hit.backend == "mosaic" and top == "tgmm" and config is not None and g_eff:
+    from ragdot.backends import mosaic_dw  # pylint: disable=g-import-not-at-top
+    wide = out_dtype or dtype
+    if not mosaic_dw.pingpong_pays(config, wide, m, g_eff):
+      note += (f"; {jnp.dtype(wide).name} output over {m / g_eff:.0f} rows per group: the"
+               " shared-ring default, not the table's pingpong ring")
+      config = None
   if hit.backend == "mosaic" and top in ("gmm", "gmm_t") and config is not None:
     from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top
     if has_offset:

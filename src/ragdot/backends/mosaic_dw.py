@@ -57,6 +57,7 @@ from ragdot.backends.mosaic_dw_config import (  # noqa: F401  (re-exported)
     default_config,
     fit_config,
     gpu_sweep_configs,
+    pingpong_pays,
     register_split,
     smem_bytes,
 )

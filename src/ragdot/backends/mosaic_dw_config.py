@@ -399,6 +399,30 @@ def fit_config(config: MosaicDwConfig, dtype, out_dtype,
   return None
 
 
+# Mean rows per group below which a 4-byte output's dW runs the heuristic
+# default instead of a pingpong ring (``pingpong_pays``).
+_PINGPONG_WIDE_OUT_MIN_ROWS = 1024
+
+
+def pingpong_pays(config: MosaicDwConfig, out_dtype, m: int, num_groups: int) -> bool:
+  """Whether a table's ``pingpong`` ring should run a dW whose output is
+  ``out_dtype`` over ``m`` rows in ``num_groups`` groups, rather than the
+  heuristic default (the shared ring).  False only for a 4-byte (f32) output
+  over groups of fewer than 1024 rows on average: there each item is a few
+  steps and its f32 tile's stores weigh as much as its loads, which the
+  default's larger items carry better.  Measured on the H100 (f32 output,
+  docs/performance.md v71 70b-c): the default took 0.81 / 0.89 / 0.96x the
+  refitted 5-stage table ring on Qwen3-30B gate_up / down / Qwen3-235B gate_up
+  (256 rows a group), and beat every 4-stage pingpong form on Qwen3-30B
+  (0.92-0.97x of the ring); on Mixtral gate_up (2048 rows a group) it took
+  1.11x.  The H200's first f32 pingpong rings at 4 stages took 1.09-1.16x the
+  shared ring on the Qwen shapes (2026-11-30).
+  """
+  if not config.pingpong or jnp.dtype(out_dtype).itemsize < 4:
+    return True
+  return m >= _PINGPONG_WIDE_OUT_MIN_ROWS * max(num_groups, 1)
+
+
 def default_config(
     m: int, k: int, n: int, num_groups: int, dtype=jnp.bfloat16, out_dtype=None
 ) -> MosaicDwConfig:
