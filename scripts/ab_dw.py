@@ -9,9 +9,12 @@ Per shape: "table" = the shipped table's dW choice, and one case per variant:
 the table's Mosaic config with the variant's comma-separated FIELD=VALUE
 changes (Python literals); with ``--with-default``, "default" = the heuristic
 default config fitted to the output dtype (what the dispatcher runs when a
-table config cannot be refitted to that dtype; before v71 it ran it for the
-pingpong rings' f32 outputs).  Shapes the Mosaic dW refuses (misaligned
-``--shape``) time only the table's choice.  Interleaved CUPTI timing on one set of fresh
+table config cannot be refitted to that dtype, or for an f32 output over small
+groups, ``mosaic_dw.pingpong_pays``).  Where the dispatcher's choice for that
+dtype is not the table's Mosaic ring (an f32 output, v71), "ring" = the
+table's bf16 config refitted to the dtype, and the variants change it.
+Shapes the Mosaic dW refuses (misaligned ``--shape``) time only the table's
+choice.  Interleaved CUPTI timing on one set of fresh
 random inputs; prints each case's time over the table's and whether its
 output is bitwise equal to the table's; writes OUT_DIR/ab_dw.json.
 """
@@ -26,7 +29,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from ragdot import backends, bench, timing
+from ragdot import backends, bench, dispatch, timing
 from ragdot.backends import mosaic_dw
 
 from ab_fwd import case_rows, dw_case, parse_fields  # this folder (the script's sys.path[0])
@@ -41,6 +44,18 @@ def shapes(args: argparse.Namespace) -> list[bench.Shape]:
     chosen = [s if s.skewed else dataclasses.replace(s, name=f"{s.name} skewed", skewed=True)
               for s in chosen]
   return chosen
+
+
+def table_ring(s: bench.Shape, out_dtype) -> mosaic_dw.MosaicDwConfig | None:
+  """The table's Mosaic dW config for ``s`` (its bf16-output entry) refitted
+  to ``out_dtype``'s staging, as the dispatcher would run it without
+  ``pingpong_pays``; None when the table's choice is no Mosaic config or the
+  refit does not fit."""
+  bf16 = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, out_dtype=jnp.bfloat16, m=s.m,
+                         k=s.k, n=s.n, g=s.g, num_groups=s.g)
+  if bf16.implementation != "mosaic" or bf16.config is None:
+    return None
+  return mosaic_dw.fit_config(bf16.config, jnp.bfloat16, out_dtype)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -81,9 +96,13 @@ def main() -> None:
     cases = {"table": run(mod, choice.config)}
     configs = {"table": choice.config}
     base = choice.config
-    if choice.implementation != "mosaic" or base is None:
-      base = mosaic_dw.default_config(s.m, s.k, s.n, s.g, jnp.bfloat16, out_dtype)
     refused = mosaic_dw.unsupported_shape(s.m, s.k, s.n)
+    ring = None if refused else table_ring(s, out_dtype)
+    if ring is not None and ring != base:  # the dispatcher runs the default instead
+      configs["ring"], cases["ring"] = ring, run(mosaic_dw, ring)
+      base = ring
+    elif choice.implementation != "mosaic" or base is None:
+      base = mosaic_dw.default_config(s.m, s.k, s.n, s.g, jnp.bfloat16, out_dtype)
     if refused and (args.with_default or args.variants):
       print(f"  {s.name}: the Mosaic dW refuses it ({refused}); only the table's choice",
             flush=True)

@@ -42,3 +42,23 @@ def test_unknown_shape_name_is_an_error():
     _shapes("--shape", "4096,2048,1536,16", "--shapes", "qwen3-30b down")
   with pytest.raises(SystemExit):
     _shapes("--shape", "4096,2048")
+
+
+def test_table_ring_is_the_refit_the_dispatcher_no_longer_runs(monkeypatch):
+  # On an H200 an f32 dW over Qwen's 256-row groups gets the kernel's default
+  # (pingpong_pays); the "ring" case times the table's ring refitted to f32.
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from ragdot import dispatch  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(dispatch, "current_device",
+                      lambda: dispatch.simulated_device("NVIDIA H200"))
+  dispatch.clear_cache()
+  try:
+    (s,) = _shapes("--shapes", "qwen3-30b gate_up")
+    ring = ab_dw.table_ring(s, jnp.float32)
+    bf16 = ab_dw.table_ring(s, jnp.bfloat16)
+    f32_choice = dispatch.choose("tgmm", None, dtype=jnp.bfloat16, out_dtype=jnp.float32,
+                                 m=s.m, k=s.k, n=s.n, g=s.g, num_groups=s.g)
+  finally:
+    dispatch.clear_cache()
+  assert f32_choice.config is None
+  assert ring.pingpong and ring == bf16  # its f32 staging fits as it is

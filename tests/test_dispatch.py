@@ -230,7 +230,7 @@ def test_f32_weight_gradient_keeps_the_table_ring_in_32_column_chunks():
                           device=H200, **shape)
     assert (bf16.config.block_k, bf16.config.block_n) == tile and bf16.config.pingpong
     assert f32.implementation == "mosaic" and f32.config is None
-    assert "shared-ring default" in f32.reason
+    assert "kernel's default" in f32.reason
     fitted = mosaic_dw.fit_config(bf16.config, jnp.bfloat16, jnp.float32)
     assert fitted == bf16.config and fitted.num_stages == 4
 
@@ -344,7 +344,7 @@ def test_f32_dw_over_small_groups_runs_the_default_not_the_pingpong_ring(kind):
   assert choose(jnp.bfloat16, *qwen).config.pingpong
   small = choose(jnp.float32, *qwen)
   assert small.implementation == "mosaic" and small.config is None
-  assert "shared-ring default" in small.reason and "256 rows per group" in small.reason
+  assert "kernel's default" in small.reason and "256 rows per group" in small.reason
   mixtral = choose(jnp.float32, 16384, 4096, 28672, 8)
   assert mixtral.config.pingpong and mixtral.config.epilogue_n == 32  # refitted, kept
   # A shard of 16 of Qwen's 128 experts: the full call's 256 rows a group.

@@ -506,8 +506,8 @@ def _automatic(top, dtype, precision_ok, out_dtype, m, k, n, g, num_groups,
     from ragdot.backends import mosaic_dw  # pylint: disable=g-import-not-at-top
     wide = out_dtype or dtype
     if not mosaic_dw.pingpong_pays(config, wide, m, g_eff):
-      note += (f"; {jnp.dtype(wide).name} output over {m / g_eff:.0f} rows per group: the"
-               " shared-ring default, not the table's pingpong ring")
+      note += (f"; {jnp.dtype(wide).name} output over {m / g_eff:.3g} rows per group: the"
+               " kernel's default, not the table's pingpong ring")
       config = None
   if hit.backend == "mosaic" and top in ("gmm", "gmm_t") and config is not None:
     from ragdot.backends import mosaic_fwd  # pylint: disable=g-import-not-at-top

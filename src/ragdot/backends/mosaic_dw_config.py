@@ -415,8 +415,9 @@ def pingpong_pays(config: MosaicDwConfig, out_dtype, m: int, num_groups: int) ->
   refitted 5-stage table ring on Qwen3-30B gate_up / down / Qwen3-235B gate_up
   (256 rows a group), and beat every 4-stage pingpong form on Qwen3-30B
   (0.92-0.97x of the ring); on Mixtral gate_up (2048 rows a group) it took
-  1.11x.  The H200's first f32 pingpong rings at 4 stages took 1.09-1.16x the
-  shared ring on the Qwen shapes (2026-11-30).
+  1.11x.  Not measured on an H200, where the Qwen rings fit f32 staging at 4
+  stages (that form, on the H100: 0.93x the refit on Qwen3-30B gate_up against
+  the default's 0.81x, 0.94x on Qwen3-235B against 0.96x).
   """
   if not config.pingpong or jnp.dtype(out_dtype).itemsize < 4:
     return True
